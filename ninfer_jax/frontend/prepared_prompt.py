@@ -1,0 +1,153 @@
+"""PreparedPrompt: a prompt's tokens, block hashes and tap hints, built off the worker (spec §5.1, §7.1, §8.3).
+
+Tap hints are the Frontend's half of tap planning: positions where a recurrent-state snapshot is
+likely to be reused. The planner (prefix_cache/) chooses among them; here they are only located.
+A hint at token position p means "the state after the first p tokens". A character offset maps to
+the number of tokens that end at or before it, so an offset inside a token rounds down to a prefix
+other prompts can share.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .block_hash import chain_block_hashes
+from .chat_layout import ChatLayout
+from .chat_template import ChatTemplate, Message
+from .tokenizer import Tokenizer
+
+
+class TapHintKind(enum.IntEnum):
+    """Where a hint comes from; the planner's priority follows from it (spec §7.1)."""
+
+    EXPLICIT = 0  # a client-named breakpoint (explicit evidence): priority 1
+    AUTOMATIC = 1  # a protocol-automatic marker: planned as structural, published as an ordinary tap
+    GENERATION_OPENER = 2  # start of the final assistant opener: priority 2
+    END_OF_TOOLS = 3  # end of the tool definitions: priority 3
+    END_OF_SYSTEM = 4  # end of the leading system/developer turn: priority 3
+    MESSAGE_BOUNDARY = 5  # start of a message: where ladder taps snap to
+
+
+@dataclass(frozen=True, order=True)
+class TapHint:
+    position: int  # tokens before the hinted point, 0 < position < len(token_ids)
+    kind: TapHintKind
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A client's request to cache the prompt up to the end of a message (or of one content part).
+
+    explicit: True for client-named breakpoints (OpenAI breakpoints, Anthropic cache_control);
+    False for protocol-automatic ones (OpenAI default caching, Anthropic automatic cache_control).
+    """
+
+    message_index: int
+    part_index: int | None = None
+    explicit: bool = True
+
+
+@dataclass(frozen=True, eq=False)  # identity equality: arrays have no single truth value
+class PreparedPrompt:
+    token_ids: np.ndarray  # [n] int32, read-only
+    block_hashes: np.ndarray  # [n // 64] uint64 chained lookup hashes (block_hash.py), read-only
+    tap_hints: tuple[TapHint, ...] = ()  # sorted by (position, kind); no duplicates
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def prepare_tokens(token_ids: Sequence[int] | np.ndarray) -> PreparedPrompt:
+    """A prompt given as token ids: hashes only, no hints (there is no structure to read)."""
+    tokens = np.array(token_ids, dtype=np.int32)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+    return _prepared(tokens, ())
+
+
+def prepare_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    enable_thinking: bool = True,
+    breakpoints: Iterable[Breakpoint] = (),
+    template: ChatTemplate | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> PreparedPrompt:
+    """Renders a conversation, tokenizes it, and maps its structure and breakpoints to tap hints.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        messages: OpenAI-format messages (see ChatTemplate.render).
+        tools: OpenAI-style tool definitions, or None.
+        enable_thinking: Qwen3.5 thinking switch for the generation prompt.
+        breakpoints: where the client asked to cache; each becomes an EXPLICIT or AUTOMATIC hint at
+            the end of its message or content part.
+        template: the checkpoint's template (load_chat_template); None means the built-in Qwen3.5 one.
+        add_generation_prompt: append the assistant opener.
+        template_kwargs: further template variables.
+
+    Raises:
+        ChatTemplateError: the template rejected the conversation.
+        IndexError: a breakpoint names a message or part that does not exist.
+    """
+    rendered = (template or ChatTemplate.qwen35()).render(
+        messages, tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **template_kwargs
+    )
+    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
+    hinted = _structural_offsets(rendered.layout) + _breakpoint_offsets(rendered.layout, breakpoints, len(messages))
+    # Running maximum: a position counts only tokens that, with all before them, end by the offset.
+    prefix_ends = np.maximum.accumulate(np.array([end for _, end in offsets] or [0], dtype=np.int64))
+    positions = np.searchsorted(prefix_ends, [offset for offset, _ in hinted], side="right")
+    hints = {TapHint(int(p), kind) for p, (_, kind) in zip(positions, hinted) if 0 < p < len(ids)}
+    return _prepared(np.array(ids, dtype=np.int32), tuple(sorted(hints)))
+
+
+def _structural_offsets(layout: ChatLayout) -> list[tuple[int, TapHintKind]]:
+    offsets = [(start, TapHintKind.MESSAGE_BOUNDARY) for start in layout.message_starts]
+    for offset, kind in (
+        (layout.generation_opener, TapHintKind.GENERATION_OPENER),
+        (layout.tools_end, TapHintKind.END_OF_TOOLS),
+        (layout.system_end, TapHintKind.END_OF_SYSTEM),
+    ):
+        if offset is not None:
+            offsets.append((offset, kind))
+    return offsets
+
+
+def _breakpoint_offsets(
+    layout: ChatLayout, breakpoints: Iterable[Breakpoint], num_messages: int
+) -> list[tuple[int, TapHintKind]]:
+    offsets = []
+    for point in breakpoints:
+        if not 0 <= point.message_index < num_messages:
+            raise IndexError(f"breakpoint names message {point.message_index} of {num_messages}")
+        if not layout.located:
+            continue  # a template that is not ChatML-shaped: nothing to anchor the breakpoint to
+        if point.part_index is None:
+            offset = layout.message_ends[point.message_index]
+        else:
+            parts = layout.part_ends[point.message_index]
+            if not 0 <= point.part_index < len(parts):
+                raise IndexError(
+                    f"breakpoint names part {point.part_index} of message {point.message_index}, "
+                    f"which has {len(parts)}"
+                )
+            offset = parts[point.part_index]
+        offsets.append((offset, TapHintKind.EXPLICIT if point.explicit else TapHintKind.AUTOMATIC))
+    return offsets
+
+
+def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...]) -> PreparedPrompt:
+    hashes = chain_block_hashes(tokens)
+    tokens.setflags(write=False)
+    hashes.setflags(write=False)
+    return PreparedPrompt(token_ids=tokens, block_hashes=hashes, tap_hints=hints)

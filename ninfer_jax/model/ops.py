@@ -1,0 +1,143 @@
+"""The model's hot operations, dispatched to the Pallas kernels or to the jnp references by one switch.
+
+Every function here works on the engine's preallocated device state: per-layer KV page pools
+`[P, 64, Hkv, D]` and per-layer GDN state pools `[S, Hv, Dk, Dv]` (float32), indexed by page tables and
+slot ids. They are pure: pools go in, updated pools come out (the jitted step donates them).
+
+`KernelConfig` is a static argument of every jitted step: backend "reference" runs
+`pallas_kernels.reference`; backend "pallas" runs the Pallas kernels (GPU, or CPU with interpret=True).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import reference as ref
+
+PAGE = ref.PAGE
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation runs the hot operations (hashable: a static jit argument)."""
+
+    backend: Literal["reference", "pallas"] = "reference"
+    interpret: bool = False  # Pallas interpret mode (CPU tests)
+
+    def __post_init__(self):
+        if self.backend not in ("reference", "pallas"):
+            raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
+
+
+REFERENCE = KernelConfig()
+
+
+def gdn_prefill(kc: KernelConfig, q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots):
+    """Chunked gated delta rule for one lane's chunk, state read from and written to `state_pool[slot]`.
+
+    Args:
+      q, k: [T, Hk, Dk] (normalised, q scaled); v: [T, Hv, Dv]; g, beta: [T, Hv]. Tokens the caller
+        wants ignored (bucket padding) must be identity tokens (k = v = g = beta = 0).
+      state_pool: [S, Hv, Dk, Dv] float32. slot: int32 scalar.
+      base: int32 scalar, absolute position of the chunk's first token.
+      tap_positions: [M] int32 absolute 64-aligned positions in (base, base + T], or -1 for none;
+        tap_slots: [M] int32 snapshot slots receiving the state after each tap position.
+    Returns:
+      (o [T, Hv, Dv] float32, updated state_pool).
+    """
+    if kc.backend == "pallas":
+        from pallas_kernels import gdn_chunk
+
+        return gdn_chunk.chunk_gated_delta_rule(
+            q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots, interpret=kc.interpret
+        )
+    return _gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots)
+
+
+def _gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots):
+    t = v.shape[0]
+    # Phase alignment (spec §7.2) with a traced base: place the tokens at offset phase = base % 64 in a
+    # buffer of 63 + T identity tokens, so padded index j holds absolute position base - phase + j and
+    # every chunk boundary of the grid is an absolute multiple of 64. Identity tokens leave the state
+    # bit-for-bit unchanged.
+    phase = jnp.mod(base, PAGE)
+
+    def place(x):
+        padded = jnp.zeros((PAGE - 1 + t,) + x.shape[1:], x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(padded, x, phase, axis=0)
+
+    o, final, chunk_states = ref.gdn_chunked_ref(
+        *(place(x) for x in (q, k, v, g, beta)), state_pool[slot], return_chunk_states=True
+    )
+    o = jax.lax.dynamic_slice_in_dim(o, phase, t, axis=0)
+    state_pool = state_pool.at[slot].set(final)
+    # Chunk i of the grid ends after absolute position base - phase + 64 (i + 1) (exclusive).
+    chunk_end = base - phase + PAGE * (jnp.arange(chunk_states.shape[0]) + 1)
+    for j in range(tap_positions.shape[0]):
+        p = tap_positions[j]
+        idx = jnp.clip((p - (base - phase)) // PAGE - 1, 0, chunk_states.shape[0] - 1)
+        valid = (p > base) & (p <= base + t) & (chunk_end[idx] == p)
+        target = jnp.where(valid, tap_slots[j], state_pool.shape[0])  # out of range: dropped
+        state_pool = state_pool.at[target].set(chunk_states[idx], mode="drop")
+    return o, state_pool
+
+
+def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
+    """One token for each of B lanes: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; slots [B].
+
+    Lanes with nothing to decode pass identity tokens. Slots must be distinct.
+    Returns (o [B, Hv, Dv] float32, updated state_pool).
+    """
+    if kc.backend == "pallas":
+        from pallas_kernels import gdn_decode as kernel
+
+        return kernel.gdn_decode(q, k, v, g, beta, state_pool, slots, interpret=kc.interpret)
+    states = state_pool[slots]
+
+    def one(q_b, k_b, v_b, g_b, b_b, s_b):
+        o, s = ref.gdn_recurrent_ref(q_b[None], k_b[None], v_b[None], g_b[None], b_b[None], s_b)
+        return o[0], s
+
+    o, states = jax.vmap(one)(q, k, v, g, beta, states)
+    return o, state_pool.at[slots].set(states)
+
+
+def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):
+    """Queries at absolute positions [base, base + T) attend causally over the lane's pages.
+
+    The chunk's own keys are already written into the pages. q: [T, Hq, D]; page_table [max_pages].
+    Returns [T, Hq, D] float32.
+    """
+    if kc.backend == "pallas":
+        from pallas_kernels import paged_attention
+
+        return paged_attention.paged_prefill_attention(
+            q, k_pages, v_pages, page_table, base, interpret=kc.interpret
+        )
+    t = q.shape[0]
+    positions = base + jnp.arange(t, dtype=jnp.int32)
+    return ref.paged_attention_ref(q, k_pages, v_pages, page_table, positions, base + t)
+
+
+def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_lengths):
+    """One query per lane (at position kv_lengths - 1) over its pages. Returns [B, Hq, D] float32."""
+    if kc.backend == "pallas":
+        from pallas_kernels import paged_attention
+
+        return paged_attention.paged_decode_attention(
+            q, k_pages, v_pages, page_tables, kv_lengths, interpret=kc.interpret
+        )
+    return ref.paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths)
+
+
+def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down):
+    """Routed experts of an MoE layer: x [T, H], ids/weights [T, K], gate_up [E, H, 2I], down [E, I, H]."""
+    if kc.backend == "pallas":
+        from pallas_kernels import moe
+
+        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, interpret=kc.interpret)
+    return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down)

@@ -1,0 +1,321 @@
+"""Qwen3.5 (dense and MoE) as pure functions of a params pytree and the engine's DeviceState.
+
+Layer layout: layer i is Gated DeltaNet ("linear_attention") or full attention per config.layer_types
+(for the released models, full attention where (i + 1) % 4 == 0), each followed by a SwiGLU MLP or an MoE
+block, with pre-norm residuals. Conventions, each checked against HF transformers' Qwen3_5 classes by
+tests/model/test_hf_parity.py:
+  * RMSNorm is zero-centred, x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32 and cast back;
+    except the gated norm inside GDN: plain w, times silu(z), normalised per value head.
+  * GDN: in_proj -> [qkv | z | b | a]; causal depthwise conv (kernel K = 4, no bias, SiLU) over qkv only,
+    carried across calls as the K-1 previous pre-conv rows; g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b); q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5 in float32; value head j
+    reads key head j // (Hv / Hk).
+  * Attention: q_proj gives [q_h | gate_h] per head; q_norm / k_norm (zero-centred, per head); NeoX RoPE
+    on the first rotary_dim = head_dim * partial_rotary_factor dims (rotate-half, theta from config);
+    GQA; softmax scale D^-0.5; output times sigmoid(gate) before o_proj.
+  * MoE: softmax router in float32, top-k, renormalised; routed experts plus a shared expert scaled by
+    sigmoid(x @ shared_gate).
+  * lm_head is embed^T when tie_word_embeddings.
+
+Entry points:
+  prefill(...)  one lane's chunk of T tokens at absolute positions [base, base + T), with in-kernel state
+                taps; returns final-normed hidden states [T, H] and the updated DeviceState.
+  decode(...)   one token for each of B lanes.
+  logits(...)   hidden -> float32 logits.
+  forward(...)  whole-sequence forward without a cache (a fresh one-lane DeviceState).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.model import ops
+from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
+from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
+from pallas_kernels.reference import l2_normalize, moe_route_ref
+
+F32 = jnp.float32
+
+
+# --- small pieces ------------------------------------------------------------------------------------
+def _dot(x, w):
+    return jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype)
+
+
+def rms_norm(x, w, eps):
+    """Zero-centred RMSNorm: the (1 + w) form of Qwen3.5."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+
+
+def gated_rms_norm(x, z, w, eps):
+    """GDN output norm: plain weight, normalised in float32, times silu(z)."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = w * y.astype(x.dtype)
+    return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
+
+
+def rope(x, positions, cfg: ModelConfig):
+    """NeoX rotate-half RoPE on the first rotary_dim dims of x [T, H, D] at integer positions [T]."""
+    rot = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot))
+    freqs = positions.astype(F32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos, sin = (f.astype(x.dtype)[:, None, :] for f in (jnp.cos(freqs), jnp.sin(freqs)))
+    x1, x2, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def mlp(p: MLPParams, x):
+    gu = _dot(x, p.gate_up)
+    inter = p.down.shape[0]
+    return _dot(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down)
+
+
+def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
+    ids, weights = moe_route_ref(x, p.router, cfg.num_experts_per_tok)
+    routed = ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down).astype(x.dtype)
+    shared = mlp(p.shared, x) * jax.nn.sigmoid(_dot(x, p.shared_gate))
+    return routed + shared
+
+
+def ffn(p, x, cfg, kc):
+    return moe(p, x, cfg, kc) if isinstance(p, MoEParams) else mlp(p, x)
+
+
+# --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
+def _gdn_in(p: GDNParams, x, cfg: ModelConfig):
+    """x [N, H] -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv], a [N, Hv], b [N, Hv])."""
+    proj = _dot(x, p.in_proj)
+    cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
+    qkv, z = proj[:, :cd], proj[:, cd : cd + vd]
+    b, a = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+    return qkv, z.reshape(-1, hv, cfg.linear_value_head_dim), a, b
+
+
+def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
+    """Post-conv activations -> kernel inputs q, k [N, Hk, Dk] (normalised, q scaled), v, g, beta."""
+    kd = cfg.key_dim
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    q = l2_normalize(conv_out[:, :kd].reshape(-1, hk, dk)) * (dk**-0.5)
+    k = l2_normalize(conv_out[:, kd : 2 * kd].reshape(-1, hk, dk))
+    v = conv_out[:, 2 * kd :].reshape(-1, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    g = -jnp.exp(p.a_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + p.dt_bias.astype(F32))
+    beta = jax.nn.sigmoid(b.astype(F32))
+    return q, k, v, g, beta
+
+
+def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
+    y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
+    return _dot(y.reshape(y.shape[0], -1), p.out_proj)
+
+
+def _conv(window, conv_w):
+    """window [N + K - 1, C] of pre-conv rows -> SiLU(causal depthwise conv) [N, C]."""
+    k = conv_w.shape[0]
+    n = window.shape[0] - k + 1
+    acc = sum(window[j : j + n].astype(F32) * conv_w[j].astype(F32) for j in range(k))
+    return jax.nn.silu(acc).astype(window.dtype)
+
+
+# --- prefill -----------------------------------------------------------------------------------------
+def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
+    t = x.shape[0]
+    slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
+    qkv, z, a, b = _gdn_in(p, x, cfg)
+    fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
+    history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
+    window = jnp.concatenate([history, qkv], axis=0)  # row r holds position base - (K-1) + r
+    q, k, v, g, beta = _gdn_qkvgb(p, _conv(window, p.conv_w), a, b, cfg)
+    # Bucket padding becomes identity tokens, which leave the recurrent state bit-for-bit unchanged.
+    m = valid[:, None]
+    q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    g, beta = g * m, beta * m
+    ssm = ssm.at[slot].set(jnp.where(fresh, 0.0, ssm[slot]))
+    core, ssm = ops.gdn_prefill(kc, q, k, v, g, beta, ssm, slot, base, ctx["tap_positions"], ctx["tap_slots"])
+    # Conv history after the chunk: the K-1 rows before position base + n_valid.
+    km1 = cfg.linear_conv_kernel_dim - 1
+    conv = conv.at[slot].set(jax.lax.dynamic_slice_in_dim(window, n_valid, km1, axis=0).astype(conv.dtype))
+    # Conv taps: the K-1 rows before each tap position p (spec §7.3 item 2).
+    for j in range(ctx["tap_positions"].shape[0]):
+        pos = ctx["tap_positions"][j]
+        ok = (pos > base) & (pos <= base + n_valid)
+        rows = jax.lax.dynamic_slice_in_dim(window, jnp.clip(pos - base, 0, t), km1, axis=0)
+        target = jnp.where(ok, ctx["tap_slots"][j], conv.shape[0])
+        conv = conv.at[target].set(rows.astype(conv.dtype), mode="drop")
+    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
+
+
+def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig):
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    proj = _dot(x, p.qkv_proj)
+    qg = proj[:, : hq * 2 * d].reshape(-1, hq, 2, d)
+    q, gate = qg[:, :, 0], qg[:, :, 1].reshape(x.shape[0], hq * d)
+    k = proj[:, hq * 2 * d : hq * 2 * d + hkv * d].reshape(-1, hkv, d)
+    v = proj[:, hq * 2 * d + hkv * d :].reshape(-1, hkv, d)
+    q = rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), positions, cfg)
+    k = rope(rms_norm(k, p.k_norm, cfg.rms_norm_eps), positions, cfg)
+    return q, k, v, gate
+
+
+def _attn_out(p: AttnParams, core, gate, dtype):
+    y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
+    return _dot(y, p.o_proj)
+
+
+def _write_kv(pages, rows, page_ids, offsets):
+    """Scatter rows [N, Hkv, D] into pages at (page_ids, offsets); out-of-range page ids are dropped."""
+    return pages.at[page_ids, offsets].set(rows.astype(pages.dtype), mode="drop")
+
+
+def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
+    t = x.shape[0]
+    positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
+    q, k, v, gate = _attn_qkv(p, x, positions, cfg)
+    # Padded tokens write nowhere: page id P is out of range and dropped.
+    page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
+    k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
+    v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
+    core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
+    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
+
+
+def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
+    """The layer loop, unrolled; gdn_fn / attn_fn apply one token mixer and return its new pools."""
+    ks, vs, ssms, convs = list(state.k_pages), list(state.v_pages), list(state.ssm), list(state.conv)
+    gi = ai = 0
+    for layer in params.layers:
+        layer: LayerParams
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        if isinstance(layer.mixer, GDNParams):
+            h, ssms[gi], convs[gi] = gdn_fn(layer.mixer, h, ssms[gi], convs[gi])
+            gi += 1
+        else:
+            h, ks[ai], vs[ai] = attn_fn(layer.mixer, h, ks[ai], vs[ai])
+            ai += 1
+        x = x + h
+        x = x + ffn(layer.ffn, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), cfg, kc)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return x, DeviceState(tuple(ks), tuple(vs), tuple(ssms), tuple(convs))
+
+
+def prefill(
+    params: Params,
+    cfg: ModelConfig,
+    kc: KernelConfig,
+    tokens,
+    n_valid,
+    base,
+    page_table,
+    slot,
+    state: DeviceState,
+    tap_positions,
+    tap_slots,
+):
+    """One lane's prefill chunk.
+
+    Args:
+      tokens: [T] int32, the first n_valid real (the rest bucket padding).
+      n_valid: int32 scalar in [1, T]. base: int32 absolute position of tokens[0]; base == 0 starts the
+        lane from the zero state (its slot's previous contents are ignored).
+      page_table: [max_pages] int32, the lane's page for each 64-token block; blocks the chunk writes
+        must be mapped.
+      slot: int32 state slot of the lane.
+      tap_positions / tap_slots: [M] int32; the state after each 64-aligned position in
+        (base, base + n_valid] is also written to its slot (the in-kernel tap); -1 = unused.
+    Returns:
+      (hidden [T, H] after the final norm, updated DeviceState).
+    """
+    t = tokens.shape[0]
+    valid = jnp.arange(t) < n_valid
+    ctx = dict(
+        slot=slot, base=base, n_valid=n_valid, valid=valid, page_table=page_table,
+        tap_positions=tap_positions, tap_slots=tap_slots,
+    )
+    x = params.embed[tokens]
+    return _run_layers(
+        params, cfg, kc, x, state,
+        lambda p, h, ssm, conv: _gdn_prefill(p, h, cfg, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp: _attn_prefill(p, h, cfg, kc, kp, vp, ctx),
+    )
+
+
+# --- decode ------------------------------------------------------------------------------------------
+def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
+    slots, active = ctx["slots"], ctx["active"]
+    qkv, z, a, b = _gdn_in(p, x, cfg)
+    history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
+    window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
+    conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window)[:, 0]
+    q, k, v, g, beta = _gdn_qkvgb(p, conv_out, a, b, cfg)
+    m = active[:, None]
+    q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    core, ssm = ops.gdn_decode(kc, q, k, v, g * m, beta * m, ssm, slots)
+    new_hist = jnp.where(active[:, None, None], window[:, 1:], history)
+    conv = conv.at[slots].set(new_hist.astype(conv.dtype))
+    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
+
+
+def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
+    positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
+    q, k, v, gate = _attn_qkv(p, x, positions, cfg)
+    page_ids = tables[jnp.arange(x.shape[0]), positions // PAGE]
+    page_ids = jnp.where(active, page_ids, k_pages.shape[0])
+    k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
+    v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
+    core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
+    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
+
+
+def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, active,
+           state: DeviceState):
+    """One token for each of B lanes.
+
+    Args:
+      tokens, positions, slots: [B] int32; page_tables: [B, max_pages] int32; active: [B] bool. Inactive
+        lanes leave their slot, conv history and pages untouched (their outputs are garbage).
+    Returns:
+      (hidden [B, H] after the final norm, updated DeviceState).
+    """
+    ctx = dict(positions=positions, page_tables=page_tables, slots=slots, active=active)
+    x = params.embed[tokens]
+    return _run_layers(
+        params, cfg, kc, x, state,
+        lambda p, h, ssm, conv: _gdn_decode(p, h, cfg, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, ctx),
+    )
+
+
+def logits(params: Params, hidden):
+    """Final-normed hidden [..., H] -> float32 logits [..., V]."""
+    w = params.lm_head if params.lm_head is not None else params.embed.T
+    return jnp.dot(hidden, w, preferred_element_type=F32)
+
+
+# --- whole-sequence forward --------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("cfg", "kc"))
+def _forward_jit(params, cfg, kc, token_ids):
+    t = token_ids.shape[0]
+    num_pages = -(-t // PAGE)
+    state = init_device_state(cfg, num_pages, 1, params.embed.dtype, params.embed.dtype)
+    no_taps = jnp.full((1,), -1, jnp.int32)
+    hidden, _ = prefill(
+        params, cfg, kc, token_ids, jnp.int32(t), jnp.int32(0), jnp.arange(num_pages, dtype=jnp.int32),
+        jnp.int32(0), state, no_taps, no_taps,
+    )
+    return logits(params, hidden)
+
+
+def forward(params: Params, config: ModelConfig, token_ids, kernels: KernelConfig = ops.REFERENCE):
+    """Whole-sequence forward without a cache: token_ids [T] -> float32 logits [T, vocab]."""
+    token_ids = jnp.asarray(token_ids, jnp.int32)
+    if token_ids.ndim != 1 or token_ids.shape[0] == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-D array, got shape {token_ids.shape}")
+    return _forward_jit(params, config, kernels, token_ids)

@@ -1,0 +1,63 @@
+"""DeviceState: the preallocated KV page pools and GDN state slots one model reads and writes.
+
+One array per layer (tuples in layer order of their kind):
+  k_pages[i], v_pages[i]: [P, 64, Hkv, D]       full-attention layer i's K and V pages (spec §5.4)
+  ssm[j]:                 [S, Hv, Dk, Dv] f32   GDN layer j's recurrent state, one row per state slot
+  conv[j]:                [S, K-1, conv_dim]    GDN layer j's conv history: pre-conv inputs of the
+                                                K-1 positions before the slot's frontier
+Slots 0..C-1 are the lanes' active slots and C..C+D-1 the snapshot slots (the engine decides). Jitted
+steps take a DeviceState, donate it, and return the updated one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ninfer_jax.config import ModelConfig
+
+PAGE = 64
+
+
+@struct.dataclass
+class DeviceState:
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[0] if self.k_pages else 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm[0].shape[0] if self.ssm else 0
+
+
+def page_bytes(cfg: ModelConfig, kv_dtype) -> int:
+    """Bytes of one 64-token page bundle across all full-attention layers (K and V)."""
+    per = PAGE * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+    return 2 * per * len(cfg.attn_layers)
+
+
+def slot_bytes(cfg: ModelConfig, conv_dtype) -> int:
+    """Bytes of one state slot (the StateImage of spec §3.2) across all GDN layers."""
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * jnp.dtype(conv_dtype).itemsize
+    return (ssm + conv) * len(cfg.gdn_layers)
+
+
+def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype) -> DeviceState:
+    """Zero-filled pools. Zeros are only a start value: every reader masks what it has not written."""
+    kv_shape = (num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim)
+    ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+    n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+    return DeviceState(
+        k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
+        v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
+        ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n_gdn)),
+        conv=tuple(jnp.zeros(conv_shape, conv_dtype) for _ in range(n_gdn)),
+    )

@@ -1,0 +1,200 @@
+"""Random Qwen3.5 checkpoints in real HF layout, written without torch: the built-in default and test models.
+
+Every parameter is randomised, the (1 + w) norm weights included (HF initialises those to zero, which
+would hide a missing "1 +"), deterministically from a seed. The configs come from `configs/*.json`
+(real HF config.json files) with optional overrides of text-config fields. The built-in default is
+`configs/tiny-dense.json` at seed 0, written once under $NINFER_HOME (default ~/.cache/ninfer-jax) with a
+real Qwen3.5 tokenizer beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from ninfer_jax.config import ModelConfig
+
+log = logging.getLogger("ninfer_jax.tiny")
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_PRESET = "tiny-dense"
+
+
+def preset_config(preset: str, layout: str = "vlm", **text_overrides) -> dict:
+    """An HF config.json dict from configs/<preset>.json, in "vlm" or "text" (CausalLM) layout."""
+    path = CONFIG_DIR / f"{preset}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"unknown preset {preset!r}; known: {known}")
+    raw = json.loads(path.read_text())
+    text = copy.deepcopy(raw["text_config"])
+    text.update(text_overrides)
+    if layout == "vlm":
+        raw["text_config"] = text
+        raw["tie_word_embeddings"] = text.get("tie_word_embeddings", False)
+        if "vision_config" in raw:
+            raw["vision_config"]["out_hidden_size"] = text["hidden_size"]
+        return raw
+    if layout != "text":
+        raise ValueError(f"layout must be 'vlm' or 'text', got {layout!r}")
+    moe = raw["architectures"][0].startswith("Qwen3_5Moe")
+    text["architectures"] = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    return text
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every text-model tensor of an HF checkpoint, by name (text layout names) and shape."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"model.layers.{i}."
+        shapes[pre + "input_layernorm.weight"] = (h,)
+        shapes[pre + "post_attention_layernorm.weight"] = (h,)
+        if kind == "linear_attention":
+            a, hv = pre + "linear_attn.", cfg.linear_num_value_heads
+            shapes.update({
+                a + "in_proj_qkv.weight": (cfg.conv_dim, h),
+                a + "in_proj_z.weight": (cfg.value_dim, h),
+                a + "in_proj_b.weight": (hv, h),
+                a + "in_proj_a.weight": (hv, h),
+                a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+                a + "dt_bias": (hv,),
+                a + "A_log": (hv,),
+                a + "norm.weight": (cfg.linear_value_head_dim,),
+                a + "out_proj.weight": (h, cfg.value_dim),
+            })
+        else:
+            a, d = pre + "self_attn.", cfg.head_dim
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            shapes.update({
+                a + "q_proj.weight": (hq * 2 * d, h),
+                a + "k_proj.weight": (hkv * d, h),
+                a + "v_proj.weight": (hkv * d, h),
+                a + "o_proj.weight": (h, hq * d),
+                a + "q_norm.weight": (d,),
+                a + "k_norm.weight": (d,),
+            })
+        m = pre + "mlp."
+        if cfg.is_moe:
+            e, inter, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            shapes.update({
+                m + "gate.weight": (e, h),
+                m + "experts.gate_up_proj": (e, 2 * inter, h),
+                m + "experts.down_proj": (e, h, inter),
+                m + "shared_expert.gate_proj.weight": (si, h),
+                m + "shared_expert.up_proj.weight": (si, h),
+                m + "shared_expert.down_proj.weight": (h, si),
+                m + "shared_expert_gate.weight": (1, h),
+            })
+        else:
+            shapes.update({
+                m + "gate_proj.weight": (cfg.intermediate_size, h),
+                m + "up_proj.weight": (cfg.intermediate_size, h),
+                m + "down_proj.weight": (h, cfg.intermediate_size),
+            })
+    return shapes
+
+
+def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name.endswith("A_log"):
+        # Moderate decays: with A up to 16 a 64-token chunk decays by e^-700 and the WY form loses
+        # ~1e-4 of fp32 accuracy in HF and here alike, which would drown the parity check.
+        return np.log(rng.uniform(0.05, 2.0, shape))
+    if name.endswith("dt_bias"):
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("linear_attn.norm.weight"):  # plain-weight gated norm: around 1
+        return 1.0 + rng.normal(0.0, 0.1, shape)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):  # zero-centred (1 + w)
+        return rng.normal(0.0, 0.1, shape)
+    if name.endswith("conv1d.weight"):
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("embed_tokens.weight"):
+        return rng.normal(0.0, 1.0, shape)
+    fan_in = shape[-1]
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        # Residual-branch outputs scaled down (GPT-2 style), so a random 8-layer stack stays well
+        # conditioned: fp32 parity with HF is then limited by rounding, not by amplification.
+        return rng.normal(0.0, 0.25 * fan_in**-0.5, shape)
+    return rng.normal(0.0, fan_in**-0.5, shape)
+
+
+def write_random_checkpoint(
+    directory: str | Path,
+    config: dict,
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 1,
+    tokenizer: bool = False,
+) -> Path:
+    """Write config.json and random weights for `config` (an HF config.json dict) into `directory`.
+
+    Args:
+      dtype: "float32" or "bfloat16" on disk. shards: > 1 writes model-0000k-of-0000n.safetensors and
+        an index. tokenizer: also write the real Qwen3.5 tokenizer files.
+    Returns:
+      The directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    prefix = "model.language_model." if cfg.layout == "vlm" else "model."
+    tensors = {}
+    for name, shape in hf_tensor_shapes(cfg).items():
+        out = prefix + name[len("model."):] if name.startswith("model.") else name
+        tensors[out] = _random_tensor(rng, name, shape).astype(np_dtype)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for k in range(shards):
+            file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[k::shards]}
+            save_file(part, str(directory / file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in part})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer:
+        from ninfer_jax.frontend.tokenizer import write_qwen35_tokenizer_files
+
+        write_qwen35_tokenizer_files(directory)
+    return directory
+
+
+def ninfer_home() -> Path:
+    return Path(os.environ.get("NINFER_HOME", Path.home() / ".cache" / "ninfer-jax"))
+
+
+def default_checkpoint(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
+    """The built-in default checkpoint, written on first use (atomically) and reused after."""
+    target = ninfer_home() / f"{preset}-seed{seed}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("writing built-in checkpoint | %s | seed %d | %s", preset, seed, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_random_checkpoint(tmp, preset_config(preset), seed=seed, dtype="float32", tokenizer=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
