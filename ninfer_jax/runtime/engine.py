@@ -1,0 +1,319 @@
+"""Engine: the library API — load a checkpoint, size the device pools, run the worker thread, and hand out
+results, streams (sync and async), cancellation, stop and stats.
+
+Every call from user threads only validates and enqueues a command; the worker thread owns all device
+state and is its only mutator (spec §10.9). Bad input is refused in the caller's thread before any work,
+so the engine keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.frontend import IncrementalDetokenizer, PreparedPrompt, load_chat_template, load_tokenizer
+from ninfer_jax.frontend.prepared_prompt import prepare_tokens
+from ninfer_jax.model import load_checkpoint
+from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
+from ninfer_jax.model.tiny import default_checkpoint
+from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.request import (
+    EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent,
+    Usage,
+)
+from ninfer_jax.runtime.runner import ModelRunner
+from ninfer_jax.runtime.sampling import SamplingParams
+from ninfer_jax.runtime.worker import Worker, pages_for
+
+log = logging.getLogger("ninfer_jax.engine")
+
+
+def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int) -> int:
+    """KV capacity for kv_capacity="auto": the device memory left after weights and state, or (on a
+    backend that reports no memory) enough for every lane to reach max_model_len."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return options.max_concurrency * options.max_model_len
+    free = limit - stats.get("bytes_in_use", 0) - fixed_bytes
+    reserve = max(2 << 30, int(0.05 * limit))  # activations of the largest prefill bucket, compiler scratch
+    usable = int((free - reserve) * options.memory_fraction)
+    return max(PAGE, usable // bytes_per_page * PAGE)
+
+
+class Engine:
+    """A Qwen3.5 inference engine over one device. Construct with `Engine.from_pretrained`."""
+
+    def __init__(self, path: Path, options: EngineOptions, *, warmup: bool = True):
+        dtype = options.dtype
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        self.path = path
+        self.model_name = path.name
+        self.config, params = load_checkpoint(path, dtype=dtype)
+        self.options = dataclasses.replace(options, dtype=dtype).resolve(self.config.max_position_embeddings)
+        o = self.options
+        self.tokenizer = load_tokenizer(path)
+        self.chat_template = load_chat_template(path)
+        self.max_model_len = o.max_model_len
+        kv_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        num_slots = o.max_concurrency + o.device_snapshot_slots
+        state_bytes = num_slots * slot_bytes(self.config, kv_dtype)
+        per_page = max(1, page_bytes(self.config, kv_dtype))
+        kv_tokens = o.kv_capacity if o.kv_capacity != "auto" else _auto_kv_tokens(o, per_page, state_bytes)
+        num_pages = pages_for(kv_tokens)
+        if num_pages < o.max_concurrency:
+            raise ValueError(f"kv_capacity {kv_tokens} tokens gives {num_pages} pages, fewer than "
+                             f"max_concurrency {o.max_concurrency}")
+        self.runner = ModelRunner(
+            self.config, params, KernelConfig(o.kernels, o.interpret), num_pages=num_pages, num_slots=num_slots,
+            max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
+            max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype,
+        )
+        log.info("engine options | %s", o.summary())
+        log.info(
+            "device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
+            num_pages, num_pages * PAGE, num_pages * per_page / 2**20, num_slots, o.max_concurrency,
+            o.device_snapshot_slots, state_bytes / 2**20,
+        )
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.worker = Worker(self.runner, o, num_pages, frozenset(eos))
+        if warmup:
+            seconds = self.runner.warmup()
+            log.info("compiled | %d programs | %.1f s", self.runner.compile_count(), seconds)
+        self.compiles_after_warmup = self.runner.compile_count()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._failed: str | None = None
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(0)
+        self._thread = threading.Thread(target=self._run, name="ninfer-worker", daemon=True)
+        self._thread.start()
+        log.info("engine ready | %s | max_model_len %d | %d lanes", self.model_name, o.max_model_len,
+                 o.max_concurrency)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", max_concurrency: int = 4,
+                        prefill_chunk: int = 2048, kv_capacity: int | str = "auto",
+                        no_prefix_reuse: bool = False, warmup: bool = True, **other_options) -> "Engine":
+        """Load a checkpoint directory (None: the built-in tiny default) and start the engine.
+
+        other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...).
+        """
+        directory = Path(path) if path is not None else default_checkpoint()
+        try:
+            options = EngineOptions(dtype=dtype, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk,
+                                    kv_capacity=kv_capacity, no_prefix_reuse=no_prefix_reuse, **other_options)
+        except TypeError as e:
+            raise ValueError(f"unknown engine option: {e}") from None
+        return cls(directory, options, warmup=warmup)
+
+    # --- worker thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        worker = self.worker
+        try:
+            while True:
+                self._drain()
+                if self._stopping:
+                    worker.abort_all("unavailable")
+                    return
+                if not worker.step():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+        except Exception as e:  # a device or logic error: the engine cannot continue
+            log.exception("engine failed | %s", e)
+            self._failed = f"{type(e).__name__}: {e}"
+            worker.abort_all("error", self._failed)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.worker.add(arg)
+            elif kind == "cancel":
+                self.worker.cancel(arg)
+            elif kind == "call":  # a function run on the worker thread (stats, ledger checks)
+                fn, box = arg
+                try:
+                    box.put((True, fn()))
+                except Exception as e:
+                    box.put((False, e))
+
+    def _send(self, kind: str, arg) -> None:
+        self._commands.put((kind, arg))
+        self._wake.set()
+
+    def _call(self, fn, timeout: float = 60.0):
+        """Runs fn() on the worker thread and returns its result."""
+        if not self._thread.is_alive():
+            return fn()
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self._send("call", (fn, box))
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    # --- requests --------------------------------------------------------------------------------
+    def _prepare(self, prompt) -> PreparedPrompt:
+        if isinstance(prompt, PreparedPrompt):
+            prepared = prompt
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this checkpoint has no tokenizer files; send token ids")
+            prepared = prepare_tokens(self.tokenizer.encode(prompt))
+        else:
+            try:
+                ids = np.asarray(prompt)
+            except Exception:
+                raise InvalidRequestError("prompt must be text, a list of token ids or a PreparedPrompt") from None
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise InvalidRequestError("prompt token ids must be a flat list of integers")
+            if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+            prepared = prepare_tokens(ids)
+        ids = prepared.token_ids
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if n + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len}, leaving no room for output"
+            )
+        if pages_for(n + 1) > self.worker.pages.capacity:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; the KV pool holds {self.worker.pages.capacity * PAGE} tokens"
+            )
+        return prepared
+
+    def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
+               sink=None) -> str:
+        """Queue a request (non-blocking) and return its id. Events go to `sink` (a callable)."""
+        if self._stopping or self._failed:
+            raise EngineStoppedError(self._failed or "engine is stopped")
+        sampling = sampling or SamplingParams()
+        prepared = self._prepare(prompt)
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
+        seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
+        req = Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok)
+        self._send("add", req)
+        return rid
+
+    def stream(self, prompt, sampling: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[StreamEvent]:
+        """Events of one request as they happen (blocking iterator); the last has finish_reason set."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(prompt, sampling, request_id, sink=events.put)
+        while True:
+            event = events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def astream(self, prompt, sampling: SamplingParams | None = None,
+                      request_id: str | None = None) -> AsyncIterator[StreamEvent]:
+        """The async form of `stream`, for event loops (the server)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self.submit(prompt, sampling, request_id, sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        while True:
+            event = await events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def generate(self, prompt, sampling: SamplingParams | None = None) -> RequestOutput:
+        return self.generate_many([prompt], sampling)[0]
+
+    def generate_many(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None
+                      ) -> list[RequestOutput]:
+        """Submit every prompt at once (they run concurrently) and wait for all of them."""
+        if not isinstance(sampling, (list, tuple)):
+            sampling = [sampling] * len(prompts)
+        prepared = [self._prepare(p) for p in prompts]  # refuse the whole batch before queueing any
+        boxes = []
+        for p, sp in zip(prepared, sampling):
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            boxes.append((p, self.submit(p, sp, sink=events.put), events))
+        return [self._collect(rid, p, events) for p, rid, events in boxes]
+
+    @staticmethod
+    def _collect(rid, prepared, events) -> RequestOutput:
+        tokens, text, logprobs = [], [], []
+        while True:
+            ev: StreamEvent = events.get()
+            tokens += ev.token_ids
+            text.append(ev.text)
+            logprobs += ev.logprobs or ()
+            if ev.finish_reason is not None:
+                return RequestOutput(
+                    rid, tuple(int(t) for t in prepared.token_ids), tuple(tokens), "".join(text), ev.finish_reason,
+                    ev.usage, ev.metrics, tuple(logprobs) or None, ev.error,
+                )
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel at the next unit boundary; its stream ends with finish_reason "cancelled"."""
+        if not self._thread.is_alive():
+            return False
+        self._send("cancel", request_id)
+        return True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Orderly stop: queued and running requests end with finish_reason "unavailable"."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        log.info("engine stopped | %s", self.model_name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # --- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        worker = self._call(self.worker.stats)
+        c = worker["counters"]
+        return {
+            "requests": {"waiting": worker["waiting"], "running": worker["running"],
+                         **{k: v for k, v in c.items() if k.startswith(("requests_", "finished_"))}},
+            "tokens": {"prompt": c.get("prefill_tokens", 0), "generated": c.get("generated_tokens", 0)},
+            "pages": worker["pages"],
+            "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
+            "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
+            "prefix_cache": {},
+            "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
+            "failed": self._failed,
+        }
+
+    def check_ledger(self) -> None:
+        """Raises AssertionError if any page or slot is owned by nobody (run on the worker thread)."""
+        self._call(self.worker.check_ledger)
+
+
+__all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
+           "RequestOutput", "StreamEvent", "Usage"]

@@ -1,0 +1,86 @@
+"""EngineOptions: every engine setting, validated, with unset values derived as spec §14.2 says."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+class OptionsError(ValueError):
+    """Conflicting or invalid engine options; the message names the option."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings. `resolve()` returns a copy with every derived value filled in."""
+
+    dtype: str = "bfloat16"
+    max_concurrency: int = 4  # C: lanes, each with an active state slot
+    prefill_chunk: int = 2048
+    kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
+    max_model_len: int | None = None  # default: min(config max positions, 32768)
+    kernels: str = "reference"  # "reference" (jnp) or "pallas"
+    interpret: bool = False  # Pallas interpret mode (CPU tests)
+    output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
+    memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
+    # Hybrid prefix cache (spec §14.2); None = derived.
+    no_prefix_reuse: bool = False
+    host_cache_mib: int = 8192
+    device_snapshot_slots: int | None = None
+    max_new_taps: int | None = None
+    tap_ladder_tokens: int | None = None
+    tap_min_gap_tokens: int | None = None
+    prefix_cache_file: str | None = None
+    concurrent_prefill: bool = False
+
+    CACHE_OPTIONS = (
+        "device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens",
+        "prefix_cache_file", "concurrent_prefill",
+    )
+
+    def resolve(self, config_max_positions: int) -> "EngineOptions":
+        """Validates and fills every derived value (pure: no device queries)."""
+        if self.dtype not in ("bfloat16", "float32"):
+            raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if not 1 <= self.max_concurrency <= 64:
+            raise OptionsError(f"max_concurrency must be in 1..64, got {self.max_concurrency}")
+        if self.prefill_chunk < 64 or self.prefill_chunk % 64:
+            raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {self.prefill_chunk}")
+        if self.kernels not in ("reference", "pallas"):
+            raise OptionsError(f"kernels must be 'reference' or 'pallas', got {self.kernels!r}")
+        if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
+            raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
+        if self.host_cache_mib < 0:
+            raise OptionsError(f"host_cache_mib must be >= 0, got {self.host_cache_mib}")
+        if not 0 < self.memory_fraction <= 1:
+            raise OptionsError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.no_prefix_reuse:
+            given = [n for n in self.CACHE_OPTIONS if getattr(self, n) not in (None, False)]
+            if given:
+                raise OptionsError(f"no_prefix_reuse conflicts with prefix-cache option(s): {', '.join(given)}")
+        if self.prefix_cache_file is not None:
+            path = Path(self.prefix_cache_file)
+            if self.host_cache_mib == 0:
+                raise OptionsError("prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0")
+            if path.is_dir():
+                raise OptionsError(f"prefix_cache_file {path} is a directory")
+            if not path.resolve().parent.is_dir():
+                raise OptionsError(f"prefix_cache_file {path}: parent directory does not exist")
+        max_len = self.max_model_len or min(config_max_positions, 32768)
+        if max_len < 2 or max_len > config_max_positions:
+            raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
+        c, host = self.max_concurrency, self.host_cache_mib > 0
+        return dataclasses.replace(
+            self,
+            max_model_len=max_len,
+            prefill_chunk=min(self.prefill_chunk, -(-max_len // 64) * 64),
+            device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
+            else (c + 1 if host else c + 2),
+            max_new_taps=self.max_new_taps if self.max_new_taps is not None else (8 if host else 2),
+            tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * self.prefill_chunk),
+            tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, self.prefill_chunk),
+        )
+
+    def summary(self) -> str:
+        """One line with every effective value, for the startup log."""
+        return " | ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))

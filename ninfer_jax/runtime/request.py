@@ -1,0 +1,109 @@
+"""Request state inside the worker, and the immutable results the API hands out."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ninfer_jax.runtime.sampling import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before any work (bad tokens, bad parameters)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """A prompt longer than the context, or one that can never fit the KV pool."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is stopping or stopped and takes no new requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    ttft_s: float | None
+    latency_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """New tokens of one request; finish_reason is set on its last event only."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+    metrics: Metrics | None
+    logprobs: tuple[dict, ...] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    usage: Usage
+    metrics: Metrics
+    logprobs: tuple[dict, ...] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's mutable state; only the worker thread touches it after submission."""
+
+    id: str
+    prompt: Any  # PreparedPrompt
+    sampling: SamplingParams
+    seed: int
+    sink: Callable[[StreamEvent], None]
+    detokenizer: Any | None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Set while the request holds a lane (the worker's scheduler is the only writer).
+    lane: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)  # page of block b at index b
+    computed: int = 0  # tokens whose KV and state are in the lane's pages and slot
+    cached_tokens: int = 0  # reused from the prefix cache (fixed at admission)
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] | None = None
+    text: str = ""
+    emitted_text: int = 0  # characters of `text` already sent
+    emitted_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    cancel_requested: bool = False
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self.prompt.token_ids
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt.token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.num_prompt
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt, len(self.output), self.cached_tokens)
+
+    def metrics(self) -> Metrics:
+        now = time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        return Metrics(ttft, now - self.arrival if self.finish_reason else None)

@@ -1,0 +1,208 @@
+"""ModelRunner: owns the params and the DeviceState, and runs the jitted prefill and decode steps.
+
+Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
+that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
+one decode batch of C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row), all compiled by
+`warmup()`; `compile_count()` lets tests prove that serving never compiles again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.model import qwen3_5
+from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.params import Params
+from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
+from ninfer_jax.runtime.sampling import MAX_LOGPROBS, sample
+
+log = logging.getLogger("ninfer_jax.runner")
+
+
+def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4) -> tuple[int, ...]:
+    """Chunk lengths compiled for prefill: smallest * ratio^k below prefill_chunk, then prefill_chunk.
+
+    A coarse ladder bounds compile time at startup; a short chunk padded up to 4x costs little, since
+    short chunks are latency-bound, not compute-bound.
+    """
+    sizes, n = [], smallest
+    while n < prefill_chunk:
+        sizes.append(n)
+        n *= ratio
+    return tuple(sizes) + (prefill_chunk,)
+
+
+def _prefill_step(params, cfg, kc, full, state, tokens, n_valid, base, page_table, slot,
+                  tap_positions, tap_slots, sampler):
+    hidden, state = qwen3_5.prefill(
+        params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions, tap_slots
+    )
+    last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
+    out = sample(qwen3_5.logits(params, last), sampler, full=full, num_logprobs=MAX_LOGPROBS)
+    return out, state
+
+
+def _decode_step(params, cfg, kc, full, state, tokens, positions, page_tables, slots, active,
+                 sampler):
+    hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
+    out = sample(qwen3_5.logits(params, hidden), sampler, full=full, num_logprobs=MAX_LOGPROBS)
+    return out, state
+
+
+def _copy_slot(state: DeviceState, src, dst):
+    """State slot src -> dst (a snapshot or a restore between slots): one D2D copy per GDN layer."""
+    return DeviceState(
+        state.k_pages, state.v_pages,
+        tuple(s.at[dst].set(s[src]) for s in state.ssm),
+        tuple(c.at[dst].set(c[src]) for c in state.conv),
+    )
+
+
+def _copy_page(state: DeviceState, src, dst, length):
+    """The first `length` positions of page src -> page dst (a tail copy-on-write), every attention layer."""
+    keep = (jnp.arange(PAGE) < length)[:, None, None]
+
+    def one(pages):
+        return pages.at[dst].set(jnp.where(keep, pages[src], pages[dst]))
+
+    return DeviceState(tuple(map(one, state.k_pages)), tuple(map(one, state.v_pages)), state.ssm, state.conv)
+
+
+def _own(fn):
+    """A new function object wrapping fn: jax keys its compile cache on the function, so each runner
+    wrapping its own copy gets compile counts of its own."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class ModelRunner:
+    """Runs the model's jitted steps on the engine's preallocated DeviceState (the only mutator)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
+                 num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
+                 kv_dtype, conv_dtype):
+        self.cfg, self.params, self.kernels = cfg, params, kernels
+        self.max_pages = -(-max_model_len // PAGE)
+        self.buckets = prefill_buckets(prefill_chunk)
+        self.max_lanes, self.max_taps = max_lanes, max_taps
+        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
+        self._no_taps = np.full(max_taps, -1, np.int32)
+        # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
+        static = ("cfg", "kc", "full")
+        self._steps = {
+            "prefill": jax.jit(_own(_prefill_step), static_argnames=static, donate_argnames=("state",)),
+            "decode": jax.jit(_own(_decode_step), static_argnames=static, donate_argnames=("state",)),
+            "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("state",)),
+            "copy_page": jax.jit(_own(_copy_page), donate_argnames=("state",)),
+        }
+
+    # --- the one place the donated state is written back ----------------------------------------
+    def _swap(self, new_state: DeviceState) -> None:
+        old = jax.tree.map(lambda a: (a.shape, a.dtype), self.state)
+        new = jax.tree.map(lambda a: (a.shape, a.dtype), new_state)
+        assert old == new, "a step changed the DeviceState layout"
+        self.state = new_state
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    # --- steps -----------------------------------------------------------------------------------
+    def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
+                tap_positions=None, tap_slots=None, *, full: bool = False):
+        """Prefill len(tokens) <= largest bucket tokens of one lane; returns the sampler's output.
+
+        page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
+        64-aligned positions whose state is also written to snapshot slots (in-kernel taps).
+        """
+        n = len(tokens)
+        size = self.bucket(n)
+        padded = np.zeros(size, np.int32)
+        padded[:n] = tokens
+        taps_p, taps_s = self._no_taps.copy(), np.zeros(self.max_taps, np.int32)
+        if tap_positions is not None and len(tap_positions):
+            taps_p[: len(tap_positions)] = tap_positions
+            taps_s[: len(tap_slots)] = tap_slots
+        out, state = self._steps["prefill"](
+            self.params, self.cfg, self.kernels, full, self.state,
+            jnp.asarray(padded), jnp.int32(n), jnp.int32(base), jnp.asarray(page_table), jnp.int32(slot),
+            jnp.asarray(taps_p), jnp.asarray(taps_s), tuple(map(jnp.asarray, sampler)),
+        )
+        self._swap(state)
+        return out
+
+    def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False):
+        """One decode round over max_lanes lanes ([C] arrays; inactive lanes untouched)."""
+        out, state = self._steps["decode"](
+            self.params, self.cfg, self.kernels, full, self.state,
+            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(page_tables), jnp.asarray(slots),
+            jnp.asarray(active), tuple(map(jnp.asarray, sampler)),
+        )
+        self._swap(state)
+        return out
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._swap(self._steps["copy_slot"](self.state, jnp.int32(src), jnp.int32(dst)))
+
+    def copy_page(self, src: int, dst: int, length: int) -> None:
+        self._swap(self._steps["copy_page"](self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(length)))
+
+    # --- compilation -----------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compiles every step variant with side-effect-free inputs; returns seconds spent."""
+        from ninfer_jax.runtime.sampling import SamplerInputs
+
+        start = time.perf_counter()
+        table = np.zeros(self.max_pages, np.int32)
+        one = SamplerInputs.empty(1).device()
+        lanes = SamplerInputs.empty(self.max_lanes).device()
+        c = self.max_lanes
+        variants = (False, True)
+        total = len(self.buckets) * len(variants) + len(variants)
+        done = 0
+        for full in variants:
+            for size in self.buckets:
+                # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
+                out, state = self._steps["prefill"](
+                    self.params, self.cfg, self.kernels, full, self.state,
+                    jnp.zeros(size, jnp.int32), jnp.int32(0), jnp.int32(PAGE), jnp.asarray(table), jnp.int32(0),
+                    jnp.asarray(self._no_taps), jnp.zeros(self.max_taps, jnp.int32), one,
+                )
+                self._swap(state)
+                done += 1
+                log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
+                         size, "full" if full else "greedy", done, total, time.perf_counter() - start)
+            out, state = self._steps["decode"](
+                self.params, self.cfg, self.kernels, full, self.state,
+                jnp.zeros(c, jnp.int32), jnp.zeros(c, jnp.int32), jnp.zeros((c, self.max_pages), jnp.int32),
+                jnp.arange(c, dtype=jnp.int32), jnp.zeros(c, bool), lanes,
+            )
+            self._swap(state)
+            done += 1
+            log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
+                     c, "full" if full else "greedy", done, total, time.perf_counter() - start)
+        # Slot and page copies with src == dst (and length 0) change nothing.
+        self.copy_slot(0, 0)
+        self.copy_page(0, 0, 0)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled programs per jitted step (grows only when a new shape or static value appears)."""
+        return {name: f._cache_size() for name, f in self._steps.items()}
+
+    def compile_count(self) -> int:
+        return sum(self.compile_counts().values())

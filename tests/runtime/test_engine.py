@@ -1,0 +1,211 @@
+"""The serving engine: exact greedy outputs under concurrency and chunking, sampling controls, streaming,
+cancellation, bounded completion, refusal of bad input, no leaks and no compiles while serving."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ORACLE_VOCAB, hf_model
+from ninfer_jax import Engine, InvalidRequestError, PromptTooLongError, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(count, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 150, count)
+    return [rng.integers(0, ORACLE_VOCAB, int(n)).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-dense", "text", seed=31)
+
+
+@pytest.fixture(scope="module")
+def engine8(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, max_concurrency=8, prefill_chunk=64, max_model_len=512,
+                                    kv_capacity=64 * 64, output_window=64)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(checkpoint):
+    model = hf_model(checkpoint)
+
+    def run(prompt, n):
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        return tuple(out[0, len(prompt):].tolist())
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request):
+    yield
+    if "engine8" in request.fixturenames:
+        engine = request.getfixturevalue("engine8")
+        engine.check_ledger()
+        stats = engine.stats()
+        assert stats["pages"]["active"] == 0 and stats["requests"]["running"] == 0
+        assert stats["compiles_since_warmup"] == 0
+
+
+def test_single_request_matches_transformers_greedy(engine8, hf_greedy):
+    prompt = _prompts(1, seed=1)[0]
+    out = engine8.generate(prompt, GREEDY)
+    assert out.finish_reason == "length" and out.usage.completion_tokens == 12
+    assert out.token_ids == hf_greedy(prompt, 12)
+    assert out.usage.prompt_tokens == len(prompt) and out.metrics.ttft_s > 0
+
+
+def test_eight_concurrent_requests_match_transformers_greedy(engine8, hf_greedy):
+    prompts = _prompts(8, seed=2)
+    outs = engine8.generate_many(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(prompt, 12)
+
+
+def test_outputs_do_not_depend_on_prefill_chunk_or_concurrency(engine8, checkpoint):
+    prompts = _prompts(5, seed=3)
+    with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=128, max_model_len=512) as other:
+        sequential = [other.generate(p, GREEDY).token_ids for p in prompts]
+        other.check_ledger()
+    concurrent = [o.token_ids for o in engine8.generate_many(prompts, GREEDY)]
+    assert sequential == concurrent
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(engine8):
+    prompt = _prompts(1, seed=4)[0]
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a, b = engine8.generate_many([prompt, prompt], sp)
+    assert a.token_ids == b.token_ids
+    c = engine8.generate(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=8, ignore_eos=True))
+    assert c.token_ids != a.token_ids
+
+
+def test_top_k_one_is_greedy(engine8, hf_greedy):
+    prompt = _prompts(1, seed=5)[0]
+    out = engine8.generate(prompt, SamplingParams(max_tokens=6, temperature=0.7, top_k=1, ignore_eos=True))
+    assert out.token_ids == hf_greedy(prompt, 6)
+
+
+def test_stop_token_ids_end_the_request(engine8, hf_greedy):
+    prompt = _prompts(1, seed=6)[0]
+    expected = hf_greedy(prompt, 12)
+    stop_at = expected[4]
+    out = engine8.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))
+    first = expected.index(stop_at)
+    assert out.finish_reason == "stop" and out.token_ids == expected[: first + 1]
+
+
+def test_logprobs_are_log_probabilities_of_chosen_tokens(engine8):
+    prompt = _prompts(1, seed=7)[0]
+    out = engine8.generate(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry["token_id"] == token and entry["logprob"] <= 0
+        assert len(entry["top"]) == 3 and entry["top"][0][0] == token  # greedy picks the top token
+        assert entry["top"][0][1] == pytest.approx(entry["logprob"], abs=1e-6)
+
+
+def test_stream_delivers_every_token_then_finishes(engine8):
+    prompt = _prompts(1, seed=8)[0]
+    events = list(engine8.stream(prompt, GREEDY))
+    assert events[0].usage is not None and events[0].usage.cached_tokens == 0  # fixed at admission
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1].finish_reason == "length"
+    tokens = tuple(t for e in events for t in e.token_ids)
+    assert tokens == engine8.generate(prompt, GREEDY).token_ids
+
+
+def test_async_stream_matches_sync(engine8):
+    prompt = _prompts(1, seed=9)[0]
+
+    async def collect():
+        return tuple([t async for e in engine8.astream(prompt, GREEDY) for t in e.token_ids])
+
+    assert asyncio.run(collect()) == engine8.generate(prompt, GREEDY).token_ids
+
+
+def test_cancel_mid_prefill_frees_everything(engine8):
+    long_prompt = _prompts(1, seed=10)[0] * 3  # several 64-token chunks
+    done = threading.Event()
+    result = {}
+
+    def sink(ev):
+        if ev.usage is not None and ev.finish_reason is None and "admitted" not in result:
+            result["admitted"] = True
+            engine8.cancel(rid)  # processed at the next unit boundary: after the first chunk
+        if ev.finish_reason is not None:
+            result["reason"], result["tokens"] = ev.finish_reason, ev.usage.completion_tokens
+            done.set()
+
+    rid = engine8.submit(long_prompt, GREEDY, sink=sink)
+    assert done.wait(60)
+    assert result == {"admitted": True, "reason": "cancelled", "tokens": 0}
+
+
+def test_cancel_mid_decode_frees_everything(engine8):
+    prompt = _prompts(1, seed=11)[0]
+    seen = []
+    sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    for ev in engine8.stream(prompt, sp, request_id="to-cancel"):
+        seen.append(ev)
+        if sum(len(e.token_ids) for e in seen) >= 3 and len(seen) == 4:
+            assert engine8.cancel("to-cancel")
+    assert seen[-1].finish_reason == "cancelled"
+    assert 3 <= seen[-1].usage.completion_tokens < 200
+
+
+def test_pool_exhaustion_ends_growth_with_bounded_completion(checkpoint):
+    # 6 pages for two lanes admitted with 3 pages each: decode must stop when the pool cannot extend.
+    with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=6 * 64, output_window=64) as engine:
+        prompts = [_prompts(1, seed=12)[0][:100], _prompts(1, seed=13)[0][:100]]
+        outs = engine.generate_many(prompts, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        assert [o.finish_reason for o in outs] == ["length", "length"]
+        # Neither reaches max_tokens; a lane can grow into pages the other freed, never past the pool.
+        assert all(o.usage.completion_tokens < 400 for o in outs)
+        assert all(len(p) + o.usage.completion_tokens <= 6 * 64 + 1 for p, o in zip(prompts, outs))
+        assert engine.stats()["scheduler"]["pages_extended"] > 0
+        engine.check_ledger()
+        assert engine.stats()["pages"]["free"] == 6
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine8):
+    with pytest.raises(PromptTooLongError, match="max_model_len is 512"):
+        engine8.generate(list(range(600)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine8.generate([1, 2, ORACLE_VOCAB + 5], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine8.generate([], GREEDY)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine8.generate("text needs a tokenizer", GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert engine8.generate([1, 2, 3], GREEDY).usage.completion_tokens == 12
+
+
+def test_prompt_larger_than_the_pool_is_refused(checkpoint):
+    with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=2 * 64, warmup=False) as engine:
+        with pytest.raises(PromptTooLongError, match="the KV pool holds 128 tokens"):
+            engine.generate(list(range(200)), GREEDY)
+
+
+def test_stop_answers_queued_requests_as_unavailable(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=512,
+                                    warmup=False)
+    results = []
+    for p in _prompts(3, seed=14):
+        engine.submit(p, SamplingParams(max_tokens=100, ignore_eos=True),
+                      sink=lambda ev: ev.finish_reason and results.append(ev.finish_reason))
+    engine.stop()
+    assert sorted(results) == ["unavailable"] * 3 or ("unavailable" in results and len(results) == 3)
