@@ -26,7 +26,9 @@ import numpy as np
 
 from ninfer_jax.frontend import IncrementalDetokenizer, PreparedPrompt, load_chat_template, load_tokenizer
 from ninfer_jax.frontend.prepared_prompt import prepare_tokens
+from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import load_checkpoint
+from ninfer_jax.model.params import Params
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
 from ninfer_jax.model.tiny import default_checkpoint
@@ -58,17 +60,15 @@ def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: in
 class Engine:
     """A Qwen3.5 inference engine over one device. Construct with `Engine.from_pretrained`."""
 
-    def __init__(self, path: Path, options: EngineOptions, *, warmup: bool = True):
-        dtype = options.dtype
-        if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        self.path = path
-        self.model_name = path.name
-        self.config, params = load_checkpoint(path, dtype=dtype)
-        self.options = dataclasses.replace(options, dtype=dtype).resolve(self.config.max_position_embeddings)
+    def __init__(self, config: ModelConfig, params: Params, options: EngineOptions, *, tokenizer=None,
+                 chat_template=None, model_name: str = "model", warmup: bool = True):
+        """Start an engine on loaded params (options.dtype must be the params' dtype)."""
+        self.config, self.model_name = config, model_name
+        self.options = options.resolve(config.max_position_embeddings)
         o = self.options
-        self.tokenizer = load_tokenizer(path)
-        self.chat_template = load_chat_template(path)
+        dtype = o.dtype
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.max_model_len = o.max_model_len
         kv_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         num_slots = o.max_concurrency + o.device_snapshot_slots
@@ -118,12 +118,17 @@ class Engine:
         other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...).
         """
         directory = Path(path) if path is not None else default_checkpoint()
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         try:
             options = EngineOptions(dtype=dtype, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk,
                                     kv_capacity=kv_capacity, no_prefix_reuse=no_prefix_reuse, **other_options)
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
-        return cls(directory, options, warmup=warmup)
+        options.resolve(10**9)  # refuse bad options before reading any weights
+        config, params = load_checkpoint(directory, dtype=dtype)
+        return cls(config, params, options, tokenizer=load_tokenizer(directory),
+                   chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup)
 
     # --- worker thread ---------------------------------------------------------------------------
     def _run(self) -> None:

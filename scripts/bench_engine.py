@@ -1,0 +1,233 @@
+"""Engine throughput at the real Qwen3.5 shapes with random bf16 weights, against rooflines and the HF peer.
+
+One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
+  * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request),
+  * decode tokens/s at 1 and 8 lanes,
+  * the two ceilings in the same run (a bf16 matmul through jax, a device-to-device copy) and the rooflines
+    they give (prefill: 2 x active params FLOPs per token; decode: active weight bytes per token),
+  * HF transformers (+ fla when it imports) on the same shapes, in a subprocess after ours exits.
+Writes docs/benchmarks/engine.{json,md} (or --out DIR).
+
+    python scripts/bench_engine.py --models 27b,35b-a3b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b"}
+
+
+def measure_ceilings():
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        out = mm(a, b)
+    out.block_until_ready()
+    tflops = 10 * 2 * n**3 / (time.perf_counter() - t) / 1e12
+    x = jax.random.normal(jax.random.PRNGKey(2), (1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
+    cp = jax.jit(lambda v: v * jnp.bfloat16(1.0001))
+    cp(x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        y = cp(x)
+    y.block_until_ready()
+    tbps = 10 * 2 * x.nbytes / (time.perf_counter() - t) / 1e12
+    del a, b, x, y, out
+    return tflops, tbps
+
+
+def param_counts(cfg):
+    """(total params, active params per token, active weight bytes per decode token at 1 lane in bf16)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    attn = h * (cfg.num_attention_heads * 2 * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim) \
+        + cfg.num_attention_heads * cfg.head_dim * h
+    gdn = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
+    if cfg.is_moe:
+        expert = 3 * h * cfg.moe_intermediate_size
+        ffn_total = cfg.num_experts * expert + 3 * h * cfg.shared_expert_intermediate_size
+        ffn_active = cfg.num_experts_per_tok * expert + 3 * h * cfg.shared_expert_intermediate_size
+    else:
+        ffn_total = ffn_active = 3 * h * cfg.intermediate_size
+    mixers = len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn
+    head = v * h * (1 if cfg.tie_word_embeddings else 2)
+    total = mixers + cfg.num_layers * ffn_total + head
+    active = mixers + cfg.num_layers * ffn_active + v * h  # embedding is a lookup, lm_head a matmul
+    return total, active, 2 * active
+
+
+def bench_ours(name: str, args) -> dict:
+    import jax
+
+    from ninfer_jax import Engine, SamplingParams
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.runtime.options import EngineOptions
+
+    cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
+    tflops, tbps = measure_ceilings()
+    total, active, decode_bytes = param_counts(cfg)
+    t = time.perf_counter()
+    params = random_params(cfg, seed=0)
+    jax.block_until_ready(params)
+    init_s = time.perf_counter() - t
+    opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=args.prefill_chunk,
+                         max_model_len=33 * 1024, kernels=args.kernels, no_prefix_reuse=True)
+    engine = Engine(cfg, params, opts, model_name=name, warmup=False)
+    rng = __import__("numpy").random.default_rng(0)
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    # First requests compile the steps they use; they are not timed.
+    t = time.perf_counter()
+    engine.generate(rng.integers(0, cfg.vocab_size, args.prefill_chunk).tolist(),
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    compile_s = time.perf_counter() - t
+    result = {"model": name, "init_s": init_s, "compile_s": compile_s, "matmul_tflops": tflops,
+              "hbm_tbps": tbps, "params_total": total, "params_active": active,
+              "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
+              "decode_roofline_tok_s_1lane": tbps * 1e12 / decode_bytes}
+    for n in (8192, 32768):
+        best = None
+        for _ in range(2):
+            out = engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy)
+            best = out.metrics.ttft_s if best is None else min(best, out.metrics.ttft_s)
+        result[f"prefill_{n // 1024}k_tok_s"] = n / best
+        print(f"[{name}] prefill {n}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
+    decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+    for lanes in (1, 8):
+        prompts = [rng.integers(0, cfg.vocab_size, 1024).tolist() for _ in range(lanes)]
+        outs = engine.generate_many(prompts, decode)
+        # decode time: after the last first token until the last finish
+        span = max(o.metrics.latency_s for o in outs) - max(o.metrics.ttft_s for o in outs)
+        tokens = sum(o.usage.completion_tokens - 1 for o in outs)
+        result[f"decode_{lanes}lane_tok_s"] = tokens / span
+        print(f"[{name}] decode {lanes} lanes: {tokens / span:.1f} tok/s", flush=True)
+    result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
+    engine.stop()
+    return result
+
+
+def bench_peer(name: str, args) -> dict:
+    """HF transformers on the same shapes, random bf16 weights on the GPU (fla kernels when importable)."""
+    import torch
+    import transformers
+
+    raw = json.loads((ROOT / "configs" / f"{MODELS[name]}.json").read_text())["text_config"]
+    cls = transformers.Qwen3_5MoeForCausalLM if "moe" in raw["model_type"] else transformers.Qwen3_5ForCausalLM
+    cfg_cls = transformers.Qwen3_5MoeTextConfig if "moe" in raw["model_type"] else transformers.Qwen3_5TextConfig
+    config = cfg_cls(**{k: v for k, v in raw.items() if k != "model_type"})
+    try:
+        import fla  # noqa: F401
+        backend = "fla"
+    except Exception:
+        backend = "torch"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls(config).to(torch.bfloat16).eval()
+    result = {"model": name, "peer": f"transformers {transformers.__version__} + {backend}"}
+    for n in (8192, 32768):
+        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+        result[f"prefill_{n // 1024}k_tok_s"] = n / (time.perf_counter() - t)
+        print(f"[{name} peer] prefill {n}: {result[f'prefill_{n // 1024}k_tok_s']:.0f} tok/s", flush=True)
+    for lanes in (1, 8):
+        ids = torch.randint(0, config.vocab_size, (lanes, 1024), device="cuda")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.peer_decode_tokens + 1, do_sample=False)
+            torch.cuda.synchronize()
+            full = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+            prefill = time.perf_counter() - t
+        result[f"decode_{lanes}lane_tok_s"] = lanes * args.peer_decode_tokens / (full - prefill)
+        print(f"[{name} peer] decode {lanes} lanes: {result[f'decode_{lanes}lane_tok_s']:.1f} tok/s", flush=True)
+    return result
+
+
+def write_report(rows: list[dict], out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    meta = {"command": command, "date": datetime.date.today().isoformat(),
+            "device": str(jax.devices()[0].device_kind) if rows else "", "rows": rows}
+    (out / "engine.json").write_text(json.dumps(meta, indent=2))
+    lines = [f"# Engine throughput\n\n`{command}` on {meta['device']}, {meta['date']}. Random bf16 weights.\n",
+             "| model | engine | prefill 8k tok/s | prefill 32k tok/s | % compute roofline @32k | decode 1 lane tok/s "
+             "| % bandwidth roofline | decode 8 lanes tok/s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ours = r.get("ours", {})
+        peer = r.get("peer", {})
+        for label, d in (("ninfer-jax", ours), (peer.get("peer", "peer"), peer)):
+            if not d:
+                continue
+            pct_p = d.get("prefill_32k_tok_s", 0) / ours["prefill_roofline_tok_s"] * 100 if ours else 0
+            pct_d = d.get("decode_1lane_tok_s", 0) / ours["decode_roofline_tok_s_1lane"] * 100 if ours else 0
+            lines.append(f"| {r['model']} | {label} | {d.get('prefill_8k_tok_s', 0):.0f} | "
+                         f"{d.get('prefill_32k_tok_s', 0):.0f} | {pct_p:.0f}% | {d.get('decode_1lane_tok_s', 0):.1f} "
+                         f"| {pct_d:.0f}% | {d.get('decode_8lane_tok_s', 0):.1f} |")
+    (out / "engine.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="27b,35b-a3b")
+    p.add_argument("--kernels", default="pallas")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--peer-decode-tokens", type=int, default=16)
+    p.add_argument("--part", choices=["ours", "peer", "all"], default="all")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    args = p.parse_args()
+    names = args.models.split(",")
+    out = Path(args.out)
+    if args.part != "all":
+        fn = bench_ours if args.part == "ours" else bench_peer
+        print(json.dumps([fn(n, args) for n in names]), flush=True)
+        return 0
+    rows = []
+    for name in names:
+        row = {"model": name}
+        for part in ("ours", "peer"):
+            # One process per part: jax and torch each take the GPU's memory for themselves.
+            cmd = [sys.executable, __file__, "--part", part, "--models", name, "--kernels", args.kernels,
+                   "--prefill-chunk", str(args.prefill_chunk), "--decode-tokens", str(args.decode_tokens),
+                   "--peer-decode-tokens", str(args.peer_decode_tokens)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            sys.stdout.write(proc.stdout[-4000:])
+            sys.stderr.write(proc.stderr[-4000:])
+            try:
+                row[part] = json.loads(proc.stdout.strip().splitlines()[-1])[0]
+            except Exception:
+                row[part] = {"error": proc.stderr[-500:]}
+        rows.append(row)
+        write_report(rows, out, " ".join(sys.argv))
+    print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
