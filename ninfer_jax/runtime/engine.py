@@ -33,6 +33,7 @@ from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
 from ninfer_jax.model.tiny import default_checkpoint
 from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.prefix_binding import PrefixCacheBinding
 from ninfer_jax.runtime.request import (
     EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent,
     Usage,
@@ -93,7 +94,20 @@ class Engine:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.worker = Worker(self.runner, o, num_pages, frozenset(eos))
+        self.cache = PrefixCacheBinding(
+            self.runner, num_pages=num_pages, lanes=o.max_concurrency, prefill_chunk=o.prefill_chunk,
+            page_bytes=per_page, image_bytes=slot_bytes(self.config, kv_dtype), enabled=not o.no_prefix_reuse,
+            policy=o.cache_policy, device_snapshot_slots=o.device_snapshot_slots, max_new_taps=o.max_new_taps,
+            tap_ladder_tokens=o.tap_ladder_tokens, tap_min_gap_tokens=o.tap_min_gap_tokens,
+        )
+        if o.host_cache_mib and not o.no_prefix_reuse:
+            log.warning("prefix cache | the Host tier is not built yet: host_cache_mib=%d ignored, Device only",
+                        o.host_cache_mib)
+        log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d",
+                 "on" if self.cache.enabled else "off (no_prefix_reuse)", o.cache_policy,
+                 self.cache.options.device_snapshot_slots, self.cache.options.max_new_taps,
+                 self.cache.options.tap_ladder_tokens, self.cache.options.tap_min_gap_tokens)
+        self.worker = Worker(self.runner, o, self.cache, frozenset(eos))
         if warmup:
             seconds = self.runner.warmup()
             log.info("compiled | %d programs | %.1f s", self.runner.compile_count(), seconds)
@@ -310,7 +324,7 @@ class Engine:
             "pages": worker["pages"],
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
-            "prefix_cache": {},
+            "prefix_cache": self._call(self.cache.stats),
             "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
             "failed": self._failed,
         }

@@ -32,6 +32,7 @@ class EngineOptions:
     tap_min_gap_tokens: int | None = None
     prefix_cache_file: str | None = None
     concurrent_prefill: bool = False
+    cache_policy: str = "hpc"  # "hpc" (the spec) or "align" (vLLM's mode, for comparison only)
 
     CACHE_OPTIONS = (
         "device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens",
@@ -54,8 +55,11 @@ class EngineOptions:
             raise OptionsError(f"host_cache_mib must be >= 0, got {self.host_cache_mib}")
         if not 0 < self.memory_fraction <= 1:
             raise OptionsError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.cache_policy not in ("hpc", "align"):
+            raise OptionsError(f"cache_policy must be 'hpc' or 'align', got {self.cache_policy!r}")
         if self.no_prefix_reuse:
             given = [n for n in self.CACHE_OPTIONS if getattr(self, n) not in (None, False)]
+            given += ["cache_policy"] if self.cache_policy != "hpc" else []
             if given:
                 raise OptionsError(f"no_prefix_reuse conflicts with prefix-cache option(s): {', '.join(given)}")
         if self.prefix_cache_file is not None:
@@ -69,7 +73,9 @@ class EngineOptions:
         max_len = self.max_model_len or min(config_max_positions, 32768)
         if max_len < 2 or max_len > config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
-        c, host = self.max_concurrency, self.host_cache_mib > 0
+        # NOTE: the Host tier is not bound to the engine yet (issue 9), so the §14.2 defaults follow the
+        # Device-only rules whatever host_cache_mib says; the engine logs that the budget is ignored.
+        c, host = self.max_concurrency, False
         return dataclasses.replace(
             self,
             max_model_len=max_len,

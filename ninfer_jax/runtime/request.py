@@ -86,7 +86,15 @@ class Request:
     emitted_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
-    cancel_requested: bool = False
+    cache: Any = None  # LaneCache while the request holds a lane (prefix_binding)
+
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""
+        n = self.num_prompt
+        if end <= n:
+            return self.prompt.token_ids[start:end]
+        out = np.asarray(self.output[max(0, start - n) : end - n], np.int32)
+        return out if start >= n else np.concatenate([self.prompt.token_ids[start:], out])
 
     @property
     def prompt_ids(self) -> np.ndarray:

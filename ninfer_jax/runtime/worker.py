@@ -19,8 +19,9 @@ import time
 import numpy as np
 
 from ninfer_jax.model.state import PAGE
-from ninfer_jax.prefix_cache.pools import DevicePagePool, OwnerState
+from ninfer_jax.prefix_cache import Readiness
 from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.prefix_binding import PrefixCacheBinding
 from ninfer_jax.runtime.request import Request, StreamEvent
 from ninfer_jax.runtime.runner import ModelRunner
 from ninfer_jax.runtime.sampling import SamplerInputs
@@ -35,9 +36,10 @@ def pages_for(tokens: int) -> int:
 class Worker:
     """Owns lanes, page tables and the page pool; drives the ModelRunner. Called from one thread only."""
 
-    def __init__(self, runner: ModelRunner, options: EngineOptions, num_pages: int, stop_ids: frozenset[int]):
-        self.runner, self.options = runner, options
-        self.pages = DevicePagePool(num_pages)
+    def __init__(self, runner: ModelRunner, options: EngineOptions, cache: PrefixCacheBinding,
+                 stop_ids: frozenset[int]):
+        self.runner, self.options, self.cache = runner, options, cache
+        self.pages = cache.pages  # the index's page pool: Free / Active (lanes) / Cached / Filling
         c = options.max_concurrency
         self.lanes: list[Request | None] = [None] * c
         self.page_tables = np.zeros((c, runner.max_pages), np.int32)
@@ -101,20 +103,22 @@ class Worker:
             if lane is None:
                 return
             head = self.waiting[0]
-            need = self._entitlement(head)
-            if need > self.pages.num_free:
+            readiness = self.cache.admit(head, lane, self._entitlement(head))
+            if readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["admission_blocked"] += 1
-                return  # the head waits for pages; nothing behind it overtakes it
+                return  # the head waits for pages; nothing behind it overtakes it (spec §6.3)
             self.waiting.popleft()
+            if readiness is Readiness.PERMANENTLY_INFEASIBLE:
+                self._finish(head, "error", "the request can never fit the KV pool")
+                continue
             head.lane = lane
-            head.pages = self.pages.allocate(need, OwnerState.ACTIVE)
             self.page_tables[lane] = 0
             self.page_tables[lane, : len(head.pages)] = head.pages
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
             self.lanes[lane] = head
             self.counters["requests_admitted"] += 1
             # cached_tokens is fixed at admission (spec §8.3); the first event carries it.
-            head.sink(StreamEvent(head.id, (), "", None, head.usage(), head.metrics()))
+            self._deliver(head, StreamEvent(head.id, (), "", None, head.usage(), head.metrics()))
 
     # --- prefill ---------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request) -> None:
@@ -124,10 +128,13 @@ class Worker:
         last = end == req.num_prompt
         full = last and not req.sampling.greedy
         self.sampler.step[req.lane] = len(req.output)
+        tap_positions, tap_slots = self.cache.chunk_taps(req, end)
         tokens_out, chosen, top = self.runner.prefill(
-            tokens, base, self.page_tables[req.lane], req.lane, self._lane_sampler(req.lane), full=full,
+            tokens, base, self.page_tables[req.lane], req.lane, self._lane_sampler(req.lane),
+            tap_positions, tap_slots, full=full,
         )
         req.computed = end
+        self.cache.after_compute(req)
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
         if last:
@@ -168,6 +175,7 @@ class Worker:
         self.counters["decode_rounds"] += 1
         for req in live:
             req.computed += 1
+            self.cache.after_compute(req)
             self._accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
             self._emit(req)
 
@@ -176,9 +184,9 @@ class Worker:
         block = req.computed // PAGE
         if block < len(req.pages):
             return True
-        if block >= self.runner.max_pages or self.pages.num_free == 0:
+        page = self.cache.grow(req) if block < self.runner.max_pages else None
+        if page is None:
             return False
-        page = self.pages.allocate_one(OwnerState.ACTIVE)
         req.pages.append(page)
         self.page_tables[req.lane, block] = page
         self.counters["pages_extended"] += 1
@@ -223,14 +231,13 @@ class Worker:
         delta = req.text[req.emitted_text : upto]
         req.emitted_tokens, req.emitted_text = len(req.output), upto
         lp = tuple(req.logprobs[-len(new_tokens):]) if req.logprobs and new_tokens else None
-        req.sink(StreamEvent(req.id, new_tokens, delta, None, None, None, lp))
+        self._deliver(req, StreamEvent(req.id, new_tokens, delta, None, None, None, lp))
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """Terminal settlement: free the lane's pages and slot, send the last event."""
         req.finish_reason = reason
         if req.lane is not None:
-            self.pages.free(req.pages)
-            req.pages = []
+            self.cache.finish(req, req.lane, reason)
             self.lanes[req.lane] = None
             req.lane = None
         if req.detokenizer is not None and reason in ("stop", "length"):
@@ -240,13 +247,18 @@ class Worker:
         lp = tuple(req.logprobs[-len(new_tokens):]) if req.logprobs and new_tokens else None
         req.emitted_tokens, req.emitted_text = len(req.output), len(req.text)
         self.counters[f"finished_{reason}"] += 1
-        req.sink(StreamEvent(req.id, new_tokens, delta, reason, req.usage(), req.metrics(), lp, error))
+        self._deliver(req, StreamEvent(req.id, new_tokens, delta, reason, req.usage(), req.metrics(), lp, error))
+
+    def _deliver(self, req: Request, event: StreamEvent) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # a consumer's callback must not take the engine down for everyone
+            log.exception("event sink of %s raised; the request keeps running", req.id)
 
     # --- accounting ------------------------------------------------------------------------------
     def check_ledger(self) -> None:
-        """Active pages are exactly the lanes' pages (tests call this after every scenario)."""
-        owned = {p: OwnerState.ACTIVE for r in self.lanes if r is not None for p in r.pages}
-        self.pages.check(expected=owned)
+        """The cache's invariants, and private pages are exactly the lanes' (tests call this often)."""
+        self.cache.check(self.lanes)
 
     def stats(self) -> dict:
         return {

@@ -1,0 +1,266 @@
+"""PrefixCacheBinding: the worker's side of the hybrid prefix cache on the Device tier (spec §6.4, §7, §9).
+
+The PrefixIndex decides (identity, residency, pins, eviction); this binding asks it and performs the device
+copies its answers call for, through the ModelRunner:
+  admit    quote -> stage -> activate (§6.4): the lane maps the shared path pages, a partial tail is
+           copied into a private page, the state is copied from the snapshot's slot (or starts at zero);
+  taps     the planner's taps (§7.1) are realised *inside* the prefill chunk by the kernels' state taps
+           (the zero-split tap of §7.2-§7.3): no chunk split, exact or flexible alike; each is published
+           once its anchor block is a committed node (§7.4);
+  commit   every full block joins the tree as it completes, in prefill and decode (§7.5, §7.6);
+  finish   the endpoint snapshot (§7.7), release of the path to the device LRU, the lane's private pages
+           freed.
+State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is state slot C + s.
+
+With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
+inserted, tapped or published (§7.7 "disabled requests").
+
+NOTE: the Host tier (issue 9) is not bound yet, so the index runs with host_cache_bytes = 0 and the §14.2
+defaults follow the Device-only rules (D = C + 2, max_new_taps = 2).
+NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
+of freezing the active slot in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ninfer_jax.frontend.prepared_prompt import TapHintKind
+from ninfer_jax.prefix_cache import (
+    BLOCK_TOKENS, CacheGeometry, HintKind, OwnerState, Placement, PlannedTap, PrefixCacheOptions, PrefixIndex,
+    Readiness, SnapshotKind, TapHint, TapPlanOptions, TapSource, block_lookup_hash, encode_tokens, plan_taps,
+)
+from ninfer_jax.prefix_cache.tree import BlockNode, Snapshot
+from ninfer_jax.runtime.request import Request
+
+log = logging.getLogger("ninfer_jax.prefix_cache")
+
+_HINTS = {
+    TapHintKind.EXPLICIT: HintKind.EXPLICIT,
+    TapHintKind.AUTOMATIC: HintKind.AUTOMATIC,
+    TapHintKind.GENERATION_OPENER: HintKind.OPENER,
+    TapHintKind.END_OF_TOOLS: HintKind.TOOLS_END,
+    TapHintKind.END_OF_SYSTEM: HintKind.SYSTEM_END,
+    TapHintKind.MESSAGE_BOUNDARY: HintKind.MESSAGE,
+}
+POLICIES = ("hpc", "align")
+
+
+class LaneCache:
+    """A lane's cache bookkeeping (only the worker thread touches it)."""
+
+    __slots__ = ("path", "source", "taps", "staged", "last_tap", "deepest", "hashes", "cached_prefix_tokens",
+                 "source_kind")
+
+    def __init__(self):
+        self.path: list[BlockNode] = []  # node of block b at index b, for every committed block
+        self.source: Snapshot | None = None  # the snapshot the lane resumed from
+        self.taps: list[PlannedTap] = []  # planned taps not yet realised, by position
+        self.staged: list[tuple[PlannedTap, int]] = []  # (tap, index slot) written by the current chunk
+        self.last_tap: Snapshot | None = None
+        self.deepest = 0  # frontier of the deepest snapshot on the lane's path
+        self.hashes: list[int] = []  # lookup_hash of block b
+        self.cached_prefix_tokens = 0
+        self.source_kind = "root"
+
+
+class PrefixCacheBinding:
+    """Admission, taps, block commit and finish against the PrefixIndex, with their device copies."""
+
+    def __init__(self, runner, *, num_pages: int, lanes: int, prefill_chunk: int, page_bytes: int,
+                 image_bytes: int, enabled: bool, policy: str = "hpc", device_snapshot_slots: int | None = None,
+                 max_new_taps: int | None = None, tap_ladder_tokens: int | None = None,
+                 tap_min_gap_tokens: int | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
+        self.runner, self.enabled, self.policy = runner, enabled, policy
+        self.lanes, self.prefill_chunk = lanes, prefill_chunk
+        self.options = PrefixCacheOptions.resolve(
+            lanes, prefill_chunk, 0, device_snapshot_slots=device_snapshot_slots, max_new_taps=max_new_taps,
+            tap_ladder_tokens=tap_ladder_tokens, tap_min_gap_tokens=tap_min_gap_tokens,
+        )
+        self.index = PrefixIndex(CacheGeometry(num_pages, page_bytes, image_bytes), self.options)
+        self.tap_options = TapPlanOptions.from_options(self.options)
+        self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
+                         "endpoints_duplicate": 0}
+
+    @property
+    def pages(self):
+        return self.index.pages
+
+    def state_slot(self, index_slot: int) -> int:
+        return self.lanes + index_slot
+
+    # --- admission (§6) --------------------------------------------------------------------------
+    def admit(self, req: Request, lane: int, entitlement: int) -> Readiness:
+        """Maps the lane onto the deepest usable cached prefix; READY, or why not (nothing changes then)."""
+        req.cache = lc = LaneCache()
+        lc.hashes = [int(h) for h in req.prompt.block_hashes]
+        if not self.enabled:
+            grant = self.index.allocate_pages(entitlement)
+            if grant is None:
+                return Readiness.TEMPORARILY_BLOCKED
+            req.pages = list(grant.pages)
+            return Readiness.READY
+        quote = self.index.quote(req.prompt_ids, lc.hashes, entitlement_pages=entitlement)
+        if quote.readiness is not Readiness.READY:
+            return quote.readiness
+        staging = self.index.stage(quote)
+        lc.path = self.index.activate(staging)
+        self.index.complete_restore(staging)  # Device tier: nothing is copied from the Host
+        s = staging.snapshot
+        if s is not None:
+            self.runner.copy_slot(self.state_slot(staging.image_slot), lane)
+            if s.tail_len:
+                self.runner.copy_page(s.tail_page, staging.lane_pages[0], s.tail_len)
+        req.pages = [n.device_page for n in lc.path] + list(staging.lane_pages)
+        req.computed = req.cached_tokens = staging.reuse_tokens
+        lc.source, lc.deepest = s, staging.reuse_tokens
+        lc.source_kind = "root" if s is None else s.kind.value
+        lc.cached_prefix_tokens = quote.match.cached_prefix_tokens
+        lc.taps = self._plan(req, [c.frontier for c in quote.match.candidates])
+        self.counters["taps_planned"] += len(lc.taps)
+        return Readiness.READY
+
+    def _plan(self, req: Request, existing: list[int]) -> list[PlannedTap]:
+        n, base = req.num_prompt, req.computed
+        if self.policy == "align":  # vLLM's mode: one state at the prompt's last chunk boundary
+            last = base + (n - 1 - base) // self.prefill_chunk * self.prefill_chunk
+            last -= last % BLOCK_TOKENS
+            if last <= base or last in existing:
+                return []
+            return [PlannedTap(last, Placement.FLEXIBLE, SnapshotKind.TAP, TapSource.PROMPT_TAIL, 4, 0)]
+        hints = [TapHint(h.position, _HINTS[h.kind]) for h in req.prompt.tap_hints]
+        resumed_endpoint = req.cache.source is not None and req.cache.source.kind is SnapshotKind.ENDPOINT
+        return plan_taps(n, base, hints, existing, options=self.tap_options, resumed_from_endpoint=resumed_endpoint)
+
+    # --- prefill taps (§7.1-§7.4) ----------------------------------------------------------------
+    def chunk_taps(self, req: Request, end: int) -> tuple[list[int], list[int]]:
+        """Staging slots for the taps in (computed, end]: (absolute positions, state slots) for the kernel."""
+        lc = req.cache
+        positions, slots = [], []
+        while lc and lc.taps and lc.taps[0].position <= end and len(positions) < self.runner.max_taps:
+            tap = lc.taps.pop(0)
+            grant = self.index.begin_snapshot(tap.position, kind=tap.kind, resumed_from=lc.source,
+                                              previous_tap=lc.last_tap, previous_frontier=lc.deepest)
+            if grant is None:
+                continue  # no slot worth taking (§9.2): the tap is skipped and counted by the index
+            lc.staged.append((tap, grant.slot))
+            positions.append(tap.position)
+            slots.append(self.state_slot(grant.slot))
+        return positions, slots
+
+    def after_compute(self, req: Request) -> None:
+        """After a prefill chunk or decode step: commit completed blocks, then publish staged taps."""
+        if not self.enabled:
+            return
+        lc = req.cache
+        self._commit_blocks(req)
+        previous = None
+        for tap, slot in lc.staged:
+            result = self.index.publish_snapshot(slot, tap.kind, lc.path[tap.position // BLOCK_TOKENS - 1])
+            self.counters["taps_published" if result.published else "taps_duplicate"] += 1
+            if previous is not None and previous.kind is SnapshotKind.TAP and previous.frontier < tap.position:
+                self.index.supersede(previous)  # a deeper tap of the same prompt supersedes the previous one
+            previous = lc.last_tap = result.snapshot
+            lc.deepest = max(lc.deepest, tap.position)
+        lc.staged.clear()
+
+    def _commit_blocks(self, req: Request) -> None:
+        lc = req.cache
+        while (len(lc.path) + 1) * BLOCK_TOKENS <= req.computed:
+            b = len(lc.path)
+            tokens = req.token_slice(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS)
+            data = encode_tokens(tokens)
+            if b >= len(lc.hashes):  # a generated block: chain its hash on
+                lc.hashes.append(block_lookup_hash(lc.hashes[-1] if lc.hashes else 0, data))
+            parent = lc.path[-1] if lc.path else self.index.root
+            commit = self.index.commit_block(parent, data, lc.hashes[b], req.pages[b])
+            lc.path.append(commit.node)
+
+    # --- finish (§7.7) ---------------------------------------------------------------------------
+    def finish(self, req: Request, lane: int, reason: str) -> None:
+        """Terminal settlement: endpoint snapshot, release the path, free the lane's private pages."""
+        lc: LaneCache | None = getattr(req, "cache", None)
+        if self.enabled and lc is not None:
+            for _, slot in lc.staged:  # taps of a chunk that never completed
+                self.index.release_staging_slot(slot)
+            lc.staged.clear()
+            if reason in ("stop", "length", "cancelled") and self.policy == "hpc":
+                self._commit_blocks(req)
+                self._endpoint(req, lane)
+            write = self.index.release_path(lc.path)
+            self.index.complete_host_write(write)  # no Host tier bound yet: the batch is empty
+            lc.path = []
+        private = [p for p in req.pages if self.index.pages.is_state(p, OwnerState.ACTIVE)]
+        self.index.free_pages(private)
+        req.pages = []
+
+    def _endpoint(self, req: Request, lane: int) -> None:
+        lc = req.cache
+        end = req.computed
+        if end == 0 or end - lc.deepest < BLOCK_TOKENS:
+            return
+        tail_len = end % BLOCK_TOKENS
+        grant = self.index.begin_snapshot(end, kind=SnapshotKind.ENDPOINT, resumed_from=lc.source,
+                                          previous_tap=lc.last_tap, previous_frontier=lc.deepest,
+                                          tail_len=tail_len)
+        if grant is None:
+            return
+        self.runner.copy_slot(lane, self.state_slot(grant.slot))
+        blocks = end // BLOCK_TOKENS
+        anchor = lc.path[blocks - 1] if blocks else self.index.root
+        tail = encode_tokens(req.token_slice(blocks * BLOCK_TOKENS, end)) if tail_len else b""
+        # The partial last page moves to the snapshot without a copy: the writer is terminating.
+        result = self.index.publish_snapshot(grant.slot, SnapshotKind.ENDPOINT, anchor, tail,
+                                             tail_page=req.pages[blocks] if tail_len else -1)
+        self.counters["endpoints_published" if result.published else "endpoints_duplicate"] += 1
+
+    # --- growth (§9.5) ---------------------------------------------------------------------------
+    def grow(self, req: Request) -> int | None:
+        """One more private page for an active lane, evicting cache if needed; None when impossible."""
+        grant = self.index.allocate_pages(1)
+        return None if grant is None else grant.pages[0]
+
+    # --- checks and stats ------------------------------------------------------------------------
+    def check(self, lanes: list[Request | None]) -> None:
+        """The index's invariants, and every ACTIVE page belongs to exactly one lane."""
+        self.index.check_invariants()
+        owned = [p for r in lanes if r is not None for p in r.pages if self.pages.is_state(p, OwnerState.ACTIVE)]
+        assert len(owned) == len(set(owned)), "a private page is mapped by two lanes"
+        active = self.pages.count(OwnerState.ACTIVE)
+        assert active == len(owned), f"{active} ACTIVE pages but lanes own {len(owned)}"
+        staging = sum(len(r.cache.staged) for r in lanes if r is not None and getattr(r, "cache", None))
+        assert len(self.index.staging_slots) == staging, "a staging slot is held by no lane"
+
+    def stats(self) -> dict:
+        tree = self.index.tree
+        snaps = list(tree.snapshots.values())
+        by_kind = {}
+        for s in snaps:
+            by_kind[s.kind.value] = by_kind.get(s.kind.value, 0) + 1
+        return {
+            "enabled": self.enabled,
+            "policy": self.policy,
+            "nodes": sum(1 for n in tree.nodes.values() if n.parent is not None),
+            "snapshots": len(snaps),
+            "snapshots_by_kind": by_kind,
+            "snapshots_superseded": sum(s.superseded for s in snaps),
+            "device_pages_cached": self.pages.count(OwnerState.CACHED),
+            "device_snapshot_slots": self.options.device_snapshot_slots,
+            **self.counters,
+            **self.index.stats.as_dict(),
+        }
+
+
+def request_record(req: Request) -> dict:
+    """The per-request cache record (spec: cached_tokens = reuse tokens, cached_prefix_tokens, source)."""
+    lc = getattr(req, "cache", None)
+    return {
+        "cached_tokens": req.cached_tokens,
+        "cached_prefix_tokens": lc.cached_prefix_tokens if lc else 0,
+        "source": lc.source_kind if lc else "root",
+    }
+
+
+__all__ = ["LaneCache", "POLICIES", "PrefixCacheBinding", "request_record"]

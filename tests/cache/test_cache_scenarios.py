@@ -1,0 +1,248 @@
+"""The hybrid prefix cache in the engine, Device tier: the spec's §13.3 scenarios on the tiny model (fp32).
+
+Every scenario compares against an engine with no_prefix_reuse on the same checkpoint (the "root" run),
+and ends with the index's invariant checker and a leak check.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import ORACLE_VOCAB
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, TapHint, TapHintKind, _prepared
+from ninfer_jax.prefix_cache import TapPlanOptions, plan_taps
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+COMMON = dict(max_concurrency=8, prefill_chunk=256, max_model_len=2048, output_window=64)
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(0, ORACLE_VOCAB, n).astype(np.int32).tolist()
+
+
+def with_hints(ids, *hints) -> PreparedPrompt:
+    return _prepared(np.asarray(ids, np.int32), tuple(sorted(TapHint(p, k) for p, k in hints)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-dense", "text", seed=41)
+
+
+@pytest.fixture(scope="module")
+def root(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, kv_capacity=128 * 64, **COMMON)
+    yield engine
+    engine.stop()
+
+
+# 24 snapshot slots: the scenarios share one engine, and without a Host tier a new snapshot only takes a
+# slot from a less valuable one (§9.2), which would make each scenario depend on the ones before it.
+HPC = {**COMMON, "kv_capacity": 128 * 64, "max_new_taps": 8, "tap_ladder_tokens": 512, "tap_min_gap_tokens": 128,
+       "device_snapshot_slots": 24}
+
+
+def settle(engine):
+    """The invariant checker passes and nothing leaked: no private page, slot or pin outlives a request."""
+    engine.check_ledger()
+    stats = engine.stats()
+    assert stats["pages"]["active"] == 0 and stats["requests"]["running"] == 0
+    assert stats["compiles_since_warmup"] == 0
+
+
+@pytest.fixture(scope="module")
+def shared_hpc(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, **HPC)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture()
+def hpc(shared_hpc):
+    """The cache-on engine; tests use prompts of their own random tokens, so they do not share prefixes."""
+    yield shared_hpc
+    settle(shared_hpc)
+
+
+@pytest.fixture()
+def special(checkpoint):
+    """make(**overrides) -> a cache-on engine with other options, stopped after the test."""
+    made = []
+
+    def make(**overrides):
+        made.append(Engine.from_pretrained(checkpoint, **{**HPC, **overrides}))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        settle(engine)
+        engine.stop()
+
+
+def assert_same_output(resumed, reference):
+    assert resumed.token_ids == reference.token_ids
+    first, ref = resumed.logprobs[0], reference.logprobs[0]
+    assert [t for t, _ in first["top"]] == [t for t, _ in ref["top"]]
+    np.testing.assert_allclose([lp for _, lp in first["top"]], [lp for _, lp in ref["top"]], atol=1e-5, rtol=0)
+
+
+def test_resume_from_a_tap_equals_root(hpc, root):
+    prompt = tokens(700, 1)
+    published = hpc.stats()["prefix_cache"]["taps_published"]
+    first = hpc.generate(prompt, GREEDY)
+    assert first.usage.cached_tokens == 0
+    # Same first 600 tokens, then different: resumes from the deepest tap at or below 600.
+    edited = prompt[:600] + tokens(90, 2)
+    resumed = hpc.generate(edited, GREEDY)
+    assert resumed.usage.cached_tokens > 0 and resumed.usage.cached_tokens % 64 == 0
+    assert resumed.usage.cached_tokens <= 600
+    assert_same_output(resumed, root.generate(edited, GREEDY))
+    assert hpc.stats()["prefix_cache"]["taps_published"] > published
+
+
+def test_resume_from_an_endpoint_with_a_tail_equals_root(hpc, root):
+    prompt = tokens(300, 3)
+    # The endpoint needs >= 64 tokens past the prompt-tail tap at 256 (spec §7.7).
+    turn1 = hpc.generate(prompt, SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
+    history = prompt + list(turn1.token_ids)
+    end = len(history) - 1  # the last generated token never entered the state
+    assert end % 64 != 0  # the endpoint carries a tail
+    turn2 = history + tokens(40, 4)
+    resumed = hpc.generate(turn2, GREEDY)
+    assert resumed.usage.cached_tokens == end
+    assert_same_output(resumed, root.generate(turn2, GREEDY))
+
+
+def test_multi_turn_reuses_each_endpoint_exactly_and_the_tail_stays_intact(hpc, root):
+    history = tokens(150, 5)
+    long = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, logprobs=5)
+    for turn in range(3):
+        out = hpc.generate(history, long)
+        expected_reuse = 0 if turn == 0 else previous_end
+        assert out.usage.cached_tokens == expected_reuse
+        assert out.token_ids == root.generate(history, long).token_ids
+        previous_end = len(history) + len(out.token_ids) - 1
+        history = history + list(out.token_ids) + tokens(30, 10 + turn)
+    # Two different continuations of one endpoint: the first lane's writes after the tail must not have
+    # touched the snapshot's tail page (the tail is copied into a private page, COW).
+    base = history[:previous_end]
+    a, b = base + tokens(20, 20), base + tokens(20, 21)
+    for continuation in (a, b, a):
+        out = hpc.generate(continuation, GREEDY)
+        assert out.usage.cached_tokens == previous_end
+        assert_same_output(out, root.generate(continuation, GREEDY))
+
+
+def test_edit_deep_in_history_resumes_at_the_deepest_ladder_tap_below_it(hpc):
+    prompt = tokens(1500, 6)
+    hpc.generate(prompt, GREEDY)
+    opts = TapPlanOptions(max_new_taps=8, tap_ladder_tokens=512, tap_min_gap_tokens=128)
+    taps = [t.position for t in plan_taps(1500, 0, [], [], options=opts)]
+    edit = 700
+    expected = max(p for p in taps if p <= edit)
+    assert expected > 0
+    edited = prompt[:edit] + [(prompt[edit] + 1) % ORACLE_VOCAB] + prompt[edit + 1:]
+    assert hpc.generate(edited, GREEDY).usage.cached_tokens == expected
+
+
+def test_shared_preamble_across_eight_sessions_is_stored_once(hpc, root):
+    preamble = tokens(256, 7)
+    sessions = [with_hints(preamble + tokens(40 + 7 * i, 30 + i), (256, TapHintKind.END_OF_SYSTEM))
+                for i in range(8)]
+    hpc.generate(sessions[0], GREEDY)  # publishes a Boundary snapshot at the end of the preamble
+    outs = hpc.generate_many(sessions, GREEDY)
+    assert all(o.usage.cached_tokens >= 256 for o in outs)
+    refs = root.generate_many([s.token_ids.tolist() for s in sessions], GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    tree = hpc.cache.index.tree
+    for b in range(4):  # one node, so one device page, per preamble block
+        block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()
+        assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1
+    assert hpc.stats()["prefix_cache"]["snapshots_by_kind"].get("boundary", 0) >= 1
+
+
+def test_eight_identical_prompts_arriving_together_are_correct(hpc, root):
+    prompt = tokens(333, 8)
+    outs = hpc.generate_many([prompt] * 8, GREEDY)
+    ref = root.generate(prompt, GREEDY)
+    assert all(o.token_ids == ref.token_ids for o in outs)
+    again = hpc.generate(prompt, GREEDY)
+    assert again.usage.cached_tokens > 0 and again.token_ids == ref.token_ids
+
+
+def test_cancel_mid_prefill_publishes_its_blocks_and_they_are_reused(hpc, root):
+    import threading
+
+    prompt = tokens(1000, 9)
+    done = threading.Event()
+
+    def sink(ev):
+        if ev.finish_reason is None and ev.usage is not None:
+            hpc.cancel("cancel-me")  # takes effect at the next unit boundary: after the first 256-token chunk
+        if ev.finish_reason is not None:
+            done.set()
+
+    hpc.submit(prompt, GREEDY, request_id="cancel-me", sink=sink)
+    assert done.wait(120)
+    out = hpc.generate(prompt, GREEDY)
+    assert 256 <= out.usage.cached_tokens < 1000
+    assert out.token_ids == root.generate(prompt, GREEDY).token_ids
+
+
+def test_active_growth_evicts_cache_and_device_only_eviction_deletes_subtrees(special, root):
+    hpc = special(kv_capacity=20 * 64, max_concurrency=2)
+    for seed in range(4):  # fill the 20-page pool with cached blocks and snapshots
+        hpc.generate(tokens(300, 50 + seed), GREEDY)
+    before = hpc.stats()["prefix_cache"]
+    long_run = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+    out = hpc.generate(tokens(500, 60), long_run)
+    assert out.usage.completion_tokens == 600  # grew to 18 pages by evicting cache, not truncated
+    after = hpc.stats()["prefix_cache"]
+    assert after["device_evicted_unbacked"] > before["device_evicted_unbacked"]
+    assert after["nodes_lost"] > 0  # no Host tier: evicted blocks lose their last copy with their subtree
+    hpc.check_ledger()
+    again = tokens(300, 50)
+    assert hpc.generate(again, GREEDY).token_ids == root.generate(again, GREEDY).token_ids
+
+
+def test_disabled_requests_leave_nothing_behind(root):
+    root.generate_many([tokens(200, 70), tokens(129, 71)], GREEDY)
+    stats = root.stats()["prefix_cache"]
+    assert stats["enabled"] is False
+    assert stats["nodes"] == 0 and stats["snapshots"] == 0 and stats["device_pages_cached"] == 0
+    root.check_ledger()
+
+
+def test_usage_cached_tokens_equal_the_index_reuse_tokens(hpc):
+    prompt = tokens(400, 12)
+    before = hpc.stats()["prefix_cache"]["reuse_tokens"]
+    outs = [hpc.generate(prompt + tokens(10, 80 + i), GREEDY) for i in range(3)]
+    reported = sum(o.usage.cached_tokens for o in outs)
+    assert reported == hpc.stats()["prefix_cache"]["reuse_tokens"] - before > 0
+
+
+def test_align_policy_keeps_only_the_last_chunk_boundary(special, root):
+    hpc = special(cache_policy="align")
+    prompt = tokens(700, 13)
+    hpc.generate(prompt, GREEDY)
+    stats = hpc.stats()["prefix_cache"]
+    assert stats["snapshots_by_kind"] == {"tap": 1} and stats["endpoints_published"] == 0
+    out = hpc.generate(prompt + tokens(5, 14), GREEDY)
+    assert out.usage.cached_tokens == 512  # the last 256-token chunk boundary below n - 1
+    assert out.token_ids == root.generate(prompt + tokens(5, 14), GREEDY).token_ids
+
+
+def test_taps_inside_a_chunk_match_a_separate_run_to_the_tap(special, root):
+    # prefill_chunk 256: taps at 64-aligned positions inside a chunk are written by the kernel's state tap.
+    # An empty cache with free slots: superseded taps keep their slots until a slot is needed (§9.2).
+    hpc = special()
+    prompt = tokens(500, 15)
+    hints = [(200, TapHintKind.GENERATION_OPENER), (333, TapHintKind.END_OF_TOOLS)]
+    published = hpc.stats()["prefix_cache"]["taps_published"]
+    hpc.generate(with_hints(prompt, *hints), GREEDY)
+    assert hpc.stats()["prefix_cache"]["taps_published"] - published == 3  # 200 -> 192, 333 -> 320, tail 448
+    for cut in (192, 320):
+        probe = prompt[:cut] + tokens(30, 90 + cut)
+        out = hpc.generate(probe, GREEDY)
+        assert out.usage.cached_tokens == cut
+        assert_same_output(out, root.generate(probe, GREEDY))
