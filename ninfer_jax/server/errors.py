@@ -1,0 +1,87 @@
+"""API errors, and the two wire shapes they take: OpenAI's and Anthropic's.
+
+Handlers raise `ApiError` with a protocol-neutral `kind`; `app.py` renders it in the shape of the
+protocol the request path belongs to. Status codes and `type` strings follow each provider:
+
+  kind              OpenAI                                  Anthropic
+  invalid_request   400 invalid_request_error               400 invalid_request_error
+  context_length    400 invalid_request_error (code         400 invalid_request_error
+                    context_length_exceeded)
+  authentication    401 invalid_request_error (code         401 authentication_error
+                    invalid_api_key)
+  not_found         404 invalid_request_error (code         404 not_found_error
+                    model_not_found for models)
+  unavailable       503 server_error                        529 overloaded_error
+  server_error      500 server_error                        500 api_error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pydantic
+
+OPENAI_STATUS_TYPE = {
+    "invalid_request": (400, "invalid_request_error"),
+    "context_length": (400, "invalid_request_error"),
+    "authentication": (401, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "unavailable": (503, "server_error"),
+    "server_error": (500, "server_error"),
+}
+ANTHROPIC_STATUS_TYPE = {
+    "invalid_request": (400, "invalid_request_error"),
+    "context_length": (400, "invalid_request_error"),
+    "authentication": (401, "authentication_error"),
+    "not_found": (404, "not_found_error"),
+    "unavailable": (529, "overloaded_error"),
+    "server_error": (500, "api_error"),
+}
+
+
+@dataclasses.dataclass
+class ApiError(Exception):
+    """An error answered to the client; `kind` is a key of the tables above."""
+
+    kind: str
+    message: str
+    param: str | None = None  # OpenAI's `param` (the offending field), when known
+    code: str | None = None  # OpenAI's `code`, when it has one
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its engine request was cancelled."""
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether a request path belongs to the Anthropic protocol (its errors take Anthropic's shape)."""
+    return path.startswith("/v1/messages")
+
+
+def openai_error(error: ApiError) -> tuple[int, dict[str, Any]]:
+    status, kind = OPENAI_STATUS_TYPE[error.kind]
+    code = error.code or {"context_length": "context_length_exceeded", "authentication": "invalid_api_key"}.get(
+        error.kind
+    )
+    return status, {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
+
+
+def anthropic_error(error: ApiError) -> tuple[int, dict[str, Any]]:
+    status, kind = ANTHROPIC_STATUS_TYPE[error.kind]
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def validation_error(error: pydantic.ValidationError) -> ApiError:
+    """A request body that failed its schema, as one 400 naming every bad field (`a.0.b: why`)."""
+    problems = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")  # our validators' own words
+        problems.append(f"{location}: {message}" if location else message)
+    first = error.errors(include_url=False)[0]["loc"] if error.error_count() else ()
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(first))
+    return ApiError("invalid_request", "; ".join(problems), param=param or None)

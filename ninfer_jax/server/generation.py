@@ -1,0 +1,187 @@
+"""One request on the engine, as the HTTP handlers see it: events, refusals, cancellation on disconnect.
+
+`EngineRun` wraps `engine.astream`. Engine refusals (prompt too long, bad parameters, engine stopped)
+become `ApiError`s at the first event, before any response byte is sent, so they get a proper status.
+`until_disconnect` races an awaitable against the client leaving; when the client leaves first, the
+engine request is cancelled (it ends at the next unit boundary) and `ClientGone` is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from ninfer_jax import EngineStoppedError, InvalidRequestError, PromptTooLongError, SamplingParams
+
+from .errors import ApiError, ClientGone
+from .metrics import ServerMetrics
+
+T = TypeVar("T")
+
+# finish_reason values after which a request produced an answer (the rest are failures).
+ANSWERED = ("stop", "length")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished request, accumulated from its events."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    error: str | None
+
+
+def sampling_params(**fields: Any) -> SamplingParams:
+    """SamplingParams from the fields a request set (None = the engine default); invalid values are a 400."""
+    try:
+        return SamplingParams(**{key: value for key, value in fields.items() if value is not None})
+    except (ValueError, TypeError) as error:
+        raise ApiError("invalid_request", str(error)) from None
+
+
+def failure(finish_reason: str, error: str | None) -> ApiError:
+    """The ApiError for a request the engine ended without an answer."""
+    if finish_reason == "unavailable":
+        return ApiError("unavailable", "the server is shutting down; retry on another instance")
+    if finish_reason == "cancelled":
+        return ApiError("unavailable", "the request was cancelled")
+    return ApiError("server_error", f"the engine failed: {error or finish_reason}")
+
+
+class EngineRun:
+    """The events of one engine request, what they added up to, and its count in the server metrics (once:
+    at its final event, or when cancelled first)."""
+
+    def __init__(self, engine: Any, prompt: Any, sampling: SamplingParams, request_id: str,
+                 metrics: ServerMetrics):
+        self.engine, self.request_id, self.metrics = engine, request_id, metrics
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict] = []  # the engine's entries, when the request asked for logprobs
+        self.last: Any = None  # the final StreamEvent, once it came
+        self._events = engine.astream(prompt, sampling, request_id=request_id)
+        self._admitted: Any = None  # the first event's usage (cached tokens are fixed at admission)
+        self._refused = False  # the engine refused it before any work
+        self._counted = False
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None or self._refused
+
+    async def next_event(self) -> Any:
+        """The next StreamEvent. Raises ApiError for a refusal before any work."""
+        try:
+            event = await self._events.__anext__()
+        except (PromptTooLongError, InvalidRequestError, EngineStoppedError) as error:
+            self._refused = True
+            raise _refusal(error) from None
+        if self._admitted is None and event.usage is not None:
+            self._admitted = event.usage
+        self.token_ids += event.token_ids
+        self.text += event.text
+        self.logprobs += event.logprobs or ()
+        if event.finish_reason is not None:
+            self.last = event
+            outcome = self.outcome()
+            self._count(outcome.finish_reason, outcome.completion_tokens, outcome.ttft_s)
+        return event
+
+    async def events(self, first: Any) -> AsyncIterator[Any]:
+        """`first` (an event already taken) and every later one, through the final event."""
+        event = first
+        while True:
+            yield event
+            if event.finish_reason is not None:
+                return
+            event = await self.next_event()
+
+    async def collect(self) -> Outcome:
+        """Runs the request to its end (a cancelled one ends with its "cancelled" event)."""
+        while self.last is None:
+            await self.next_event()
+        return self.outcome()
+
+    def outcome(self) -> Outcome:
+        """What the request added up to (after its final event)."""
+        final = self.last.usage
+        return Outcome(
+            self.token_ids, self.text, self.last.finish_reason,
+            self.prompt_tokens or (final.prompt_tokens if final else 0),
+            final.completion_tokens if final else len(self.token_ids),
+            self.cached_tokens or (final.cached_tokens if final else 0),
+            self.last.metrics.ttft_s if self.last.metrics else None, self.last.error,
+        )
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens reused from the prefix cache, known from the first event on."""
+        return self._admitted.cached_tokens if self._admitted else 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._admitted.prompt_tokens if self._admitted else 0
+
+    def cancel(self) -> None:
+        """Cancels the request unless it has finished (the client left, or its batch failed)."""
+        if not self.finished and not self._counted:
+            self.engine.cancel(self.request_id)
+            self._count("cancelled", len(self.token_ids), None)
+
+    def raise_if_failed(self) -> None:
+        """Raises the ApiError of a request that ended without an answer (after its final event)."""
+        if self.last is not None and self.last.finish_reason not in ANSWERED:
+            raise failure(self.last.finish_reason, self.last.error)
+
+    def _count(self, finish_reason: str, completion_tokens: int, ttft_s: float | None) -> None:
+        if not self._counted:
+            self._counted = True
+            self.metrics.observe_finish(finish_reason, self.prompt_tokens, completion_tokens, self.cached_tokens,
+                                        ttft_s)
+
+
+def _refusal(error: Exception) -> ApiError:
+    if isinstance(error, PromptTooLongError):
+        return ApiError("context_length", str(error), param="messages")
+    if isinstance(error, EngineStoppedError):
+        return ApiError("unavailable", f"the server is shutting down ({error})")
+    return ApiError("invalid_request", str(error))
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], *runs: EngineRun) -> T:
+    """Awaits `work` unless the client disconnects first; then cancels `runs` and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        for run in runs:
+            run.cancel()
+        raise ClientGone(", ".join(run.request_id for run in runs))
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (uvicorn blocks until then).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_event(request: Request, run: EngineRun) -> Any:
+    """A stream's first event, taken before the response starts, so that a refusal or a request the
+    engine ended at once (server stopping) is answered with its own status instead of a stream."""
+    first = await until_disconnect(request, run.next_event(), run)
+    run.raise_if_failed()
+    return first

@@ -1,0 +1,215 @@
+"""OpenAI endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Usage reports the engine's reuse as `prompt_tokens_details.cached_tokens` (spec §8.3). A stream sends
+the role first, then reasoning (`reasoning_content`), text and tool calls as they are parsed, a last
+chunk with the finish reason, a usage chunk with `stream_options.include_usage`, and `[DONE]`. A
+request the engine ends without an answer (server stopping, engine failure) is a 503/500 before the
+stream starts, or an `{"error": ...}` event inside it, which the SDK raises as an APIError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .chat_prompt import prepare_prompt
+from .context import ServerContext, context
+from .errors import ApiError, openai_error
+from .generation import ANSWERED, EngineRun, Outcome, failure, first_event, sampling_params, until_disconnect
+from .logprobs import chat_logprobs, completion_logprobs
+from .openai_messages import chat_input
+from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .output_parser import OutputParser, Piece
+from .request_body import read_request
+from .sse import EventStream, sse
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    engine = context(request).engine
+    return JSONResponse({"object": "list", "data": [{
+        "id": engine.model_name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
+        "max_model_len": engine.max_model_len,
+    }]})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    ctx, body = await read_request(request, ChatCompletionRequest)
+    engine = ctx.engine
+    chat = chat_input(body)
+    prepared = await prepare_prompt(engine, chat.messages, chat.tools, chat.breakpoints,
+                                    enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
+    sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
+    run = EngineRun(engine, prepared, sampling, f"chatcmpl-{uuid.uuid4().hex}", ctx.metrics)
+    parser = OutputParser(thinking=body.enable_thinking, tools=chat.tools)
+    if body.stream:
+        first = await first_event(request, run)
+        return EventStream(_chat_stream(ctx, body, run, first, parser))
+    outcome = await until_disconnect(request, run.collect(), run)
+    run.raise_if_failed()
+    pieces = parser.push(outcome.text) + parser.finish()
+    message, calls = _message(pieces)
+    logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
+    choice = {"index": 0, "message": message, "logprobs": logprobs,
+              "finish_reason": _finish(outcome.finish_reason, calls)}
+    return JSONResponse({
+        "id": run.request_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
+        "choices": [choice], "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+    })
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    ctx, body = await read_request(request, CompletionRequest)
+    engine = ctx.engine
+    prompts = body.prompts()
+    if body.stream and len(prompts) > 1:
+        raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
+    sampling = _sampling(body, body.max_tokens)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    runs = [EngineRun(engine, prompt, sampling, f"{request_id}-{i}", ctx.metrics) for i, prompt in enumerate(prompts)]
+    if body.stream:
+        first = await first_event(request, runs[0])
+        return EventStream(_completion_stream(ctx, body, runs[0], first, request_id))
+    try:  # the batch runs concurrently in the engine
+        outcomes = await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), *runs)
+    finally:
+        for run in runs:
+            run.cancel()  # the rest of a batch one of whose prompts was refused
+    for run in runs:
+        run.raise_if_failed()
+    choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                "logprobs": _completion_logprobs(engine, body, run.logprobs)}
+               for i, (o, run) in enumerate(zip(outcomes, runs))]
+    return JSONResponse({
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": engine.model_name,
+        "choices": choices, "usage": _usage(sum(o.prompt_tokens for o in outcomes),
+                                            sum(o.completion_tokens for o in outcomes),
+                                            sum(o.cached_tokens for o in outcomes)),
+    })
+
+
+# --- streams ------------------------------------------------------------------------------------------
+
+async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, run: EngineRun, first: Any,
+                       parser: OutputParser) -> AsyncIterator[str]:
+    head = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": ctx.engine.model_name}
+    usage_field = {"usage": None} if body.include_usage else {}
+
+    def chunk(delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+        scores = chat_logprobs(ctx.engine.tokenizer, logprobs) if logprobs else None
+        return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": scores,
+                                          "finish_reason": finish_reason}], **usage_field})
+
+    calls = 0
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in run.events(first):
+            pieces = parser.push(event.text) + (parser.finish() if event.finish_reason else [])
+            # An event's logprobs ride on its first chunk (held-back text may leave it none of its own).
+            scores = list(event.logprobs or ()) if body.logprobs else []
+            for piece in pieces:
+                if piece.kind == "tool_call":
+                    yield chunk({"tool_calls": [{"index": calls, **_tool_call(piece)}]}, logprobs=scores)
+                    calls += 1
+                else:
+                    key = "reasoning_content" if piece.kind == "reasoning" else "content"
+                    yield chunk({key: piece.text}, logprobs=scores)
+                scores = []
+            if scores:
+                yield chunk({}, logprobs=scores)
+        outcome = run.outcome()
+        for out in _ending(head, body.include_usage, outcome, chunk({}, _finish(outcome.finish_reason, calls))):
+            yield out
+    finally:
+        run.cancel()  # a no-op unless the client left mid-stream
+
+
+async def _completion_stream(ctx: ServerContext, body: CompletionRequest, run: EngineRun, first: Any,
+                             request_id: str) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": ctx.engine.model_name}
+    usage_field = {"usage": None} if body.include_usage else {}
+
+    def chunk(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}], **usage_field})
+
+    shown = 0  # characters sent: the text offset of the next event's tokens
+    try:
+        async for event in run.events(first):
+            if event.text or (event.logprobs and body.logprobs is not None):
+                yield chunk(event.text, logprobs=_completion_logprobs(ctx.engine, body, event.logprobs, shown))
+                shown += len(event.text)
+        outcome = run.outcome()
+        for out in _ending(head, body.include_usage, outcome, chunk("", outcome.finish_reason)):
+            yield out
+    finally:
+        run.cancel()  # a no-op unless the client left mid-stream
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+def _sampling(body, max_tokens: int | None):
+    return sampling_params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        logprobs=body.num_logprobs,
+    )
+
+
+def _completion_logprobs(engine, body: CompletionRequest, entries, offset: int = 0) -> dict | None:
+    if body.logprobs is None or not entries:
+        return None
+    return completion_logprobs(engine.tokenizer, entries, offset)
+
+
+def _message(pieces: list[Piece]) -> tuple[dict[str, Any], int]:
+    text = "".join(p.text for p in pieces if p.kind == "content")
+    reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+    calls = [_tool_call(p) for p in pieces if p.kind == "tool_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None,
+                               "reasoning_content": reasoning or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message, len(calls)
+
+
+def _tool_call(piece: Piece) -> dict[str, Any]:
+    call = piece.tool_call
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def _finish(finish_reason: str, tool_calls: int) -> str:
+    return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _ending(head: dict[str, Any], include_usage: bool, outcome: Outcome, finish_chunk: str) -> Iterator[str]:
+    """A stream's end: its finish chunk, the usage chunk when asked for, and [DONE]; or, for a request the
+    engine ended without an answer, the error event the SDK raises."""
+    if outcome.finish_reason not in ANSWERED:
+        _, error = openai_error(failure(outcome.finish_reason, outcome.error))
+        yield sse(error)
+        return
+    yield finish_chunk
+    if include_usage:
+        yield sse({**head, "choices": [],
+                   "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,104 @@
+"""Splits generated text into reasoning, answer text and tool calls, as it streams.
+
+With thinking on, the Qwen3.5 prompt ends inside `<think>\\n`, so the model's text is reasoning up to
+`</think>` and the answer after it. With tools, each `<tool_call>...</tool_call>` block in the answer
+is a call (tool_calls.py parses it). The parser holds back only what may still turn into a marker (a
+partial `</think>` or `<tool_call>`, and whitespace that would precede one), so the pieces of a stream
+concatenate to the same result as parsing the whole text at once. Whitespace the template puts around
+markers (`</think>\\n\\n`, `\\n\\n<tool_call>`) is format, not content, and is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, parse_tool_call
+
+THINK_CLOSE = "</think>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    kind: Literal["reasoning", "content", "tool_call"]
+    text: str = ""
+    tool_call: ToolCall | None = None
+
+
+class OutputParser:
+    """One per generated sequence. push() text deltas in order, then finish()."""
+
+    def __init__(self, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None):
+        self._mode = "reasoning" if thinking else "content"
+        self._tools = list(tools) if tools else None  # None: tool calls are not parsed
+        self._buffer = ""  # text received and not yet given out
+        self._skip_space = thinking  # drop whitespace that opens the next section
+
+    def push(self, text: str) -> list[Piece]:
+        self._buffer += text
+        pieces: list[Piece] = []
+        while self._step(pieces):
+            pass
+        return pieces
+
+    def finish(self) -> list[Piece]:
+        """The text still held; an unterminated tool call is given back as text."""
+        pieces = self.push("")
+        rest, self._buffer = self._buffer, ""
+        if self._mode == "tool_call":
+            rest = TOOL_CALL_OPEN + rest
+        if self._skip_space:
+            rest = rest.lstrip()
+        if rest:
+            pieces.append(Piece("reasoning" if self._mode == "reasoning" else "content", rest))
+        return pieces
+
+    def _step(self, pieces: list[Piece]) -> bool:
+        """Consumes what it can of the buffer; True when the mode changed and another pass may consume more."""
+        if self._skip_space:
+            self._buffer = self._buffer.lstrip()
+            if not self._buffer:
+                return False
+            self._skip_space = False
+        if self._mode == "tool_call":
+            end = self._buffer.find(TOOL_CALL_CLOSE)
+            if end < 0:
+                return False
+            block, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_CLOSE) :]
+            call = parse_tool_call(block, self._tools)
+            if call is None:
+                pieces.append(Piece("content", TOOL_CALL_OPEN + block + TOOL_CALL_CLOSE))
+            else:
+                pieces.append(Piece("tool_call", tool_call=call))
+            self._mode, self._skip_space = "content", True
+            return True
+        marker = THINK_CLOSE if self._mode == "reasoning" else (TOOL_CALL_OPEN if self._tools is not None else None)
+        kind = "reasoning" if self._mode == "reasoning" else "content"
+        if marker is None:
+            self._give(pieces, kind, len(self._buffer))
+            return False
+        at = self._buffer.find(marker)
+        if at >= 0:
+            self._give(pieces, kind, at, strip=True)
+            self._buffer = self._buffer[len(marker) :]
+            self._mode = "content" if self._mode == "reasoning" else "tool_call"
+            self._skip_space = self._mode == "content"
+            return True
+        self._give(pieces, kind, len(self._buffer) - _held(self._buffer, marker))
+        return False
+
+    def _give(self, pieces: list[Piece], kind: str, upto: int, strip: bool = False) -> None:
+        text, self._buffer = self._buffer[:upto], self._buffer[upto:]
+        if strip:
+            text = text.rstrip()
+        if text:
+            pieces.append(Piece(kind, text))  # type: ignore[arg-type]
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the tail of `text` that may still become `marker`: a partial marker and the
+    whitespace before it (dropped if the marker completes)."""
+    partial = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+    body = text[: len(text) - partial]
+    return partial + (len(body) - len(body.rstrip()))

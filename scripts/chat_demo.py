@@ -1,0 +1,73 @@
+"""A three-turn chat against `ninfer-serve` with the official `openai` client: each turn's TTFT and cached tokens.
+
+    python scripts/chat_demo.py                        # the built-in tiny checkpoint, CPU-friendly settings
+    python scripts/chat_demo.py -- /path/to/Qwen3.5-27B --dtype bfloat16   # any ninfer-serve arguments
+
+It starts the server as a subprocess on a free loopback port, waits for /health, runs the conversation
+(streaming, with `stream_options.include_usage`, so TTFT is the client's time to the first token and
+`cached_tokens` is what the prefix cache reused), then stops the server with SIGTERM and waits for it to
+exit. The built-in checkpoint has random weights: its words are noise; the numbers are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import openai
+
+from ninfer_jax.server.subprocess_server import ServerProcess
+
+# Short context and chunk: the tiny model on a CPU decodes in milliseconds at these sizes.
+DEFAULT_SERVER_ARGS = ["--max-model-len", "4096", "--prefill-chunk", "256"]
+SYSTEM = ("You are a concise assistant for a hardware store. Answer in one or two sentences, name the aisle "
+          "when you mention a product, and never invent prices. The store sells tools, paint, garden "
+          "supplies, plumbing parts and electrical fittings; it opens at eight and closes at six.")
+QUESTIONS = ["Where do I find wood glue?", "And sandpaper for it?", "Which aisle has the cheapest clamps?"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("server_args", nargs="*", help="ninfer-serve arguments (after --)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    args = parser.parse_args()
+    server = ServerProcess(args.server_args or DEFAULT_SERVER_ARGS)
+    print("starting |", " ".join(server.command), flush=True)
+    with server:
+        _chat(server.url, args.max_tokens)
+    print(f"server stopped | exit status {server.exit_status}")
+    return 0 if server.exit_status == 0 else 1
+
+
+def _chat(url: str, max_tokens: int) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn, question in enumerate(QUESTIONS, 1):
+        messages.append({"role": "user", "content": question})
+        started = time.perf_counter()
+        ttft = None
+        answer, reasoning, usage = [], [], None
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            thought = (delta.model_extra or {}).get("reasoning_content")
+            if ttft is None and (delta.content or thought):
+                ttft = time.perf_counter() - started
+            answer.append(delta.content or "")
+            reasoning.append(thought or "")
+        text = "".join(answer)
+        messages.append({"role": "assistant", "content": text})
+        shown = (text or "".join(reasoning)).replace("\n", " ")[:60]
+        print(f"turn {turn} | prompt {usage.prompt_tokens} tokens | cached {usage.prompt_tokens_details.cached_tokens} "
+              f"| TTFT {ttft * 1000:.0f} ms | {usage.completion_tokens} tokens out | {shown!r}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""ninfer-serve's options: the conflict rules (exit 2), the mapping onto Engine options, and the orderly
+SIGTERM stop of a real server process (spec §5.5, §14.2)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from ninfer_jax.server.cli import CACHE_FLAGS, UsageError, build_parser, main, serve_options
+from ninfer_jax.server.subprocess_server import ServerProcess
+from server_support import SERVE_FLAGS, sse_events, subprocess_env, wait_for
+
+
+def _options(*argv):
+    return serve_options(build_parser().parse_args(list(argv)))
+
+
+def test_defaults_bind_loopback_and_serve_the_built_in_checkpoint():
+    options = _options()
+    assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
+    assert options.engine == {"path": None, "dtype": "auto", "max_concurrency": 4, "kv_capacity": "auto",
+                              "no_prefix_reuse": False, "warmup": True}
+
+
+def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
+    options = _options("--model", str(tmp_path), "--host-cache-mib", "1024", "--device-snapshot-slots", "6",
+                       "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192", "--cache-tap-min-gap", "2048",
+                       "--prefix-cache-file", str(tmp_path / "cache.bin"), "--concurrent-prefill",
+                       "--kv-capacity", "65536", "--prefill-chunk", "512", "--max-model-len", "4096")
+    assert options.engine == {
+        "path": str(tmp_path), "dtype": "auto", "max_concurrency": 4, "kv_capacity": 65536, "no_prefix_reuse": False,
+        "warmup": True, "prefill_chunk": 512, "max_model_len": 4096, "concurrent_prefill": True,
+        "host_cache_mib": 1024, "device_snapshot_slots": 6, "max_new_taps": 3, "tap_ladder_tokens": 8192,
+        "tap_min_gap_tokens": 2048, "prefix_cache_file": str((tmp_path / "cache.bin").resolve()),
+    }
+
+
+def test_prefix_cache_file_is_resolved_to_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _options("--prefix-cache-file", "cache.bin").engine["prefix_cache_file"] == str(tmp_path / "cache.bin")
+
+
+@pytest.mark.parametrize("flag", sorted(CACHE_FLAGS))
+def test_no_prefix_reuse_conflicts_with_every_cache_option(flag, tmp_path):
+    value = str(tmp_path / "f") if flag == "--prefix-cache-file" else "1"
+    with pytest.raises(UsageError, match=f"--no-prefix-reuse conflicts with {flag}"):
+        _options("--no-prefix-reuse", flag, value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefix-cache-file", "{tmp}/c.bin", "--host-cache-mib", "0"], "conflicts with --host-cache-mib 0"),
+    (["--prefix-cache-file", "{tmp}"], "is a directory"),
+    (["--prefix-cache-file", "{tmp}/missing/c.bin"], "does not exist"),
+    (["--max-concurrency", "0"], "must be in 1..8"),
+    (["--max-concurrency", "9"], "must be in 1..8"),
+    (["--model", "{tmp}/a", "{tmp}/b"], "two models given"),
+])
+def test_conflicting_options_are_refused_before_loading(argv, message, tmp_path):
+    with pytest.raises(UsageError, match=message):
+        _options(*(arg.format(tmp=tmp_path) for arg in argv))
+
+
+def test_refused_options_exit_with_status_2_and_say_why(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--no-prefix-reuse", "--host-cache-mib", "64"])
+    assert stopped.value.code == 2
+    assert "--no-prefix-reuse conflicts with --host-cache-mib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--kv-capacity", "lots"], ["--host-cache-mib", "-1"], ["--prefill-chunk", "0"]])
+def test_malformed_values_exit_with_status_2(argv):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+
+
+def test_sigterm_answers_in_flight_requests_as_unavailable_then_exits_cleanly(tmp_path):
+    server = ServerProcess(SERVE_FLAGS, env=subprocess_env(), log_file=tmp_path / "serve.log")
+    with server:
+        url = server.url
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        long = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        results: dict[str, object] = {}
+        started = threading.Barrier(3)  # the two streams and this thread
+
+        def openai_stream():
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "count"}], stream=True,
+                max_tokens=long["max_tokens"], temperature=0, extra_body={"ignore_eos": True})
+            chunks = 0
+            try:
+                for _ in stream:
+                    chunks += 1
+                    if chunks == 2:
+                        started.wait()
+            except openai.APIError as error:
+                results["openai_stream"] = (chunks, error.message)
+
+        def anthropic_stream():
+            with httpx.stream("POST", f"{url}/v1/messages", json={
+                    "model": model, "stream": True, "messages": [{"role": "user", "content": "count"}], **long},
+                    timeout=120) as response:
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("event: content_block_delta"))
+                started.wait()
+                results["anthropic_stream"] = sse_events(lines)[-1]
+
+        def openai_blocking():
+            response = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "count", **long},
+                                  timeout=120)
+            results["openai_blocking"] = (response.status_code, response.json())
+
+        threads = [threading.Thread(target=f) for f in (openai_stream, anthropic_stream, openai_blocking)]
+        for thread in threads:
+            thread.start()
+        started.wait(timeout=120)
+        wait_for(lambda: "ninfer_engine_requests_running 3" in httpx.get(f"{url}/metrics").text)
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+    output = (tmp_path / "serve.log").read_text()
+    assert server.exit_status == 0, output
+    assert results["openai_stream"][0] >= 2 and "shutting down" in results["openai_stream"][1]
+    assert results["anthropic_stream"] == ("error", {"type": "error", "error": {
+        "type": "overloaded_error", "message": "the server is shutting down; retry on another instance"}})
+    status, body = results["openai_blocking"]
+    assert status == 503 and body["error"]["type"] == "server_error"
+    order = [output.index(line) for line in ("serving | ", "stopping | SIGTERM", "engine stopped", "stopped | ")]
+    assert order == sorted(order), output
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
+
+
+def test_ctrl_c_stops_in_the_same_order_and_exits_cleanly(tmp_path):
+    server = ServerProcess(SERVE_FLAGS, env=subprocess_env(), log_file=tmp_path / "serve.log")
+    with server:
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=60) == 0
+    output = (tmp_path / "serve.log").read_text()
+    order = [output.index(line) for line in ("stopping | SIGINT", "engine stopped", "stopped | ")]
+    assert order == sorted(order), output

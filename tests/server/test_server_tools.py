@@ -1,0 +1,160 @@
+"""Tools, reasoning and stop sequences through both protocols, on a scripted engine whose output the tests choose
+(the tiny random model never writes a tool call): the model's Qwen3.5 text goes out as each protocol's
+structures, and those structures come back rendered as the Qwen3.5 template expects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server_support import ScriptedEngine, claude, oai, server  # noqa: F401 (fixtures)
+
+MODEL = ScriptedEngine.model_name
+OPENAI_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+        "</parameter>\n</function>\n</tool_call>")
+RENDERED_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine()
+
+
+
+def test_openai_tool_call_goes_out_as_tool_calls_and_comes_back_as_the_template_renders_it(oai, engine):
+    engine.say("The user wants weather.\n</think>\n\nLet me look.\n\n" + CALL)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    first = oai.chat.completions.create(model=MODEL, messages=question, tools=OPENAI_TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "The user wants weather."
+    assert choice.message.content == "Let me look."
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+
+    engine.say("</think>\n\nIt is sunny.")
+    second = oai.chat.completions.create(model=MODEL, tools=OPENAI_TOOLS, messages=[
+        *question, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}])
+    assert second.choices[0].message.content == "It is sunny."
+    rendered = engine.rendered()
+    assert RENDERED_CALL in rendered
+    assert "<tool_response>\nSunny, 24 C\n</tool_response>" in rendered
+
+
+def test_openai_streamed_tool_call_equals_the_non_streamed_one(oai, engine):
+    engine.say("Thinking.</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"))
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Two cities?"}],
+                                              tools=OPENAI_TOOLS, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or ())]
+    assert [tc.index for tc in calls] == [0, 1]
+    assert [json.loads(tc.function.arguments)["city"] for tc in calls] == ["Paris", "Lyon"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    reasoning = [(c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks if c.choices]
+    assert "".join(r for r in reasoning if r) == "Thinking."
+
+
+def test_openai_tool_choice_none_renders_no_tools_and_parses_no_calls(oai, engine):
+    engine.say("</think>\n\n" + CALL)
+    response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           tools=OPENAI_TOOLS, tool_choice="none")
+    assert "# Tools" not in engine.rendered()
+    assert response.choices[0].message.tool_calls is None
+    assert response.choices[0].message.content == CALL
+
+
+def test_thinking_off_pre_closes_the_think_block_and_all_output_is_content(oai, engine):
+    engine.say("Just the answer.")
+    response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.rendered().endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert (response.choices[0].message.content, response.choices[0].message.reasoning_content) == (
+        "Just the answer.", None)
+
+
+def test_anthropic_tool_use_goes_out_and_tool_result_comes_back(claude, engine):
+    engine.say("Let me look.\n\n" + CALL)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    first = claude.messages.create(model=MODEL, max_tokens=100, tools=ANTHROPIC_TOOLS, messages=question)
+    assert first.stop_reason == "tool_use"
+    assert [b.type for b in first.content] == ["text", "tool_use"]
+    use = first.content[1]
+    assert (use.name, use.input) == ("get_weather", {"city": "Paris", "days": 2})
+    assert engine.rendered().endswith("<think>\n\n</think>\n\n")  # thinking is off unless asked for
+
+    engine.say("It is sunny.")
+    second = claude.messages.create(model=MODEL, max_tokens=100, tools=ANTHROPIC_TOOLS, messages=[
+        *question, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 C"}]}])
+    assert second.content[0].text == "It is sunny." and second.stop_reason == "end_turn"
+    rendered = engine.rendered()
+    assert "Let me look.\n\n" + RENDERED_CALL in rendered
+    assert "<tool_response>\nSunny, 24 C\n</tool_response>" in rendered
+
+
+def test_anthropic_stream_gives_thinking_text_and_tool_use_blocks(claude, engine):
+    engine.say("Weather is needed.</think>\n\nChecking.\n\n" + CALL)
+    with claude.messages.stream(model=MODEL, max_tokens=2048, tools=ANTHROPIC_TOOLS,
+                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                messages=[{"role": "user", "content": "Weather in Paris?"}]) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[0].thinking == "Weather is needed."
+    assert final.content[1].text == "Checking."
+    assert final.content[2].input == {"city": "Paris", "days": 2}
+    assert final.stop_reason == "tool_use"
+
+
+def test_anthropic_thinking_blocks_come_back_as_reasoning(claude, engine):
+    engine.say("Fine.")
+    claude.messages.create(model=MODEL, max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
+                           messages=[{"role": "user", "content": "Hi"},
+                                     {"role": "assistant", "content": [
+                                         {"type": "thinking", "thinking": "Greet back.", "signature": ""},
+                                         {"type": "text", "text": "Hello!"}]},
+                                     {"role": "user", "content": "And now?"}])
+    assert "<|im_start|>assistant\nHello!<|im_end|>" in engine.rendered()  # reasoning before the last query drops
+
+
+def test_anthropic_stop_sequence_is_reported(claude, engine):
+    engine.say("one two STOP three")
+    message = claude.messages.create(model=MODEL, max_tokens=100, stop_sequences=["HALT", "STOP"],
+                                     messages=[{"role": "user", "content": "Count"}])
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "STOP")
+    assert message.content[0].text == "one two "
+
+
+def test_openai_chat_logprobs_cover_every_generated_token(oai, engine):
+    engine.say("Two words.")
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                           top_logprobs=2, extra_body=no_think)
+    content = response.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == "Two words."
+    assert len(content) == response.usage.completion_tokens
+    assert all(entry.logprob == -0.5 and [t.logprob for t in entry.top_logprobs] == [-1.0, -2.0] for entry in content)
+    assert engine.sampling[-1].logprobs == 2
+
+    engine.say("Two words.")
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              logprobs=True, stream=True, extra_body=no_think))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [entry.token for entry in streamed] == [entry.token for entry in content]
+
+
+def test_openai_completion_logprobs_give_tokens_and_text_offsets(oai, engine):
+    engine.say("Two words.", "Two words.")
+    whole = oai.completions.create(model=MODEL, prompt="Say two words", logprobs=1).choices[0]
+    assert "".join(whole.logprobs.tokens) == whole.text == "Two words."
+    assert whole.logprobs.text_offset == [0, 3, 9][: len(whole.logprobs.tokens)]
+    streamed = [c.choices[0].logprobs for c in oai.completions.create(model=MODEL, prompt="Say two words",
+                                                                      logprobs=1, stream=True)
+                if c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset
