@@ -43,3 +43,17 @@ def test_tied_embeddings_logits_match_transformers(checkpoint_factory):
     cfg, ours, theirs = _both_logits(directory, "text", 13)
     assert cfg.tie_word_embeddings
     chex.assert_trees_all_close(ours, theirs, atol=1e-5 * np.abs(theirs).max(), rtol=0)
+
+
+@pytest.mark.parametrize("preset,seed", [("tiny-dense", 11), ("tiny-moe", 14)])
+def test_logits_match_transformers_with_pallas_kernels(checkpoint_factory, preset, seed):
+    """The same oracle with the kernel switch on (Pallas in interpret mode on CPU)."""
+    from ninfer_jax.model import KernelConfig
+
+    directory = checkpoint_factory(preset, "text", seed=seed)
+    cfg, params = load_checkpoint(directory, dtype="float32")
+    tokens = np.random.default_rng(seed).integers(0, ORACLE_VOCAB, PROMPT_LEN)
+    ours = np.asarray(forward(params, cfg, tokens, KernelConfig("pallas", interpret=True)))
+    with torch.no_grad():
+        theirs = hf_model(directory)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy()
+    chex.assert_trees_all_close(ours, theirs, atol=1e-4, rtol=0)

@@ -1,0 +1,332 @@
+"""Routed MoE experts as Pallas kernels: a grouped matmul over one-expert row tiles, prefill and decode.
+
+Computes exactly `reference.moe_experts_ref`: for every token t and each of its K routed experts e,
+    y_tk = down_e(silu(gate_e x_t) * up_e x_t),    out_t = sum_k w_tk * y_tk    (float32 result).
+Weight layout (ours, transposed from HF): gate_up [E, H, 2I] with the I gate columns first, then the I
+up columns; down [E, I, H].
+
+Names: T tokens, K experts per token, R = T*K routed rows (row r = t*K + k), E experts, H hidden,
+I expert intermediate, BM/BN/BK tile sides, P padded rows (a multiple of BM).
+
+Both paths run the same two kernels over row tiles of one expert each; they differ in how rows are
+laid out into tiles:
+  1. Layout. Prefill (R > `MoeConfig.decode_max_rows`), the moe_align_block_size idea of vLLM's fused_moe
+     and the group offsets of megablox's gmm: `_align_rows` sorts the R rows by expert (one int32 key per
+     row, so XLA runs a single-operand sort) and pads each expert's run to a multiple of BM. Decode
+     (1-8 lanes, R <= 64): `_rows_as_tiles` gives every routed row a 16-row tile of its own (row r, then
+     padding): no sort, and each tile streams exactly its row's expert (the 15 padding rows ride along
+     free on the tensor cores), so HBM traffic is the used experts' bytes. Results: `sorted_rows` [P]
+     (the source row r of each slot, R for padding) and `tile_expert` [P / BM] (the one expert of each
+     row tile, -1 past the used tiles). Prefill P has the static bound R + min(E, R) * (BM - 1), so no
+     tile straddles two experts and no shape depends on the routing.
+  2. `_gate_up_call`: per (column block, row tile), gathers the tile's token rows of x inside the
+     kernel, reads its expert's gate and up column blocks (expert id from `tile_expert`), and writes
+     act = silu(gate) * up [P, I] in the weights' dtype: the SiLU gate is fused, gate/up never reach HBM.
+  3. `_down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
+     token order (row r of y [R + 1, H]; padding goes to the spare row R).
+  4. out = y[:R].reshape(T, K, H).sum(1) in float32 (one fused XLA reduction, no scatter).
+
+Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
+and index ref is passed whole and indexed inside the kernel with ids loaded from an index array; block
+sides are powers of two and dots are 2-D with sides >= 16. The same kernels run on CPU with
+interpret=True (tests); interpret mode fills outputs with NaN before the kernels run, so an unwritten
+element shows up in the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels import reference as ref
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Tuning knobs (hashable: a static jit argument). Block sides are clamped to the problem's dims.
+
+    Prefill: block_m rows per tile (also the per-expert padding unit), block_n columns of gate (and of
+    up) per program, block_k the contraction step over H; the down projection uses down_block_n
+    columns of H and down_block_k steps over I. Decode (16-row tiles, one routed row each) has its own
+    decode_* column blocks, steps, warps and pipeline stages.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    down_block_n: int = 128
+    down_block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    decode_max_rows: int = 64  # R = T*K at or below this takes the decode layout
+    decode_block_n: int = 32
+    decode_block_k: int = 256
+    decode_down_block_n: int = 64
+    decode_down_block_k: int = 256
+    decode_num_warps: int = 4
+    decode_num_stages: int = 4
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"MoeConfig.{f.name} must be a non-negative int, got {v!r}")
+            if "block" in f.name and (v < 16 or not _is_pow2(v)):
+                raise ValueError(f"MoeConfig.{f.name} must be a power of two >= 16, got {v}")
+            if f.name.endswith("num_warps") and not _is_pow2(v):
+                raise ValueError(f"MoeConfig.{f.name} must be a power of two, got {v}")
+            if f.name.endswith("num_stages") and v < 1:
+                raise ValueError(f"MoeConfig.{f.name} must be >= 1, got {v}")
+
+
+# Tuned on the H200 at the 35B-A3B shapes (docs/benchmarks/moe.md has the sweeps).
+DEFAULT_CONFIG = MoeConfig()
+# Prefill with few rows per expert (R < E * 64; 512 tokens of 35B-A3B have 16 per expert): 32-row tiles
+# waste less padding, and the step is bound by reading every used expert's weights once.
+SPARSE_PREFILL_CONFIG = MoeConfig(block_m=32, num_warps=4, num_stages=4)
+# Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
+WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
+                               decode_down_block_k=128)
+_DECODE_BLOCK_M = 16  # the smallest side of a Pallas dot
+
+
+def default_config(rows: int, num_experts: int) -> MoeConfig:
+    """The tuned config for R routed rows over E experts (what `moe_experts` takes when given None)."""
+    if 16 < rows <= DEFAULT_CONFIG.decode_max_rows:
+        return WIDE_DECODE_CONFIG
+    if DEFAULT_CONFIG.decode_max_rows < rows < num_experts * 64:
+        return SPARSE_PREFILL_CONFIG
+    return DEFAULT_CONFIG
+
+
+def _dot(a, b):
+    # float32 operands: IEEE products (Triton's default for them is TF32 under jax >= 0.11).
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels: grouped matmul over row tiles of one expert each.
+
+
+def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, gate_up_ref, act_ref, *,
+                    top_k: int, num_rows: int, block_m: int, block_n: int, block_k: int):
+    # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
+    # x_ref: [T, H]                       gate_up_ref: [E, H, 2I]
+    # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n)
+    n, m = pl.program_id(0), pl.program_id(1)
+    e = tile_expert_ref[m]
+    hidden, inter = gate_up_ref.shape[1], act_ref.shape[1]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
+        tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding reads token 0
+        cdt = gate_up_ref.dtype
+
+        def body(i, acc):
+            acc_g, acc_u = acc
+            k0 = pl.multiple_of(i * block_k, block_k)
+            xt = x_ref[tokens, pl.ds(k0, block_k)].astype(cdt)  # [BM, BK]
+            wg = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
+            wu = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(inter + n * block_n, block_n)]  # [BK, BN]
+            return acc_g + _dot(xt, wg), acc_u + _dot(xt, wu)
+
+        zero = jnp.zeros((block_m, block_n), jnp.float32)
+        g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
+        act = g * jax.nn.sigmoid(g) * u
+        act_ref[pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n)] = act.astype(act_ref.dtype)
+
+
+def _gate_up_call(tile_expert, sorted_rows, x, gate_up, *, top_k, num_rows, block_m, block_n, block_k,
+                  num_warps, num_stages, interpret):
+    num_tiles, inter = tile_expert.shape[0], gate_up.shape[2] // 2
+    kernel = functools.partial(_gate_up_kernel, top_k=top_k, num_rows=num_rows, block_m=block_m,
+                               block_n=block_n, block_k=block_k)
+    # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
+    # run together, and neighbouring row tiles of one expert re-read its weights from L2.
+    # No BlockSpecs: every ref is the whole array; the kernel indexes it with the ids it loads.
+    return pl.pallas_call(
+        kernel,
+        grid=(inter // block_n, num_tiles),
+        out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, inter), gate_up.dtype),
+        compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="moe_gate_up",
+    )(tile_expert, sorted_rows, x, gate_up)
+
+
+def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down_ref, y_ref, *,
+                 num_rows: int, block_m: int, block_n: int, block_k: int):
+    # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32     row_weight_ref: [R + 1] f32 (0 at R)
+    # act_ref: [P, I]                     down_ref: [E, I, H]
+    # y_ref (out): [R + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
+    n, m = pl.program_id(0), pl.program_id(1)
+    e = tile_expert_ref[m]
+    inter = down_ref.shape[1]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM], R marks padding
+
+        def body(i, acc):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
+            wd = down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
+            return acc + _dot(at, wd)
+
+        acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        weight = row_weight_ref[rows]  # [BM]
+        # Padding rows all land on the spare row R (never read back); real rows are unique.
+        y_ref[rows, pl.ds(n * block_n, block_n)] = (acc * weight[:, None]).astype(y_ref.dtype)
+
+
+def _down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, block_m, block_n, block_k,
+               num_warps, num_stages, interpret):
+    num_tiles, hidden = tile_expert.shape[0], down.shape[2]
+    num_rows = row_weight.shape[0] - 1
+    kernel = functools.partial(_down_kernel, num_rows=num_rows, block_m=block_m, block_n=block_n,
+                               block_k=block_k)
+    # Grid (column block n of H, row tile m), n fastest as in `_gate_up_call`.
+    # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
+    return pl.pallas_call(
+        kernel,
+        grid=(hidden // block_n, num_tiles),
+        out_shape=jax.ShapeDtypeStruct((num_rows + 1, hidden), y_dtype),
+        compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="moe_down",
+    )(tile_expert, sorted_rows, row_weight, act, down)
+
+
+def _align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
+    """Sort the R routed rows by expert and pad each expert's run to a multiple of block_m.
+
+    Args:
+      flat_ids: [R] int32 expert of each routed row (row r = t*K + k).
+    Returns:
+      sorted_rows [P] int32: source row of each padded slot (R for padding), grouped by expert in
+        ascending order, rows of one expert in ascending r;
+      tile_expert [P / block_m] int32: the expert of each row tile, -1 for tiles past the last used one.
+    P = block_m * ((R + min(E, R) * (block_m - 1)) // block_m), a static bound on the padded rows.
+    """
+    r = flat_ids.shape[0]
+    num_tiles = (r + min(num_experts, r) * (block_m - 1)) // block_m
+    iota = jnp.arange(r, dtype=jnp.int32)
+    if num_experts * r < 2**31:
+        # One int32 key per row (expert major, row minor): a single-operand sort (XLA GPU may hand it to
+        # a library radix sort), and unique keys make it stable for free.
+        keys = lax.sort(flat_ids * r + iota)
+        s_expert, s_row = keys // r, keys % r
+    else:
+        s_expert, s_row = lax.sort((flat_ids, iota), num_keys=1, is_stable=True)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = jnp.cumsum(padded)
+    start = jnp.cumsum(counts) - counts
+    dest = (padded_end - padded)[s_expert] + iota - start[s_expert]  # padded slot of sorted row j
+    sorted_rows = jnp.full((num_tiles * block_m,), r, jnp.int32).at[dest].set(s_row, unique_indices=True)
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+    # Expert of a tile = how many padded runs end at or before its first row (compare-all: E is small,
+    # and it avoids the device loop of a binary search).
+    tile_expert = jnp.sum(padded_end[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
+    tile_expert = jnp.where(tile_expert < num_experts, tile_expert, -1)
+    return sorted_rows, tile_expert
+
+
+def _rows_as_tiles(flat_ids: jax.Array, block_m: int):
+    """Decode layout: routed row r alone in tile r (slot r * block_m), the tile's other slots padding.
+
+    Returns sorted_rows [R * block_m] int32 (r or R) and tile_expert [R] int32 (= flat_ids).
+    """
+    r = flat_ids.shape[0]
+    slot = jnp.arange(r * block_m, dtype=jnp.int32)
+    sorted_rows = jnp.where(slot % block_m == 0, slot // block_m, r)
+    return sorted_rows, flat_ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def _block(want: int, dim: int, name: str) -> int:
+    b = min(want, dim)
+    if dim % b:
+        raise ValueError(f"moe_experts: {name}={dim} is not a multiple of its block {b}")
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: jax.Array,
+                down: jax.Array, *, config: MoeConfig | None = None, interpret: bool = False) -> jax.Array:
+    """Routed experts of an MoE layer (the shared expert is the model's).
+
+    Args:
+      x: [T, H] bfloat16 or float32 (cast to the weights' dtype for the matrix products).
+      expert_ids: [T, K] int32 in [0, E).
+      expert_weights: [T, K] float32 routing weights (already renormalised by the router).
+      gate_up: [E, H, 2I] (gate columns first, then up); down: [E, I, H]; same dtype (bf16 or f32).
+      config: tuning knobs; None takes `default_config(T * K, E)`.
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+    Returns:
+      [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k].
+      Products accumulate in float32; with bf16 weights the activation act and each weighted expert
+      output are rounded to bf16 once (relative error ~1e-3 against the float32 reference).
+    """
+    t, h = x.shape
+    num_experts, inter = down.shape[0], down.shape[1]
+    k = expert_ids.shape[1] if expert_ids.ndim == 2 else -1
+    if expert_ids.shape != (t, k) or expert_weights.shape != (t, k):
+        raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} and expert_weights "
+                         f"{expert_weights.shape} must both be [T={t}, K]")
+    if gate_up.shape != (num_experts, h, 2 * inter) or down.shape != (num_experts, inter, h):
+        raise ValueError(f"moe_experts: gate_up {gate_up.shape} must be [E, H, 2I] and down {down.shape} "
+                         f"[E, I, H] with H={h}")
+    if gate_up.dtype != down.dtype or gate_up.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"moe_experts: weights must share dtype bf16 or f32, got {gate_up.dtype}, "
+                         f"{down.dtype}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"moe_experts: expert_ids must be integers, got {expert_ids.dtype}")
+    if h % 16 or inter % 16:
+        raise ValueError(f"moe_experts: H={h} and I={inter} must be multiples of 16")
+
+    rows = t * k
+    cfg = default_config(rows, num_experts) if config is None else config
+    flat_ids = expert_ids.reshape(rows).astype(jnp.int32)
+    flat_w = expert_weights.reshape(rows).astype(jnp.float32)
+
+    if rows <= cfg.decode_max_rows:
+        block_m = _DECODE_BLOCK_M
+        sorted_rows, tile_expert = _rows_as_tiles(flat_ids, block_m)
+        bn, bk = cfg.decode_block_n, cfg.decode_block_k
+        dbn, dbk = cfg.decode_down_block_n, cfg.decode_down_block_k
+        warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
+    else:
+        block_m = cfg.block_m
+        sorted_rows, tile_expert = _align_rows(flat_ids, num_experts, block_m)
+        bn, bk, dbn, dbk = cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k
+        warps, stages = cfg.num_warps, cfg.num_stages
+    act = _gate_up_call(
+        tile_expert, sorted_rows, x, gate_up, top_k=k, num_rows=rows, block_m=block_m,
+        block_n=_block(bn, inter, "I"), block_k=_block(bk, h, "H"), num_warps=warps, num_stages=stages,
+        interpret=interpret)
+    row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
+    y = _down_call(
+        tile_expert, sorted_rows, row_weight, act, down, y_dtype=gate_up.dtype, block_m=block_m,
+        block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
+        interpret=interpret)
+    return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+
+
+# The plain-jnp reference these kernels match lives with the others in `reference.py`.
+moe_experts_ref = ref.moe_experts_ref

@@ -1,0 +1,404 @@
+"""Paged GQA attention over 64-token KV pages: prefill (a chunk of queries, causal) and decode (split-K).
+
+Implements the contracts of `ninfer_jax.model.ops.attention_prefill` / `attention_decode`. The KV pool
+layout is fixed: `[P, 64, Hkv, D]` per layer for K and for V; a lane's logical block b lives in page
+`page_table[b]`. Kernels gather page rows by index arrays read inside the kernel (Triton has no scalar
+prefetch): row r of a key block of `pages_per_block` pages is token r % 64 of page
+`table[first + r // 64]`.
+
+  decode: one program per (lane, KV head, split of the lane's pages). The program holds the whole query
+    group of its KV head (padded to 16 rows for the matrix units), runs an online softmax over its pages
+    and writes (o, max, sum) partials; a small jnp combine merges the splits (flash-decoding).
+  prefill: one program per (block of queries, query head), flash attention over the lane's keys
+    [0, base + T): blocks wholly below the causal diagonal without a mask, the rest masked by absolute
+    position. `PrefillConfig.impl = "cudnn"` instead gathers the pages and runs cuDNN flash attention
+    (GPU only) in two parts (prefix keys, non-causal; chunk keys, causal) merged by their log-sum-exps.
+
+Keys at or past the valid length are never loaded (masked loads), so stale or poisoned pool rows cannot
+leak into the softmax. Outputs are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.reference import PAGE
+
+_F32 = jnp.float32
+_NEG = -1e30  # finite "minus infinity": masked scores; never produces inf - inf
+_MIN_ROWS = 16  # Triton dots need sides >= 16
+
+
+def _dot_nt(a, b):
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _load_kv_block(k_ref, v_ref, page_of, first_page, n_valid_pages, kv_len, kvh, pages_per_block, mask_keys):
+    """Gather keys/values of pages [first_page, first_page + pages_per_block) of one lane.
+
+    page_of: logical block indices [BK] -> page ids [BK] (a gathered load of the lane's page table).
+    Returns (K [BK, D], V [BK, D], key positions [BK], key valid [BK]); with mask_keys, rows past the
+    lane's pages or length are zero and never read.
+    """
+    bk = pages_per_block * PAGE
+    r = jnp.arange(bk, dtype=jnp.int32)
+    logical = first_page + r // PAGE
+    pos = logical * PAGE + r % PAGE
+    valid = (logical < n_valid_pages) & (pos < kv_len)
+    page = page_of(logical)
+    cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
+    idx = (page[:, None], (r % PAGE)[:, None], kvh, cols[None, :])
+    if mask_keys:
+        k = _compat.load(k_ref.at[idx], mask=valid[:, None], other=0)
+        v = _compat.load(v_ref.at[idx], mask=valid[:, None], other=0)
+    else:
+        k, v = k_ref[idx], v_ref[idx]
+    return k, v, pos, valid
+
+
+def _online_softmax_step(carry, s, v, valid):
+    """One flash-attention update. s: [R, BK] scores (already masked), v: [BK, D], valid: [R, BK] or None."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    if valid is not None:
+        p = jnp.where(valid, p, 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode: split-K over the lane's pages.
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode_kernel(
+    lengths_ref,  # [B] int32 (whole array)
+    tables_ref,  # [B, max_pages] int32 (whole array)
+    q_ref,  # [B, Hq, D] (whole array)
+    k_ref,  # [P, 64, Hkv, D] (whole pool)
+    v_ref,  # [P, 64, Hkv, D] (whole pool)
+    o_ref,  # out [B, NS, Hkv, R, D] f32 (whole array): unnormalised partial outputs
+    m_ref,  # out [B, NS, Hkv, R] f32: running max of each partial
+    l_ref,  # out [B, NS, Hkv, R] f32: softmax denominator of each partial
+    *,
+    group: int,
+    rows: int,
+    pages_per_split: int,
+    pages_per_block: int,
+    scale: float,
+):
+    b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d = q_ref.shape[-1]
+    length = lengths_ref[b]
+    r = jnp.arange(rows, dtype=jnp.int32)
+    cols = jnp.arange(d, dtype=jnp.int32)
+    head_ok = r < group
+    heads = kvh * group + jnp.minimum(r, group - 1)
+    q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
+    q = (q.astype(_F32) * scale).astype(k_ref.dtype)
+
+    n_pages = (length + PAGE - 1) // PAGE
+    first = sp * pages_per_split
+    last = jnp.minimum(first + pages_per_split, n_pages)
+    n_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
+    max_pages = tables_ref.shape[1]
+
+    def page_of(logical):
+        return tables_ref[b, jnp.minimum(logical, max_pages - 1)]
+
+    def body(i, carry):
+        k, v, _, valid = _load_kv_block(
+            k_ref, v_ref, page_of, first + i * pages_per_block, last, length, kvh, pages_per_block, True
+        )
+        s = jnp.where(valid[None, :], _dot_nt(q, k), _NEG)
+        return _online_softmax_step(carry, s, v, valid[None, :])
+
+    init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32), jnp.zeros((rows, d), _F32))
+    m, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    o_ref[b, sp, kvh, :, :] = acc
+    m_ref[b, sp, kvh, :] = m
+    l_ref[b, sp, kvh, :] = l
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs of paged decode (hashable: a static argument)."""
+
+    num_splits: int | None = None  # splits of the page list; None: enough programs to fill the GPU
+    pages_per_block: int = 2  # pages per key block (64 keys each)
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 512  # for num_splits=None: aim for this many programs
+
+    def __post_init__(self):
+        for name in ("pages_per_block", "num_warps"):
+            x = getattr(self, name)
+            if x < 1 or x & (x - 1):
+                raise ValueError(f"DecodeConfig.{name} must be a power of 2, got {x}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError("DecodeConfig.num_splits must be >= 1")
+        if self.num_stages < 1 or self.target_programs < 1:
+            raise ValueError("DecodeConfig.num_stages and target_programs must be >= 1")
+
+    def splits(self, lanes: int, kv_heads: int, max_pages: int) -> int:
+        if self.num_splits is not None:
+            return min(self.num_splits, max_pages)
+        want = -(-self.target_programs // (lanes * kv_heads))
+        return max(1, min(want, -(-max_pages // self.pages_per_block)))
+
+
+def _combine_splits(o, m, l):
+    """Merge flash-decoding partials over axis 1: o [B, NS, Hkv, R, D], m/l [B, NS, Hkv, R]."""
+    m_all = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - m_all)
+    num = jnp.sum(o * w[..., None], axis=1)
+    den = jnp.sum(l * w, axis=1)
+    return num / den[..., None]
+
+
+def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, interpret):
+    lanes, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    group = hq // hkv
+    rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+    max_pages = page_tables.shape[1]
+    n_splits = config.splits(lanes, hkv, max_pages)
+    pages_per_split = -(-max_pages // n_splits)
+    pages_per_block = min(config.pages_per_block, pl.next_power_of_2(pages_per_split))
+    full = _compat.full_spec()
+    o, m, l = pl.pallas_call(
+        functools.partial(
+            _decode_kernel,
+            group=group,
+            rows=rows,
+            pages_per_split=pages_per_split,
+            pages_per_block=pages_per_block,
+            scale=d**-0.5,
+        ),
+        grid=(lanes, hkv, n_splits),
+        # lengths, tables, q, K pool, V pool: whole arrays; pages gathered by table lookups in-kernel
+        in_specs=[full] * 5,
+        out_specs=[full] * 3,  # partials written at [lane, split, kv head]
+        out_shape=[
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows, d), _F32),
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows), _F32),
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows), _F32),
+        ],
+        compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(kv_lengths, page_tables, q, k_pages, v_pages)
+    out = _combine_splits(o, m, l)[:, :, :group, :]  # [B, Hkv, group, D]
+    return out.reshape(lanes, hq, d)
+
+
+def _check_pool(q, k_pages, v_pages):
+    if k_pages.shape != v_pages.shape or k_pages.ndim != 4 or k_pages.shape[1] != PAGE:
+        raise ValueError(f"K/V pools must both be [P, {PAGE}, Hkv, D], got {k_pages.shape}, {v_pages.shape}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k_pages.shape[2]
+    if k_pages.shape[3] != d or hq % hkv:
+        raise ValueError(f"q heads/dim {q.shape[-2:]} do not fit the pool's {k_pages.shape[2:]}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim must be a power of 2 >= 16, got {d}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, interpret=False, config=None):
+    """One query per lane over its pages, split over the context (flash-decoding).
+
+    Args:
+      q: [B, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D]; page_tables: [B, max_pages] int32;
+      kv_lengths: [B] int32 >= 1, valid keys per lane (the query sits at kv_lengths - 1; its key is
+        already written).
+      interpret: run the Pallas interpreter (CPU tests). config: `DecodeConfig` (None: defaults).
+    Returns:
+      [B, Hq, D] float32.
+    """
+    _check_pool(q, k_pages, v_pages)
+    if page_tables.ndim != 2 or page_tables.shape[0] != q.shape[0] or kv_lengths.shape != (q.shape[0],):
+        raise ValueError(f"page_tables {page_tables.shape} / kv_lengths {kv_lengths.shape} do not match q {q.shape}")
+    return _paged_decode_call(
+        q,
+        k_pages,
+        v_pages,
+        page_tables.astype(jnp.int32),
+        kv_lengths.astype(jnp.int32),
+        config=config or DecodeConfig(),
+        interpret=interpret,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill: causal flash attention of a chunk of queries over the lane's pages.
+# --------------------------------------------------------------------------------------------------
+
+
+def _prefill_kernel(
+    base_ref,  # [1] int32: absolute position of query 0
+    table_ref,  # [max_pages] int32 (whole array)
+    q_ref,  # [T, Hq, D] (whole array)
+    k_ref,  # [P, 64, Hkv, D] (whole pool)
+    v_ref,  # [P, 64, Hkv, D] (whole pool)
+    o_ref,  # out [T (+1 trash row in interpret mode), Hq, D] f32 (whole array)
+    *,
+    t_len: int,
+    group: int,
+    block_q: int,
+    pages_per_block: int,
+    scale: float,
+):
+    qb, h = pl.program_id(0), pl.program_id(1)
+    kvh = h // group
+    d = q_ref.shape[-1]
+    base = base_ref[0]
+    bk = pages_per_block * PAGE
+    qi = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    q_ok = qi < t_len
+    cols = jnp.arange(d, dtype=jnp.int32)
+    q = _compat.load(q_ref.at[jnp.minimum(qi, t_len - 1)[:, None], h, cols[None, :]], mask=q_ok[:, None], other=0)
+    q = (q.astype(_F32) * scale).astype(k_ref.dtype)
+    q_pos = base + qi
+    kv_len = base + t_len
+    n_pages = (kv_len + PAGE - 1) // PAGE
+    # Key blocks wholly at or before the block's first query need no mask; the rest reach its last one.
+    max_pages = table_ref.shape[0]
+
+    def page_of(logical):
+        return table_ref[jnp.minimum(logical, max_pages - 1)]
+
+    n_full = (base + qb * block_q + 1) // bk
+    n_total = (base + jnp.minimum(qb * block_q + block_q, t_len) + bk - 1) // bk
+
+    def unmasked(j, carry):
+        k, v, _, _ = _load_kv_block(k_ref, v_ref, page_of, j * pages_per_block, n_pages, kv_len, kvh,
+                                    pages_per_block, False)
+        return _online_softmax_step(carry, _dot_nt(q, k), v, None)
+
+    def masked(j, carry):
+        k, v, pos, valid = _load_kv_block(k_ref, v_ref, page_of, j * pages_per_block, n_pages, kv_len, kvh,
+                                          pages_per_block, True)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = jnp.where(visible, _dot_nt(q, k), _NEG)
+        return _online_softmax_step(carry, s, v, visible)
+
+    carry = (jnp.full((block_q,), _NEG, _F32), jnp.zeros((block_q,), _F32), jnp.zeros((block_q, d), _F32))
+    carry = lax.fori_loop(0, n_full, unmasked, carry)
+    _, l, acc = lax.fori_loop(n_full, n_total, masked, carry)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    rows = jnp.where(q_ok, qi, t_len)  # masked lanes never store; interpret mode has a trash row
+    _compat.store(o_ref.at[rows[:, None], h, cols[None, :]], out, mask=q_ok[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tuning knobs of paged prefill attention (hashable: a static argument)."""
+
+    # "pallas", or "cudnn": gather pages + cuDNN flash attention (GPU only). NOTE: the cuDNN path is in
+    # scripts/bench_kernels.py but has not run on the H200 yet (device budget); serve it only after it has.
+    impl: str = "pallas"
+    block_q: int = 64
+    pages_per_block: int = 1  # pages per key block (64 keys each)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.impl not in ("pallas", "cudnn"):
+            raise ValueError(f"PrefillConfig.impl must be 'pallas' or 'cudnn', got {self.impl!r}")
+        for name in ("block_q", "pages_per_block", "num_warps"):
+            x = getattr(self, name)
+            if x < 1 or x & (x - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of 2, got {x}")
+        if self.block_q < _MIN_ROWS:
+            raise ValueError(f"PrefillConfig.block_q must be >= {_MIN_ROWS}, got {self.block_q}")
+        if self.num_stages < 1:
+            raise ValueError("PrefillConfig.num_stages must be >= 1")
+
+
+def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interpret):
+    t_len, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    block_q = min(config.block_q, max(_MIN_ROWS, pl.next_power_of_2(t_len)))
+    full = _compat.full_spec()
+    o = pl.pallas_call(
+        functools.partial(
+            _prefill_kernel,
+            t_len=t_len,
+            group=hq // hkv,
+            block_q=block_q,
+            pages_per_block=config.pages_per_block,
+            scale=d**-0.5,
+        ),
+        grid=(pl.cdiv(t_len, block_q), hq),
+        # base, page table, q, K pool, V pool: whole arrays; query rows and pages gathered in-kernel
+        in_specs=[full] * 5,
+        out_specs=full,  # rows of the query block, masked to [0, T)
+        out_shape=jax.ShapeDtypeStruct((t_len + 1 if interpret else t_len, hq, d), _F32),
+        compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="paged_prefill_attention",
+    )(base.reshape(1), page_table, q, k_pages, v_pages)
+    return o[:t_len] if interpret else o
+
+
+def _paged_prefill_cudnn(q, k_pages, v_pages, page_table, base):
+    """Gather the lane's pages, then cuDNN flash attention: prefix keys (no mask) + chunk keys (causal)."""
+    t_len, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    k = k_pages[page_table].reshape(-1, hkv, d)[None]  # [1, max_pages * 64, Hkv, D]
+    v = v_pages[page_table].reshape(-1, hkv, d)[None]
+    qb = q.astype(k.dtype)[None]
+    k_chunk = lax.dynamic_slice_in_dim(k, base, t_len, axis=1)
+    v_chunk = lax.dynamic_slice_in_dim(v, base, t_len, axis=1)
+    o2, lse2 = jax.nn.dot_product_attention(
+        qb, k_chunk, v_chunk, is_causal=True, implementation="cudnn", return_residual=True
+    )
+    o1, lse1 = jax.nn.dot_product_attention(
+        qb, k, v, query_seq_lengths=jnp.full((1,), t_len, jnp.int32),
+        key_value_seq_lengths=jnp.maximum(base, 1).reshape(1), implementation="cudnn",
+        return_residual=True,
+    )
+    lse1 = jnp.where(base > 0, lse1.astype(_F32), -jnp.inf)
+    lse2 = lse2.astype(_F32)
+    m = jnp.maximum(lse1, lse2)
+    w1, w2 = jnp.exp(lse1 - m)[..., None], jnp.exp(lse2 - m)[..., None]
+    out = (o1.astype(_F32) * w1 + o2.astype(_F32) * w2) / (w1 + w2)
+    return out[0]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def paged_prefill_attention(q, k_pages, v_pages, page_table, base, *, interpret=False, config=None):
+    """Queries at absolute positions [base, base + T) attend causally over the lane's pages.
+
+    Args:
+      q: [T, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D] with the chunk's own keys already written;
+      page_table: [max_pages] int32 (entries past the lane's length may be any valid page id);
+      base: int32 scalar >= 0.
+      interpret: run the Pallas interpreter (CPU tests; forces impl "pallas").
+      config: `PrefillConfig` (None: defaults).
+    Returns:
+      [T, Hq, D] float32. Query i sees key j iff j <= base + i.
+    """
+    config = config or PrefillConfig()
+    _check_pool(q, k_pages, v_pages)
+    if page_table.ndim != 1:
+        raise ValueError(f"page_table must be [max_pages], got {page_table.shape}")
+    base = jnp.asarray(base, jnp.int32)
+    page_table = page_table.astype(jnp.int32)
+    if config.impl == "cudnn" and not interpret:
+        return _paged_prefill_cudnn(q, k_pages, v_pages, page_table, base)
+    return _paged_prefill_call(q, k_pages, v_pages, page_table, base, config=config, interpret=interpret)

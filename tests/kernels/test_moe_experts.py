@@ -1,0 +1,147 @@
+"""MoE expert kernels (`pallas_kernels.moe`) against `reference.moe_experts_ref`.
+
+The same cases run on GPU and, in Pallas interpret mode, on CPU (tiny shapes: E=8, K=2, H=64, I=32).
+Inputs are fresh random draws every run (the seed is in the assertion message). Interpret mode fills
+kernel outputs with NaN before the kernels run, so an element no program wrote surfaces as NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import triton as pltriton
+
+from ninfer_jax.model import ops
+from pallas_kernels import _compat, moe
+from pallas_kernels import reference as ref
+
+INTERPRET = jax.default_backend() == "cpu"
+E, K, H, I = 8, 2, 64, 32
+
+# Prefill path with 16-row tiles (several tiles per expert, padding in most); the default decode path.
+PREFILL = moe.MoeConfig(block_m=16, decode_max_rows=0)
+DECODE = moe.MoeConfig()
+
+
+def _inputs(seed: int, t: int, dtype, routing: str):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, H), np.float32)
+    gate_up = rng.standard_normal((E, H, 2 * I), np.float32) * H**-0.5
+    down = rng.standard_normal((E, I, H), np.float32) * I**-0.5
+    if routing == "router":  # the reference router over a random gate
+        ids, w = ref.moe_route_ref(jnp.asarray(x), jnp.asarray(rng.standard_normal((E, H), np.float32)), K)
+        ids, w = np.asarray(ids), np.asarray(w)
+    else:
+        if routing == "sparse":  # only experts 1, 4, 6 receive tokens
+            ids = np.stack([rng.choice([1, 4, 6], size=K, replace=False) for _ in range(t)])
+        elif routing == "one_expert":  # every routed row lands on expert 5 (K copies per token)
+            ids = np.full((t, K), 5)
+        else:
+            raise ValueError(routing)
+        w = rng.random((t, K), np.float32) + 0.1
+        w /= w.sum(axis=1, keepdims=True)
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    return cast(x), jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32), cast(gate_up), cast(down)
+
+
+def _rel_err(out, want) -> float:
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(out - want) / np.linalg.norm(want))
+
+
+def _check(cfg, t, dtype, routing):
+    seed = secrets.randbits(32)
+    args = _inputs(seed, t, dtype, routing)
+    out = moe.moe_experts(*args, config=cfg, interpret=INTERPRET)
+    want = ref.moe_experts_ref(*args)
+    assert out.shape == (t, H) and out.dtype == jnp.float32
+    assert np.isfinite(np.asarray(out)).all(), f"seed={seed}: unwritten (NaN) or non-finite output"
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    err = _rel_err(out, want)
+    assert err < tol, f"seed={seed}: relative error {err:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("routing", ["router", "sparse", "one_expert"])
+@pytest.mark.parametrize("t", [1, 13, 40])
+def test_prefill_path_matches_reference(t, routing, dtype):
+    _check(PREFILL, t, dtype, routing)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("routing", ["router", "one_expert"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_decode_path_matches_reference(t, routing, dtype):
+    _check(DECODE, t, dtype, routing)
+
+
+@pytest.mark.parametrize("t,routing,dtype", [(40, "router", jnp.bfloat16), (13, "one_expert", jnp.float32)])
+def test_prefill_default_tiles(t, routing, dtype):
+    """DEFAULT_CONFIG's 128-row tiles: at these tiny shapes most of each tile is padding."""
+    _check(dataclasses.replace(moe.DEFAULT_CONFIG, decode_max_rows=0), t, dtype, routing)
+
+
+@pytest.mark.parametrize("routing", ["router", "one_expert"])
+def test_wide_decode_config(routing):
+    _check(moe.WIDE_DECODE_CONFIG, 8, jnp.bfloat16, routing)
+
+
+def test_ops_dispatch():
+    """The model's pallas branch with config None (`moe.default_config`), R past the decode threshold."""
+    seed = secrets.randbits(32)
+    args = _inputs(seed, 40, jnp.bfloat16, "router")
+    kc = ops.KernelConfig(backend="pallas", interpret=INTERPRET)
+    out = ops.moe_experts(kc, *args)
+    err = _rel_err(out, ref.moe_experts_ref(*args))
+    assert err < 2e-2, f"seed={seed}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_rows_invariants(block_m):
+    rng = np.random.default_rng(secrets.randbits(32))
+    r = 50
+    flat = rng.choice([0, 3, 7], size=r).astype(np.int32)  # experts 1, 2, 4, 5, 6 stay empty
+    sorted_rows, tile_expert = map(np.asarray, moe._align_rows(jnp.asarray(flat), E, block_m))
+    assert sorted_rows.shape == (block_m * tile_expert.shape[0],)
+    assert sorted(sorted_rows[sorted_rows < r].tolist()) == list(range(r))  # every row exactly once
+    used = tile_expert >= 0
+    assert used.sum() == sum(-(-np.sum(flat == e) // block_m) for e in range(E))
+    assert (tile_expert[used] == np.sort(tile_expert[used])).all() and not used[used.sum():].any()
+    for m in np.nonzero(used)[0]:  # a tile holds rows of its own expert, then padding (R) only
+        rows = sorted_rows[m * block_m:(m + 1) * block_m]
+        real = rows[rows < r]
+        assert (flat[real] == tile_expert[m]).all()
+        assert (rows[: len(real)] == real).all() and (np.diff(real) > 0).all()
+    assert (sorted_rows[~np.repeat(used, block_m)] == r).all()
+
+
+def test_rejects_bad_inputs():
+    x, ids, w, gu, dn = _inputs(0, 4, jnp.float32, "router")
+    with pytest.raises(ValueError, match="expert_ids"):
+        moe.moe_experts(x, ids[:, :1], w, gu, dn, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="gate_up"):
+        moe.moe_experts(x, ids, w, gu[:, :, :I], dn, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="dtype"):
+        moe.moe_experts(x, ids, w, gu, dn.astype(jnp.bfloat16), interpret=INTERPRET)
+    with pytest.raises(ValueError, match="power of two"):
+        moe.MoeConfig(block_m=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        moe.MoeConfig(num_stages=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 512, 8192])
+def test_lowers_to_triton_at_35b_a3b_shapes(tokens):
+    """Both paths lower to Triton IR at the real shapes (E=256, K=8, H=2048, I=512, bf16), on any machine."""
+    _compat.lower_for_h200()
+    e, k, h, i = 256, 8, 2048, 512
+    spec = jax.ShapeDtypeStruct
+    args = (spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.int32), spec((tokens, k), jnp.float32),
+            spec((e, h, 2 * i), jnp.bfloat16), spec((e, i, h), jnp.bfloat16))
+    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    assert text.count(target) == 2  # gate_up and down kernels
