@@ -23,7 +23,12 @@ from ninfer_jax.server.subprocess_server import ServerProcess
 DEFAULT_SERVER_ARGS = ["--max-model-len", "4096", "--prefill-chunk", "256"]
 SYSTEM = ("You are a concise assistant for a hardware store. Answer in one or two sentences, name the aisle "
           "when you mention a product, and never invent prices. The store sells tools, paint, garden "
-          "supplies, plumbing parts and electrical fittings; it opens at eight and closes at six.")
+          "supplies, plumbing parts and electrical fittings; it opens at eight and closes at six. "
+          "Aisle 1 holds hand tools, aisle 2 power tools, aisle 3 fasteners and adhesives, aisle 4 paint and "
+          "finishes, aisle 5 abrasives, aisle 6 clamps and vises, aisle 7 plumbing, aisle 8 electrical, and the "
+          "garden centre is outside the back door. Returns need a receipt and are accepted within thirty days; "
+          "special orders take a week. Staff can cut wood and keys and mix paint to a sample while you wait.")
+# A long enough system block that its 64-token blocks and the opener tap are visibly reused turn after turn.
 QUESTIONS = ["Where do I find wood glue?", "And sandpaper for it?", "Which aisle has the cheapest clamps?"]
 
 
