@@ -94,22 +94,34 @@ class Engine:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        # The Host tier is allocated (and page-locked on a GPU) here, before any compile: a budget that cannot
+        # be had fails the start with HostTierError (or ValueError below one snapshot plus one block).
         self.cache = PrefixCacheBinding(
             self.runner, num_pages=num_pages, lanes=o.max_concurrency, prefill_chunk=o.prefill_chunk,
             page_bytes=per_page, image_bytes=slot_bytes(self.config, kv_dtype), enabled=not o.no_prefix_reuse,
-            policy=o.cache_policy, device_snapshot_slots=o.device_snapshot_slots, max_new_taps=o.max_new_taps,
+            policy=o.cache_policy, host_cache_bytes=o.host_cache_mib << 20,
+            device_snapshot_slots=o.device_snapshot_slots, max_new_taps=o.max_new_taps,
             tap_ladder_tokens=o.tap_ladder_tokens, tap_min_gap_tokens=o.tap_min_gap_tokens,
         )
-        if o.host_cache_mib and not o.no_prefix_reuse:
-            log.warning("prefix cache | the Host tier is not built yet: host_cache_mib=%d ignored, Device only",
-                        o.host_cache_mib)
         log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d",
                  "on" if self.cache.enabled else "off (no_prefix_reuse)", o.cache_policy,
                  self.cache.options.device_snapshot_slots, self.cache.options.max_new_taps,
                  self.cache.options.tap_ladder_tokens, self.cache.options.tap_min_gap_tokens)
+        host = self.cache.host
+        if host is not None:
+            slabs = self.cache.index.slabs
+            log.info("host tier | %.0f MiB | %d slabs of %d KiB in %d chunk(s) | image %d slabs | %s",
+                     host.buffer.nbytes / 2**20, slabs.num_slabs, slabs.slab_bytes >> 10, slabs.num_chunks,
+                     slabs.image_slabs, "page-locked" if host.buffer.pinned else "pageable (no GPU)")
+        elif self.cache.enabled:
+            log.info("host tier | off (host_cache_mib 0): Device only")
         self.worker = Worker(self.runner, o, self.cache, frozenset(eos))
         if warmup:
-            seconds = self.runner.warmup()
+            try:
+                seconds = self.runner.warmup()
+            except BaseException:
+                self.cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
+                raise
             log.info("compiled | %d programs | %.1f s", self.runner.compile_count(), seconds)
         self.compiles_after_warmup = self.runner.compile_count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -156,9 +168,10 @@ class Engine:
                 if not worker.step():
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
-        except Exception as e:  # a device or logic error: the engine cannot continue
+        except Exception as e:  # a device or logic error (a Host transfer too): the engine cannot continue
             log.exception("engine failed | %s", e)
             self._failed = f"{type(e).__name__}: {e}"
+            self.cache.fail()  # no copy runs any more; pending writes complete as failed
             worker.abort_all("error", self._failed)
 
     def _drain(self) -> None:
@@ -305,6 +318,8 @@ class Engine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.cache.close()  # the Host tier's memory (unregistered on a GPU)
         log.info("engine stopped | %s", self.model_name)
 
     def __enter__(self):
@@ -330,8 +345,21 @@ class Engine:
         }
 
     def check_ledger(self) -> None:
-        """Raises AssertionError if any page or slot is owned by nobody (run on the worker thread)."""
+        """Raises AssertionError if any page, slot or Host slab is owned by nobody, or a pin leaked (run on
+        the worker thread)."""
         self._call(self.worker.check_ledger)
+
+    def cache_record(self, request_id: str) -> dict | None:
+        """The prefix-cache record of a recently finished request: cached_tokens, cached_prefix_tokens,
+        source (root / tap / endpoint / boundary) and restored_host_bytes; None when unknown."""
+        return self._call(lambda: self.cache.record(request_id))
+
+    def inject_host_fault(self, kind: str, times: int = 1) -> None:
+        """Fault injection (tests): the next `times` Host transfers of `kind` ("write" or "restore") raise.
+        A failed transfer fails the engine: every request ends with finish_reason "error"."""
+        if self.cache.host is None:
+            raise ValueError("this engine has no Host tier")
+        self._call(lambda: self.cache.host.inject_fault(kind, times))
 
 
 __all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",

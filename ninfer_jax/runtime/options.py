@@ -25,7 +25,7 @@ class EngineOptions:
     memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
     # Hybrid prefix cache (spec §14.2); None = derived.
     no_prefix_reuse: bool = False
-    host_cache_mib: int = 8192
+    host_cache_mib: int = 8192  # the Host slab pool (spec §5.4); 0 = Device only
     device_snapshot_slots: int | None = None
     max_new_taps: int | None = None
     tap_ladder_tokens: int | None = None
@@ -73,9 +73,8 @@ class EngineOptions:
         max_len = self.max_model_len or min(config_max_positions, 32768)
         if max_len < 2 or max_len > config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
-        # NOTE: the Host tier is not bound to the engine yet (issue 9), so the §14.2 defaults follow the
-        # Device-only rules whatever host_cache_mib says; the engine logs that the budget is ignored.
-        c, host = self.max_concurrency, False
+        # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
+        c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
         return dataclasses.replace(
             self,
             max_model_len=max_len,

@@ -1,28 +1,33 @@
-"""PrefixCacheBinding: the worker's side of the hybrid prefix cache on the Device tier (spec §6.4, §7, §9).
+"""PrefixCacheBinding: the worker's side of the hybrid prefix cache, Device and Host tiers (spec §6-§9).
 
-The PrefixIndex decides (identity, residency, pins, eviction); this binding asks it and performs the device
-copies its answers call for, through the ModelRunner:
-  admit    quote -> stage -> activate (§6.4): the lane maps the shared path pages, a partial tail is
-           copied into a private page, the state is copied from the snapshot's slot (or starts at zero);
+The PrefixIndex decides (identity, residency, pins, eviction); this binding asks it and performs the copies
+its answers call for, through the ModelRunner and the HostTier:
+  admit    quote -> stage -> restore -> activate (§6.4, §6.5): Host-only path blocks, tail and image are
+           restored into the staged pages and the lane's state slot; the lane maps the shared path pages,
+           a partial tail is copied into a private page, the state is copied from the snapshot's slot (or
+           restored, or starts at zero);
   taps     the planner's taps (§7.1) are realised *inside* the prefill chunk by the kernels' state taps
            (the zero-split tap of §7.2-§7.3): no chunk split, exact or flexible alike; each is published
-           once its anchor block is a committed node (§7.4);
+           once its anchor block is a committed node (§7.4), then written through to the Host;
   commit   every full block joins the tree as it completes, in prefill and decode (§7.5, §7.6);
-  finish   the endpoint snapshot (§7.7), release of the path to the device LRU, the lane's private pages
-           freed.
+  finish   the endpoint snapshot (§7.7, written through to the Host), release of the path with the
+           write-through of its Device-only blocks in one batch (§7.6), the lane's private pages freed.
 State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is state slot C + s.
 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
-inserted, tapped or published (§7.7 "disabled requests").
+inserted, tapped or published (§7.7 "disabled requests"), and no Host tier is allocated.
 
-NOTE: the Host tier (issue 9) is not bound yet, so the index runs with host_cache_bytes = 0 and the §14.2
-defaults follow the Device-only rules (D = C + 2, max_new_taps = 2).
+Host copies run synchronously on the worker thread (JAX orders them against every step on the donated
+state), so the index's Filling windows open and close inside one worker call. A failed copy marks the
+binding failed: the index is told (the write fails, the staging is cancelled), and no copy runs after it.
 NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
-of freezing the active slot in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
+of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
+NOTE: prefetch of the blocked head's Host-only path (§6.6) is not built.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from ninfer_jax.frontend.prepared_prompt import TapHintKind
@@ -30,7 +35,10 @@ from ninfer_jax.prefix_cache import (
     BLOCK_TOKENS, CacheGeometry, HintKind, OwnerState, Placement, PlannedTap, PrefixCacheOptions, PrefixIndex,
     Readiness, SnapshotKind, TapHint, TapPlanOptions, TapSource, block_lookup_hash, encode_tokens, plan_taps,
 )
+from ninfer_jax.prefix_cache.host_slabs import SlabState
+from ninfer_jax.prefix_cache.results import HostWrite, Staging
 from ninfer_jax.prefix_cache.tree import BlockNode, Snapshot
+from ninfer_jax.runtime.host_tier import HostTier
 from ninfer_jax.runtime.request import Request
 
 log = logging.getLogger("ninfer_jax.prefix_cache")
@@ -50,7 +58,7 @@ class LaneCache:
     """A lane's cache bookkeeping (only the worker thread touches it)."""
 
     __slots__ = ("path", "source", "taps", "staged", "last_tap", "deepest", "hashes", "cached_prefix_tokens",
-                 "source_kind")
+                 "source_kind", "restored_host_bytes")
 
     def __init__(self):
         self.path: list[BlockNode] = []  # node of block b at index b, for every committed block
@@ -62,27 +70,40 @@ class LaneCache:
         self.hashes: list[int] = []  # lookup_hash of block b
         self.cached_prefix_tokens = 0
         self.source_kind = "root"
+        self.restored_host_bytes = 0
 
 
 class PrefixCacheBinding:
     """Admission, taps, block commit and finish against the PrefixIndex, with their device copies."""
 
+    RECORDS = 1024  # per-request cache records kept for `record()`
+
     def __init__(self, runner, *, num_pages: int, lanes: int, prefill_chunk: int, page_bytes: int,
-                 image_bytes: int, enabled: bool, policy: str = "hpc", device_snapshot_slots: int | None = None,
-                 max_new_taps: int | None = None, tap_ladder_tokens: int | None = None,
-                 tap_min_gap_tokens: int | None = None):
+                 image_bytes: int, enabled: bool, policy: str = "hpc", host_cache_bytes: int = 0,
+                 device_snapshot_slots: int | None = None, max_new_taps: int | None = None,
+                 tap_ladder_tokens: int | None = None, tap_min_gap_tokens: int | None = None,
+                 pin_host: bool | None = None):
+        """host_cache_bytes sizes the Host slab pool (0: Device only; ignored when the cache is disabled).
+
+        Raises ValueError for a Host budget below one snapshot plus one block, HostTierError when the
+        budget cannot be allocated or page-locked.
+        """
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
         self.runner, self.enabled, self.policy = runner, enabled, policy
         self.lanes, self.prefill_chunk = lanes, prefill_chunk
         self.options = PrefixCacheOptions.resolve(
-            lanes, prefill_chunk, 0, device_snapshot_slots=device_snapshot_slots, max_new_taps=max_new_taps,
-            tap_ladder_tokens=tap_ladder_tokens, tap_min_gap_tokens=tap_min_gap_tokens,
+            lanes, prefill_chunk, host_cache_bytes if enabled else 0, device_snapshot_slots=device_snapshot_slots,
+            max_new_taps=max_new_taps, tap_ladder_tokens=tap_ladder_tokens, tap_min_gap_tokens=tap_min_gap_tokens,
         )
         self.index = PrefixIndex(CacheGeometry(num_pages, page_bytes, image_bytes), self.options)
+        self.host: HostTier | None = HostTier(runner, self.index.slabs, pin=pin_host) \
+            if self.index.slabs.enabled else None
+        self.failed = False  # a copy failed (or the engine did): no copy runs any more
         self.tap_options = TapPlanOptions.from_options(self.options)
         self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
-                         "endpoints_duplicate": 0}
+                         "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0}
+        self.records: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     @property
     def pages(self):
@@ -106,11 +127,13 @@ class PrefixCacheBinding:
         if quote.readiness is not Readiness.READY:
             return quote.readiness
         staging = self.index.stage(quote)
+        lc.restored_host_bytes = self._restore(staging, lane)
         lc.path = self.index.activate(staging)
-        self.index.complete_restore(staging)  # Device tier: nothing is copied from the Host
+        self.index.complete_restore(staging)
         s = staging.snapshot
         if s is not None:
-            self.runner.copy_slot(self.state_slot(staging.image_slot), lane)
+            if staging.image_slot >= 0:  # the image is on the Device; a Host image was restored into the slot
+                self.runner.copy_slot(self.state_slot(staging.image_slot), lane)
             if s.tail_len:
                 self.runner.copy_page(s.tail_page, staging.lane_pages[0], s.tail_len)
         req.pages = [n.device_page for n in lc.path] + list(staging.lane_pages)
@@ -121,6 +144,33 @@ class PrefixCacheBinding:
         lc.taps = self._plan(req, [c.frontier for c in quote.match.candidates])
         self.counters["taps_planned"] += len(lc.taps)
         return Readiness.READY
+
+    def _restore(self, staging: Staging, lane: int) -> int:
+        """Copies the staging's Host-only blocks, tail and image (§6.5); returns the bytes restored.
+
+        The blocks and the tail land in their staged (Filling) pages, the image in the lane's state slot,
+        all before the lane's first step. A failed copy cancels the staging and fails the binding.
+        """
+        pairs = [(r.slab, r.page) for r in staging.restores]
+        if staging.tail_restore is not None:
+            pairs.append((staging.tail_restore.slab, staging.tail_restore.page))
+        if not pairs and not staging.image_slabs:
+            return 0
+        moved = 0
+        try:
+            if self.failed or self.host is None:
+                raise RuntimeError("Host restore after a failed copy")
+            if pairs:
+                moved += self.host.restore_pages([p[0] for p in pairs], [p[1] for p in pairs])
+            if staging.image_slabs:
+                moved += self.host.restore_image(staging.image_slabs, lane)
+        except BaseException:
+            self.failed = True
+            self.counters["host_restores_failed"] += 1
+            # NOTE: the engine fails with this error; the staged pages keep whatever landed (never read).
+            self.index.cancel_staging(staging)
+            raise
+        return moved
 
     def _plan(self, req: Request, existing: list[int]) -> list[PlannedTap]:
         n, base = req.num_prompt, req.computed
@@ -156,7 +206,7 @@ class PrefixCacheBinding:
             return
         lc = req.cache
         self._commit_blocks(req)
-        previous = None
+        previous, published = None, []
         for tap, slot in lc.staged:
             result = self.index.publish_snapshot(slot, tap.kind, lc.path[tap.position // BLOCK_TOKENS - 1])
             self.counters["taps_published" if result.published else "taps_duplicate"] += 1
@@ -164,7 +214,11 @@ class PrefixCacheBinding:
                 self.index.supersede(previous)  # a deeper tap of the same prompt supersedes the previous one
             previous = lc.last_tap = result.snapshot
             lc.deepest = max(lc.deepest, tap.position)
+            if result.published:
+                published.append(result.snapshot)
         lc.staged.clear()
+        for snapshot in published:  # write-through of each new image (§7.4)
+            self._write_snapshot(snapshot)
 
     def _commit_blocks(self, req: Request) -> None:
         lc = req.cache
@@ -182,31 +236,72 @@ class PrefixCacheBinding:
     def finish(self, req: Request, lane: int, reason: str) -> None:
         """Terminal settlement: endpoint snapshot, release the path, free the lane's private pages."""
         lc: LaneCache | None = getattr(req, "cache", None)
+        write, endpoint = None, None
         if self.enabled and lc is not None:
             for _, slot in lc.staged:  # taps of a chunk that never completed
                 self.index.release_staging_slot(slot)
             lc.staged.clear()
-            if reason in ("stop", "length", "cancelled") and self.policy == "hpc":
+            if reason in ("stop", "length", "cancelled") and self.policy == "hpc" and not self.failed:
                 self._commit_blocks(req)
-                self._endpoint(req, lane)
+                endpoint = self._endpoint(req, lane)
             write = self.index.release_path(lc.path)
-            self.index.complete_host_write(write)  # no Host tier bound yet: the batch is empty
             lc.path = []
         private = [p for p in req.pages if self.index.pages.is_state(p, OwnerState.ACTIVE)]
         self.index.free_pages(private)
         req.pages = []
+        self._remember(req)
+        # The lane holds nothing any more; now the copies, which may fail (§7.6 blocks, §7.7 endpoint).
+        if write is not None:
+            self._write(write)
+        if endpoint is not None:
+            self._write_snapshot(endpoint)
 
-    def _endpoint(self, req: Request, lane: int) -> None:
+    # --- write-through (§7.6, §7.4, §7.7) --------------------------------------------------------
+    def _write_snapshot(self, s: Snapshot) -> None:
+        if self.host is not None and not self.failed:
+            self._write(self.index.write_snapshot(s))
+
+    def _write(self, write: HostWrite) -> None:
+        """Performs a HostWrite the index handed out and reports it; a failure fails the binding."""
+        if write.empty:
+            self.index.complete_host_write(write)
+            return
+        try:
+            if self.failed or self.host is None:
+                raise RuntimeError("Host write after a failed copy")
+            if write.nodes:  # one batch of the lane's Device-only blocks
+                self.host.write_pages([n.device_page for n in write.nodes], write.node_slabs)
+            s = write.snapshot
+            if write.image_slabs:
+                self.host.write_image(self.state_slot(s.device_slot), write.image_slabs)
+            if write.tail_slab >= 0:
+                self.host.write_pages([s.tail_page], [write.tail_slab])
+        except BaseException:
+            if not self.failed:
+                self.counters["host_writes_failed"] += 1
+            self.index.complete_host_write(write, ok=False)
+            if self.failed:
+                return  # after a failure, writes are dropped quietly (the engine is failing)
+            self.failed = True
+            raise
+        self.index.complete_host_write(write, ok=True)
+
+    def fail(self) -> None:
+        """The engine failed: no copy runs any more (writes complete as failed, restores raise)."""
+        self.failed = True
+
+    def _endpoint(self, req: Request, lane: int) -> Snapshot | None:
+        """Publishes the endpoint snapshot; returns it when new (for its write-through)."""
         lc = req.cache
         end = req.computed
         if end == 0 or end - lc.deepest < BLOCK_TOKENS:
-            return
+            return None
         tail_len = end % BLOCK_TOKENS
         grant = self.index.begin_snapshot(end, kind=SnapshotKind.ENDPOINT, resumed_from=lc.source,
                                           previous_tap=lc.last_tap, previous_frontier=lc.deepest,
                                           tail_len=tail_len)
         if grant is None:
-            return
+            return None
         self.runner.copy_slot(lane, self.state_slot(grant.slot))
         blocks = end // BLOCK_TOKENS
         anchor = lc.path[blocks - 1] if blocks else self.index.root
@@ -215,6 +310,7 @@ class PrefixCacheBinding:
         result = self.index.publish_snapshot(grant.slot, SnapshotKind.ENDPOINT, anchor, tail,
                                              tail_page=req.pages[blocks] if tail_len else -1)
         self.counters["endpoints_published" if result.published else "endpoints_duplicate"] += 1
+        return result.snapshot if result.published else None
 
     # --- growth (§9.5) ---------------------------------------------------------------------------
     def grow(self, req: Request) -> int | None:
@@ -232,6 +328,23 @@ class PrefixCacheBinding:
         assert active == len(owned), f"{active} ACTIVE pages but lanes own {len(owned)}"
         staging = sum(len(r.cache.staged) for r in lanes if r is not None and getattr(r, "cache", None))
         assert len(self.index.staging_slots) == staging, "a staging slot is held by no lane"
+        # Copies complete inside the worker call that starts them: between calls nothing is Filling or pinned.
+        assert self.pages.count(OwnerState.FILLING) == 0, "a Device page is still Filling"
+        assert self.index.slabs.count(SlabState.FILLING) == 0, "a Host slab is still Filling"
+        pinned = [n for n in self.index.tree.nodes.values() if n.pins]
+        pinned += [s for s in self.index.tree.snapshots.values() if s.pins]
+        assert not pinned, f"pins leaked: {pinned[:4]}"
+        if self.host is not None:
+            assert self.host.buffer.chunks or self.failed, "the Host slab buffer is gone"
+
+    def _remember(self, req: Request) -> None:
+        self.records[req.id] = request_record(req)
+        while len(self.records) > self.RECORDS:
+            self.records.popitem(last=False)
+
+    def record(self, request_id: str) -> dict | None:
+        """The cache record of a recent finished request (cached_tokens, source, restored_host_bytes, ...)."""
+        return self.records.get(request_id)
 
     def stats(self) -> dict:
         tree = self.index.tree
@@ -248,18 +361,34 @@ class PrefixCacheBinding:
             "snapshots_superseded": sum(s.superseded for s in snaps),
             "device_pages_cached": self.pages.count(OwnerState.CACHED),
             "device_snapshot_slots": self.options.device_snapshot_slots,
+            "host_tier": self.host is not None,
+            "host_slabs": self.index.slabs.ledger(),
+            **(self.host.stats() if self.host is not None else {}),
             **self.counters,
             **self.index.stats.as_dict(),
+            "host_evictions": {  # §9.3, by reason
+                "dead_kv": self.index.stats.host_dead_reclaimed,
+                "superseded": self.index.stats.host_superseded_evicted,
+                "gdsf": self.index.stats.host_gdsf_evicted,
+                "gdsf_device_kept": self.index.stats.host_gdsf_demoted,
+            },
         }
+
+    def close(self) -> None:
+        """Releases the Host tier's memory (after the worker stopped)."""
+        if self.host is not None:
+            self.host.close()
 
 
 def request_record(req: Request) -> dict:
-    """The per-request cache record (spec: cached_tokens = reuse tokens, cached_prefix_tokens, source)."""
+    """The per-request cache record (spec: cached_tokens = reuse tokens, cached_prefix_tokens, source,
+    restored_host_bytes)."""
     lc = getattr(req, "cache", None)
     return {
         "cached_tokens": req.cached_tokens,
         "cached_prefix_tokens": lc.cached_prefix_tokens if lc else 0,
         "source": lc.source_kind if lc else "root",
+        "restored_host_bytes": lc.restored_host_bytes if lc else 0,
     }
 
 

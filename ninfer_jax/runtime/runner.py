@@ -4,12 +4,19 @@ Each step donates the DeviceState and returns it; `_swap` is the one place that 
 that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
 one decode batch of C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row), all compiled by
 `warmup()`; `compile_count()` lets tests prove that serving never compiles again.
+
+Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
+bytes in the Host slab layout of `runtime/host_tier.py`. A gather reads listed pages (or one slot) into one
+uint8 array that lands in pinned host memory where the backend has it; a donated scatter writes host rows
+into listed pages (or one slot). Batches come in a few bucket sizes, padded with an out-of-range page that
+the scatter drops, so they too compile once in `warmup()`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import jax
@@ -75,6 +82,71 @@ def _copy_page(state: DeviceState, src, dst, length):
     return DeviceState(tuple(map(one, state.k_pages)), tuple(map(one, state.v_pages)), state.ssm, state.conv)
 
 
+def _as_bytes(x):
+    """[n, ...] of any dtype -> its raw bytes, uint8 [n, bytes per row] (bitcast, no conversion)."""
+    b = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return b.reshape(x.shape[0], -1)
+
+
+def _from_bytes(b, like):
+    """uint8 [n, bytes per row] -> [n, *like.shape[1:]] of like.dtype (the inverse of _as_bytes)."""
+    shape = (b.shape[0],) + tuple(like.shape[1:])
+    itemsize = jnp.dtype(like.dtype).itemsize
+    if itemsize == 1:
+        return jax.lax.bitcast_convert_type(b.reshape(shape), like.dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(shape + (itemsize,)), like.dtype)
+
+
+def _gather_pages(k_pages, v_pages, pages):
+    """Page bundles of `pages` [B]: per attention layer in order, its K page then its V page, as bytes."""
+    parts = []
+    for k, v in zip(k_pages, v_pages):
+        parts += [_as_bytes(k[pages]), _as_bytes(v[pages])]
+    return jnp.concatenate(parts, axis=1)  # [B, bundle bytes]
+
+
+def _scatter_pages(state: DeviceState, pages, rows):
+    """Host rows [B, >= bundle bytes] (the _gather_pages layout) into `pages`; out-of-range pages are dropped."""
+    offset, ks, vs = 0, [], []
+    for k, v in zip(state.k_pages, state.v_pages):
+        for pool, out in ((k, ks), (v, vs)):
+            width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
+            out.append(pool.at[pages].set(_from_bytes(rows[:, offset:offset + width], pool), mode="drop"))
+            offset += width
+    return DeviceState(tuple(ks), tuple(vs), state.ssm, state.conv)
+
+
+def _gather_slot(ssm, conv, slot, *, rows: int, row_bytes: int):
+    """State slot `slot` as bytes: per GDN layer in order, its ssm row then its conv row, padded and cut into
+    `rows` rows of `row_bytes` (the image's packed byte o lands in row o // row_bytes)."""
+    parts = []
+    for s, c in zip(ssm, conv):
+        parts += [_as_bytes(s[slot][None])[0], _as_bytes(c[slot][None])[0]]
+    flat = jnp.concatenate(parts)
+    return jnp.pad(flat, (0, rows * row_bytes - flat.shape[0])).reshape(rows, row_bytes)
+
+
+def _scatter_slot(state: DeviceState, slot, rows):
+    """Host rows (the _gather_slot layout) into state slot `slot`; an out-of-range slot is dropped."""
+    flat, offset = rows.reshape(-1), 0
+    ssm, conv = [], []
+    for s, c in zip(state.ssm, state.conv):
+        for pool, out in ((s, ssm), (c, conv)):
+            width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
+            out.append(pool.at[slot].set(_from_bytes(flat[None, offset:offset + width], pool)[0], mode="drop"))
+            offset += width
+    return DeviceState(state.k_pages, state.v_pages, tuple(ssm), tuple(conv))
+
+
+def transfer_buckets(max_batch: int, ratio: int = 8) -> tuple[int, ...]:
+    """Batch sizes compiled for page transfers: 1, ratio, ratio^2, ... below max_batch, then max_batch."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= ratio
+    return tuple(sizes) + (max_batch,)
+
+
 def _own(fn):
     """A new function object wrapping fn: jax keys its compile cache on the function, so each runner
     wrapping its own copy gets compile counts of its own."""
@@ -106,6 +178,26 @@ class ModelRunner:
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("state",)),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("state",)),
         }
+        self.transfer_sizes: tuple[int, ...] = ()  # page batch buckets, set by enable_host_transfers
+        self.image_rows = self.row_bytes = 0
+
+    def enable_host_transfers(self, row_bytes: int, image_rows: int, max_batch: int = 64) -> None:
+        """Adds the Host tier's transfer ops: page batches of rows of `row_bytes` (one slab each, at least one
+        page bundle), and state images of `image_rows` such rows. Call before `warmup()`."""
+        self.row_bytes, self.image_rows = row_bytes, image_rows
+        self.transfer_sizes = transfer_buckets(max(1, min(max_batch, self.state.num_pages)))
+        device = jax.devices()[0]
+        kinds = {m.kind for m in device.addressable_memories()}
+        # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md: 51 GB/s D2H).
+        host = {"out_shardings": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")} \
+            if "pinned_host" in kinds else {}
+        gather_slot = functools.partial(_gather_slot, rows=image_rows, row_bytes=row_bytes)
+        self._steps.update({
+            "gather_pages": jax.jit(_own(_gather_pages), **host),
+            "scatter_pages": jax.jit(_own(_scatter_pages), donate_argnames=("state",)),
+            "gather_slot": jax.jit(gather_slot, **host),
+            "scatter_slot": jax.jit(_own(_scatter_slot), donate_argnames=("state",)),
+        })
 
     # --- the one place the donated state is written back ----------------------------------------
     def _swap(self, new_state: DeviceState) -> None:
@@ -160,6 +252,27 @@ class ModelRunner:
     def copy_page(self, src: int, dst: int, length: int) -> None:
         self._swap(self._steps["copy_page"](self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(length)))
 
+    # --- Host tier transfers (enable_host_transfers) ---------------------------------------------
+    def transfer_size(self, n: int) -> int:
+        """The compiled page batch size for n pages (n <= the largest)."""
+        return next(b for b in self.transfer_sizes if n <= b)
+
+    def gather_pages(self, pages: np.ndarray) -> np.ndarray:
+        """Page bundles of `pages` (int32 [B], B a transfer size) -> host uint8 [B, bundle bytes]."""
+        return np.asarray(self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, jnp.asarray(pages)))
+
+    def scatter_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
+        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B]; num_pages marks a padding row)."""
+        self._swap(self._steps["scatter_pages"](self.state, jnp.asarray(pages), jnp.asarray(rows)))
+
+    def gather_slot(self, slot: int) -> np.ndarray:
+        """State slot `slot` -> host uint8 [image_rows, row_bytes]."""
+        return np.asarray(self._steps["gather_slot"](self.state.ssm, self.state.conv, jnp.int32(slot)))
+
+    def scatter_slot(self, slot: int, rows: np.ndarray) -> None:
+        """Host rows uint8 [image_rows, row_bytes] into state slot `slot`."""
+        self._swap(self._steps["scatter_slot"](self.state, jnp.int32(slot), jnp.asarray(rows)))
+
     # --- compilation -----------------------------------------------------------------------------
     def warmup(self) -> float:
         """Compiles every step variant with side-effect-free inputs; returns seconds spent."""
@@ -197,6 +310,15 @@ class ModelRunner:
         # Slot and page copies with src == dst (and length 0) change nothing.
         self.copy_slot(0, 0)
         self.copy_page(0, 0, 0)
+        if self.transfer_sizes:  # reads, and scatters whose every row is dropped (out-of-range ids)
+            for size in self.transfer_sizes:
+                self.gather_pages(np.zeros(size, np.int32))
+                self.scatter_pages(np.full(size, self.state.num_pages, np.int32),
+                                   np.zeros((size, self.row_bytes), np.uint8))
+            self.gather_slot(0)
+            self.scatter_slot(self.state.num_slots, np.zeros((self.image_rows, self.row_bytes), np.uint8))
+            log.info("compiling | host transfers, page batches %s | %.1f s", self.transfer_sizes,
+                     time.perf_counter() - start)
         jax.block_until_ready(out)
         return time.perf_counter() - start
 

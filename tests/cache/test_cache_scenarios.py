@@ -190,7 +190,7 @@ def test_cancel_mid_prefill_publishes_its_blocks_and_they_are_reused(hpc, root):
 
 
 def test_active_growth_evicts_cache_and_device_only_eviction_deletes_subtrees(special, root):
-    hpc = special(kv_capacity=20 * 64, max_concurrency=2)
+    hpc = special(kv_capacity=20 * 64, max_concurrency=2, host_cache_mib=0)  # Device only: eviction deletes
     for seed in range(4):  # fill the 20-page pool with cached blocks and snapshots
         hpc.generate(tokens(300, 50 + seed), GREEDY)
     before = hpc.stats()["prefix_cache"]

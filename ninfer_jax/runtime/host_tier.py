@@ -1,0 +1,299 @@
+"""The Host tier's bytes and copies: the slab pool buffer, write-through and restores (spec §5.4, §6.5, §7.6).
+
+The index (`prefix_cache/`) decides which slab holds what and which copies run; this module moves the bytes.
+
+`HostSlabBuffer` is the pool's memory: host_cache_bytes in chunks of at most 4 GiB of whole slabs (the index's
+`HostSlabPool` geometry, so no slab crosses a chunk), each an anonymous mapping viewed as a numpy uint8
+[slabs, slab_bytes] array. On a GPU every chunk is page-locked with cudaHostRegister, called through ctypes on
+the CUDA runtime library the jax CUDA plugin installs (DESIGN.md "Host tier"); elsewhere it is plain memory,
+committed page by page as slabs are first written. A budget the machine cannot hold, an allocation or a
+registration that fails, is a `HostTierError` at startup.
+
+Slab layout, one for both directions (the runner's gathers produce it and its scatters read it):
+  page bundle, one slab:  for every attention layer in forward order, its K page then its V page
+                          ([64, Hkv, D] each, raw bytes); slab_bytes is the bundle rounded up to 4 KiB;
+  state image, image_slabs slabs:  for every GDN layer in forward order, its ssm row [Hv, Dk, Dv] f32 then
+                          its conv row [K-1, conv_dim]; the image's packed byte o lives in its
+                          (o // slab_bytes)-th slab.
+
+`HostTier` runs the copies through the runner's jitted transfer ops, in batches of the runner's bucket sizes:
+  write-through  a device-side gather of the listed pages (or one state slot) whose output lands in pinned
+                 host memory, then a copy into the slab rows (np.asarray waits for the device);
+  restore        the listed slab rows are copied into a fresh host array and scattered into the donated
+                 pools (pages, or the lane's state slot). The array is the transfer's own, so a slab may be
+                 reused as soon as the call returns; JAX orders the scatter before any later step that
+                 reads or reuses the pages or slot.
+NOTE: this is the simplest correct form. The overlapped form of §6.5/§12.1 (restores as inputs of the lane's
+first prefill step, moving runs of consecutive slabs straight from the page-locked chunks) is the GPU
+optimisation still to build; see docs/STATUS.md.
+
+`inject_fault(kind)` makes the next write ("write") or restore ("restore") raise `HostTransferError` (the
+spec's forced transfer error, for fault-injection tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import glob
+import logging
+import mmap
+import os
+import sys
+
+import numpy as np
+
+from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
+
+log = logging.getLogger("ninfer_jax.host_tier")
+
+
+class HostTierError(RuntimeError):
+    """The Host tier cannot be set up (budget, allocation or page-locking); raised at engine start."""
+
+
+class HostTransferError(RuntimeError):
+    """A copy between the Host tier and the device failed (engine-wide failure)."""
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _allocate_chunk(nbytes: int) -> mmap.mmap:
+    """Anonymous, page-aligned, zero-filled memory, committed lazily by the kernel."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library of the jax CUDA plugin's nvidia wheels (or the system's)."""
+    patterns = ("nvidia/cu13/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*")
+    candidates = [p for base in sys.path if base for pat in patterns
+                  for p in sorted(glob.glob(os.path.join(base, pat)))]
+    system = ctypes.util.find_library("cudart")
+    candidates += [system] if system else []
+    errors = []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise HostTierError("cannot page-lock the Host tier: no CUDA runtime library (libcudart) found"
+                        + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+class _PageLock:
+    """cudaHostRegister / cudaHostUnregister through ctypes."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+    def __init__(self):
+        lib = _cuda_runtime()
+        self._register, self._unregister = lib.cudaHostRegister, lib.cudaHostUnregister
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._register.restype = ctypes.c_int
+        self._unregister.argtypes = [ctypes.c_void_p]
+        self._unregister.restype = ctypes.c_int
+        self._error = lib.cudaGetErrorString
+        self._error.argtypes = [ctypes.c_int]
+        self._error.restype = ctypes.c_char_p
+
+    def register(self, address: int, nbytes: int) -> None:
+        err = self._register(address, nbytes, self.PORTABLE)
+        if err:
+            raise HostTierError(f"cudaHostRegister of {nbytes} B failed: {self._error(err).decode()} (error {err})")
+
+    def unregister(self, address: int) -> None:
+        self._unregister(address)
+
+
+class HostSlabBuffer:
+    """The slab pool's memory: chunk c holds slabs [c * slabs_per_chunk, ...) as uint8 [slabs, slab_bytes].
+
+    Args:
+      pool: the index's slab geometry (slab_bytes, slabs per chunk, chunks).
+      pin: page-lock every chunk (cudaHostRegister); None = when jax's backend is a GPU.
+    Raises:
+      HostTierError: the budget exceeds the machine's memory, or allocating or page-locking a chunk failed.
+    """
+
+    def __init__(self, pool: HostSlabPool, *, pin: bool | None = None):
+        self.pool = pool
+        self.slab_bytes = pool.slab_bytes
+        self.chunks: list[np.ndarray] = []
+        self._maps: list[mmap.mmap] = []
+        self._locked: list[int] = []
+        self._lock: _PageLock | None = None
+        total = pool.num_slabs * pool.slab_bytes
+        memory = physical_memory_bytes()
+        if memory is not None and total > memory:
+            raise HostTierError(f"Host tier of {total / 2**20:.0f} MiB exceeds this machine's memory "
+                                f"({memory / 2**20:.0f} MiB); lower host_cache_mib (0 disables the Host tier)")
+        if pin is None:
+            import jax
+
+            pin = jax.default_backend() == "gpu"
+        try:
+            if pin:
+                self._lock = _PageLock()
+            for c in range(pool.num_chunks):
+                nbytes = pool.chunk_bytes(c)
+                try:
+                    mm = _allocate_chunk(nbytes)
+                except (OSError, MemoryError, ValueError) as e:
+                    raise HostTierError(f"cannot allocate Host tier chunk {c} of {nbytes / 2**20:.0f} MiB "
+                                        f"({total / 2**20:.0f} MiB in all): {e}; lower host_cache_mib") from e
+                self._maps.append(mm)
+                array = np.frombuffer(mm, np.uint8).reshape(-1, self.slab_bytes)
+                self.chunks.append(array)
+                if self._lock is not None:
+                    address = array.ctypes.data
+                    self._lock.register(address, nbytes)
+                    self._locked.append(address)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._locked)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.chunks)
+
+    def read(self, slabs: list[int], out: np.ndarray) -> None:
+        """Copies slab rows `slabs` into out[:len(slabs), :] (runs of consecutive slabs move as one copy)."""
+        width = out.shape[1]
+        for run in self.pool.runs(slabs):
+            first = run.first - run.chunk * self.pool.slabs_per_chunk
+            out[run.start:run.start + run.count] = self.chunks[run.chunk][first:first + run.count, :width]
+
+    def write(self, slabs: list[int], rows: np.ndarray) -> None:
+        """Copies rows[i] into the first rows.shape[1] bytes of slab slabs[i]."""
+        width = rows.shape[1]
+        for run in self.pool.runs(slabs):
+            first = run.first - run.chunk * self.pool.slabs_per_chunk
+            self.chunks[run.chunk][first:first + run.count, :width] = rows[run.start:run.start + run.count]
+
+    def close(self) -> None:
+        """Unregisters and releases every chunk (the buffer is unusable afterwards)."""
+        if self._lock is not None:
+            for address in self._locked:
+                self._lock.unregister(address)
+        self._locked = []
+        self.chunks = []  # the arrays export the mappings' buffers: drop them first
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                pass
+        self._maps = []
+
+
+class HostTier:
+    """Copies between the Host slab buffer and the device pools, through the runner's transfer ops.
+
+    Args:
+      runner: the ModelRunner (gains the transfer ops here; compile them with its warmup).
+      pool: the index's HostSlabPool.
+      pin: see HostSlabBuffer.
+    """
+
+    KINDS = ("write", "restore")
+
+    def __init__(self, runner, pool: HostSlabPool, *, pin: bool | None = None):
+        self.runner, self.pool = runner, pool
+        self.buffer = HostSlabBuffer(pool, pin=pin)
+        runner.enable_host_transfers(pool.slab_bytes, pool.image_slabs)
+        self.counters = collections.Counter()
+        self._faults: collections.Counter = collections.Counter()
+
+    # --- fault injection -------------------------------------------------------------------------
+    def inject_fault(self, kind: str, times: int = 1) -> None:
+        """The next `times` transfers of `kind` ("write" or "restore") raise HostTransferError."""
+        if kind not in self.KINDS:
+            raise ValueError(f"fault kind must be one of {self.KINDS}, got {kind!r}")
+        self._faults[kind] += times
+
+    def _transfer(self, kind: str) -> None:
+        if self._faults[kind] > 0:
+            self._faults[kind] -= 1
+            raise HostTransferError(f"injected Host {kind} transfer failure")
+
+    # --- write-through (device -> host) ----------------------------------------------------------
+    def write_pages(self, pages: list[int], slabs: list[int]) -> None:
+        """Page bundles of `pages` into `slabs` (pairwise), one gather per batch."""
+        self._transfer("write")
+        runner = self.runner
+        done = 0
+        while done < len(pages):
+            count = min(len(pages) - done, runner.transfer_sizes[-1])
+            ids = np.zeros(runner.transfer_size(count), np.int32)  # padding reads page 0, discarded
+            ids[:count] = pages[done:done + count]
+            rows = runner.gather_pages(ids)
+            self.buffer.write(slabs[done:done + count], rows[:count])
+            self.counters["written_bytes"] += count * self.pool.slab_bytes
+            self.counters["write_batches"] += 1
+            done += count
+
+    def write_image(self, slot: int, slabs: list[int]) -> None:
+        """The state image of device slot `slot` into its `slabs` (image_slabs of them)."""
+        self._transfer("write")
+        rows = self.runner.gather_slot(slot)
+        self.buffer.write(slabs, rows)
+        self.counters["written_bytes"] += len(slabs) * self.pool.slab_bytes
+        self.counters["write_batches"] += 1
+
+    # --- restores (host -> device) ---------------------------------------------------------------
+    def restore_pages(self, slabs: list[int], pages: list[int]) -> int:
+        """Slabs into device pages (pairwise); returns the bytes moved."""
+        self._transfer("restore")
+        runner, moved, done = self.runner, 0, 0
+        while done < len(slabs):
+            count = min(len(slabs) - done, runner.transfer_sizes[-1])
+            size = runner.transfer_size(count)
+            ids = np.full(size, runner.state.num_pages, np.int32)  # padding rows are dropped
+            ids[:count] = pages[done:done + count]
+            rows = np.zeros((size, self.pool.slab_bytes), np.uint8)
+            self.buffer.read(slabs[done:done + count], rows)
+            runner.scatter_pages(ids, rows)
+            moved += count * self.pool.slab_bytes  # counters count slab bytes (the Host footprint moved)
+            self.counters["restore_batches"] += 1
+            done += count
+        self.counters["restored_bytes"] += moved
+        return moved
+
+    def restore_image(self, slabs: list[int], slot: int) -> int:
+        """An image's slabs into device state slot `slot`; returns the bytes moved."""
+        self._transfer("restore")
+        rows = np.empty((len(slabs), self.pool.slab_bytes), np.uint8)
+        self.buffer.read(slabs, rows)
+        self.runner.scatter_slot(slot, rows)
+        self.counters["restored_bytes"] += rows.size
+        self.counters["restore_batches"] += 1
+        return rows.size
+
+    def close(self) -> None:
+        self.buffer.close()
+
+    def stats(self) -> dict:
+        return {
+            "host_cache_bytes": self.buffer.nbytes,
+            "host_pinned": self.buffer.pinned,
+            "host_slab_bytes": self.pool.slab_bytes,
+            "host_image_slabs": self.pool.image_slabs,
+            "host_chunks": self.pool.num_chunks,
+            "host_restored_bytes": self.counters["restored_bytes"],
+            "host_written_bytes": self.counters["written_bytes"],
+            "host_restore_batches": self.counters["restore_batches"],
+            "host_write_batches": self.counters["write_batches"],
+        }
+
+
+__all__ = ["HostSlabBuffer", "HostTier", "HostTierError", "HostTransferError", "physical_memory_bytes"]

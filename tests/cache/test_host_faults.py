@@ -1,0 +1,96 @@
+"""Fault injection for the Host tier (spec §13.3): a Host allocation that fails at start is a clear startup
+error; a forced transfer error in a write-through or a restore fails the engine (every request ends with
+"error") with no leaked pin, page or slab, and a new engine works after it."""
+
+import jax
+import pytest
+
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.prefix_cache import HostSlabPool
+from ninfer_jax.runtime import host_tier
+from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTierError, physical_memory_bytes
+from ninfer_jax.runtime.request import EngineStoppedError
+from test_cache_scenarios import tokens
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SMALL = dict(max_concurrency=1, prefill_chunk=128, max_model_len=512, output_window=64, kv_capacity=8 * 64,
+             device_snapshot_slots=1, max_new_taps=0, host_cache_mib=4, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-dense", "text", seed=41)
+
+
+def assert_failed_cleanly(engine):
+    """The engine failed: requests are refused, and the ledger holds no pin, private page or Filling slab."""
+    stats = engine.stats()
+    assert stats["failed"] and "HostTransferError" in stats["failed"]
+    engine.check_ledger()
+    assert stats["pages"]["active"] == 0 and stats["pages"]["filling"] == 0
+    assert stats["prefix_cache"]["host_slabs"]["filling"] == 0
+    with pytest.raises(EngineStoppedError):
+        engine.submit(tokens(10, 0), GREEDY)
+
+
+def test_a_host_budget_the_machine_cannot_hold_is_a_startup_error(checkpoint):
+    memory = physical_memory_bytes()
+    too_much = (memory >> 20) + 1024 if memory else 1 << 40
+    with pytest.raises(HostTierError, match="exceeds this machine's memory"):
+        Engine.from_pretrained(checkpoint, **{**SMALL, "host_cache_mib": too_much})
+
+
+def test_a_failed_host_allocation_is_a_startup_error(checkpoint, monkeypatch):
+    def refuse(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_tier, "_allocate_chunk", refuse)
+    with pytest.raises(HostTierError, match="cannot allocate Host tier chunk 0"):
+        Engine.from_pretrained(checkpoint, **SMALL)
+
+
+def test_a_forced_write_through_error_fails_the_engine_cleanly(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, **SMALL)
+    try:
+        assert engine.generate(tokens(100, 1), GREEDY).finish_reason == "length"
+        engine.inject_host_fault("write")
+        failed = engine.generate_many([tokens(100, 2), tokens(90, 3)], GREEDY)
+        assert [o.finish_reason for o in failed] == ["error", "error"]
+        assert "injected Host write" in failed[0].error
+        assert_failed_cleanly(engine)
+        assert engine.stats()["prefix_cache"]["host_writes_failed"] == 1
+    finally:
+        engine.stop()
+
+
+def test_a_forced_restore_error_fails_the_engine_cleanly_and_a_new_engine_works(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, **SMALL)
+    prompt = tokens(100, 4)
+    try:
+        first = engine.generate(prompt, GREEDY)  # endpoint at 107 in the one Device snapshot slot
+        engine.generate(tokens(100, 5), GREEDY)  # its endpoint takes the slot: the first image is Host-only
+        engine.inject_host_fault("restore")
+        out = engine.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)
+        assert out.finish_reason == "error" and "injected Host restore" in out.error
+        assert_failed_cleanly(engine)
+        assert engine.stats()["prefix_cache"]["host_restores_failed"] == 1
+    finally:
+        engine.stop()
+    # A new engine on the same checkpoint serves, restores from its Host tier included.
+    fresh = Engine.from_pretrained(checkpoint, **SMALL)
+    try:
+        first = fresh.generate(prompt, GREEDY)
+        fresh.generate(tokens(100, 5), GREEDY)
+        again = fresh.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)
+        assert again.finish_reason == "length" and again.usage.cached_tokens == 107
+        assert fresh.cache_record(again.request_id)["restored_host_bytes"] > 0
+        fresh.check_ledger()
+    finally:
+        fresh.stop()
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="page-locking succeeds where there is a GPU")
+def test_a_failed_page_lock_is_a_startup_error():
+    # Without a usable GPU, cudaHostRegister fails (or no CUDA runtime library is found): a clear error.
+    with pytest.raises(HostTierError, match="cudaHostRegister|CUDA runtime"):
+        HostSlabBuffer(HostSlabPool(1 << 20, 8000, 20000), pin=True)
