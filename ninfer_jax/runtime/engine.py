@@ -102,6 +102,7 @@ class Engine:
             policy=o.cache_policy, host_cache_bytes=o.host_cache_mib << 20,
             device_snapshot_slots=o.device_snapshot_slots, max_new_taps=o.max_new_taps,
             tap_ladder_tokens=o.tap_ladder_tokens, tap_min_gap_tokens=o.tap_min_gap_tokens,
+            coalesce=o.concurrent_prefill,
         )
         log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d",
                  "on" if self.cache.enabled else "off (no_prefix_reuse)", o.cache_policy,

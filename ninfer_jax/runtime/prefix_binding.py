@@ -30,6 +30,8 @@ from __future__ import annotations
 import collections
 import logging
 
+import numpy as np
+
 from ninfer_jax.frontend.prepared_prompt import TapHintKind
 from ninfer_jax.prefix_cache import (
     BLOCK_TOKENS, CacheGeometry, HintKind, OwnerState, Placement, PlannedTap, PrefixCacheOptions, PrefixIndex,
@@ -82,7 +84,7 @@ class PrefixCacheBinding:
                  image_bytes: int, enabled: bool, policy: str = "hpc", host_cache_bytes: int = 0,
                  device_snapshot_slots: int | None = None, max_new_taps: int | None = None,
                  tap_ladder_tokens: int | None = None, tap_min_gap_tokens: int | None = None,
-                 pin_host: bool | None = None):
+                 pin_host: bool | None = None, coalesce: bool = False):
         """host_cache_bytes sizes the Host slab pool (0: Device only; ignored when the cache is disabled).
 
         Raises ValueError for a Host budget below one snapshot plus one block, HostTierError when the
@@ -91,6 +93,7 @@ class PrefixCacheBinding:
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}")
         self.runner, self.enabled, self.policy = runner, enabled, policy
+        self.coalesce = coalesce and enabled and policy == "hpc"  # §12.2, with concurrent_prefill
         self.lanes, self.prefill_chunk = lanes, prefill_chunk
         self.options = PrefixCacheOptions.resolve(
             lanes, prefill_chunk, host_cache_bytes if enabled else 0, device_snapshot_slots=device_snapshot_slots,
@@ -102,7 +105,9 @@ class PrefixCacheBinding:
         self.failed = False  # a copy failed (or the engine did): no copy runs any more
         self.tap_options = TapPlanOptions.from_options(self.options)
         self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
-                         "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0}
+                         "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0,
+                         "taps_skipped_passed": 0, "coalesce_taps": 0, "coalesce_waits": 0}
+        self._coalescing: set[str] = set()  # ids of heads waiting for a sibling (counted once each)
         self.records: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     @property
@@ -113,8 +118,12 @@ class PrefixCacheBinding:
         return self.lanes + index_slot
 
     # --- admission (§6) --------------------------------------------------------------------------
-    def admit(self, req: Request, lane: int, entitlement: int) -> Readiness:
-        """Maps the lane onto the deepest usable cached prefix; READY, or why not (nothing changes then)."""
+    def admit(self, req: Request, lane: int, entitlement: int, lanes=()) -> Readiness:
+        """Maps the lane onto the deepest usable cached prefix; READY, or why not (nothing changes then).
+
+        `lanes` are the running requests: a head that shares more with a prefilling one than the cache
+        serves now waits for that sibling's snapshot at the divergence (§12.2, when coalescing is on).
+        """
         req.cache = lc = LaneCache()
         lc.hashes = [int(h) for h in req.prompt.block_hashes]
         if not self.enabled:
@@ -126,6 +135,8 @@ class PrefixCacheBinding:
         quote = self.index.quote(req.prompt_ids, lc.hashes, entitlement_pages=entitlement)
         if quote.readiness is not Readiness.READY:
             return quote.readiness
+        if self.coalesce and self._await_sibling(req, quote.source.frontier, lanes):
+            return Readiness.TEMPORARILY_BLOCKED  # holding no pins: nothing was staged
         staging = self.index.stage(quote)
         lc.restored_host_bytes = self._restore(staging, lane)
         lc.path = self.index.activate(staging)
@@ -172,6 +183,39 @@ class PrefixCacheBinding:
             raise
         return moved
 
+    def _await_sibling(self, req: Request, served: int, lanes) -> bool:
+        """In-flight prefix coalescing (§12.2): whether `req` should wait for a prefilling sibling.
+
+        The target is the block boundary below the divergence d (at most n - 1 for both prompts). It is
+        added to the sibling's plan as an exact Boundary tap, which costs no split here (the kernel writes
+        it inside the chunk). The head waits only while the sibling has not passed the target and the wait
+        saves at least a block; a skipped tap, a finished or cancelled sibling ends the wait, so a missing
+        snapshot never blocks it for long. Each sibling chunk re-arms admission (the worker re-quotes).
+        """
+        n = req.num_prompt
+        for other in lanes:
+            if other is None or not other.prefilling or other.cache is None:
+                continue
+            a, b = req.prompt_ids, other.prompt_ids
+            m = min(len(a), len(b))
+            differ = np.flatnonzero(a[:m] != b[:m])
+            d = int(differ[0]) if differ.size else m
+            target = min(d, n - 1, other.num_prompt - 1)
+            target -= target % BLOCK_TOKENS
+            if target <= other.computed or target - served < BLOCK_TOKENS:
+                continue
+            lc = other.cache
+            if all(t.position != target for t in lc.taps):
+                tap = PlannedTap(target, Placement.EXACT, SnapshotKind.BOUNDARY, TapSource.EXPLICIT, 1, len(lc.taps))
+                lc.taps = sorted(lc.taps + [tap], key=lambda t: t.position)
+                self.counters["coalesce_taps"] += 1
+            if req.id not in self._coalescing:
+                self._coalescing.add(req.id)
+                self.counters["coalesce_waits"] += 1
+            return True
+        self._coalescing.discard(req.id)
+        return False
+
     def _plan(self, req: Request, existing: list[int]) -> list[PlannedTap]:
         n, base = req.num_prompt, req.computed
         if self.policy == "align":  # vLLM's mode: one state at the prompt's last chunk boundary
@@ -189,6 +233,9 @@ class PrefixCacheBinding:
         """Staging slots for the taps in (computed, end]: (absolute positions, state slots) for the kernel."""
         lc = req.cache
         positions, slots = [], []
+        while lc and lc.taps and lc.taps[0].position <= req.computed:
+            lc.taps.pop(0)  # passed without a slot (more taps than one chunk takes): skipped
+            self.counters["taps_skipped_passed"] += 1
         while lc and lc.taps and lc.taps[0].position <= end and len(positions) < self.runner.max_taps:
             tap = lc.taps.pop(0)
             grant = self.index.begin_snapshot(tap.position, kind=tap.kind, resumed_from=lc.source,

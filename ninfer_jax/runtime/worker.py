@@ -103,7 +103,7 @@ class Worker:
             if lane is None:
                 return
             head = self.waiting[0]
-            readiness = self.cache.admit(head, lane, self._entitlement(head))
+            readiness = self.cache.admit(head, lane, self._entitlement(head), self.lanes)
             if readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["admission_blocked"] += 1
                 return  # the head waits for pages; nothing behind it overtakes it (spec §6.3)

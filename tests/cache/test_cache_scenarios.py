@@ -246,3 +246,18 @@ def test_taps_inside_a_chunk_match_a_separate_run_to_the_tap(special, root):
         out = hpc.generate(probe, GREEDY)
         assert out.usage.cached_tokens == cut
         assert_same_output(out, root.generate(probe, GREEDY))
+
+
+def test_coalesced_sibling_waits_for_the_boundary_at_the_divergence(special, root):
+    # §12.2: B shares 1000 tokens with A, which is still prefilling; B waits for A's snapshot at 960
+    # (the block boundary below the divergence) instead of prefilling the shared prefix again.
+    hpc = special(concurrent_prefill=True, max_concurrency=2)
+    a = tokens(1200, 16)
+    b = a[:1000] + tokens(100, 17)
+    out_a, out_b = hpc.generate_many([a, b], GREEDY)
+    assert out_a.usage.cached_tokens == 0
+    assert out_b.usage.cached_tokens == 960
+    stats = hpc.stats()["prefix_cache"]
+    assert stats["coalesce_waits"] == 1 and stats["coalesce_taps"] == 1
+    assert_same_output(out_b, root.generate(b, GREEDY))
+    assert out_a.token_ids == root.generate(a, GREEDY).token_ids
