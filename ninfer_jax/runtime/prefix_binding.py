@@ -11,7 +11,9 @@ its answers call for, through the ModelRunner and the HostTier:
            once its anchor block is a committed node (§7.4), then written through to the Host;
   commit   every full block joins the tree as it completes, in prefill and decode (§7.5, §7.6);
   finish   the endpoint snapshot (§7.7, written through to the Host), release of the path with the
-           write-through of its Device-only blocks in one batch (§7.6), the lane's private pages freed.
+           write-through of its Device-only blocks in one batch (§7.6), the lane's private pages freed;
+  coalesce with concurrent_prefill, a head sharing more with a prefilling sibling than the cache serves
+           waits for the sibling's Boundary tap at their divergence (§12.2).
 State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is state slot C + s.
 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
