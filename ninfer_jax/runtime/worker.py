@@ -226,12 +226,17 @@ class Worker:
             self._finish(req, req.finish_reason)
             return
         hold = max((len(s) - 1 for s in req.sampling.stop), default=0)  # a stop string may be forming
-        upto = max(req.emitted_text, len(req.text) - hold)
-        new_tokens = tuple(req.output[req.emitted_tokens :])
-        delta = req.text[req.emitted_text : upto]
-        req.emitted_tokens, req.emitted_text = len(req.output), upto
-        lp = tuple(req.logprobs[-len(new_tokens):]) if req.logprobs and new_tokens else None
-        self._deliver(req, StreamEvent(req.id, new_tokens, delta, None, None, None, lp))
+        tokens, delta, lp = self._take_unsent(req, max(req.emitted_text, len(req.text) - hold))
+        self._deliver(req, StreamEvent(req.id, tokens, delta, None, None, None, lp))
+
+    @staticmethod
+    def _take_unsent(req: Request, text_upto: int):
+        """The tokens, text up to `text_upto` and logprobs not yet sent, marked as sent."""
+        tokens = tuple(req.output[req.emitted_tokens :])
+        delta = req.text[req.emitted_text : text_upto]
+        lp = tuple(req.logprobs[-len(tokens):]) if req.logprobs and tokens else None
+        req.emitted_tokens, req.emitted_text = len(req.output), text_upto
+        return tokens, delta, lp
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """Terminal settlement: free the lane's pages and slot, send the last event."""
@@ -242,12 +247,9 @@ class Worker:
             req.lane = None
         if req.detokenizer is not None and reason in ("stop", "length"):
             req.text += req.detokenizer.flush()
-        new_tokens = tuple(req.output[req.emitted_tokens :])
-        delta = req.text[req.emitted_text :]
-        lp = tuple(req.logprobs[-len(new_tokens):]) if req.logprobs and new_tokens else None
-        req.emitted_tokens, req.emitted_text = len(req.output), len(req.text)
+        tokens, delta, lp = self._take_unsent(req, len(req.text))
         self.counters[f"finished_{reason}"] += 1
-        self._deliver(req, StreamEvent(req.id, new_tokens, delta, reason, req.usage(), req.metrics(), lp, error))
+        self._deliver(req, StreamEvent(req.id, tokens, delta, reason, req.usage(), req.metrics(), lp, error))
 
     def _deliver(self, req: Request, event: StreamEvent) -> None:
         try:
