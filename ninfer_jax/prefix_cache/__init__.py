@@ -10,6 +10,7 @@ Modules, one job each:
   lookup      prompt matching: the path and its valid resume points (§6.1)
   admission   source choice, capacity arithmetic, readiness, backfill proof (§6.2, §6.3)
   staging     admission staging: pins, reservations, restores, activation (§6.4, §6.5)
+  prefetch    the waiting head's Host-only path blocks into spare Device pages (§6.6)
   publication taps and endpoints: slots, publication, supersession, image write-through (§7.4, §9.2, §9.3)
   results     the typed results handed to the binding, and the stats counters
   cost        prefill and restore seconds (§6.2, §11.4)
@@ -31,7 +32,7 @@ from .index import CacheGeometry, PrefixIndex
 from .invariants import check_invariants
 from .options import DEFAULT_HOST_CACHE_BYTES, PrefixCacheOptions
 from .pools import DevicePagePool, OwnerState, PoolExhausted, SnapshotSlotPool
-from .results import (BlockCommit, BlockRestore, CommitOutcome, HostWrite, PageGrant, PrefixCacheStats,
+from .results import (BlockCommit, BlockRestore, CommitOutcome, HostWrite, PageGrant, Prefetch, PrefixCacheStats,
                       PublishResult, Reclaimed, SlotGrant, Staging)
 from .taps import HintKind, Placement, PlannedTap, TapHint, TapPlanner, TapPlanOptions, TapSource, plan_taps
 from .tree import BlockNode, Residency, Snapshot, SnapshotKind
@@ -40,7 +41,7 @@ __all__ = [
     "AdmissionQuote", "BLOCK_TOKENS", "BLOCK_TOKEN_BYTES", "BlockCommit", "BlockNode", "BlockRestore",
     "CacheCostModel", "CacheGeometry", "CommitOutcome", "DEFAULT_HOST_CACHE_BYTES", "DevicePagePool", "HashFn",
     "HintKind", "HostSlabPool", "HostWrite", "LOOKUP_HASH_SEED", "MatchResult", "OwnerState", "PageGrant",
-    "Placement", "PlannedTap", "PoolExhausted", "PrefixCacheOptions", "PrefixCacheStats", "PrefixIndex",
+    "Placement", "PlannedTap", "Prefetch", "PoolExhausted", "PrefixCacheOptions", "PrefixCacheStats", "PrefixIndex",
     "PublishResult", "Readiness", "Reclaimed", "Residency", "SlabRun", "SlabState", "SlotGrant", "Snapshot",
     "SnapshotKind", "SnapshotSlotPool", "SourceCandidate", "StaleQuoteError", "Staging", "TapHint", "TapPlanOptions",
     "TapPlanner", "TapSource", "VisionItem", "backfill_admissible", "block_hashes", "block_lookup_hash",

@@ -16,6 +16,7 @@ The request lifecycle, in calls::
     write = index.release_path(path)                                # §7.7 step 2, write-through
     index.complete_host_write(write)                                # §7.6 when the D2H lands
     index.write_snapshot(snapshot) / index.reclaim_device_pages(k)  # §9.3 / §9.5
+    batch = index.prefetch(quote); index.complete_prefetch(batch)   # §6.6, for a waiting head
 
 Invariants (§10; ``check_invariants`` rebuilds and checks all of them):
   * every page group, slot and slab has exactly one owner state, and the ledgers add up;
@@ -40,10 +41,11 @@ from .invariants import check_invariants
 from .lookup import match_prompt
 from .options import PrefixCacheOptions
 from .pools import DevicePagePool, OwnerState, SnapshotSlotPool
+from .prefetch import Prefetcher
 from .publication import SnapshotPublisher
 from .reclaim import Reclaimer
 from .staging import AdmissionStager
-from .results import (BlockCommit, CommitOutcome, HostWrite, PageGrant, PrefixCacheStats,
+from .results import (BlockCommit, CommitOutcome, HostWrite, PageGrant, Prefetch, PrefixCacheStats,
                       PublishResult, Reclaimed, SlotGrant, Staging)
 from .tree import ABSENT, FILLING, RESIDENT, BlockNode, BlockTree, Snapshot, SnapshotKind
 
@@ -89,6 +91,7 @@ class PrefixIndex:
         self.publisher = SnapshotPublisher(self.tree, self.pages, self.slots, self.slabs, self.lists, self.gdsf,
                                            self.reclaimer, self.stats)
         self.stager = AdmissionStager(self.pages, self.lists, self.reclaimer, self.publisher, self.stats)
+        self.prefetcher = Prefetcher(self.pages, self.lists, self.reclaimer, self.stats)
         self._epoch = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -180,6 +183,24 @@ class PrefixIndex:
         """A request cancelled before activation: restores have landed (the binding waited), the
         lane's reservation returns and every admission pin is released."""
         self.stager.cancel(staging)
+        self._epoch += 1
+
+    def prefetch_room(self) -> int:
+        """Pages a prefetch could take now (free + Host-backed cached); O(1), for the retry rule."""
+        return self.prefetcher.spare_pages()
+
+    def prefetch(self, quote: AdmissionQuote, max_blocks: int = 256) -> Prefetch | None:
+        """Reserves Device pages for up to ``max_blocks`` Host-only path blocks of the source ``quote``
+        (usually TemporarilyBlocked) would choose (spec §6.6); None when there is nothing to copy or no room.
+        The binding copies ``restores`` and calls ``complete_prefetch``."""
+        batch = self.prefetcher.plan(quote, max_blocks)
+        if batch is not None:
+            self._epoch += 1
+        return batch
+
+    def complete_prefetch(self, batch: Prefetch, ok: bool = True) -> None:
+        """The prefetch copies landed (or failed): blocks become Resident cached, the path unpins."""
+        self.prefetcher.complete(batch, ok)
         self._epoch += 1
 
     # ---- lanes: pages, blocks, release (§7.5–§7.7) ---------------------------------------
@@ -401,6 +422,23 @@ class PrefixIndex:
         """Evicts from the device LRU until ``k`` page groups are free (hybrid_reclaim_device_kv)."""
         out = Reclaimed()
         self.reclaimer.evict_device(k, out)
+        self._epoch += 1
+        return out
+
+    def demote_device(self) -> Reclaimed:
+        """Drops the Device copy of every unheld cache entry that also has a Host copy: blocks, tails and
+        snapshot images (an operator's "move the cache to the Host", and the Host-restore benchmark's setup).
+        Entries without a Host copy, and whatever a lane or a copy holds, stay as they are."""
+        out = Reclaimed()
+        for entry in list(self.lists.backed):
+            if type(entry) is BlockNode:
+                self.reclaimer.drop_node_device(entry, out)
+            else:
+                self.reclaimer.drop_tail_device(entry, out)
+        for s in list(self.tree.snapshots.values()):
+            if s.device_slot >= 0 and s.image_host is RESIDENT and s.pins == 0:
+                self.reclaimer.drop_snapshot_image_device(s, out)
+                self.lists.refresh_snapshot(s)
         self._epoch += 1
         return out
 

@@ -112,6 +112,20 @@ class Staging:
 
 
 @dataclasses.dataclass(slots=True)
+class Prefetch:
+    """A prefetch batch for a waiting FIFO head (spec §6.6): ``restores`` copy Host slabs into Device pages.
+
+    The destinations are Filling, each pinned, and ``pinned`` (the head's source path) holds one pin each
+    until the binding reports the copy with ``PrefixIndex.complete_prefetch``.
+    """
+
+    restores: list[BlockRestore]
+    pinned: list[BlockNode]
+    reclaimed: Reclaimed
+    done: bool = False
+
+
+@dataclasses.dataclass(slots=True)
 class HostWrite:
     """A D2H write-through the binding performs, then reports with ``complete_host_write``.
 
@@ -169,6 +183,8 @@ class PrefixCacheStats:
     host_superseded_evicted: int = 0
     host_gdsf_evicted: int = 0
     host_gdsf_demoted: int = 0
+    prefetches: int = 0
+    prefetched_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -355,6 +355,12 @@ class Engine:
         source (root / tap / endpoint / boundary) and restored_host_bytes; None when unknown."""
         return self._call(lambda: self.cache.record(request_id))
 
+    def demote_device_cache(self) -> dict:
+        """Drops the Device copy of every prefix-cache entry that also has a Host copy (blocks, tails, snapshot
+        images), so later hits restore from the Host; returns {"pages": freed, "slots": freed}. Entries held by
+        a running request, or with no Host copy, stay."""
+        return self._call(self.cache.demote_device)
+
     def inject_host_fault(self, kind: str, times: int = 1) -> None:
         """Fault injection (tests): the next `times` Host transfers of `kind` ("write" or "restore") raise.
         A failed transfer fails the engine: every request ends with finish_reason "error"."""

@@ -19,13 +19,13 @@ Slab layout, one for both directions (the runner's gathers produce it and its sc
 `HostTier` runs the copies through the runner's jitted transfer ops, in batches of the runner's bucket sizes:
   write-through  a device-side gather of the listed pages (or one state slot) whose output lands in pinned
                  host memory, then a copy into the slab rows (np.asarray waits for the device);
-  restore        the listed slab rows are copied into a fresh host array and scattered into the donated
-                 pools (pages, or the lane's state slot). The array is the transfer's own, so a slab may be
-                 reused as soon as the call returns; JAX orders the scatter before any later step that
-                 reads or reuses the pages or slot.
-NOTE: this is the simplest correct form. The overlapped form of §6.5/§12.1 (restores as inputs of the lane's
-first prefill step, moving runs of consecutive slabs straight from the page-locked chunks) is the GPU
-optimisation still to build; see docs/STATUS.md.
+  restore        each run of consecutive slabs moves straight from the page-locked chunk (a contiguous view
+                 per piece of the runner's batch sizes, DESIGN.md: about 50 GB/s) and is scattered into the
+                 donated pools (pages, or the lane's state slot); the call returns once every piece has
+                 been read, so a slab may be reused afterwards, and JAX orders the scatters before any later
+                 step that reads or reuses the pages or slot.
+NOTE: restores are synchronous on the worker thread. The overlapped form of §6.5/§12.1 (restores as inputs
+of the lane's first prefill step, their copy hidden behind its compute) is not built; see docs/STATUS.md.
 
 `inject_fault(kind)` makes the next write ("write") or restore ("restore") raise `HostTransferError` (the
 spec's forced transfer error, for fault-injection tests).
@@ -41,7 +41,9 @@ import logging
 import mmap
 import os
 import sys
+import time
 
+import jax
 import numpy as np
 
 from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
@@ -251,33 +253,67 @@ class HostTier:
         self.counters["write_batches"] += 1
 
     # --- restores (host -> device) ---------------------------------------------------------------
+    def _rows(self, chunk: int, first: int, count: int):
+        """Slab rows [first, first + count) of `chunk` as the source of one host-to-device copy.
+
+        Page-locked: the contiguous view itself (the DMA reads the pool directly, DESIGN.md: 50 GB/s).
+        Pageable: a private copy, since a CPU device may alias the numpy buffer and the slab may be
+        rewritten once the restore returns."""
+        view = self.buffer.chunks[chunk][first:first + count]
+        return jax.device_put(view if self.buffer.pinned else view.copy())
+
     def restore_pages(self, slabs: list[int], pages: list[int]) -> int:
-        """Slabs into device pages (pairwise); returns the bytes moved."""
+        """Slabs into device pages (pairwise); returns the bytes moved.
+
+        Each run of consecutive slabs moves in pieces of the runner's batch sizes, each piece one contiguous
+        view of the slab pool; a piece may read past its run inside the chunk (those rows go to the dropped
+        page id). Returns after every piece has been read, so the slabs may be rewritten afterwards.
+        """
         self._transfer("restore")
-        runner, moved, done = self.runner, 0, 0
-        while done < len(slabs):
-            count = min(len(slabs) - done, runner.transfer_sizes[-1])
-            size = runner.transfer_size(count)
-            ids = np.full(size, runner.state.num_pages, np.int32)  # padding rows are dropped
-            ids[:count] = pages[done:done + count]
-            rows = np.zeros((size, self.pool.slab_bytes), np.uint8)
-            self.buffer.read(slabs[done:done + count], rows)
-            runner.scatter_pages(ids, rows)
-            moved += count * self.pool.slab_bytes  # counters count slab bytes (the Host footprint moved)
-            self.counters["restore_batches"] += 1
-            done += count
+        runner, pool = self.runner, self.pool
+        start, moved, staged = time.perf_counter(), 0, []
+        for run in pool.runs(slabs):
+            first = run.first - run.chunk * pool.slabs_per_chunk
+            rows_in_chunk = len(self.buffer.chunks[run.chunk])
+            done = 0
+            while done < run.count:
+                left = run.count - done
+                size = runner.transfer_size(min(left, runner.transfer_sizes[-1]))
+                if first + done + size > rows_in_chunk:  # padding would leave the chunk: an exact piece
+                    size = max(b for b in runner.transfer_sizes if b <= left)
+                n = min(size, left)
+                ids = np.full(size, runner.state.num_pages, np.int32)  # padding rows are dropped
+                ids[:n] = pages[run.start + done:run.start + done + n]
+                rows = self._rows(run.chunk, first + done, size)
+                runner.scatter_pages(ids, rows)
+                staged.append(rows)
+                moved += n * pool.slab_bytes  # counters count slab bytes (the Host footprint moved)
+                self.counters["restore_batches"] += 1
+                done += n
+        jax.block_until_ready(staged)
         self.counters["restored_bytes"] += moved
+        self.counters["restore_ns"] += int((time.perf_counter() - start) * 1e9)
         return moved
 
     def restore_image(self, slabs: list[int], slot: int) -> int:
         """An image's slabs into device state slot `slot`; returns the bytes moved."""
         self._transfer("restore")
-        rows = np.empty((len(slabs), self.pool.slab_bytes), np.uint8)
-        self.buffer.read(slabs, rows)
+        start = time.perf_counter()
+        runs = self.pool.runs(slabs)
+        if len(runs) == 1:  # the usual case: an image's slabs are allocated consecutively
+            run = runs[0]
+            rows = self._rows(run.chunk, run.first - run.chunk * self.pool.slabs_per_chunk, run.count)
+        else:
+            host = np.empty((len(slabs), self.pool.slab_bytes), np.uint8)
+            self.buffer.read(slabs, host)
+            rows = jax.device_put(host)
         self.runner.scatter_slot(slot, rows)
-        self.counters["restored_bytes"] += rows.size
+        jax.block_until_ready(rows)
+        nbytes = len(slabs) * self.pool.slab_bytes
+        self.counters["restored_bytes"] += nbytes
         self.counters["restore_batches"] += 1
-        return rows.size
+        self.counters["restore_ns"] += int((time.perf_counter() - start) * 1e9)
+        return nbytes
 
     def close(self) -> None:
         self.buffer.close()
@@ -292,6 +328,7 @@ class HostTier:
             "host_restored_bytes": self.counters["restored_bytes"],
             "host_written_bytes": self.counters["written_bytes"],
             "host_restore_batches": self.counters["restore_batches"],
+            "host_restore_seconds": self.counters["restore_ns"] / 1e9,
             "host_write_batches": self.counters["write_batches"],
         }
 

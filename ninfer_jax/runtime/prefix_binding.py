@@ -13,7 +13,9 @@ its answers call for, through the ModelRunner and the HostTier:
   finish   the endpoint snapshot (§7.7, written through to the Host), release of the path with the
            write-through of its Device-only blocks in one batch (§7.6), the lane's private pages freed;
   coalesce with concurrent_prefill, a head sharing more with a prefilling sibling than the cache serves
-           waits for the sibling's Boundary tap at their divergence (§12.2).
+           waits for the sibling's Boundary tap at their divergence (§12.2);
+  prefetch while the FIFO head waits (for a lane or for pages), up to 256 of its source's Host-only path
+           blocks are copied into spare Device pages, so its admission restores only the rest (§6.6).
 State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is state slot C + s.
 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
@@ -24,7 +26,8 @@ state), so the index's Filling windows open and close inside one worker call. A 
 binding failed: the index is told (the write fails, the staging is cancelled), and no copy runs after it.
 NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
 of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
-NOTE: prefetch of the blocked head's Host-only path (§6.6) is not built.
+Copies complete inside the call that starts them, so an admission never sees a prefetch still landing
+(§6.6 "settle_prefetch" has nothing to wait for).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ninfer_jax.prefix_cache import (
 )
 from ninfer_jax.prefix_cache.host_slabs import SlabState
 from ninfer_jax.prefix_cache.results import HostWrite, Staging
-from ninfer_jax.prefix_cache.tree import BlockNode, Snapshot
+from ninfer_jax.prefix_cache.tree import RESIDENT, BlockNode, Snapshot
 from ninfer_jax.runtime.host_tier import HostTier
 from ninfer_jax.runtime.request import Request
 
@@ -81,6 +84,7 @@ class PrefixCacheBinding:
     """Admission, taps, block commit and finish against the PrefixIndex, with their device copies."""
 
     RECORDS = 1024  # per-request cache records kept for `record()`
+    PREFETCH_BLOCKS = 256  # one prefetch batch (§6.6)
 
     def __init__(self, runner, *, num_pages: int, lanes: int, prefill_chunk: int, page_bytes: int,
                  image_bytes: int, enabled: bool, policy: str = "hpc", host_cache_bytes: int = 0,
@@ -110,6 +114,7 @@ class PrefixCacheBinding:
                          "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0,
                          "taps_skipped_passed": 0, "coalesce_taps": 0, "coalesce_waits": 0}
         self._coalescing: set[str] = set()  # ids of heads waiting for a sibling (counted once each)
+        self._last_prefetch: tuple[str, int, int] | None = None  # (head id, blocks copied, spare pages before)
         self.records: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     @property
@@ -184,6 +189,33 @@ class PrefixCacheBinding:
             self.index.cancel_staging(staging)
             raise
         return moved
+
+    def prefetch(self, req: Request, entitlement: int) -> int:
+        """§6.6: the waiting FIFO head's Host-only source path blocks into spare Device pages; returns how
+        many were copied. Retried for the same head only while the last attempt copied blocks or the spare
+        room grew, since each attempt matches the whole prompt. A failed copy fails the binding."""
+        if not self.enabled or self.host is None or self.failed:
+            return 0
+        room = self.index.prefetch_room()
+        last = self._last_prefetch
+        if last is not None and last[0] == req.id and last[1] == 0 and room <= last[2]:
+            return 0
+        quote = self.index.quote(req.prompt_ids, [int(h) for h in req.prompt.block_hashes],
+                                 entitlement_pages=entitlement)
+        batch = self.index.prefetch(quote, self.PREFETCH_BLOCKS)
+        copied = 0
+        if batch is not None:
+            try:
+                self.host.restore_pages([r.slab for r in batch.restores], [r.page for r in batch.restores])
+            except BaseException:
+                self.failed = True
+                self.counters["host_restores_failed"] += 1
+                self.index.complete_prefetch(batch, ok=False)
+                raise
+            self.index.complete_prefetch(batch)
+            copied = len(batch.restores)
+        self._last_prefetch = (req.id, copied, room)
+        return copied
 
     def _await_sibling(self, req: Request, served: int, lanes) -> bool:
         """In-flight prefix coalescing (§12.2): whether `req` should wait for a prefilling sibling.
@@ -367,6 +399,13 @@ class PrefixCacheBinding:
         grant = self.index.allocate_pages(1)
         return None if grant is None else grant.pages[0]
 
+    def demote_device(self) -> dict:
+        """Drops every Device cache copy that has a Host copy (PrefixIndex.demote_device); counts what went."""
+        if not self.enabled:
+            return {"pages": 0, "slots": 0}
+        out = self.index.demote_device()
+        return {"pages": len(out.freed_pages), "slots": len(out.freed_slots)}
+
     # --- checks and stats ------------------------------------------------------------------------
     def check(self, lanes: list[Request | None]) -> None:
         """The index's invariants, and every ACTIVE page belongs to exactly one lane."""
@@ -398,15 +437,17 @@ class PrefixCacheBinding:
     def stats(self) -> dict:
         tree = self.index.tree
         snaps = list(tree.snapshots.values())
-        by_kind = {}
-        for s in snaps:
-            by_kind[s.kind.value] = by_kind.get(s.kind.value, 0) + 1
+        by_kind = collections.Counter(s.kind.value for s in snaps)
+        nodes = [n for n in tree.nodes.values() if n.parent is not None]
         return {
             "enabled": self.enabled,
             "policy": self.policy,
-            "nodes": sum(1 for n in tree.nodes.values() if n.parent is not None),
+            "nodes": len(nodes),
+            "nodes_by_tier": _by_tier((n.device_state is RESIDENT, n.host_state is RESIDENT) for n in nodes),
             "snapshots": len(snaps),
-            "snapshots_by_kind": by_kind,
+            "snapshots_by_kind": dict(by_kind),
+            "snapshots_by_tier": _by_tier((s.image_device is RESIDENT, s.image_host is RESIDENT) for s in snaps),
+            "snapshot_hits": sum(s.hits for s in snaps),
             "snapshots_superseded": sum(s.superseded for s in snaps),
             "device_pages_cached": self.pages.count(OwnerState.CACHED),
             "device_snapshot_slots": self.options.device_snapshot_slots,
@@ -427,6 +468,15 @@ class PrefixCacheBinding:
         """Releases the Host tier's memory (after the worker stopped)."""
         if self.host is not None:
             self.host.close()
+
+
+def _by_tier(copies) -> dict[str, int]:
+    """Counts entries by where their copies are: (on the Device, on the Host) pairs -> device/host/both."""
+    out = {"device": 0, "host": 0, "both": 0}
+    for device, host in copies:
+        if device or host:
+            out["both" if device and host else "device" if device else "host"] += 1
+    return out
 
 
 def request_record(req: Request) -> dict:

@@ -99,13 +99,15 @@ class Worker:
 
     def _admit(self) -> None:
         while self.waiting:
+            head = self.waiting[0]
             lane = next((i for i, r in enumerate(self.lanes) if r is None), None)
             if lane is None:
+                self.cache.prefetch(head, self._entitlement(head))  # the wait copies its Host path (§6.6)
                 return
-            head = self.waiting[0]
             readiness = self.cache.admit(head, lane, self._entitlement(head), self.lanes)
             if readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["admission_blocked"] += 1
+                self.cache.prefetch(head, self._entitlement(head))
                 return  # the head waits for pages; nothing behind it overtakes it (spec §6.3)
             self.waiting.popleft()
             if readiness is Readiness.PERMANENTLY_INFEASIBLE:

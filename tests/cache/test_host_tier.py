@@ -193,6 +193,50 @@ def test_conversation_pushed_to_the_host_resumes_from_its_endpoint(host, root):
     assert_same_output(resumed, root.generate(turn3, GREEDY))
 
 
+def test_demote_device_cache_moves_reuse_to_the_host(host, root):
+    prompt = tokens(400, 21)
+    out = host.generate(prompt, LONG)  # endpoint at 469 (7 blocks, a 21-token tail), all written through
+    endpoint = find_snapshot(host, prompt, 469)
+    assert endpoint is not None and not host_only(endpoint)
+    freed = host.demote_device_cache()
+    assert host_only(endpoint) and freed["pages"] >= 8 and freed["slots"] >= 1
+    stats = host.stats()["prefix_cache"]  # nothing keeps a Device copy beside a Host copy any more
+    assert stats["nodes_by_tier"]["both"] == 0 and stats["snapshots_by_tier"]["both"] == 0
+    assert stats["nodes_by_tier"]["host"] >= 7 and stats["snapshots_by_tier"]["host"] >= 1
+    turn2 = prompt + list(out.token_ids) + tokens(30, 22)
+    resumed = host.generate(turn2, GREEDY)
+    assert resumed.usage.cached_tokens == 469
+    slabs = host.cache.index.slabs
+    moved = (7 + 1 + slabs.image_slabs) * slabs.slab_bytes  # 7 blocks, the tail, the image
+    assert host.cache_record(resumed.request_id)["restored_host_bytes"] == moved
+    assert_same_output(resumed, root.generate(turn2, GREEDY))
+
+
+def test_waiting_head_prefetches_its_host_path_and_admission_restores_only_the_rest(host, root):
+    """§6.6: while both lanes decode, the FIFO head's Host-only path blocks are copied into spare pages;
+    its admission then restores only the tail and the image, and its output equals no reuse."""
+    prompt = tokens(400, 23)
+    out = host.generate(prompt, LONG)
+    turn2 = prompt + list(out.token_ids) + tokens(30, 24)
+    host.demote_device_cache()
+    before = counters(host, "prefetches", "prefetched_blocks", "restored_blocks", "restored_tails",
+                      "restored_images")
+    busy = [tokens(100, 25), tokens(100, 26)]
+    outs = host.generate_many(busy + [turn2], [LONG, LONG, GREEDY])  # turn2 waits for a lane
+    resumed = outs[2]
+    assert resumed.usage.cached_tokens == 469
+    after = counters(host, "prefetches", "prefetched_blocks", "restored_blocks", "restored_tails",
+                     "restored_images")
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {"prefetches": 1, "prefetched_blocks": 7, "restored_blocks": 0, "restored_tails": 1,
+                     "restored_images": 1}
+    slabs = host.cache.index.slabs
+    assert host.cache_record(resumed.request_id)["restored_host_bytes"] == (1 + slabs.image_slabs) * slabs.slab_bytes
+    assert_same_output(resumed, root.generate(turn2, GREEDY))
+    for o, p in zip(outs[:2], busy):
+        assert o.token_ids == root.generate(p, LONG).token_ids
+
+
 def test_write_through_fills_the_host_and_stats_report_it(host):
     before = host.stats()["prefix_cache"]
     host.generate(tokens(300, 6), GREEDY)
