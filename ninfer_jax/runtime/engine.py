@@ -117,13 +117,12 @@ class Engine:
         elif self.cache.enabled:
             log.info("host tier | off (host_cache_mib 0): Device only")
         self.worker = Worker(self.runner, o, self.cache, frozenset(eos))
-        if warmup:
-            try:
-                seconds = self.runner.warmup()
-            except BaseException:
-                self.cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
-                raise
-            log.info("compiled | %d programs | %.1f s", self.runner.compile_count(), seconds)
+        try:  # without warmup, the model steps compile on first use; the small cache copies compile here
+            seconds = self.runner.warmup() if warmup else self.runner.warmup_copies()
+        except BaseException:
+            self.cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
+            raise
+        log.info("compiled | %d programs | %.1f s", self.runner.compile_count(), seconds)
         self.compiles_after_warmup = self.runner.compile_count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

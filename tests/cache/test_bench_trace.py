@@ -1,15 +1,24 @@
-"""The prefix-cache benchmark's trace (scripts/bench_prefix_cache.py): seeded, and shaped as it promises. No engine."""
+"""The prefix-cache benchmark (scripts/bench_prefix_cache.py): its trace is seeded and shaped as it promises; its
+options, targets and reports say what they should (synthetic results); the restore probe runs on the tiny model."""
 
+import json
 import os
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
+from ninfer_jax import Engine
+from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import ChatTemplate, load_tokenizer, write_qwen35_tokenizer_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_prefix_cache import _EDITED, DEFAULT_SHAPE, generate_trace, turn_messages  # noqa: E402
+from bench_prefix_cache import (  # noqa: E402
+    _EDITED, DEFAULT_SHAPE, ROOT, cache_delta, generate_trace, host_share, parse_args, targets, turn_messages,
+    write_report,
+)
+from host_restore_probe import measure, probe_options, restore_markdown, restore_targets  # noqa: E402
 
 OPENER = "<|im_start|>assistant\n<think>\n"
 
@@ -72,3 +81,102 @@ def test_histories_grow_past_30k_tokens_behind_a_preamble_of_several_thousand(tr
     finals = [len(tokenizer.encode(p[-1])) for p in prompts]
     assert 5000 <= preamble <= 10000
     assert max(finals) > 30000 and min(finals) > 2.5 * preamble
+
+
+# --- the run's options, targets and reports (synthetic results: no engine) --------------------------------
+
+
+def test_host_heavy_sets_a_small_device_a_large_host_and_its_own_report():
+    heavy = parse_args(["--host-heavy"])
+    assert (heavy.kv_tokens, heavy.host_cache_mib, heavy.probe_reps, heavy.report_name) == \
+        (163_840, 32_768, 0, "prefix_cache_host")
+    assert heavy.max_model_len < heavy.kv_tokens < 8 * 35_000  # any prompt fits, not 8 lanes of 35k ones
+    given = parse_args(["--host-heavy", "--kv-tokens", "65536", "--host-cache-mib", "0", "--report-name", "x"])
+    assert (given.kv_tokens, given.host_cache_mib, given.report_name) == (65536, 0, "x")
+    device = parse_args([])
+    assert (device.kv_tokens, device.host_cache_mib, device.report_name) == (None, None, "prefix_cache")
+    assert device.probe_reps > 0
+    restore = parse_args(["--part", "restore"])
+    assert (restore.report_name, restore.prefix_tokens, restore.models) == \
+        ("prefix_cache_restore", 100_000, "27b,35b-a3b")
+    assert parse_args(["--part", "restore", "--smoke"]).prefix_tokens == 2048
+
+
+def _arm(ttft: float, cached: int, throughput=None, trace_cache=None) -> dict:
+    """An arm's result as run_arm returns it: four requests of 1000 prompt tokens."""
+    records = [{"conversation": c, "turn": 0, "kind": "start", "finish_reason": "length", "ttft_s": ttft,
+                "prompt_tokens": 1000, "cached_tokens": cached, "reusable_tokens": 900, "source": "tap",
+                "restored_host_bytes": 1 << 20 if c else 0} for c in range(4)]
+    return {"records": records, "throughput": throughput, "trace_cache": trace_cache or {}, "truncated": False,
+            "trace_wall_s": 1.0, "compile_s": 1.0, "compiles": {"after_trace": 3}, "options": {},
+            "stats": {"pages": {"capacity": 100}}}
+
+
+def test_host_heavy_targets_are_the_ttft_ratios_5x_and_3x():
+    results = {"hpc": _arm(0.1, 950), "align": _arm(0.25, 900), "no_reuse": _arm(0.6, 0)}
+    heavy = targets(results, host_heavy=True)
+    assert [(t.split(">= ")[1], met) for t, _, met in heavy] == \
+        [("5x better than no reuse", True), ("3x better than align", False)]
+    device = targets(results)  # no throughput probes ran: no throughput row
+    assert [met for _, _, met in device] == [True, True, True]
+    assert "1.5x better than align" in device[1][0] and "90%" in device[2][0]
+
+
+def test_the_host_section_counts_restored_and_prefetched_blocks(tmp_path):
+    before = {"reuse_tokens": 100, "restored_blocks": 1, "host_restored_bytes": 10, "host_cache_bytes": 1 << 30}
+    after = {"reuse_tokens": 740, "restored_blocks": 6, "prefetches": 2, "prefetched_blocks": 4,
+             "host_restored_bytes": 4 << 30, "host_restore_seconds": 0.1, "host_cache_bytes": 1 << 30,
+             "host_tier": True, "host_pinned": True}
+    trace = cache_delta(before, after)
+    assert (trace["reuse_tokens"], trace["restored_blocks"], trace["host_cache_bytes"]) == (640, 5, 1 << 30)
+    assert host_share(trace) == 9 * 64 / 640
+    results = {"hpc": _arm(0.1, 950, trace_cache=trace), "no_reuse": _arm(0.6, 0)}
+    write_report(results, parse_args(["--host-heavy", "--smoke"]), tmp_path, "c", "d")
+    assert json.loads((tmp_path / "prefix_cache_host.json").read_text())["kv_tokens"] == 2048
+    text = (tmp_path / "prefix_cache_host.md").read_text()
+    assert "- command: `c`" in text and "Host-heavy" in text and "## Host tier over the trace" in text
+    assert "| hpc | 3 of 4 | 640 | 90.0% | 5 / 0 / 0 | 4.29 | 0.10 | 42.9 | 2 batches, 4 blocks |" in text
+
+
+def test_the_restore_probe_sizes_its_host_tier_for_the_prefix():
+    cfg = ModelConfig.from_file(ROOT / "configs" / "qwen3.5-27b.json")
+    o = probe_options(cfg, jnp.bfloat16, 100_000, 2048)
+    kv = 100_032 * 64 * 1024  # 1563 blocks of 64 KiB per token
+    assert kv < o["host_cache_mib"] << 20 < kv + (8 << 30)
+    assert o["max_model_len"] >= 100_032 + 2048 and o["kv_capacity"] >= 2 * o["max_model_len"]
+    assert o["max_concurrency"] == 1
+
+
+def test_the_restore_report_states_its_targets_and_failures():
+    row = {"model": "27b", "prefix_tokens": 100_032, "restored_bytes": 6.6e9, "restore_s": 0.15, "restore_gbs": 44.0,
+           "ceiling_gbs": 50.0, "batch_ceiling_gbs": 48.0, "batch_slabs": 64, "restore_vs_ceiling": 0.88,
+           "recompute_s": 18.0, "recompute_vs_restore": 120.0, "resume_ttft_s": 0.3, "cold_vs_resume_ttft": 60.0,
+           "recompute_compiles": 0, "host_pinned": True, "host_slab_bytes": 4 << 20,
+           "options": {"max_model_len": 103424, "kv_capacity": 206848, "host_cache_mib": 10000},
+           "rounds": [{"cached_tokens": 100_032, "source": "tap", "restored_blocks": 1563, "restored_images": 1,
+                       "restored_bytes": 6.6e9, "restore_s": 0.15, "restore_gbs": 44.0, "ttft_s": 0.3,
+                       "compiles": 0}]}
+    rows = [row, {"model": "35b-a3b", "error": "no time left before --deadline"}]
+    assert restore_targets(rows) == [("27b: Host restore >= 80% of the pinned device_put ceiling",
+                                      "44.0 / 50.0 GB/s = 88%", True)]
+    text = "\n".join(restore_markdown(rows, {"command": "c", "date": "d", "device": "H200", "jax": "j",
+                                             "kernels": "pallas", "reps": 3}))
+    assert "- command: `c`" in text and "device: H200" in text
+    assert "| 27b | 100032 | 6.600 | 0.1500 | 44.0 | 50.0 (48.0) | 88% | 18.00 | 120x | 0.300 | 60x | 0 |" in text
+    assert "| 35b-a3b | not measured: no time left before --deadline |" in text
+
+
+def test_the_restore_probe_resumes_a_demoted_prefix_from_the_host(checkpoint_factory):
+    """The probe end to end on the tiny model (the CPU's GB/s mean nothing; the path and its checks do)."""
+    directory = checkpoint_factory("tiny-dense", "text", seed=3)
+    options = probe_options(ModelConfig.from_file(directory / "config.json"), jnp.float32, 1024, 256)
+    engine = Engine.from_pretrained(directory, kernels="reference", warmup=False, **options)
+    try:
+        row = measure(engine, 1024, 2, "tiny")
+    finally:
+        engine.stop()
+    assert row["prefix_tokens"] == 1024 and row["recompute_compiles"] == 0
+    for r in row["rounds"]:
+        assert r["cached_tokens"] >= 1024 and r["source"] == "tap" and r["compiles"] == 0
+        assert r["restored_blocks"] == 16 and r["restored_images"] == 1 and r["demoted_pages"] >= 16
+    assert row["restored_bytes"] == row["rounds"][0]["record_restored_bytes"] > 0
