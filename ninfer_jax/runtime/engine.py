@@ -201,7 +201,20 @@ class Engine:
             return fn()
         box: queue.SimpleQueue = queue.SimpleQueue()
         self._send("call", (fn, box))
-        ok, value = box.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = box.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():  # it ended (stop, failure) before answering: nothing mutates now
+                    try:
+                        ok, value = box.get_nowait()
+                        break
+                    except queue.Empty:
+                        return fn()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the engine's worker did not answer within {timeout:.0f} s")
         if not ok:
             raise value
         return value

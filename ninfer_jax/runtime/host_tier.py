@@ -17,8 +17,10 @@ Slab layout, one for both directions (the runner's gathers produce it and its sc
                           (o // slab_bytes)-th slab.
 
 `HostTier` runs the copies through the runner's jitted transfer ops, in batches of the runner's bucket sizes:
-  write-through  a device-side gather of the listed pages (or one state slot) whose output lands in pinned
-                 host memory, then a copy into the slab rows (np.asarray waits for the device);
+  write-through  a device-side gather of the listed pages (and one state slot) whose output lands in pinned
+                 host memory, dispatched by the worker; a writer thread waits for it and copies it into the
+                 slab rows, and the worker completes the index's HostWrite when `landed()` returns it (§7.6:
+                 asynchronous write-through; the worker never waits for a host copy);
   restore        each run of consecutive slabs moves straight from the page-locked chunk (a contiguous view
                  per piece of the runner's batch sizes, DESIGN.md: about 50 GB/s) and is scattered into the
                  donated pools (pages, or the lane's state slot); the call returns once every piece has
@@ -40,7 +42,9 @@ import glob
 import logging
 import mmap
 import os
+import queue
 import sys
+import threading
 import time
 
 import jax
@@ -215,6 +219,12 @@ class HostTier:
         runner.enable_host_transfers(pool.slab_bytes, pool.image_slabs)
         self.counters = collections.Counter()
         self._faults: collections.Counter = collections.Counter()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (token, parts, bytes) for the writer; None stops it
+        self._landing = threading.Condition()  # guards the three below
+        self._landed: list = []
+        self._queued = self._queued_bytes = 0
+        self._writer = threading.Thread(target=self._write_loop, name="ninfer-host-writer", daemon=True)
+        self._writer.start()
 
     # --- fault injection -------------------------------------------------------------------------
     def inject_fault(self, kind: str, times: int = 1) -> None:
@@ -228,29 +238,71 @@ class HostTier:
             self._faults[kind] -= 1
             raise HostTransferError(f"injected Host {kind} transfer failure")
 
-    # --- write-through (device -> host) ----------------------------------------------------------
-    def write_pages(self, pages: list[int], slabs: list[int]) -> None:
-        """Page bundles of `pages` into `slabs` (pairwise), one gather per batch."""
+    # --- write-through (device -> host), asynchronous ---------------------------------------------
+    def write(self, token, pages: list[int], page_slabs: list[int], image_slot: int = -1,
+              image_slabs: list[int] = ()) -> None:
+        """Dispatches the device-side gathers of `pages` (into `page_slabs`, pairwise) and of state slot
+        `image_slot` (into `image_slabs`), and queues their copy into the slabs for the writer thread; returns
+        without waiting. `landed()` hands `token` back once the copy is done (or failed).
+
+        The gathers read the pools in the device's order, so a page or slot reused after this call still
+        gives its bytes of now; the caller keeps the destination slabs unused until `token` lands.
+        """
         self._transfer("write")
-        runner = self.runner
-        done = 0
+        runner, parts, done = self.runner, [], 0
         while done < len(pages):
             count = min(len(pages) - done, runner.transfer_sizes[-1])
             ids = np.zeros(runner.transfer_size(count), np.int32)  # padding reads page 0, discarded
             ids[:count] = pages[done:done + count]
-            rows = runner.gather_pages(ids)
-            self.buffer.write(slabs[done:done + count], rows[:count])
-            self.counters["written_bytes"] += count * self.pool.slab_bytes
-            self.counters["write_batches"] += 1
+            parts.append((runner.gather_pages(ids), page_slabs[done:done + count], count))
             done += count
+        if image_slabs:
+            parts.append((runner.gather_slot(image_slot), list(image_slabs), len(image_slabs)))
+        nbytes = sum(len(slabs) for _, slabs, _ in parts) * self.pool.slab_bytes
+        self.counters["written_bytes"] += nbytes
+        self.counters["write_batches"] += len(parts)
+        with self._landing:
+            self._queued_bytes += nbytes
+            self._queued += 1
+        self._jobs.put((token, parts, nbytes))
 
-    def write_image(self, slot: int, slabs: list[int]) -> None:
-        """The state image of device slot `slot` into its `slabs` (image_slabs of them)."""
-        self._transfer("write")
-        rows = self.runner.gather_slot(slot)
-        self.buffer.write(slabs, rows)
-        self.counters["written_bytes"] += len(slabs) * self.pool.slab_bytes
-        self.counters["write_batches"] += 1
+    def _write_loop(self) -> None:
+        """The writer thread: each job's gathered rows into their slabs, in submission order."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            token, parts, nbytes = job
+            error = None
+            try:
+                for array, slabs, count in parts:
+                    rows = np.asarray(array)  # waits for the gather
+                    self.buffer.write(slabs, rows[:count])
+            except BaseException as e:  # reported to the worker, which fails the engine
+                error = e
+            with self._landing:
+                self._landed.append((token, error))
+                self._queued_bytes -= nbytes
+                self._landing.notify_all()
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Writes queued or copying, and landed ones not yet taken by `landed()`."""
+        return self._queued
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def landed(self, wait: bool = False) -> list[tuple[object, BaseException | None]]:
+        """(token, error or None) of every write that landed since the last call, in submission order; with
+        `wait`, first waits until every queued write has landed."""
+        with self._landing:
+            if wait:
+                self._landing.wait_for(lambda: len(self._landed) == self._queued)
+            out, self._landed = self._landed, []
+            self._queued -= len(out)
+        return out
 
     # --- restores (host -> device) ---------------------------------------------------------------
     def _rows(self, chunk: int, first: int, count: int):
@@ -316,6 +368,9 @@ class HostTier:
         return nbytes
 
     def close(self) -> None:
+        """Lets the writer finish what is queued, then releases the slab buffer."""
+        self._jobs.put(None)
+        self._writer.join()
         self.buffer.close()
 
     def stats(self) -> dict:

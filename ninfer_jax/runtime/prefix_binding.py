@@ -21,9 +21,11 @@ State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
 inserted, tapped or published (§7.7 "disabled requests"), and no Host tier is allocated.
 
-Host copies run synchronously on the worker thread (JAX orders them against every step on the donated
-state), so the index's Filling windows open and close inside one worker call. A failed copy marks the
-binding failed: the index is told (the write fails, the staging is cancelled), and no copy runs after it.
+Restores and prefetches run synchronously on the worker thread (JAX orders them against every step on the
+donated state), so their Filling windows open and close inside one worker call. Write-through is
+asynchronous: the worker dispatches the gathers, the Host tier's writer thread copies them into the slabs,
+and `poll_writes` (every worker step) completes them in the index. A failed copy marks the binding failed:
+the index is told (the write fails, the staging is cancelled), and no copy runs after it.
 NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
 of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
 Copies complete inside the call that starts them, so an admission never sees a prefetch still landing
@@ -45,7 +47,7 @@ from ninfer_jax.prefix_cache import (
 from ninfer_jax.prefix_cache.host_slabs import SlabState
 from ninfer_jax.prefix_cache.results import HostWrite, Staging
 from ninfer_jax.prefix_cache.tree import RESIDENT, BlockNode, Snapshot
-from ninfer_jax.runtime.host_tier import HostTier
+from ninfer_jax.runtime.host_tier import HostTier, HostTransferError
 from ninfer_jax.runtime.request import Request
 
 log = logging.getLogger("ninfer_jax.prefix_cache")
@@ -85,6 +87,7 @@ class PrefixCacheBinding:
 
     RECORDS = 1024  # per-request cache records kept for `record()`
     PREFETCH_BLOCKS = 256  # one prefetch batch (§6.6)
+    MAX_QUEUED_WRITE_BYTES = 4 << 30  # gathered write-through bytes waiting for the writer thread
 
     def __init__(self, runner, *, num_pages: int, lanes: int, prefill_chunk: int, page_bytes: int,
                  image_bytes: int, enabled: bool, policy: str = "hpc", host_cache_bytes: int = 0,
@@ -109,6 +112,7 @@ class PrefixCacheBinding:
         self.host: HostTier | None = HostTier(runner, self.index.slabs, pin=pin_host) \
             if self.index.slabs.enabled else None
         self.failed = False  # a copy failed (or the engine did): no copy runs any more
+        self.write_failure: BaseException | None = None  # a writer-thread failure the worker has not raised yet
         self.tap_options = TapPlanOptions.from_options(self.options)
         self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
                          "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0,
@@ -343,29 +347,51 @@ class PrefixCacheBinding:
             self._write(self.index.write_snapshot(s))
 
     def _write(self, write: HostWrite) -> None:
-        """Performs a HostWrite the index handed out and reports it; a failure fails the binding."""
+        """Starts a HostWrite the index handed out (§7.6): the gathers are dispatched and the host copy is the
+        writer thread's; `poll_writes` completes it in the index when it lands. A failure fails the binding."""
         if write.empty:
             self.index.complete_host_write(write)
             return
+        if self.host is not None and self.host.queued_bytes > self.MAX_QUEUED_WRITE_BYTES:
+            self.poll_writes(wait=True)  # the writer fell behind: bound the gathered bytes held in host memory
+        s = write.snapshot
+        tail = write.tail_slab >= 0
         try:
             if self.failed or self.host is None:
                 raise RuntimeError("Host write after a failed copy")
-            if write.nodes:  # one batch of the lane's Device-only blocks
-                self.host.write_pages([n.device_page for n in write.nodes], write.node_slabs)
-            s = write.snapshot
-            if write.image_slabs:
-                self.host.write_image(self.state_slot(s.device_slot), write.image_slabs)
-            if write.tail_slab >= 0:
-                self.host.write_pages([s.tail_page], [write.tail_slab])
+            self.host.write(write, [n.device_page for n in write.nodes] + ([s.tail_page] if tail else []),
+                            list(write.node_slabs) + ([write.tail_slab] if tail else []),
+                            self.state_slot(s.device_slot) if write.image_slabs else -1, write.image_slabs)
         except BaseException:
+            self._write_failed(write)
             if not self.failed:
-                self.counters["host_writes_failed"] += 1
-            self.index.complete_host_write(write, ok=False)
-            if self.failed:
-                return  # after a failure, writes are dropped quietly (the engine is failing)
-            self.failed = True
-            raise
-        self.index.complete_host_write(write, ok=True)
+                self.failed = True
+                raise
+
+    def _write_failed(self, write: HostWrite) -> None:
+        if not self.failed:
+            self.counters["host_writes_failed"] += 1
+        self.index.complete_host_write(write, ok=False)
+
+    def poll_writes(self, wait: bool = False) -> None:
+        """Completes in the index every Host write that landed (with `wait`, after all have). A failed copy
+        fails the binding; `raise_write_failure` (the worker's step) then fails the engine."""
+        if self.host is None:
+            return
+        for write, failure in self.host.landed(wait):
+            if failure is None and not self.failed:
+                self.index.complete_host_write(write, ok=True)
+                continue
+            self._write_failed(write)
+            if failure is not None and not self.failed:
+                self.failed = True
+                self.write_failure = failure
+
+    def raise_write_failure(self) -> None:
+        """Raises HostTransferError once for a write-through that failed in the writer thread."""
+        failure, self.write_failure = self.write_failure, None
+        if failure is not None:
+            raise HostTransferError(f"Host write-through failed: {failure}") from failure
 
     def fail(self) -> None:
         """The engine failed: no copy runs any more (writes complete as failed, restores raise)."""
@@ -403,12 +429,15 @@ class PrefixCacheBinding:
         """Drops every Device cache copy that has a Host copy (PrefixIndex.demote_device); counts what went."""
         if not self.enabled:
             return {"pages": 0, "slots": 0}
+        self.poll_writes(wait=True)  # a block still being written has no Host copy yet
         out = self.index.demote_device()
         return {"pages": len(out.freed_pages), "slots": len(out.freed_slots)}
 
     # --- checks and stats ------------------------------------------------------------------------
     def check(self, lanes: list[Request | None]) -> None:
-        """The index's invariants, and every ACTIVE page belongs to exactly one lane."""
+        """The index's invariants, and every ACTIVE page belongs to exactly one lane (after in-flight Host
+        writes have landed)."""
+        self.poll_writes(wait=True)
         self.index.check_invariants()
         owned = [p for r in lanes if r is not None for p in r.pages if self.pages.is_state(p, OwnerState.ACTIVE)]
         assert len(owned) == len(set(owned)), "a private page is mapped by two lanes"
@@ -416,7 +445,7 @@ class PrefixCacheBinding:
         assert active == len(owned), f"{active} ACTIVE pages but lanes own {len(owned)}"
         staging = sum(len(r.cache.staged) for r in lanes if r is not None and getattr(r, "cache", None))
         assert len(self.index.staging_slots) == staging, "a staging slot is held by no lane"
-        # Copies complete inside the worker call that starts them: between calls nothing is Filling or pinned.
+        # Restores complete inside the worker call that starts them, and writes have landed: nothing is Filling.
         assert self.pages.count(OwnerState.FILLING) == 0, "a Device page is still Filling"
         assert self.index.slabs.count(SlabState.FILLING) == 0, "a Host slab is still Filling"
         pinned = [n for n in self.index.tree.nodes.values() if n.pins]
@@ -435,6 +464,8 @@ class PrefixCacheBinding:
         return self.records.get(request_id)
 
     def stats(self) -> dict:
+        """The cache's counters and tables, once the Host writes in flight have landed."""
+        self.poll_writes(wait=True)
         tree = self.index.tree
         snaps = list(tree.snapshots.values())
         by_kind = collections.Counter(s.kind.value for s in snaps)
@@ -465,7 +496,7 @@ class PrefixCacheBinding:
         }
 
     def close(self) -> None:
-        """Releases the Host tier's memory (after the worker stopped)."""
+        """Releases the Host tier's memory (after the worker stopped; queued writes finish first)."""
         if self.host is not None:
             self.host.close()
 

@@ -257,17 +257,18 @@ class ModelRunner:
         """The compiled page batch size for n pages (n <= the largest)."""
         return next(b for b in self.transfer_sizes if n <= b)
 
-    def gather_pages(self, pages: np.ndarray) -> np.ndarray:
-        """Page bundles of `pages` (int32 [B], B a transfer size) -> host uint8 [B, bundle bytes]."""
-        return np.asarray(self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, jnp.asarray(pages)))
+    def gather_pages(self, pages: np.ndarray) -> jax.Array:
+        """Page bundles of `pages` (int32 [B], B a transfer size) -> uint8 [B, bundle bytes], dispatched (not
+        waited for) and landing in pinned host memory where the backend has it; np.asarray waits for it."""
+        return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, jnp.asarray(pages))
 
     def scatter_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
         """Host rows uint8 [B, row_bytes] into `pages` (int32 [B]; num_pages marks a padding row)."""
         self._swap(self._steps["scatter_pages"](self.state, jnp.asarray(pages), jnp.asarray(rows)))
 
-    def gather_slot(self, slot: int) -> np.ndarray:
-        """State slot `slot` -> host uint8 [image_rows, row_bytes]."""
-        return np.asarray(self._steps["gather_slot"](self.state.ssm, self.state.conv, jnp.int32(slot)))
+    def gather_slot(self, slot: int) -> jax.Array:
+        """State slot `slot` -> uint8 [image_rows, row_bytes], dispatched like gather_pages."""
+        return self._steps["gather_slot"](self.state.ssm, self.state.conv, jnp.int32(slot))
 
     def scatter_slot(self, slot: int, rows: np.ndarray) -> None:
         """Host rows uint8 [image_rows, row_bytes] into state slot `slot`."""

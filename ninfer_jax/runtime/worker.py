@@ -80,6 +80,8 @@ class Worker:
     # --- one scheduling step ---------------------------------------------------------------------
     def step(self) -> bool:
         """Admit, one prefill chunk, one decode round. Returns whether any model work ran."""
+        self.cache.poll_writes()  # Host writes that landed join the index (their pins drop)
+        self.cache.raise_write_failure()  # one that failed fails the engine
         self._admit()
         did = False
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]

@@ -1,6 +1,8 @@
 """Fault injection for the Host tier (spec §13.3): a Host allocation that fails at start is a clear startup
-error; a forced transfer error in a write-through or a restore fails the engine (every request ends with
+error; a forced transfer error in a write-through (at dispatch or in the writer thread) or a restore fails the engine (every request ends with
 "error") with no leaked pin, page or slab, and a new engine works after it."""
+
+import time
 
 import jax
 import pytest
@@ -57,6 +59,26 @@ def test_a_forced_write_through_error_fails_the_engine_cleanly(checkpoint):
         failed = engine.generate_many([tokens(100, 2), tokens(90, 3)], GREEDY)
         assert [o.finish_reason for o in failed] == ["error", "error"]
         assert "injected Host write" in failed[0].error
+        assert_failed_cleanly(engine)
+        assert engine.stats()["prefix_cache"]["host_writes_failed"] == 1
+    finally:
+        engine.stop()
+
+
+def test_a_host_copy_failing_in_the_writer_thread_fails_the_engine_cleanly(checkpoint):
+    """Write-through is asynchronous: the copy into the slabs fails off the worker thread; the engine fails at
+    its next step, and the write's pins and Filling slabs are released."""
+    engine = Engine.from_pretrained(checkpoint, **SMALL)
+    try:
+        def broken(slabs, rows):
+            raise OSError(5, "Input/output error")
+
+        engine.cache.host.buffer.write = broken
+        assert engine.generate(tokens(100, 7), GREEDY).finish_reason == "length"  # its write fails afterwards
+        deadline = time.monotonic() + 30
+        while not engine.stats()["failed"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Input/output error" in engine.stats()["failed"]
         assert_failed_cleanly(engine)
         assert engine.stats()["prefix_cache"]["host_writes_failed"] == 1
     finally:
