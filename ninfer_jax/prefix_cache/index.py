@@ -431,10 +431,7 @@ class PrefixIndex:
         Entries without a Host copy, and whatever a lane or a copy holds, stay as they are."""
         out = Reclaimed()
         for entry in list(self.lists.backed):
-            if type(entry) is BlockNode:
-                self.reclaimer.drop_node_device(entry, out)
-            else:
-                self.reclaimer.drop_tail_device(entry, out)
+            self.reclaimer.drop_device_entry(entry, out)
         for s in list(self.tree.snapshots.values()):
             if s.device_slot >= 0 and s.image_host is RESIDENT and s.pins == 0:
                 self.reclaimer.drop_snapshot_image_device(s, out)

@@ -20,7 +20,7 @@ from .eviction import EvictionLists
 from .pools import DevicePagePool, OwnerState
 from .reclaim import Reclaimer
 from .results import BlockRestore, Prefetch, PrefixCacheStats, Reclaimed
-from .tree import ABSENT, FILLING, RESIDENT, BlockNode
+from .tree import ABSENT, FILLING, RESIDENT
 
 
 class Prefetcher:
@@ -52,13 +52,8 @@ class Prefetcher:
             self.lists.pin_nodes(path, -1)
             return None
         out = Reclaimed()
-        while self.pages.num_free < k:
-            entry = next(iter(self.lists.backed))
-            self.stats.device_evicted_backed += 1
-            if type(entry) is BlockNode:
-                self.reclaimer.drop_node_device(entry, out)
-            else:
-                self.reclaimer.drop_tail_device(entry, out)
+        evicted = self.reclaimer.evict_device(k, out, backed_only=True)
+        assert evicted, "spare_pages counted pages the backed list does not hold"
         restores = []
         for node in wanted[:k]:
             page = self.pages.allocate_one(OwnerState.FILLING)

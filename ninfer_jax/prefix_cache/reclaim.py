@@ -166,23 +166,27 @@ class Reclaimer:
 
     # ---- §9.1 device LRU -----------------------------------------------------------------
 
-    def evict_device(self, want_free: int, out: Reclaimed) -> bool:
-        """Evicts from the device LRU until ``want_free`` page groups are free."""
+    def evict_device(self, want_free: int, out: Reclaimed, backed_only: bool = False) -> bool:
+        """Evicts from the device LRU until ``want_free`` page groups are free (only Host-backed entries,
+        which never lose a last copy, with ``backed_only``)."""
         lists = self.lists
         while self.pages.num_free < want_free:
-            entry = lists.next_device_victim()
+            entry = next(iter(lists.backed), None) if backed_only else lists.next_device_victim()
             if entry is None:
                 return False
-            backed = entry.lru is lists.backed
-            if backed:
-                self.stats.device_evicted_backed += 1
-            else:
-                self.stats.device_evicted_unbacked += 1
-            if type(entry) is BlockNode:
-                self.drop_node_device(entry, out)
-            else:
-                self.drop_tail_device(entry, out)
+            self.drop_device_entry(entry, out)
         return True
+
+    def drop_device_entry(self, entry, out: Reclaimed) -> None:
+        """Drops a device-LRU entry's page (a node's, or a snapshot's tail), counting it as an eviction."""
+        if entry.lru is self.lists.backed:
+            self.stats.device_evicted_backed += 1
+        else:
+            self.stats.device_evicted_unbacked += 1
+        if type(entry) is BlockNode:
+            self.drop_node_device(entry, out)
+        else:
+            self.drop_tail_device(entry, out)
 
     # ---- §9.2 device snapshot slots ------------------------------------------------------
 
