@@ -63,23 +63,23 @@ def _decode_step(params, cfg, kc, full, state, tokens, positions, page_tables, s
     return out, state
 
 
-def _copy_slot(state: DeviceState, src, dst):
+# The cache's copies and transfers take and donate only the pools they write (the KV pools, or the GDN
+# state pools): a jitted call's dispatch cost grows with the number of buffers it is handed.
+
+
+def _copy_slot(ssm, conv, src, dst):
     """State slot src -> dst (a snapshot or a restore between slots): one D2D copy per GDN layer."""
-    return DeviceState(
-        state.k_pages, state.v_pages,
-        tuple(s.at[dst].set(s[src]) for s in state.ssm),
-        tuple(c.at[dst].set(c[src]) for c in state.conv),
-    )
+    return tuple(s.at[dst].set(s[src]) for s in ssm), tuple(c.at[dst].set(c[src]) for c in conv)
 
 
-def _copy_page(state: DeviceState, src, dst, length):
+def _copy_page(k_pages, v_pages, src, dst, length):
     """The first `length` positions of page src -> page dst (a tail copy-on-write), every attention layer."""
     keep = (jnp.arange(PAGE) < length)[:, None, None]
 
     def one(pages):
         return pages.at[dst].set(jnp.where(keep, pages[src], pages[dst]))
 
-    return DeviceState(tuple(map(one, state.k_pages)), tuple(map(one, state.v_pages)), state.ssm, state.conv)
+    return tuple(map(one, k_pages)), tuple(map(one, v_pages))
 
 
 def _as_bytes(x):
@@ -105,15 +105,15 @@ def _gather_pages(k_pages, v_pages, pages):
     return jnp.concatenate(parts, axis=1)  # [B, bundle bytes]
 
 
-def _scatter_pages(state: DeviceState, pages, rows):
+def _scatter_pages(k_pages, v_pages, pages, rows):
     """Host rows [B, >= bundle bytes] (the _gather_pages layout) into `pages`; out-of-range pages are dropped."""
     offset, ks, vs = 0, [], []
-    for k, v in zip(state.k_pages, state.v_pages):
+    for k, v in zip(k_pages, v_pages):
         for pool, out in ((k, ks), (v, vs)):
             width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
             out.append(pool.at[pages].set(_from_bytes(rows[:, offset:offset + width], pool), mode="drop"))
             offset += width
-    return DeviceState(tuple(ks), tuple(vs), state.ssm, state.conv)
+    return tuple(ks), tuple(vs)
 
 
 def _gather_slot(ssm, conv, slot, *, rows: int, row_bytes: int):
@@ -126,16 +126,16 @@ def _gather_slot(ssm, conv, slot, *, rows: int, row_bytes: int):
     return jnp.pad(flat, (0, rows * row_bytes - flat.shape[0])).reshape(rows, row_bytes)
 
 
-def _scatter_slot(state: DeviceState, slot, rows):
+def _scatter_slot(ssm_pools, conv_pools, slot, rows):
     """Host rows (the _gather_slot layout) into state slot `slot`; an out-of-range slot is dropped."""
     flat, offset = rows.reshape(-1), 0
     ssm, conv = [], []
-    for s, c in zip(state.ssm, state.conv):
+    for s, c in zip(ssm_pools, conv_pools):
         for pool, out in ((s, ssm), (c, conv)):
             width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
             out.append(pool.at[slot].set(_from_bytes(flat[None, offset:offset + width], pool)[0], mode="drop"))
             offset += width
-    return DeviceState(state.k_pages, state.v_pages, tuple(ssm), tuple(conv))
+    return tuple(ssm), tuple(conv)
 
 
 def transfer_buckets(max_batch: int, ratio: int = 8) -> tuple[int, ...]:
@@ -175,8 +175,8 @@ class ModelRunner:
         self._steps = {
             "prefill": jax.jit(_own(_prefill_step), static_argnames=static, donate_argnames=("state",)),
             "decode": jax.jit(_own(_decode_step), static_argnames=static, donate_argnames=("state",)),
-            "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("state",)),
-            "copy_page": jax.jit(_own(_copy_page), donate_argnames=("state",)),
+            "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
+            "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
         self.transfer_sizes: tuple[int, ...] = ()  # page batch buckets, set by enable_host_transfers
         self.image_rows = self.row_bytes = 0
@@ -194,9 +194,9 @@ class ModelRunner:
         gather_slot = functools.partial(_gather_slot, rows=image_rows, row_bytes=row_bytes)
         self._steps.update({
             "gather_pages": jax.jit(_own(_gather_pages), **host),
-            "scatter_pages": jax.jit(_own(_scatter_pages), donate_argnames=("state",)),
+            "scatter_pages": jax.jit(_own(_scatter_pages), donate_argnames=("k_pages", "v_pages")),
             "gather_slot": jax.jit(gather_slot, **host),
-            "scatter_slot": jax.jit(_own(_scatter_slot), donate_argnames=("state",)),
+            "scatter_slot": jax.jit(_own(_scatter_slot), donate_argnames=("ssm_pools", "conv_pools")),
         })
 
     # --- the one place the donated state is written back ----------------------------------------
@@ -246,11 +246,20 @@ class ModelRunner:
         self._swap(state)
         return out
 
+    def _swap_kv(self, kv) -> None:
+        self._swap(DeviceState(*kv, self.state.ssm, self.state.conv))
+
+    def _swap_gdn(self, gdn) -> None:
+        self._swap(DeviceState(self.state.k_pages, self.state.v_pages, *gdn))
+
     def copy_slot(self, src: int, dst: int) -> None:
-        self._swap(self._steps["copy_slot"](self.state, jnp.int32(src), jnp.int32(dst)))
+        s = self.state
+        self._swap_gdn(self._steps["copy_slot"](s.ssm, s.conv, jnp.int32(src), jnp.int32(dst)))
 
     def copy_page(self, src: int, dst: int, length: int) -> None:
-        self._swap(self._steps["copy_page"](self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(length)))
+        s = self.state
+        self._swap_kv(self._steps["copy_page"](s.k_pages, s.v_pages, jnp.int32(src), jnp.int32(dst),
+                                               jnp.int32(length)))
 
     # --- Host tier transfers (enable_host_transfers) ---------------------------------------------
     def transfer_size(self, n: int) -> int:
@@ -264,7 +273,8 @@ class ModelRunner:
 
     def scatter_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
         """Host rows uint8 [B, row_bytes] into `pages` (int32 [B]; num_pages marks a padding row)."""
-        self._swap(self._steps["scatter_pages"](self.state, jnp.asarray(pages), jnp.asarray(rows)))
+        s = self.state
+        self._swap_kv(self._steps["scatter_pages"](s.k_pages, s.v_pages, jnp.asarray(pages), jnp.asarray(rows)))
 
     def gather_slot(self, slot: int) -> jax.Array:
         """State slot `slot` -> uint8 [image_rows, row_bytes], dispatched like gather_pages."""
@@ -272,7 +282,8 @@ class ModelRunner:
 
     def scatter_slot(self, slot: int, rows: np.ndarray) -> None:
         """Host rows uint8 [image_rows, row_bytes] into state slot `slot`."""
-        self._swap(self._steps["scatter_slot"](self.state, jnp.int32(slot), jnp.asarray(rows)))
+        s = self.state
+        self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.int32(slot), jnp.asarray(rows)))
 
     # --- compilation -----------------------------------------------------------------------------
     def warmup(self) -> float:

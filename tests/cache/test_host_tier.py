@@ -126,13 +126,13 @@ def test_transfer_ops_move_pages_and_slots_bit_exactly(kv_dtype):
     row_bytes = 4 * 64 * 2 * 8 * jnp.dtype(kv_dtype).itemsize + 100  # a bundle, then slab padding
     rows = np.zeros((2, row_bytes), np.uint8)
     rows[:, :row_bytes - 100] = np.asarray(_gather_pages(state.k_pages, state.v_pages, jnp.asarray([1, 4])))
-    moved = _scatter_pages(state, jnp.asarray([3, 6]), jnp.asarray(rows))  # page 6 is out of range: dropped
-    for before, after in zip(state.k_pages + state.v_pages, moved.k_pages + moved.v_pages):
+    moved_k, moved_v = _scatter_pages(state.k_pages, state.v_pages, jnp.asarray([3, 6]), jnp.asarray(rows))
+    for before, after in zip(state.k_pages + state.v_pages, moved_k + moved_v):  # page 6 is out of range: dropped
         np.testing.assert_array_equal(np.asarray(after[3]).view(np.uint8), np.asarray(before[1]).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(after[:3]), np.asarray(before[:3]))
     image = _gather_slot(state.ssm, state.conv, 2, rows=3, row_bytes=256)
-    restored = _scatter_slot(state, 0, image)
-    for before, after in zip(state.ssm + state.conv, restored.ssm + restored.conv):
+    ssm, conv = _scatter_slot(state.ssm, state.conv, 0, image)
+    for before, after in zip(state.ssm + state.conv, ssm + conv):
         np.testing.assert_array_equal(np.asarray(after[0]).view(np.uint8), np.asarray(before[2]).view(np.uint8))
 
 
