@@ -3,7 +3,9 @@
 One run builds three fresh engines, each in its own subprocess (jax keeps the GPU memory it takes), on the
 same seeded trace, and reports per arm: TTFT p50/p99, prefill tokens computed (prompt - cached), the share of
 prompt tokens served from the cache, wall time; and, in each arm after its trace, the cold prefill tok/s of
-fresh long prompts and the decode tok/s, so the cache's own cost shows (cache on vs off).
+fresh long prompts and the decode tok/s, so the cache's own cost shows (cache on vs off). The no-reuse arm is
+the same cache engine with every request disabled (`SamplingParams(prefix_cache=False)`), so the three arms
+share one set of compiled programs through jax's disk cache (a cold compile costs ~2 minutes at 35B-A3B).
 
 The trace (`generate_trace`, pure Python and seeded): conversations of agent turns behind one long shared
 system + tools preamble, rendered with the real Qwen3.5 chat template and tokenizer. After the task query a
@@ -44,7 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import MODELS, ROOT  # noqa: E402  (bench_engine puts ROOT on sys.path)
 
 ARMS = ("hpc", "align", "no_reuse")  # run in this order: a deadline cuts the no-reuse arm first
-ARM_OPTIONS = {"hpc": {}, "align": {"cache_policy": "align"}, "no_reuse": {"no_prefix_reuse": True}}
+# The no-reuse arm is the same cache engine with every request disabled (SamplingParams(prefix_cache=False):
+# nothing read, nothing added), so all three arms have the same pools and share one set of compiled programs.
+ARM_OPTIONS = {"hpc": {}, "align": {"cache_policy": "align"}, "no_reuse": {}}
+
+
+def arm_sampling(arm: str, **fields):
+    """The arm's SamplingParams: greedy, ignore_eos, and prefix_cache off in the no-reuse arm."""
+    from ninfer_jax import SamplingParams
+
+    return SamplingParams(temperature=0, ignore_eos=True, prefix_cache=arm != "no_reuse", **fields)
 
 # --- the trace -------------------------------------------------------------------------------------------
 
@@ -256,9 +267,9 @@ def build_engine(arm: str, args):
     overrides = dict(ARM_OPTIONS[arm])
     if args.kv_tokens:  # every arm: the same Device capacity
         overrides["kv_capacity"] = args.kv_tokens
-    if arm != "no_reuse" and args.snapshot_slots:
+    if args.snapshot_slots:
         overrides["device_snapshot_slots"] = args.snapshot_slots
-    if arm != "no_reuse" and args.host_cache_mib is not None:
+    if args.host_cache_mib is not None:
         overrides["host_cache_mib"] = args.host_cache_mib
     start = time.perf_counter()
     options = dict(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
@@ -298,15 +309,13 @@ def model_config(model: str, smoke: bool):
     return ModelConfig.from_file(ROOT / "configs" / f"{MODELS[model]}.json")
 
 
-def compile_steps(engine, chunk: int, vocab: int) -> float:
+def compile_steps(engine, arm: str, chunk: int, vocab: int) -> float:
     """Requests that compile every prefill bucket (chunk, chunk/2 -> its bucket, chunk/8, 48 tokens), the decode
     step and, through a prompt that resumes, the cache's copies; returns the seconds they took (not timed)."""
     import numpy as np
 
-    from ninfer_jax import SamplingParams
-
     rng = np.random.default_rng(7)
-    two = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    two = arm_sampling(arm, max_tokens=2)
     long = rng.integers(0, vocab, chunk + chunk // 2).tolist()
     resumes = long + rng.integers(0, vocab, 40).tolist()
     start = time.perf_counter()
@@ -350,10 +359,10 @@ def run_trace(engine, clients, trace: Trace, args, stop_at: float, label: str) -
     deadline cut it short)."""
     import numpy as np
 
-    from ninfer_jax import PromptTooLongError, SamplingParams
+    from ninfer_jax import PromptTooLongError
 
     shape = trace.shape
-    sampling = SamplingParams(max_tokens=shape.max_tokens, temperature=0, ignore_eos=True)
+    sampling = arm_sampling(label, max_tokens=shape.max_tokens)
     replies: list[list[str]] = [[] for _ in range(shape.conversations)]
     sequences: list[list] = [[] for _ in range(shape.conversations)]  # prompt + reply ids, for the oracle
     firsts: list = []  # every conversation's first prompt, once sent (the shared preamble)
@@ -456,16 +465,14 @@ def _progress(label: str, records: list[dict], shape: TraceShape, elapsed: float
           flush=True)
 
 
-def measure_throughput(engine, args, vocab: int) -> dict:
+def measure_throughput(engine, arm: str, args, vocab: int) -> dict:
     """Cold prefill tok/s (fresh prompts of --probe-tokens, max_tokens 1) and decode tok/s at 1 and
     max_concurrency lanes; the best of --probe-reps each. The same prompts in every arm."""
     import numpy as np
 
-    from ninfer_jax import SamplingParams
-
     rng = np.random.default_rng(1234)
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    decode = SamplingParams(max_tokens=args.decode_tokens + 1, temperature=0, ignore_eos=True)
+    first = arm_sampling(arm, max_tokens=1)
+    decode = arm_sampling(arm, max_tokens=args.decode_tokens + 1)
     out = {"prefill_tok_s": [], "decode_1lane_tok_s": [], "decode_lanes_tok_s": []}
     for _ in range(args.probe_reps):
         o = engine.generate(rng.integers(0, vocab, args.probe_tokens).tolist(), first)
@@ -500,7 +507,7 @@ def run_arm(args) -> dict:
     arm = args.arm
     engine, tokenizer, init_s = build_engine(arm, args)
     vocab = min(engine.config.vocab_size, tokenizer.vocab_size)
-    compile_s = compile_steps(engine, engine.options.prefill_chunk, vocab)
+    compile_s = compile_steps(engine, arm, engine.options.prefill_chunk, vocab)
     compiles = {"after_first_requests": engine.stats()["compiles_since_warmup"]}
     print(f"[{arm}] engine ready: built {init_s:.1f} s, compile {compile_s:.1f} s | {engine.options.summary()}",
           flush=True)
@@ -516,11 +523,11 @@ def run_arm(args) -> dict:
     stats = engine.stats()
     compiles["after_trace"] = stats["compiles_since_warmup"]
     trace_cache = cache_delta(before, stats["prefix_cache"])
-    if trace_cache.get("host_tier"):
+    if trace_cache.get("host_tier") and arm != "no_reuse":
         print(f"[{arm}] {host_line(trace_cache)}", flush=True)
     throughput = None
     if args.probe_reps:
-        throughput = measure_throughput(engine, args, vocab)
+        throughput = measure_throughput(engine, arm, args, vocab)
         print(f"[{arm}] cold prefill {throughput['prefill_tok_s']:.0f} tok/s | decode 1 lane "
               f"{throughput['decode_1lane_tok_s']:.1f} tok/s, {args.max_concurrency} lanes "
               f"{throughput['decode_lanes_tok_s']:.1f} tok/s", flush=True)
@@ -742,7 +749,7 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
 
 def _host_section(results: dict, ran: list[str]) -> list[str]:
     """The Host tier's part in each cache arm's trace (restores, prefetches, writes, evictions)."""
-    arms = [a for a in ran if results[a].get("trace_cache", {}).get("host_tier")]
+    arms = [a for a in ran if a != "no_reuse" and results[a].get("trace_cache", {}).get("host_tier")]
     if not arms:
         return []
     lines = ["", "## Host tier over the trace", "",
@@ -773,6 +780,8 @@ def _arm_options(result: dict) -> str:
     o, cache = result.get("options", {}), result.get("stats", {}).get("prefix_cache", {})
     if o.get("no_prefix_reuse"):
         return "no_prefix_reuse"
+    if result.get("arm") == "no_reuse":
+        return "the cache engine's options, every request with prefix_cache=False"
     return (f"policy {o.get('cache_policy')}, {o.get('device_snapshot_slots')} device snapshot slots, "
             f"{o.get('max_new_taps')} taps per request, host_cache_mib {o.get('host_cache_mib')}, "
             f"{cache.get('snapshots', '?')} snapshots at the end")
@@ -910,7 +919,7 @@ def main() -> int:
         print(f"{arm}: " + (f"{s['requests']} requests, TTFT p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s, "
                             f"{s['cached_tokens']} of {s['prompt_tokens']} prompt tokens from the cache "
                             f"({s['cache_share']:.1%})" if s else results[arm]["error"]))
-        if s and results[arm].get("trace_cache", {}).get("host_tier"):
+        if s and arm != "no_reuse" and results[arm].get("trace_cache", {}).get("host_tier"):
             print(f"{arm}: {host_line(results[arm]['trace_cache'])}")
     for target, measured, met in targets(results, args.host_heavy):
         print(f"{'met   ' if met else 'MISSED'} {target}: {measured}")

@@ -66,10 +66,11 @@ POLICIES = ("hpc", "align")
 class LaneCache:
     """A lane's cache bookkeeping (only the worker thread touches it)."""
 
-    __slots__ = ("path", "source", "taps", "staged", "last_tap", "deepest", "hashes", "cached_prefix_tokens",
-                 "source_kind", "restored_host_bytes")
+    __slots__ = ("enabled", "path", "source", "taps", "staged", "last_tap", "deepest", "hashes",
+                 "cached_prefix_tokens", "source_kind", "restored_host_bytes")
 
-    def __init__(self):
+    def __init__(self, enabled: bool):
+        self.enabled = enabled  # False: the engine's cache is off, or the request opted out (a disabled request)
         self.path: list[BlockNode] = []  # node of block b at index b, for every committed block
         self.source: Snapshot | None = None  # the snapshot the lane resumed from
         self.taps: list[PlannedTap] = []  # planned taps not yet realised, by position
@@ -135,9 +136,10 @@ class PrefixCacheBinding:
         `lanes` are the running requests: a head that shares more with a prefilling one than the cache
         serves now waits for that sibling's snapshot at the divergence (§12.2, when coalescing is on).
         """
-        req.cache = lc = LaneCache()
+        req.cache = lc = LaneCache(self.enabled and req.sampling.prefix_cache)
         lc.hashes = [int(h) for h in req.prompt.block_hashes]
-        if not self.enabled:
+        if not lc.enabled:  # pages only: nothing is read, inserted, tapped or published (§7.7)
+            lc.source_kind = "disabled" if self.enabled else "root"
             grant = self.index.allocate_pages(entitlement)
             if grant is None:
                 return Readiness.TEMPORARILY_BLOCKED
@@ -198,7 +200,7 @@ class PrefixCacheBinding:
         """§6.6: the waiting FIFO head's Host-only source path blocks into spare Device pages; returns how
         many were copied. Retried for the same head only while the last attempt copied blocks or the spare
         room grew, since each attempt matches the whole prompt. A failed copy fails the binding."""
-        if not self.enabled or self.host is None or self.failed:
+        if not (self.enabled and req.sampling.prefix_cache) or self.host is None or self.failed:
             return 0
         room = self.index.prefetch_room()
         last = self._last_prefetch
@@ -232,7 +234,7 @@ class PrefixCacheBinding:
         """
         n = req.num_prompt
         for other in lanes:
-            if other is None or not other.prefilling or other.cache is None:
+            if other is None or not other.prefilling or other.cache is None or not other.cache.enabled:
                 continue
             a, b = req.prompt_ids, other.prompt_ids
             m = min(len(a), len(b))
@@ -287,9 +289,9 @@ class PrefixCacheBinding:
 
     def after_compute(self, req: Request) -> None:
         """After a prefill chunk or decode step: commit completed blocks, then publish staged taps."""
-        if not self.enabled:
-            return
         lc = req.cache
+        if not lc.enabled:
+            return
         self._commit_blocks(req)
         previous, published = None, []
         for tap, slot in lc.staged:
@@ -322,7 +324,7 @@ class PrefixCacheBinding:
         """Terminal settlement: endpoint snapshot, release the path, free the lane's private pages."""
         lc: LaneCache | None = getattr(req, "cache", None)
         write, endpoint = None, None
-        if self.enabled and lc is not None:
+        if lc is not None and lc.enabled:
             for _, slot in lc.staged:  # taps of a chunk that never completed
                 self.index.release_staging_slot(slot)
             lc.staged.clear()

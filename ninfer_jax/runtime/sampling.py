@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
+    prefix_cache: bool = True  # not vLLM's: False = a disabled request, which neither reads nor adds to the cache
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -4,6 +4,8 @@ Every scenario compares against an engine with no_prefix_reuse on the same check
 and ends with the index's invariant checker and a leak check.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -211,6 +213,24 @@ def test_disabled_requests_leave_nothing_behind(root):
     assert stats["enabled"] is False
     assert stats["nodes"] == 0 and stats["snapshots"] == 0 and stats["device_pages_cached"] == 0
     root.check_ledger()
+
+
+def test_a_disabled_request_in_a_cache_engine_neither_reads_nor_adds(hpc, root):
+    """§13.3 "Disabled request": SamplingParams(prefix_cache=False) beside cached traffic leaves the tree and
+    the snapshots as they were, reuses nothing, and answers as without a cache."""
+    cached = tokens(300, 90)
+    hpc.generate(cached, GREEDY)
+    keys = ("nodes", "snapshots", "admissions", "reuse_tokens", "blocks_inserted", "snapshots_published")
+    before = {k: hpc.stats()["prefix_cache"][k] for k in keys}
+    off = dataclasses.replace(GREEDY, prefix_cache=False)
+    prompts = [cached + tokens(20, 92), tokens(250, 91)]
+    outs = hpc.generate_many(prompts, off)
+    assert [o.usage.cached_tokens for o in outs] == [0, 0]
+    assert {k: hpc.stats()["prefix_cache"][k] for k in keys} == before
+    assert hpc.cache_record(outs[0].request_id)["source"] == "disabled"
+    for out, prompt in zip(outs, prompts):
+        assert_same_output(out, root.generate(prompt, GREEDY))
+    assert hpc.generate(prompts[1], GREEDY).usage.cached_tokens == 0  # its blocks were never inserted
 
 
 def test_usage_cached_tokens_equal_the_index_reuse_tokens(hpc):
