@@ -286,12 +286,8 @@ class HostTier:
                 self._landing.notify_all()
 
     @property
-    def writes_in_flight(self) -> int:
-        """Writes queued or copying, and landed ones not yet taken by `landed()`."""
-        return self._queued
-
-    @property
     def queued_bytes(self) -> int:
+        """Gathered bytes the writer has not copied yet."""
         return self._queued_bytes
 
     def landed(self, wait: bool = False) -> list[tuple[object, BaseException | None]]:
