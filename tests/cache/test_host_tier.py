@@ -15,7 +15,7 @@ from ninfer_jax.prefix_cache.tree import ABSENT, RESIDENT
 from ninfer_jax.model.state import DeviceState
 from ninfer_jax.runtime.host_tier import HostSlabBuffer
 from ninfer_jax.runtime.runner import _gather_pages, _gather_slot, _scatter_pages, _scatter_slot
-from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -98,6 +98,11 @@ def test_defaults_follow_the_host_tier_rules():
     assert (with_host.device_snapshot_slots, with_host.max_new_taps) == (4, 8)  # C + 1, 8 (§14.2)
     device_only = EngineOptions(max_concurrency=3, host_cache_mib=0).resolve(4096)
     assert (device_only.device_snapshot_slots, device_only.max_new_taps) == (5, 2)  # C + 2, 2
+
+
+def test_prefix_cache_file_is_refused_until_persistence_is_built(tmp_path):
+    with pytest.raises(OptionsError, match=r"persistence across restarts \(spec §5.5\) is not built"):
+        EngineOptions(prefix_cache_file=str(tmp_path / "cache.bin")).resolve(4096)
 
 
 def test_slab_buffer_chunks_and_packing():
