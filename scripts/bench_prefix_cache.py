@@ -287,7 +287,6 @@ def random_engine(model: str, args, options: dict, tokenizer=None):
         return Engine.from_pretrained(None, kernels="reference", warmup=False, **options)
     import jax
 
-    from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.runtime.options import EngineOptions
 

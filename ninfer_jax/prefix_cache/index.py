@@ -434,8 +434,7 @@ class PrefixIndex:
             self.reclaimer.drop_device_entry(entry, out)
         for s in list(self.tree.snapshots.values()):
             if s.device_slot >= 0 and s.image_host is RESIDENT and s.pins == 0:
-                self.reclaimer.drop_snapshot_image_device(s, out)
-                self.lists.refresh_snapshot(s)
+                self.reclaimer.drop_snapshot_image_device(s, out)  # list membership does not depend on it
         self._epoch += 1
         return out
 
