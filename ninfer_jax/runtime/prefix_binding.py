@@ -180,14 +180,10 @@ class PrefixCacheBinding:
             pairs.append((staging.tail_restore.slab, staging.tail_restore.page))
         if not pairs and not staging.image_slabs:
             return 0
-        moved = 0
         try:
             if self.failed or self.host is None:
                 raise RuntimeError("Host restore after a failed copy")
-            if pairs:
-                moved += self.host.restore_pages([p[0] for p in pairs], [p[1] for p in pairs])
-            if staging.image_slabs:
-                moved += self.host.restore_image(staging.image_slabs, lane)
+            moved = self.host.restore([p[0] for p in pairs], [p[1] for p in pairs], staging.image_slabs, lane)
         except BaseException:
             self.failed = True
             self.counters["host_restores_failed"] += 1
@@ -212,7 +208,7 @@ class PrefixCacheBinding:
         copied = 0
         if batch is not None:
             try:
-                self.host.restore_pages([r.slab for r in batch.restores], [r.page for r in batch.restores])
+                self.host.restore([r.slab for r in batch.restores], [r.page for r in batch.restores])
             except BaseException:
                 self.failed = True
                 self.counters["host_restores_failed"] += 1

@@ -271,8 +271,9 @@ class ModelRunner:
         waited for) and landing in pinned host memory where the backend has it; np.asarray waits for it."""
         return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, jnp.asarray(pages))
 
-    def scatter_pages(self, pages: np.ndarray, rows: np.ndarray) -> None:
-        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B]; num_pages marks a padding row)."""
+    def scatter_pages(self, pages, rows: np.ndarray) -> None:
+        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B], numpy or on the device; num_pages marks a
+        padding row)."""
         s = self.state
         self._swap_kv(self._steps["scatter_pages"](s.k_pages, s.v_pages, jnp.asarray(pages), jnp.asarray(rows)))
 
@@ -280,10 +281,10 @@ class ModelRunner:
         """State slot `slot` -> uint8 [image_rows, row_bytes], dispatched like gather_pages."""
         return self._steps["gather_slot"](self.state.ssm, self.state.conv, jnp.int32(slot))
 
-    def scatter_slot(self, slot: int, rows: np.ndarray) -> None:
-        """Host rows uint8 [image_rows, row_bytes] into state slot `slot`."""
+    def scatter_slot(self, slot, rows: np.ndarray) -> None:
+        """Host rows uint8 [image_rows, row_bytes] into state slot `slot` (an int or an int32 device scalar)."""
         s = self.state
-        self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.int32(slot), jnp.asarray(rows)))
+        self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.asarray(slot, jnp.int32), jnp.asarray(rows)))
 
     # --- compilation -----------------------------------------------------------------------------
     def warmup(self) -> float:

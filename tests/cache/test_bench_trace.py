@@ -74,13 +74,13 @@ def test_turn_kinds_extend_re_render_or_edit_the_history(trace, prompts):
     assert sum(turn.kind == "edit" for turns in trace.conversations for turn in turns) >= 5
 
 
-def test_histories_grow_past_30k_tokens_behind_a_preamble_of_several_thousand(trace, prompts, tmp_path_factory):
+def test_histories_grow_past_30k_tokens_behind_a_preamble_past_10k(trace, prompts, tmp_path_factory):
     tokenizer = load_tokenizer(write_qwen35_tokenizer_files(tmp_path_factory.mktemp("qwen35")))
     first = prompts[0][0]
     preamble = len(tokenizer.encode(first[: first.index("<|im_end|>")]))
     finals = [len(tokenizer.encode(p[-1])) for p in prompts]
-    assert 5000 <= preamble <= 10000
-    assert max(finals) > 30000 and min(finals) > 2.5 * preamble
+    assert 10000 <= preamble <= 15000
+    assert max(finals) > 30000 and min(finals) > 2 * preamble
 
 
 # --- the run's options, targets and reports (synthetic results: no engine) --------------------------------
