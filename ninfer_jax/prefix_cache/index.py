@@ -17,6 +17,7 @@ The request lifecycle, in calls::
     index.complete_host_write(write)                                # §7.6 when the D2H lands
     index.write_snapshot(snapshot) / index.reclaim_device_pages(k)  # §9.3 / §9.5
     batch = index.prefetch(quote); index.complete_prefetch(batch)   # §6.6, for a waiting head
+    saved = index.saved(); index.adopt_saved(saved, index.plan_load(saved), slabs)  # §5.5 save / load
 
 Invariants (§10; ``check_invariants`` rebuilds and checks all of them):
   * every page group, slot and slab has exactly one owner state, and the ledgers add up;
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import admission
+from . import admission, persistence
 from .admission import AdmissionQuote, MatchResult, Readiness, StaleQuoteError
 from .cost import CacheCostModel
 from .eviction import EvictionLists, GdsfPolicy
@@ -40,6 +41,7 @@ from .host_slabs import MAX_CHUNK_BYTES, HostSlabPool, SlabState
 from .invariants import check_invariants
 from .lookup import match_prompt
 from .options import PrefixCacheOptions
+from .persistence import LoadPlan, SavedCache
 from .pools import DevicePagePool, OwnerState, SnapshotSlotPool
 from .prefetch import Prefetcher
 from .publication import SnapshotPublisher
@@ -437,6 +439,58 @@ class PrefixIndex:
                 self.reclaimer.drop_snapshot_image_device(s, out)  # list membership does not depend on it
         self._epoch += 1
         return out
+
+    # ---- persistence (§5.5) --------------------------------------------------------------
+
+    def saved(self) -> SavedCache:
+        """What a save writes: retained snapshots complete on the Host, with their Host-resident paths."""
+        return persistence.collect(self.tree)
+
+    def plan_load(self, saved: SavedCache) -> LoadPlan:
+        """What of `saved` this (empty) index's Host tier takes back (persistence.plan)."""
+        return persistence.plan(saved, self.slabs.num_free, self.cost, self.slabs.slab_bytes)
+
+    def adopt_saved(self, saved: SavedCache, plan: LoadPlan, slabs: list[int]) -> None:
+        """Rebuilds the planned entries Host-only, parents before children, evicting nothing.
+
+        Args:
+          saved, plan: a save and what of it to load; the index must be empty (a load precedes any request).
+          slabs: `plan.slabs` slabs taken by the caller (FILLING, now holding the bytes), in file order: each
+            block's slab, then each snapshot's image slabs and its tail slab.
+        """
+        if self.tree.nodes or self.tree.snapshots:
+            raise ValueError("a saved cache loads only into an empty index")
+        if len(slabs) != plan.slabs:
+            raise ValueError(f"the plan takes {plan.slabs} slabs, got {len(slabs)}")
+        taken = iter(slabs)
+        nodes: dict[int, BlockNode] = {}
+        for row in plan.blocks:  # ascending rows: parents first
+            b = saved.blocks[row]
+            node = self.tree.add_child(self.tree.root if b.parent < 0 else nodes[b.parent], b.lookup_hash,
+                                       b.tokens, b.extra)
+            node.host_slab, node.host_state = next(taken), RESIDENT
+            self.slabs.set_state(node.host_slab, SlabState.NODE)
+            nodes[row] = node
+        for row in plan.snapshots:
+            saved_s = saved.snapshots[row]
+            anchor = self.tree.root if saved_s.anchor < 0 else nodes[saved_s.anchor]
+            s = self.tree.new_snapshot(SnapshotKind(saved_s.kind), anchor, saved_s.tail_tokens, saved_s.tail_extra)
+            s.host_slabs, s.image_host = [next(taken) for _ in saved_s.image_slabs], RESIDENT
+            for slab in s.host_slabs:
+                self.slabs.set_state(slab, SlabState.IMAGE)
+            if saved_s.tail_slab >= 0:
+                s.tail_slab, s.tail_host = next(taken), RESIDENT
+                self.slabs.set_state(s.tail_slab, SlabState.TAIL)
+            _, owner, moved = self.tree.attach_snapshot(s)
+            self.gdsf.on_publish(s)
+            s.hits = saved_s.hits
+            self.gdsf.mark_id(owner)
+            self.gdsf.mark_through(moved)
+            self.lists.refresh_snapshot(s)
+        for node in nodes.values():
+            self.lists.refresh_node(node)
+            self.gdsf.mark_node_owner(node)
+        self._epoch += 1
 
     def check_invariants(self) -> None:
         """Rebuilds every derived value from the tree; AssertionError on any mismatch (§10)."""

@@ -32,7 +32,8 @@ from ninfer_jax.model.params import Params
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
 from ninfer_jax.model.tiny import default_checkpoint
-from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.cache_file import FORMAT, PrefixCacheFile, checkpoint_identity, source_identity
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from ninfer_jax.runtime.prefix_binding import PrefixCacheBinding
 from ninfer_jax.runtime.request import (
     EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent,
@@ -62,11 +63,19 @@ class Engine:
     """A Qwen3.5 inference engine over one device. Construct with `Engine.from_pretrained`."""
 
     def __init__(self, config: ModelConfig, params: Params, options: EngineOptions, *, tokenizer=None,
-                 chat_template=None, model_name: str = "model", warmup: bool = True):
-        """Start an engine on loaded params (options.dtype must be the params' dtype)."""
+                 chat_template=None, model_name: str = "model", warmup: bool = True,
+                 weights_identity: dict | None = None):
+        """Start an engine on loaded params (options.dtype must be the params' dtype).
+
+        weights_identity names the weights (from_pretrained: the checkpoint's files); a prefix_cache_file is
+        used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
+        """
         self.config, self.model_name = config, model_name
         self.options = options.resolve(config.max_position_embeddings)
         o = self.options
+        if o.prefix_cache_file is not None and weights_identity is None:
+            raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
+                               "start the engine with Engine.from_pretrained (or pass weights_identity)")
         dtype = o.dtype
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -117,7 +126,14 @@ class Engine:
         elif self.cache.enabled:
             log.info("host tier | off (host_cache_mib 0): Device only")
         self.worker = Worker(self.runner, o, self.cache, frozenset(eos))
+        self.cache_file: PrefixCacheFile | None = None
+        self.cache_load = None  # the LoadReport of the prefix cache file (§5.5)
         try:  # without warmup, the model steps compile on first use; the small cache copies compile here
+            if o.prefix_cache_file is not None and self.cache.host is not None:
+                self.cache_file = PrefixCacheFile(o.prefix_cache_file, {
+                    "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
+                    "dtype": o.dtype, "kernels": o.kernels, "source": source_identity()})
+                self.cache_load = self.cache_file.load(self.cache.index, self.cache.host.buffer)
             seconds = self.runner.warmup() if warmup else self.runner.warmup_copies()
         except BaseException:
             self.cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
@@ -154,7 +170,8 @@ class Engine:
         options.resolve(10**9)  # refuse bad options before reading any weights
         config, params = load_checkpoint(directory, dtype=dtype)
         return cls(config, params, options, tokenizer=load_tokenizer(directory),
-                   chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup)
+                   chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,
+                   weights_identity=checkpoint_identity(directory))
 
     # --- worker thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -332,8 +349,29 @@ class Engine:
         self._wake.set()
         self._thread.join(timeout)
         if not self._thread.is_alive():
+            self._save_cache()
             self.cache.close()  # the Host tier's memory (unregistered on a GPU)
         log.info("engine stopped | %s", self.model_name)
+
+    def _save_cache(self) -> None:
+        """§5.5: after the worker released every lane (their blocks were written through), every Host write
+        lands and the Host tier goes to prefix_cache_file. An engine that failed saves nothing, so the previous
+        file stays; a save that fails is logged and leaves the previous file too."""
+        cache_file, self.cache_file = self.cache_file, None  # a second stop() saves nothing
+        if cache_file is None:
+            return
+        if self._failed is not None:
+            log.warning("prefix cache not saved | the engine failed (%s); %s keeps its previous content",
+                        self._failed, cache_file.path)
+            return
+        self.cache.poll_writes(wait=True)  # the worker has ended: this thread is the cache's only user now
+        if self.cache.failed:
+            log.warning("prefix cache not saved | a Host copy failed; %s keeps its previous content", cache_file.path)
+            return
+        try:
+            cache_file.save(self.cache.index, self.cache.host.buffer)
+        except OSError as e:
+            log.error("prefix cache not saved | %s: %s", cache_file.path, e)
 
     def __enter__(self):
         return self
@@ -352,7 +390,8 @@ class Engine:
             "pages": worker["pages"],
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
-            "prefix_cache": self._call(self.cache.stats),
+            "prefix_cache": {**self._call(self.cache.stats),
+                             **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
             "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
             "failed": self._failed,
         }

@@ -70,9 +70,6 @@ class EngineOptions:
                 raise OptionsError(f"prefix_cache_file {path} is a directory")
             if not path.resolve().parent.is_dir():
                 raise OptionsError(f"prefix_cache_file {path}: parent directory does not exist")
-            # Refused rather than ignored: a user would believe the cache survives a restart.
-            raise OptionsError("prefix_cache_file: persistence across restarts (spec §5.5) is not built in this "
-                               "version; leave it unset")
         max_len = self.max_model_len or min(config_max_positions, 32768)
         if max_len < 2 or max_len > config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="new taps kept per request (default 8 with a Host tier, 2 without)")
     cache.add_argument("--cache-tap-ladder", type=_positive, help="ladder spacing G (default max(4096, 2*chunk))")
     cache.add_argument("--cache-tap-min-gap", type=_positive, help="ladder minimum gap (default max(1024, chunk))")
-    cache.add_argument("--prefix-cache-file", help="persist the Host tier here across restarts (spec §5.5; not built yet: the engine refuses it)")
+    cache.add_argument("--prefix-cache-file", help="save the Host tier here at an orderly stop and load it at the next start (spec §5.5)")
     return parser
 
 

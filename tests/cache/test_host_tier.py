@@ -100,11 +100,6 @@ def test_defaults_follow_the_host_tier_rules():
     assert (device_only.device_snapshot_slots, device_only.max_new_taps) == (5, 2)  # C + 2, 2
 
 
-def test_prefix_cache_file_is_refused_until_persistence_is_built(tmp_path):
-    with pytest.raises(OptionsError, match=r"persistence across restarts \(spec §5.5\) is not built"):
-        EngineOptions(prefix_cache_file=str(tmp_path / "cache.bin")).resolve(4096)
-
-
 def test_slab_buffer_chunks_and_packing():
     # 5 slabs of 8 KiB per 40 KiB chunk: 12 slabs in 3 chunks, no slab crosses a chunk.
     pool = HostSlabPool(12 * 8192, 8000, 20000, max_chunk_bytes=5 * 8192)

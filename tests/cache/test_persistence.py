@@ -1,0 +1,148 @@
+"""Persistence of the Host tier across restarts (spec §5.5) on the tiny model (fp32): what a save keeps, what a
+restarted engine resumes from, and that a damaged, foreign or oversized file never breaks the start.
+
+Every engine ends with the invariant checker, the slab ledger and a leak check (`settle`); engines start without
+warmup (the model steps compile on first use) to keep the restarts cheap.
+"""
+
+import logging
+
+import pytest
+
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.runtime.options import OptionsError
+from test_cache_scenarios import assert_same_output, tokens
+from test_host_tier import settle
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=5)  # an endpoint 113 past the tap
+NO_REUSE = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5, prefix_cache=False)
+COMMON = dict(max_concurrency=2, prefill_chunk=128, max_model_len=1024, output_window=64, host_cache_mib=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-dense", "text", seed=43)
+
+
+def start(checkpoint, path, **options):
+    return Engine.from_pretrained(checkpoint, prefix_cache_file=str(path), warmup=False, **{**COMMON, **options})
+
+
+def loaded(engine) -> dict:
+    return engine.stats()["prefix_cache"]["loaded"]
+
+
+@pytest.fixture()
+def saved(checkpoint, tmp_path):
+    """A file saved by an engine that served one 300-token prompt and 70 output tokens; (path, prompt, its
+    output, the snapshots the engine held)."""
+    path = tmp_path / "prefix.cache"
+    engine = start(checkpoint, path)
+    assert loaded(engine)["outcome"] == "not restored"  # no file yet
+    prompt = tokens(300, 1)
+    out = engine.generate(prompt, LONG)
+    saved_snapshots = engine.stats()["prefix_cache"]["snapshots"]
+    engine.stop()
+    assert path.exists() and not path.with_name(path.name + ".tmp").exists()
+    return path, prompt, out, saved_snapshots
+
+
+def test_a_restarted_engine_resumes_a_conversation_from_the_saved_host_tier(checkpoint, saved):
+    path, prompt, first, held = saved
+    engine = start(checkpoint, path)
+    report = loaded(engine)
+    # 5 blocks (320 tokens), the prompt-tail tap at 256 and the endpoint at 369 (prompt + 69 computed outputs)
+    assert report["outcome"] == "restored" and report["blocks"] == 5 and report["snapshots"] == 2 == held
+    cache = engine.stats()["prefix_cache"]
+    assert cache["nodes_by_tier"] == {"device": 0, "host": 5, "both": 0}  # rebuilt Host-only
+    follow = prompt + list(first.token_ids) + tokens(40, 2)
+    resumed = engine.generate(follow, GREEDY)
+    record = engine.cache_record(resumed.request_id)
+    assert resumed.usage.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    assert record["source"] == "endpoint" and record["restored_host_bytes"] > 0
+    assert_same_output(resumed, engine.generate(follow, NO_REUSE))
+    settle(engine, warmed=False)
+    engine.stop()
+
+
+@pytest.mark.parametrize("damage", ["slab byte", "table byte", "truncated", "not a cache file"])
+def test_a_damaged_file_loads_nothing_and_the_next_save_replaces_it(checkpoint, saved, damage, caplog):
+    path, prompt, first, _ = saved
+    data = bytearray(path.read_bytes())
+    if damage == "slab byte":
+        data[-1000] ^= 0x40
+    elif damage == "table byte":
+        data[40] ^= 0x01
+    elif damage == "truncated":
+        del data[-5000:]
+    else:
+        data = bytearray(b"hello, not a cache" * 10)
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ninfer_jax.cache_file"):
+        engine = start(checkpoint, path)
+    report = loaded(engine)
+    assert report["outcome"] == "not restored" and report["blocks"] == 0
+    assert {"slab byte": "checksum", "table byte": "damaged", "truncated": "damaged",
+            "not a cache file": "not a prefix cache file"}[damage] in report["reason"]
+    assert "prefix cache not restored" in caplog.text
+    assert engine.stats()["prefix_cache"]["nodes"] == 0
+    again = engine.generate(prompt, LONG)  # the engine serves, from the root
+    assert again.usage.cached_tokens == 0 and again.token_ids == first.token_ids
+    settle(engine, warmed=False)
+    engine.stop()
+    assert loaded(restarted := start(checkpoint, path))["outcome"] == "restored"  # the stop saved a good file
+    restarted.stop()
+
+
+def test_a_file_saved_for_other_weights_is_not_used(checkpoint, checkpoint_factory, saved):
+    path, prompt, _, _ = saved
+    other = start(checkpoint_factory("tiny-dense", "text", seed=44), path)
+    report = loaded(other)
+    assert report["outcome"] == "not restored" and "differs in weights" in report["reason"]
+    assert other.generate(prompt, GREEDY).usage.cached_tokens == 0
+    settle(other, warmed=False)
+    other.stop()
+
+
+def test_a_smaller_host_tier_loads_whole_snapshots_and_only_their_paths(checkpoint, tmp_path):
+    path = tmp_path / "prefix.cache"
+    big = start(checkpoint, path)
+    prompts = [tokens(600, 10), tokens(200, 11)]  # a long conversation and a short one
+    for p in prompts:
+        big.generate(p, GREEDY)
+    need = big.stats()["prefix_cache"]["host_slabs"]
+    big.stop()
+    image_slabs = big.cache.index.slabs.image_slabs
+    # room for one image and the short prompt's 3 blocks, not for the long one's 9 blocks and two images
+    slab_mib = big.cache.index.slabs.slab_bytes / 2**20
+    small = start(checkpoint, path, host_cache_mib=max(1, round((image_slabs + 4) * slab_mib)))
+    report = loaded(small)
+    assert report["outcome"] == "partly restored", (report, need)
+    assert 0 < report["snapshots"] < report["saved_snapshots"] and report["blocks"] < report["saved_blocks"]
+    tree = small.cache.index.tree
+    for s in tree.snapshots.values():  # every loaded snapshot came with its whole anchor path
+        assert all(n.host_state.name == "RESIDENT" for n in s.anchor.path())
+    settle(small, warmed=False)
+    small.stop()
+
+
+def test_a_failed_engine_saves_nothing(checkpoint, saved):
+    path, prompt, _, _ = saved
+    before = path.read_bytes()
+    engine = start(checkpoint, path)
+    engine.inject_host_fault("write")
+    failed = engine.generate(tokens(200, 5), GREEDY)
+    assert failed.finish_reason == "error"
+    engine.stop()
+    assert path.read_bytes() == before
+
+
+def test_prefix_cache_file_needs_the_weights_identity(checkpoint, tmp_path):
+    from ninfer_jax.model import load_checkpoint
+    from ninfer_jax.runtime.options import EngineOptions
+
+    config, params = load_checkpoint(checkpoint, dtype="float32")
+    options = EngineOptions(dtype="float32", prefix_cache_file=str(tmp_path / "x.cache"), **COMMON)
+    with pytest.raises(OptionsError, match="weights' identity"):
+        Engine(config, params, options, warmup=False)
