@@ -853,8 +853,9 @@ def parse_args(argv=None):
                    "--host-heavy, prefix_cache_restore with --part restore)")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed")
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--reuse-results", help="the JSON report of an earlier run of the same command: its arms that "
+    p.add_argument("--reuse-results", help="the JSON report of an earlier run of the same trace: its arms that "
                    "are not run now are taken from it (the report names that run)")
+    p.add_argument("--reuse-arms", help="with --reuse-results: only these of its arms (default: every arm not run)")
     p.add_argument("--deadline", type=float, help="seconds for the whole run (0: none); each arm stops cleanly "
                    f"when its share runs out, keeping {ARM_FLOOR_S} s for each arm after it")
     p.add_argument("--tokenizer", help="a folder with the Qwen3.5 tokenizer.json (default: the built-in checkpoint's)")
@@ -908,7 +909,7 @@ def main() -> int:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; known: {ARMS}")
-    results, t0 = reused_arms(args.reuse_results, arms), time.perf_counter()
+    results, t0 = reused_arms(args.reuse_results, arms, args.reuse_arms), time.perf_counter()
     for i, arm in enumerate(arms):
         left = args.deadline - (time.perf_counter() - t0)
         budget = left - ARM_FLOOR_S * (len(arms) - i - 1) if args.deadline else 0
@@ -950,15 +951,17 @@ def _subprocess(args, extra: list[str], label: str, timeout: float | None) -> di
             return {"arm": label, "error": type(e).__name__}
 
 
-def reused_arms(path: str | None, running: list[str]) -> dict:
-    """The arms of an earlier report (--reuse-results) that this run does not run, rebuilt from its JSON."""
+def reused_arms(path: str | None, running: list[str], only: str | None = None) -> dict:
+    """The arms of an earlier report (--reuse-results) that this run does not run (of `only`, a comma list,
+    when given), rebuilt from its JSON."""
     if not path:
         return {}
     meta = json.loads(Path(path).read_text())
+    wanted = set(only.split(",")) if only else set(meta["arms"])
     out = {}
     for arm, result in meta["arms"].items():
         records = [{k: v for k, v in r.items() if k != "arm"} for r in meta["requests"] if r["arm"] == arm]
-        if arm in running or not records:
+        if arm in running or arm not in wanted or not records:
             continue
         out[arm] = {**{k: v for k, v in result.items() if k != "summary"}, "records": records,
                     "reused_from": f"an earlier run of the same trace, {meta['date']}: `{meta['command']}`"}

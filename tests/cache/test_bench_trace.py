@@ -15,8 +15,8 @@ from ninfer_jax.frontend import ChatTemplate, load_tokenizer, write_qwen35_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_prefix_cache import (  # noqa: E402
-    _EDITED, DEFAULT_SHAPE, ROOT, cache_delta, generate_trace, host_share, parse_args, targets, turn_messages,
-    write_report,
+    _EDITED, DEFAULT_SHAPE, ROOT, cache_delta, generate_trace, host_share, parse_args, reused_arms, targets,
+    turn_messages, write_report,
 )
 from host_restore_probe import measure, probe_options, restore_markdown, restore_targets  # noqa: E402
 
@@ -110,6 +110,19 @@ def _arm(ttft: float, cached: int, throughput=None, trace_cache=None) -> dict:
     return {"records": records, "throughput": throughput, "trace_cache": trace_cache or {}, "truncated": False,
             "trace_wall_s": 1.0, "compile_s": 1.0, "compiles": {"after_trace": 3}, "options": {},
             "stats": {"pages": {"capacity": 100}}}
+
+
+def test_reused_arms_come_from_the_earlier_report_and_only_those_asked_for(tmp_path):
+    arms = {"hpc": _arm(0.1, 950), "align": _arm(0.25, 900), "no_reuse": _arm(0.6, 0)}
+    report = {"date": "d", "command": "c", "arms": {a: {k: v for k, v in r.items() if k != "records"}
+                                                      for a, r in arms.items()},
+              "requests": [{"arm": a, **rec} for a, r in arms.items() for rec in r["records"]]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(report))
+    assert sorted(reused_arms(str(path), ["hpc"])) == ["align", "no_reuse"]
+    only = reused_arms(str(path), ["hpc"], "no_reuse")
+    assert list(only) == ["no_reuse"] and only["no_reuse"]["records"] == arms["no_reuse"]["records"]
+    assert "an earlier run of the same trace, d: `c`" == only["no_reuse"]["reused_from"]
 
 
 def test_host_heavy_targets_are_the_ttft_ratios_5x_and_3x():
