@@ -144,3 +144,28 @@ def test_ctrl_c_stops_in_the_same_order_and_exits_cleanly(tmp_path):
     output = (tmp_path / "serve.log").read_text()
     order = [output.index(line) for line in ("stopping | SIGINT", "engine stopped", "stopped | ")]
     assert order == sorted(order), output
+
+
+def test_a_server_restarted_with_a_prefix_cache_file_serves_the_saved_prefix(tmp_path):
+    """§5.5 through ninfer-serve: SIGTERM saves the Host tier; the restarted server loads it and the same
+    conversation is served from it (usage.prompt_tokens_details.cached_tokens)."""
+    cache = tmp_path / "prefix.cache"
+    flags = [*SERVE_FLAGS, "--host-cache-mib", "64", "--prefix-cache-file", str(cache)]
+    messages = [{"role": "system", "content": "You review code. " + "Check every path and every error. " * 40},
+                {"role": "user", "content": "What does the cache keep across a restart?"}]
+
+    def ask(url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        model = client.models.list().data[0].id
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+
+    with ServerProcess(flags, env=subprocess_env(), log_file=tmp_path / "first.log") as first:
+        before = ask(first.url)
+    assert first.exit_status == 0 and cache.exists()
+    assert "prefix cache saved" in (tmp_path / "first.log").read_text()
+    with ServerProcess(flags, env=subprocess_env(), log_file=tmp_path / "second.log") as second:
+        after = ask(second.url)
+    assert "prefix cache restored" in (tmp_path / "second.log").read_text()
+    assert before.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.usage.prompt_tokens_details.cached_tokens >= 256  # the prompt's tap, restored from the file
+    assert after.choices[0].message.content == before.choices[0].message.content
