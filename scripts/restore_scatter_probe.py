@@ -1,5 +1,5 @@
 """Where a Host restore's time goes: host-to-device copies of page-locked slab views against the donated scatters
-that place them in the KV pools (issue #9: restore at 74-76% of the pinned ceiling).
+that place them in the KV pools (issue #9: the first restore reached only 74-76% of the pinned ceiling).
 
 Builds the KV pools of a benchmark model (no weights) and a page-locked slab buffer, then moves the same
 1536 blocks (24 batches of 64 slabs) several ways, best of 3 each:
