@@ -125,6 +125,18 @@ def test_reused_arms_come_from_the_earlier_report_and_only_those_asked_for(tmp_p
     assert "an earlier run of the same trace, d: `c`" == only["no_reuse"]["reused_from"]
 
 
+def test_the_throughput_target_prefers_the_pairs_measured_in_the_hpc_process():
+    speeds = {"prefill_tok_s": 100.0, "decode_1lane_tok_s": 10.0, "decode_lanes_tok_s": 80.0}
+    paired = {**speeds, "paired_off": {**speeds, "decode_lanes_tok_s": 81.0}}  # 1.2% loss on 8 lanes
+    slower_arm = {k: v * 1.1 for k, v in speeds.items()}  # the other process ran 10% faster
+    results = {"hpc": _arm(0.1, 950, throughput=paired), "no_reuse": _arm(0.6, 0, throughput=slower_arm)}
+    target, measured, met = targets(results)[-1]
+    assert "throughput loss" in target and met and "+1.2%" in measured and "paired" in measured
+    results["hpc"]["throughput"] = speeds  # no pairs: the arms are compared
+    target, measured, met = targets(results)[-1]
+    assert not met and "+9.1%" in measured and "no-reuse arm" in measured
+
+
 def test_host_heavy_targets_are_the_ttft_ratios_5x_and_3x():
     results = {"hpc": _arm(0.1, 950), "align": _arm(0.25, 900), "no_reuse": _arm(0.6, 0)}
     heavy = targets(results, host_heavy=True)
