@@ -132,7 +132,8 @@ class Engine:
             if o.prefix_cache_file is not None and self.cache.host is not None:
                 self.cache_file = PrefixCacheFile(o.prefix_cache_file, {
                     "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
-                    "dtype": o.dtype, "kernels": o.kernels, "source": source_identity()})
+                    "dtype": o.dtype, "kernels": o.kernels, "prefill_chunk": o.prefill_chunk,
+                    "source": source_identity()})
                 self.cache_load = self.cache_file.load(self.cache.index, self.cache.host.buffer)
             seconds = self.runner.warmup() if warmup else self.runner.warmup_copies()
         except BaseException:

@@ -95,11 +95,15 @@ def test_a_damaged_file_loads_nothing_and_the_next_save_replaces_it(checkpoint, 
     restarted.stop()
 
 
-def test_a_file_saved_for_other_weights_is_not_used(checkpoint, checkpoint_factory, saved):
+@pytest.mark.parametrize("change", ["weights", "prefill_chunk"])
+def test_a_file_saved_for_other_weights_or_another_prefill_is_not_used(checkpoint, checkpoint_factory, saved, change):
     path, prompt, _, _ = saved
-    other = start(checkpoint_factory("tiny-dense", "text", seed=44), path)
+    if change == "weights":
+        other = start(checkpoint_factory("tiny-dense", "text", seed=44), path)
+    else:
+        other = start(checkpoint, path, prefill_chunk=64)
     report = loaded(other)
-    assert report["outcome"] == "not restored" and "differs in weights" in report["reason"]
+    assert report["outcome"] == "not restored" and f"differs in {change}" in report["reason"]
     assert other.generate(prompt, GREEDY).usage.cached_tokens == 0
     settle(other, warmed=False)
     other.stop()
