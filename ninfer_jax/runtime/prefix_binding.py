@@ -114,6 +114,7 @@ class PrefixCacheBinding:
             if self.index.slabs.enabled else None
         self.failed = False  # a copy failed (or the engine did): no copy runs any more
         self.write_failure: BaseException | None = None  # a writer-thread failure the worker has not raised yet
+        self._deferred_writes: list[HostWrite] = []  # taken, their copies not started yet (dispatch_writes)
         self.tap_options = TapPlanOptions.from_options(self.options)
         self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
                          "endpoints_duplicate": 0, "host_writes_failed": 0, "host_restores_failed": 0,
@@ -345,11 +346,30 @@ class PrefixCacheBinding:
             self._write(self.index.write_snapshot(s))
 
     def _write(self, write: HostWrite) -> None:
-        """Starts a HostWrite the index handed out (§7.6): the gathers are dispatched and the host copy is the
-        writer thread's; `poll_writes` completes it in the index when it lands. A failure fails the binding."""
+        """Takes a HostWrite the index handed out (§7.6); `dispatch_writes` starts its copies. The index already
+        holds what the write needs (slabs Filling, sources pinned), so only the device gathers wait: the worker
+        dispatches them right after its next model step, while that step computes, instead of now, while the
+        device idles between steps."""
         if write.empty:
             self.index.complete_host_write(write)
-            return
+        elif self.failed or self.host is None:
+            self._write_failed(write)
+        else:
+            self._deferred_writes.append(write)
+
+    def dispatch_writes(self) -> None:
+        """Starts every deferred HostWrite: the gathers are dispatched and the host copy is the writer thread's;
+        `poll_writes` completes it in the index when it lands. A failure fails the binding and raises."""
+        writes, self._deferred_writes = self._deferred_writes, []
+        for i, write in enumerate(writes):
+            try:
+                self._dispatch(write)
+            except BaseException:
+                for rest in writes[i + 1:]:
+                    self._write_failed(rest)
+                raise
+
+    def _dispatch(self, write: HostWrite) -> None:
         if self.host is not None and self.host.queued_bytes > self.MAX_QUEUED_WRITE_BYTES:
             self.poll_writes(wait=True)  # the writer fell behind: bound the gathered bytes held in host memory
         s = write.snapshot
@@ -372,10 +392,13 @@ class PrefixCacheBinding:
         self.index.complete_host_write(write, ok=False)
 
     def poll_writes(self, wait: bool = False) -> None:
-        """Completes in the index every Host write that landed (with `wait`, after all have). A failed copy
-        fails the binding; `raise_write_failure` (the worker's step) then fails the engine."""
+        """Completes in the index every Host write that landed (with `wait`, after the deferred ones are
+        dispatched and all have landed). A failed copy fails the binding; `raise_write_failure` (the worker's
+        step) then fails the engine."""
         if self.host is None:
             return
+        if wait:
+            self.dispatch_writes()
         for write, failure in self.host.landed(wait):
             if failure is None and not self.failed:
                 self.index.complete_host_write(write, ok=True)
@@ -394,6 +417,9 @@ class PrefixCacheBinding:
     def fail(self) -> None:
         """The engine failed: no copy runs any more (writes complete as failed, restores raise)."""
         self.failed = True
+        for write in self._deferred_writes:
+            self._write_failed(write)
+        self._deferred_writes = []
 
     def _endpoint(self, req: Request, lane: int) -> Snapshot | None:
         """Publishes the endpoint snapshot; returns it when new (for its write-through)."""

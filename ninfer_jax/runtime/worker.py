@@ -91,6 +91,8 @@ class Worker:
         if any(r is not None and not r.prefilling for r in self.lanes):
             self._decode_round()
             did = True
+        if all(r is None for r in self.lanes):
+            self.cache.dispatch_writes()  # no model step follows to hide them behind
         return did
 
     def _entitlement(self, req: Request) -> int:
@@ -139,6 +141,7 @@ class Worker:
         )
         req.computed = end
         self.cache.after_compute(req)
+        self.cache.dispatch_writes()  # the chunk computes meanwhile
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
         if last:
@@ -175,6 +178,7 @@ class Worker:
             tokens, positions, self.page_tables, np.arange(c, dtype=np.int32), active, self.sampler.device(),
             full=full,
         )
+        self.cache.dispatch_writes()  # the last round's finishes: their gathers queue behind this round
         tokens_out = np.asarray(tokens_out)
         self.counters["decode_rounds"] += 1
         for req in live:

@@ -57,8 +57,11 @@ def test_a_forced_write_through_error_fails_the_engine_cleanly(checkpoint):
         assert engine.generate(tokens(100, 1), GREEDY).finish_reason == "length"
         engine.inject_host_fault("write")
         failed = engine.generate_many([tokens(100, 2), tokens(90, 3)], GREEDY)
-        assert [o.finish_reason for o in failed] == ["error", "error"]
-        assert "injected Host write" in failed[0].error
+        # The copies of a finished request start after its answer went out (behind the next model step): a
+        # request that finished first keeps its answer; whatever was still running ends with the failure.
+        reasons = [o.finish_reason for o in failed]
+        assert reasons[-1] == "error" and set(reasons) <= {"error", "length"}
+        assert "injected Host write" in failed[-1].error
         assert_failed_cleanly(engine)
         assert engine.stats()["prefix_cache"]["host_writes_failed"] == 1
     finally:
