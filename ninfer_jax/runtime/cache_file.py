@@ -267,6 +267,7 @@ def _tables(table: dict, image_slabs: int) -> tuple[SavedCache, list[int]]:
         for kind, anchor, tail, tail_extra, hits, images, has_tail, checksum in table["snapshots"]:
             if not -1 <= anchor < len(blocks) or images != image_slabs:
                 raise CacheFileError(f"damaged: a snapshot names anchor {anchor} with {images} image slabs")
+            # The saving process's slab ids mean nothing here: only how many there are (placeholders).
             snapshots.append(SavedSnapshot(str(kind), int(anchor), base64.b64decode(tail), int(tail_extra),
                                            int(hits), tuple([-1] * images), 0 if has_tail else -1))
             checksums.append(int(checksum))

@@ -23,8 +23,9 @@ inserted, tapped or published (§7.7 "disabled requests"), and no Host tier is a
 
 Restores and prefetches run synchronously on the worker thread (JAX orders them against every step on the
 donated state), so their Filling windows open and close inside one worker call. Write-through is
-asynchronous: the worker dispatches the gathers, the Host tier's writer thread copies them into the slabs,
-and `poll_writes` (every worker step) completes them in the index. A failed copy marks the binding failed:
+asynchronous: the worker dispatches the gathers (`dispatch_writes`, right after its next model step is
+dispatched), the Host tier's writer thread copies them into the slabs, and `poll_writes` (every worker step)
+completes them in the index. A failed copy marks the binding failed:
 the index is told (the write fails, the staging is cancelled), and no copy runs after it.
 NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
 of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
@@ -370,21 +371,21 @@ class PrefixCacheBinding:
                 raise
 
     def _dispatch(self, write: HostWrite) -> None:
-        if self.host is not None and self.host.queued_bytes > self.MAX_QUEUED_WRITE_BYTES:
+        if self.host.queued_bytes > self.MAX_QUEUED_WRITE_BYTES:  # deferred writes imply a Host tier
             self.poll_writes(wait=True)  # the writer fell behind: bound the gathered bytes held in host memory
+        if self.failed:  # a copy failed in the writer thread (the engine fails at its next step)
+            self._write_failed(write)
+            return
         s = write.snapshot
         tail = write.tail_slab >= 0
         try:
-            if self.failed or self.host is None:
-                raise RuntimeError("Host write after a failed copy")
             self.host.write(write, [n.device_page for n in write.nodes] + ([s.tail_page] if tail else []),
                             list(write.node_slabs) + ([write.tail_slab] if tail else []),
                             self.state_slot(s.device_slot) if write.image_slabs else -1, write.image_slabs)
         except BaseException:
             self._write_failed(write)
-            if not self.failed:
-                self.failed = True
-                raise
+            self.failed = True
+            raise
 
     def _write_failed(self, write: HostWrite) -> None:
         if not self.failed:
