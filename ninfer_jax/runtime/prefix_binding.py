@@ -446,8 +446,13 @@ class PrefixCacheBinding:
 
     # --- growth (§9.5) ---------------------------------------------------------------------------
     def grow(self, req: Request) -> int | None:
-        """One more private page for an active lane, evicting cache if needed; None when impossible."""
+        """One more private page for an active lane, evicting cache if needed; None when impossible. Pages
+        that Host writes in flight still read are not evictable; when nothing else is, those writes are
+        waited for once, so a lane is never cut short by a copy that is about to land."""
         grant = self.index.allocate_pages(1)
+        if grant is None and self.host is not None and not self.failed:
+            self.poll_writes(wait=True)
+            grant = self.index.allocate_pages(1)
         return None if grant is None else grant.pages[0]
 
     def demote_device(self) -> dict:

@@ -33,17 +33,31 @@ from ninfer_jax.runtime.sampling import MAX_LOGPROBS, sample
 log = logging.getLogger("ninfer_jax.runner")
 
 
-def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4) -> tuple[int, ...]:
-    """Chunk lengths compiled for prefill: smallest * ratio^k below prefill_chunk, then prefill_chunk.
+def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step_floor: int = 512) -> tuple[int, ...]:
+    """Chunk lengths compiled for prefill: smallest * ratio^k below the linear step, then every multiple of
+    the step (a quarter of prefill_chunk, at least step_floor, 64-aligned) up to prefill_chunk.
 
-    A coarse ladder bounds compile time at startup; a short chunk padded up to 4x costs little, since
-    short chunks are latency-bound, not compute-bound.
+    Short chunks are latency-bound, so a coarse geometric ladder costs little there; from step_floor tokens
+    on a chunk is compute-bound and its padding is paid in full, so the ladder turns linear and pads by less
+    than a quarter of the chunk (a resumed turn of 1.1k tokens runs as 1536, not 2048).
     """
+    step = max(step_floor, prefill_chunk // 4 // smallest * smallest)
     sizes, n = [], smallest
-    while n < prefill_chunk:
+    while n < min(step, prefill_chunk):
         sizes.append(n)
         n *= ratio
-    return tuple(sizes) + (prefill_chunk,)
+    n = step
+    while n < prefill_chunk:
+        sizes.append(n)
+        n += step
+    return tuple(sorted(set(sizes))) + (prefill_chunk,)
+
+
+def _owned(host) -> jax.Array:
+    """A step input from a host array, copied first: the worker keeps mutating its arrays (page tables, the
+    sampler's) while a step it dispatched may still be queued, and jax may read a numpy buffer later (on CPU
+    it can alias it outright). Device arrays pass through."""
+    return host if isinstance(host, jax.Array) else jnp.asarray(np.array(host))
 
 
 def _prefill_step(params, cfg, kc, full, state, tokens, n_valid, base, page_table, slot,
@@ -56,8 +70,33 @@ def _prefill_step(params, cfg, kc, full, state, tokens, n_valid, base, page_tabl
     return out, state
 
 
-def _decode_step(params, cfg, kc, full, state, tokens, positions, page_tables, slots, active,
-                 sampler):
+# A decode round's host inputs travel as one int32 array [C, DECODE_COLUMNS + max_pages] (floats bit-cast):
+# one host-to-device copy per round instead of eleven. Each copy costs host time and a trip through the GIL,
+# and a round at 35B-A3B computes for only 7 ms.
+DECODE_COLUMNS = 10  # tokens, positions, slots, active, use_prev, temperature, top_k, top_p, seed, step
+
+
+def pack_decode_inputs(tokens, positions, page_tables, slots, active, use_prev, sampler) -> np.ndarray:
+    temperature, top_k, top_p, seed, step = sampler
+    columns = [np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(slots, np.int32),
+               np.asarray(active, np.int32), np.asarray(use_prev, np.int32),
+               np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
+               np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
+               np.asarray(step, np.int32)]
+    return np.concatenate([np.stack(columns, axis=1), np.asarray(page_tables, np.int32)], axis=1)
+
+
+def _unpack_decode_inputs(packed):
+    col = [packed[:, i] for i in range(DECODE_COLUMNS)]
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    sampler = (as_f32(col[5]), col[6], as_f32(col[7]), jax.lax.bitcast_convert_type(col[8], jnp.uint32), col[9])
+    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, sampler, packed[:, DECODE_COLUMNS:]
+
+
+def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
+    tokens, positions, slots, active, use_prev, sampler, page_tables = _unpack_decode_inputs(packed)
+    # A lane whose previous round is still in flight takes its token from that round's output on the device.
+    tokens = jnp.where(use_prev, prev_tokens, tokens)
     hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
     out = sample(qwen3_5.logits(params, hidden), sampler, full=full, num_logprobs=MAX_LOGPROBS)
     return out, state
@@ -170,6 +209,7 @@ class ModelRunner:
         self.max_lanes, self.max_taps = max_lanes, max_taps
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
         self._no_taps = np.full(max_taps, -1, np.int32)
+        self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         static = ("cfg", "kc", "full")
         self._steps = {
@@ -230,19 +270,23 @@ class ModelRunner:
             taps_s[: len(tap_slots)] = tap_slots
         out, state = self._steps["prefill"](
             self.params, self.cfg, self.kernels, full, self.state,
-            jnp.asarray(padded), jnp.int32(n), jnp.int32(base), jnp.asarray(page_table), jnp.int32(slot),
-            jnp.asarray(taps_p), jnp.asarray(taps_s), tuple(map(jnp.asarray, sampler)),
+            jnp.asarray(padded), jnp.int32(n), jnp.int32(base), _owned(page_table), jnp.int32(slot),
+            jnp.asarray(taps_p), jnp.asarray(taps_s), tuple(map(_owned, sampler)),
         )
         self._swap(state)
         return out
 
-    def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False):
-        """One decode round over max_lanes lanes ([C] arrays; inactive lanes untouched)."""
-        out, state = self._steps["decode"](
-            self.params, self.cfg, self.kernels, full, self.state,
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(page_tables), jnp.asarray(slots),
-            jnp.asarray(active), tuple(map(jnp.asarray, sampler)),
-        )
+    def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
+               use_prev=None):
+        """One decode round over max_lanes lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
+        inactive lanes untouched). A lane with use_prev set feeds prev_tokens[lane] (the previous round's token
+        output, still on the device) instead of tokens[lane], so a round can be dispatched before the previous
+        one is read back."""
+        if prev_tokens is None:
+            prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
+        packed = pack_decode_inputs(tokens, positions, page_tables, slots, active, use_prev, sampler)
+        out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
+                                           jnp.asarray(packed), prev_tokens)
         self._swap(state)
         return out
 
@@ -294,7 +338,7 @@ class ModelRunner:
         start = time.perf_counter()
         table = np.zeros(self.max_pages, np.int32)
         one = SamplerInputs.empty(1).device()
-        lanes = SamplerInputs.empty(self.max_lanes).device()
+        lanes = SamplerInputs.empty(self.max_lanes).host()
         c = self.max_lanes
         variants = (False, True)
         total = len(self.buckets) * len(variants) + len(variants)
@@ -311,11 +355,10 @@ class ModelRunner:
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)
-            out, state = self._steps["decode"](
-                self.params, self.cfg, self.kernels, full, self.state,
-                jnp.zeros(c, jnp.int32), jnp.zeros(c, jnp.int32), jnp.zeros((c, self.max_pages), jnp.int32),
-                jnp.arange(c, dtype=jnp.int32), jnp.zeros(c, bool), lanes,
-            )
+            packed = pack_decode_inputs(np.zeros(c), np.zeros(c), np.zeros((c, self.max_pages)), np.arange(c),
+                                        np.zeros(c, bool), np.zeros(c, bool), lanes)
+            out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
+                                               jnp.asarray(packed), self._no_prev)
             self._swap(state)
             done += 1
             log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",

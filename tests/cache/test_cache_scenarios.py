@@ -115,6 +115,22 @@ def test_resume_from_an_endpoint_with_a_tail_equals_root(hpc, root):
     assert_same_output(resumed, root.generate(turn2, GREEDY))
 
 
+def test_a_turn_that_stops_on_a_token_leaves_an_endpoint_covering_that_token(hpc, root):
+    # Decode runs one round ahead: the round dispatched before the stop token was read feeds it, so the
+    # endpoint covers the whole output (stop token included), and its extra sampled token is dropped.
+    prompt = tokens(300, 30)
+    free_run = root.generate(prompt, SamplingParams(max_tokens=70, temperature=0, ignore_eos=True)).token_ids
+    k = next(i for i in range(40, 68) if free_run[i] not in free_run[:i])
+    stop = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, stop_token_ids=[free_run[k]])
+    turn1 = hpc.generate(prompt, stop)
+    assert turn1.finish_reason == "stop" and turn1.token_ids == free_run[: k + 1]
+    history = prompt + list(turn1.token_ids)
+    turn2 = history + tokens(40, 31)
+    resumed = hpc.generate(turn2, GREEDY)
+    assert resumed.usage.cached_tokens == len(history)
+    assert_same_output(resumed, root.generate(turn2, GREEDY))
+
+
 def test_multi_turn_reuses_each_endpoint_exactly_and_the_tail_stays_intact(hpc, root):
     history = tokens(150, 5)
     long = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True, logprobs=5)

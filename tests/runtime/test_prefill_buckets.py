@@ -1,0 +1,26 @@
+"""The compiled prefill chunk lengths: few programs, and little padding on compute-bound chunks."""
+
+import pytest
+
+from ninfer_jax.runtime.runner import prefill_buckets
+
+
+@pytest.mark.parametrize("chunk, expected", [
+    (64, (64,)),
+    (256, (64, 256)),
+    (512, (64, 256, 512)),
+    (2048, (64, 256, 512, 1024, 1536, 2048)),
+    (8192, (64, 256, 1024, 2048, 4096, 6144, 8192)),
+])
+def test_buckets_are_geometric_while_short_then_quarters_of_the_chunk(chunk, expected):
+    assert prefill_buckets(chunk) == expected
+
+
+@pytest.mark.parametrize("chunk", [512, 1024, 2048, 4096, 8192, 2112])
+def test_a_compute_bound_chunk_pads_by_less_than_a_quarter_of_the_chunk(chunk):
+    buckets = prefill_buckets(chunk)
+    quarter = max(512, chunk // 4)
+    for n in range(512, chunk + 1, 64):
+        padded = next(b for b in buckets if n <= b)
+        assert padded - n < quarter, (n, padded)
+    assert buckets[-1] == chunk and list(buckets) == sorted(set(buckets))
