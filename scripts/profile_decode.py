@@ -39,7 +39,7 @@ def _decode_inputs(engine, lanes: int, position: int):
     active = np.zeros(c, bool)
     active[:lanes] = True
     return (np.ones(c, np.int32), np.full(c, position, np.int32), tables, np.arange(c, dtype=np.int32), active,
-            SamplerInputs.empty(c).host())
+            SamplerInputs.empty(c).arrays())
 
 
 def time_rounds(engine, lanes: int, rounds: int, sync: bool) -> float:

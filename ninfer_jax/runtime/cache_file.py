@@ -24,7 +24,6 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from ninfer_jax.prefix_cache.host_slabs import SlabState
@@ -119,7 +118,7 @@ class PrefixCacheFile:
                 f.write(_U64.pack(xxhash.xxh64_intdigest(table)))
                 written, total = 0, saved.slab_count * slab_bytes
                 for slabs in entries:
-                    for view in _views(buffer, slabs):
+                    for view in buffer.views(slabs):
                         f.write(memoryview(view))
                     written = _progress("saving prefix cache", written, len(slabs) * slab_bytes, total, start)
                 f.flush()
@@ -229,7 +228,7 @@ class PrefixCacheFile:
             mine = [next(taken) for _ in range(count)]
             f.seek(offsets[row])
             digest = xxhash.xxh64()
-            for view in _views(buffer, mine):
+            for view in buffer.views(mine):
                 if f.readinto(memoryview(view)) != slab_bytes:
                     raise CacheFileError("damaged: the file ends inside its slab bytes")
                 digest.update(memoryview(view))
@@ -278,17 +277,9 @@ def _tables(table: dict, image_slabs: int) -> tuple[SavedCache, list[int]]:
     return SavedCache(tuple(blocks), tuple(snapshots)), checksums
 
 
-def _views(buffer, slabs: list[int]) -> list[np.ndarray]:
-    out = []
-    for slab in slabs:
-        chunk, row = divmod(slab, buffer.pool.slabs_per_chunk)
-        out.append(buffer.chunks[chunk][row])
-    return out
-
-
 def _checksum(buffer, slabs: list[int]) -> int:
     digest = xxhash.xxh64()
-    for view in _views(buffer, slabs):
+    for view in buffer.views(slabs):
         digest.update(memoryview(view))
     return digest.intdigest()
 

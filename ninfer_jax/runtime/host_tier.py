@@ -174,18 +174,26 @@ class HostSlabBuffer:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.chunks)
 
+    def first_row(self, run) -> int:
+        """The row of a SlabRun's first slab inside its chunk."""
+        return run.first - run.chunk * self.pool.slabs_per_chunk
+
+    def views(self, slabs: list[int]) -> list[np.ndarray]:
+        """Each slab's row (a view into the pool's memory, no copy)."""
+        return [self.chunks[chunk][row] for chunk, row in (divmod(s, self.pool.slabs_per_chunk) for s in slabs)]
+
     def read(self, slabs: list[int], out: np.ndarray) -> None:
         """Copies slab rows `slabs` into out[:len(slabs), :] (runs of consecutive slabs move as one copy)."""
         width = out.shape[1]
         for run in self.pool.runs(slabs):
-            first = run.first - run.chunk * self.pool.slabs_per_chunk
+            first = self.first_row(run)
             out[run.start:run.start + run.count] = self.chunks[run.chunk][first:first + run.count, :width]
 
     def write(self, slabs: list[int], rows: np.ndarray) -> None:
         """Copies rows[i] into the first rows.shape[1] bytes of slab slabs[i]."""
         width = rows.shape[1]
         for run in self.pool.runs(slabs):
-            first = run.first - run.chunk * self.pool.slabs_per_chunk
+            first = self.first_row(run)
             self.chunks[run.chunk][first:first + run.count, :width] = rows[run.start:run.start + run.count]
 
     def close(self) -> None:
@@ -348,7 +356,7 @@ class HostTier:
         of one contiguous view, place(ids, rows) scatters it."""
         runner, pool, pieces = self.runner, self.pool, []
         for run in pool.runs(slabs):
-            first = run.first - run.chunk * pool.slabs_per_chunk
+            first = self.buffer.first_row(run)
             rows_in_chunk = len(self.buffer.chunks[run.chunk])
             done = 0
             while done < run.count:
@@ -369,8 +377,7 @@ class HostTier:
         runs = self.pool.runs(slabs)
         if len(runs) == 1:  # the usual case: an image's slabs are allocated consecutively
             run = runs[0]
-            copy = functools.partial(self._rows, run.chunk, run.first - run.chunk * self.pool.slabs_per_chunk,
-                                     run.count)
+            copy = functools.partial(self._rows, run.chunk, self.buffer.first_row(run), run.count)
         else:
             def copy():
                 host = np.empty((len(slabs), self.pool.slab_bytes), np.uint8)

@@ -337,8 +337,8 @@ class ModelRunner:
 
         start = time.perf_counter()
         table = np.zeros(self.max_pages, np.int32)
-        one = SamplerInputs.empty(1).device()
-        lanes = SamplerInputs.empty(self.max_lanes).host()
+        one = tuple(map(_owned, SamplerInputs.empty(1).arrays()))  # as `prefill` hands them to the step
+        lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         variants = (False, True)
         total = len(self.buckets) * len(variants) + len(variants)

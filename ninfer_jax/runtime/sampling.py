@@ -81,13 +81,9 @@ class SamplerInputs:
         self.seed[lane] = seed & 0xFFFFFFFF
         self.step[lane] = step
 
-    def host(self) -> tuple[np.ndarray, ...]:
-        """Copies of the five arrays in step order (the scheduler refills them while a step may be queued)."""
-        return tuple(a.copy() for a in (self.temperature, self.top_k, self.top_p, self.seed, self.step))
-
-    def device(self):
-        """Device copies of the arrays (copied: the scheduler refills them while a step may still be queued)."""
-        return tuple(jnp.asarray(a.copy()) for a in (self.temperature, self.top_k, self.top_p, self.seed, self.step))
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The five arrays in step order, not copied: the runner copies what it hands to a step."""
+        return self.temperature, self.top_k, self.top_p, self.seed, self.step
 
 
 def sample(logits, inputs, *, full: bool, num_logprobs: int):

@@ -178,10 +178,7 @@ class Worker:
         self._emit(req)
 
     def _lane_sampler(self, lane: int):
-        s = self.sampler
-        return tuple(
-            np.asarray(a[lane : lane + 1]) for a in (s.temperature, s.top_k, s.top_p, s.seed, s.step)
-        )
+        return tuple(a[lane : lane + 1] for a in self.sampler.arrays())
 
     # --- decode ----------------------------------------------------------------------------------
     def _dispatch_round(self, previous: _Round | None) -> _Round | None:
@@ -212,21 +209,19 @@ class Worker:
             tokens[lane] = 0 if k else req.output[-1]
             positions[lane] = req.computed + k
             self.sampler.step[lane] = len(req.output) + k
+        if previous is not None:
+            previous.starved |= starved
         if not active.any():
-            if previous is not None:
-                previous.starved |= starved
             return None
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         full = any(not r.sampling.greedy for r in live)
         out = self.runner.decode(
-            tokens, positions, self.page_tables, np.arange(c, dtype=np.int32), active, self.sampler.host(),
+            tokens, positions, self.page_tables, np.arange(c, dtype=np.int32), active, self.sampler.arrays(),
             full=full, prev_tokens=previous.out[0] if previous is not None else None,
             use_prev=ahead & active,
         )
         self.cache.dispatch_writes()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1
-        if previous is not None:
-            previous.starved |= starved
         return _Round(live, out, set())
 
     def _retire(self, done: _Round) -> None:
