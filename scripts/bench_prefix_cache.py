@@ -430,7 +430,7 @@ def run_trace(engine, clients, trace: Trace, args, stop_at: float, label: str) -
             "computed_tokens": ev.usage.prompt_tokens - ev.usage.cached_tokens,
             "reusable_tokens": max([_common_prefix(ids, r) for r in refs], default=0),
             "completion_tokens": ev.usage.completion_tokens, "ttft_s": ev.metrics.ttft_s,
-            "latency_s": ev.metrics.latency_s, "finish_reason": ev.finish_reason,
+            "latency_s": ev.metrics.latency_s, "queue_s": ev.metrics.queue_s, "finish_reason": ev.finish_reason,
             "submitted_s": f.submitted_s, "finished_s": time.perf_counter() - t0,
             **_cache_record(engine, f.request_id),
         })
@@ -542,16 +542,18 @@ def run_arm(args) -> dict:
     stop_at = start + args.arm_seconds - args.probe_reserve if args.arm_seconds else float("inf")
     # spawn, not fork: this process runs jax's threads.
     with multiprocessing.get_context("spawn").Pool(2, _client_start, (tokenizer_dir(args), trace)) as clients:
-        before = engine.stats()["prefix_cache"]
+        before = engine.stats()
         t = time.perf_counter()
         records, cut = run_trace(engine, clients, trace, args, stop_at, arm)
         wall = time.perf_counter() - t
     stats = engine.stats()
+    worker_s = {k.removeprefix("seconds_"): v - before["scheduler"].get(k, 0.0)
+                for k, v in stats["scheduler"].items() if k.startswith("seconds_")}
     compiles["after_trace"] = stats["compiles_since_warmup"]
     if compiles["after_trace"] != compiles["after_first_requests"]:
         print(f"[{arm}] WARNING: {compiles['after_trace'] - compiles['after_first_requests']} programs compiled "
               "during the trace; its TTFTs include those compiles", flush=True)
-    trace_cache = cache_delta(before, stats["prefix_cache"])
+    trace_cache = cache_delta(before["prefix_cache"], stats["prefix_cache"])
     if trace_cache.get("host_tier") and arm != "no_reuse":
         print(f"[{arm}] {host_line(trace_cache)}", flush=True)
     throughput = None
@@ -566,7 +568,7 @@ def run_arm(args) -> dict:
     engine.stop()
     return {"arm": arm, "records": records, "truncated": cut, "trace_wall_s": wall, "init_s": init_s,
             "compile_s": compile_s, "compiles": compiles, "preamble_tokens": preamble, "throughput": throughput,
-            "trace_cache": trace_cache,
+            "trace_cache": trace_cache, "trace_worker_s": worker_s,
             "stats": stats, "options": dataclasses.asdict(engine.options), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "arm_s": time.perf_counter() - start}
 
@@ -760,6 +762,7 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
         cells = [summarize({"records": [r for r in results[a]["records"] if r["kind"] == k]}) for a in ran]
         lines.append(f"| {k} | {sum(r['kind'] == k for r in records)} | "
                      + " | ".join(f"{c['ttft_p50_s']:.3f} / {c['cache_share']:.0%}" for c in cells) + " |")
+    lines += _worker_section(results, ran)
     lines += ["", "## Where requests resumed from, and compiles", ""]
     for a in ran:
         sources = {}
@@ -779,6 +782,30 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
               "reuse disabled right after its cached twin; when it did, the loss target uses those pairs.", ""]
     if plotted:
         lines += [f"![TTFT per turn]({args.report_name}_ttft.png)", ""]
+    return lines
+
+
+WORKER_PHASES = ("admit", "prefill_dispatch", "round_dispatch", "first_token_read", "round_read", "idle_writes")
+
+
+def _worker_section(results: dict, ran: list[str]) -> list[str]:
+    """Where the worker thread's time went over each arm's trace, and how long requests waited for a lane."""
+    import numpy as np
+
+    arms = [a for a in ran if results[a].get("trace_worker_s")]
+    if not arms:
+        return []
+    lines = ["", "## Worker time over the trace (s) and lane waits", "",
+             "| arm | " + " | ".join(p.replace("_", " ") for p in WORKER_PHASES) + " | trace wall | queue p50 / p99 s |",
+             "|---|" + "---|" * (len(WORKER_PHASES) + 2)]
+    for a in arms:
+        w = results[a]["trace_worker_s"]
+        queued = np.array([r["queue_s"] for r in results[a]["records"] if r.get("queue_s") is not None] or [np.nan])
+        lines.append(f"| {a} | " + " | ".join(f"{w.get(p, 0.0):.1f}" for p in WORKER_PHASES)
+                     + f" | {results[a]['trace_wall_s']:.1f} | {np.percentile(queued, 50):.3f} / "
+                     f"{np.percentile(queued, 99):.3f} |")
+    lines += ["", "admit includes dispatching restores; the two reads include waiting for the device (a prefill "
+              "chunk's first token, a decode round's tokens); queue: arrival to admission.", ""]
     return lines
 
 

@@ -23,11 +23,17 @@ Slab layout, one for both directions (the runner's gathers produce it and its sc
                  asynchronous write-through; the worker never waits for a host copy);
   restore        each run of consecutive slabs moves straight from the page-locked chunk (a contiguous view
                  per piece of the runner's batch sizes, DESIGN.md: about 50 GB/s) and is scattered into the
-                 donated pools (pages, or the lane's state slot); the call returns once every piece has
-                 been read, so a slab may be reused afterwards, and JAX orders the scatters before any later
-                 step that reads or reuses the pages or slot.
-NOTE: restores are synchronous on the worker thread. The overlapped form of §6.5/§12.1 (restores as inputs
-of the lane's first prefill step, their copy hidden behind its compute) is not built; see docs/STATUS.md.
+                 donated pools (pages, or the lane's state slot). The worker only dispatches: JAX orders the
+                 scatters before any later step that reads or reuses the pages or slot, so the lane's first
+                 prefill chunk is queued right behind them and the copies run while the device finishes the
+                 work ahead of them (the round in flight, other lanes' chunks). A watcher thread waits for
+                 the copies and times them; until they land, their slabs must not be rewritten, so the
+                 writer thread holds every Host write queued after a restore until that restore has landed
+                 (a write queued before it cannot target its slabs: they held landed bytes when it was
+                 dispatched).
+NOTE: the layer-pipelined form of §6.5/§12.1 (the copy hidden behind the lane's own first prefill step) is
+not built: the copy overlaps the device work queued before the lane's step, not that step; see
+docs/STATUS.md.
 
 `inject_fault(kind)` makes the next write ("write") or restore ("restore") raise `HostTransferError` (the
 spec's forced transfer error, for fault-injection tests).
@@ -235,6 +241,12 @@ class HostTier:
         self._queued = self._queued_bytes = 0
         self._writer = threading.Thread(target=self._write_loop, name="ninfer-host-writer", daemon=True)
         self._writer.start()
+        self._restores: queue.SimpleQueue = queue.SimpleQueue()  # (copies, start) for the watcher; None stops it
+        self._restores_dispatched = 0  # the worker's count; a write job waits until this many have landed
+        self._restores_landed = 0  # guarded by _landing
+        self._restore_failure: BaseException | None = None  # guarded by _landing
+        self._watcher = threading.Thread(target=self._restore_loop, name="ninfer-host-restores", daemon=True)
+        self._watcher.start()
 
     # --- fault injection -------------------------------------------------------------------------
     def inject_fault(self, kind: str, times: int = 1) -> None:
@@ -274,19 +286,23 @@ class HostTier:
         with self._landing:
             self._queued_bytes += nbytes
             self._queued += 1
-        self._jobs.put((token, parts, nbytes))
+        self._jobs.put((token, parts, nbytes, self._restores_dispatched))
 
     def _write_loop(self) -> None:
-        """The writer thread: each job's gathered rows into their slabs, in submission order."""
+        """The writer thread: each job's gathered rows into their slabs, in submission order, once the restores
+        dispatched before the job have read their slabs."""
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            token, parts, nbytes = job
+            token, parts, nbytes, fence = job
             error = None
             try:
-                for array, slabs, count in parts:
+                for i, (array, slabs, count) in enumerate(parts):
                     rows = np.asarray(array)  # waits for the gather
+                    if i == 0:
+                        with self._landing:
+                            self._landing.wait_for(lambda: self._restores_landed >= fence)
                     self.buffer.write(slabs, rows[:count])
             except BaseException as e:  # reported to the worker, which fails the engine
                 error = e
@@ -302,10 +318,11 @@ class HostTier:
 
     def landed(self, wait: bool = False) -> list[tuple[object, BaseException | None]]:
         """(token, error or None) of every write that landed since the last call, in submission order; with
-        `wait`, first waits until every queued write has landed."""
+        `wait`, first waits until every queued write and every restore has landed."""
         with self._landing:
             if wait:
-                self._landing.wait_for(lambda: len(self._landed) == self._queued)
+                self._landing.wait_for(lambda: len(self._landed) == self._queued
+                                       and self._restores_landed == self._restores_dispatched)
             out, self._landed = self._landed, []
             self._queued -= len(out)
         return out
@@ -330,7 +347,8 @@ class HostTier:
         where two copies ahead ran at 53 GB/s of a 54 GB/s pinned ceiling (H200, 35B-A3B pages,
         scripts/restore_scatter_probe.py). The scatters' page ids and slot go to the device first, in one
         transfer: an id copy queued behind the big copies would hold its scatter back until they land.
-        Returns after every piece has been read, so the slabs may be rewritten afterwards.
+        Returns once everything is dispatched; the watcher thread sees the copies land (`landed(wait=True)`
+        waits for them, and a failed copy is `take_restore_failure()`'s).
         """
         self._transfer("restore")
         start = time.perf_counter()
@@ -345,11 +363,37 @@ class HostTier:
             if i + self.RESTORE_AHEAD < len(pieces):
                 staged.append(pieces[i + self.RESTORE_AHEAD][0]())
             place(targets[i], staged[i])
-        jax.block_until_ready(staged)
         self.counters["restore_batches"] += len(pieces)
         self.counters["restored_bytes"] += moved
-        self.counters["restore_ns"] += int((time.perf_counter() - start) * 1e9)
+        self._restores_dispatched += 1
+        self._restores.put((staged, start))
         return moved
+
+    def _restore_loop(self) -> None:
+        """The watcher thread: waits for each restore's copies in dispatch order, times them from dispatch to
+        landing, and lets the writes queued behind them go on."""
+        while True:
+            job = self._restores.get()
+            if job is None:
+                return
+            staged, start = job
+            error = None
+            try:
+                jax.block_until_ready(staged)
+            except BaseException as e:  # reported to the worker, which fails the engine
+                error = e
+            with self._landing:
+                self.counters["restore_ns"] += int((time.perf_counter() - start) * 1e9)
+                self._restores_landed += 1
+                if error is not None and self._restore_failure is None:
+                    self._restore_failure = error
+                self._landing.notify_all()
+
+    def take_restore_failure(self) -> BaseException | None:
+        """The first restore copy that failed after its dispatch, once (None when none did)."""
+        with self._landing:
+            failure, self._restore_failure = self._restore_failure, None
+        return failure
 
     def _page_pieces(self, slabs: list[int], pages: list[int]) -> list[tuple]:
         """(copy, page ids, place) per restore batch of `slabs` -> `pages`: copy() starts the host-to-device copy
@@ -386,7 +430,9 @@ class HostTier:
         return copy, np.int32(slot), self.runner.scatter_slot
 
     def close(self) -> None:
-        """Lets the writer finish what is queued, then releases the slab buffer."""
+        """Lets the restores land and the writer finish what is queued, then releases the slab buffer."""
+        self._restores.put(None)
+        self._watcher.join()
         self._jobs.put(None)
         self._writer.join()
         self.buffer.close()

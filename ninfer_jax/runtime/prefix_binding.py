@@ -114,7 +114,7 @@ class PrefixCacheBinding:
         self.host: HostTier | None = HostTier(runner, self.index.slabs, pin=pin_host) \
             if self.index.slabs.enabled else None
         self.failed = False  # a copy failed (or the engine did): no copy runs any more
-        self.write_failure: BaseException | None = None  # a writer-thread failure the worker has not raised yet
+        self.write_failure: HostTransferError | None = None  # a writer/watcher failure the worker has not raised yet
         self._deferred_writes: list[HostWrite] = []  # taken, their copies not started yet (dispatch_writes)
         self.tap_options = TapPlanOptions.from_options(self.options)
         self.counters = {"taps_planned": 0, "taps_published": 0, "taps_duplicate": 0, "endpoints_published": 0,
@@ -406,14 +406,22 @@ class PrefixCacheBinding:
                 continue
             self._write_failed(write)
             if failure is not None and not self.failed:
-                self.failed = True
-                self.write_failure = failure
+                self._copy_failed("Host write-through failed", failure)
+        failure = self.host.take_restore_failure()
+        if failure is not None and not self.failed:
+            self.counters["host_restores_failed"] += 1
+            self._copy_failed("Host restore failed after its dispatch", failure)
+
+    def _copy_failed(self, what: str, failure: BaseException) -> None:
+        self.failed = True
+        self.write_failure = HostTransferError(f"{what}: {failure}")
+        self.write_failure.__cause__ = failure
 
     def raise_write_failure(self) -> None:
-        """Raises HostTransferError once for a write-through that failed in the writer thread."""
+        """Raises HostTransferError once for a Host copy that failed in the writer or watcher thread."""
         failure, self.write_failure = self.write_failure, None
         if failure is not None:
-            raise HostTransferError(f"Host write-through failed: {failure}") from failure
+            raise failure
 
     def fail(self) -> None:
         """The engine failed: no copy runs any more (writes complete as failed, restores raise)."""

@@ -32,8 +32,11 @@ class Usage:
 
 @dataclasses.dataclass(frozen=True)
 class Metrics:
+    """Seconds from the request's arrival: to its first token, to its last, and waiting for a lane."""
+
     ttft_s: float | None
     latency_s: float | None
+    queue_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Request:
     text: str = ""
     emitted_text: int = 0  # characters of `text` already sent
     emitted_tokens: int = 0
+    admitted_at: float | None = None  # when it got a lane
     first_token_at: float | None = None
     finish_reason: str | None = None
     cache: Any = None  # LaneCache while the request holds a lane (prefix_binding)
@@ -114,4 +118,5 @@ class Request:
     def metrics(self) -> Metrics:
         now = time.perf_counter()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        return Metrics(ttft, now - self.arrival if self.finish_reason else None)
+        queued = None if self.admitted_at is None else self.admitted_at - self.arrival
+        return Metrics(ttft, now - self.arrival if self.finish_reason else None, queued)

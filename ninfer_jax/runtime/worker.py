@@ -50,6 +50,18 @@ class _Round:
     starved: set[int]  # lanes of this round that got no page for their next position: they end at its read
 
 
+class _PhaseClock:
+    """Adds the seconds since the last lap to `counters["seconds_<phase>"]`."""
+
+    def __init__(self, counters: collections.Counter):
+        self.counters, self.last = counters, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.counters[f"seconds_{phase}"] += now - self.last
+        self.last = now
+
+
 class Worker:
     """Owns lanes, page tables and the page pool; drives the ModelRunner. Called from one thread only."""
 
@@ -104,20 +116,30 @@ class Worker:
 
     # --- one scheduling step ---------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, one prefill chunk, one decode round. Returns whether any model work ran."""
+        """Admit, one prefill chunk, one decode round. Returns whether any model work ran.
+
+        The worker's seconds per phase add up in `counters["seconds_<phase>"]`: where the host time of a
+        step goes (admission includes restore dispatch; the two reads include waiting for the device)."""
+        clock = _PhaseClock(self.counters)
         self.cache.poll_writes()  # Host writes that landed join the index (their pins drop)
         self.cache.raise_write_failure()  # one that failed fails the engine
         self._admit()
+        clock.lap("admit")
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
         prefilled = self._prefill_chunk(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
+        clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
         self.pending = self._dispatch_round(previous)
+        clock.lap("round_dispatch")
         if prefilled is not None:  # read after the round's dispatch, so the device goes on computing meanwhile
             self._first_token(*prefilled)
+            clock.lap("first_token_read")
         if previous is not None:
             self._retire(previous)
+            clock.lap("round_read")
         if all(r is None for r in self.lanes):
             self.cache.dispatch_writes()  # no model step follows to hide them behind
+            clock.lap("idle_writes")
         return bool(prefilling) or previous is not None or self.pending is not None
 
     def _entitlement(self, req: Request) -> int:
@@ -133,6 +155,7 @@ class Worker:
             if lane is None:
                 self.cache.prefetch(head, self._entitlement(head))  # the wait copies its Host path (§6.6)
                 return
+            started = time.perf_counter()  # what precedes is waiting; the admission itself restores
             readiness = self.cache.admit(head, lane, self._entitlement(head), self.lanes)
             if readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["admission_blocked"] += 1
@@ -143,6 +166,7 @@ class Worker:
                 self._finish(head, "error", "the request can never fit the KV pool")
                 continue
             head.lane = lane
+            head.admitted_at = started
             self.page_tables[lane] = 0
             self.page_tables[lane, : len(head.pages)] = head.pages
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
@@ -226,22 +250,31 @@ class Worker:
 
     def _retire(self, done: _Round) -> None:
         """Reads a decode round back: counts its tokens as computed, accepts them, settles finishes. A lane that
-        ends here while the next round (in flight) feeds its token settles when that round is read."""
+        ends here while the next round (in flight) feeds its token settles when that round is read.
+
+        Every lane that ends gets its last event before any of them settles: settling (endpoint snapshot,
+        block commits, freeing the lane) is the cache's bookkeeping, and eight lanes ending together would
+        otherwise hold the eighth answer back behind seven settlements."""
         tokens_out, chosen, top = done.out
         tokens_out = np.asarray(tokens_out)
         following = {r.lane for r in self.pending.reqs} if self.pending is not None else set()
+        ended = []
         for req in done.reqs:
             req.computed += 1
             self.cache.after_compute(req)
-            if req.finish_reason is not None:  # ended at the last read; this round fed its last token
-                self._finish(req, req.finish_reason)
-                continue
-            self._accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
-            if req.finish_reason is None and req.lane in done.starved:
-                req.finish_reason = "length"  # bounded completion: no page for the next position
-            if req.finish_reason is not None and req.lane in following:
-                continue
-            self._emit(req)
+            if req.finish_reason is None:  # else it ended at the last read; this round fed its last token
+                self._accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
+                if req.finish_reason is None and req.lane in done.starved:
+                    req.finish_reason = "length"  # bounded completion: no page for the next position
+                if req.finish_reason is not None and req.lane in following:
+                    continue
+            if req.finish_reason is None:
+                self._emit(req)
+            else:
+                self._send_last(req, req.finish_reason)
+                ended.append(req)
+        for req in ended:
+            self._settle(req)
 
     def _read_pending(self) -> None:
         """Reads the round in flight, if any, with none following it (cancel, stop): every lane settles."""
@@ -309,17 +342,25 @@ class Worker:
         return tokens, delta, lp
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """Terminal settlement: free the lane's pages and slot, send the last event."""
+        """Terminal settlement: send the last event, free the lane's pages and slot."""
+        self._send_last(req, reason, error)
+        self._settle(req)
+
+    def _send_last(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason = reason
-        if req.lane is not None:
-            self.cache.finish(req, req.lane, reason)
-            self.lanes[req.lane] = None
-            req.lane = None
         if req.detokenizer is not None and reason in ("stop", "length"):
             req.text += req.detokenizer.flush()
         tokens, delta, lp = self._take_unsent(req, len(req.text))
         self.counters[f"finished_{reason}"] += 1
         self._deliver(req, StreamEvent(req.id, tokens, delta, reason, req.usage(), req.metrics(), lp, error))
+
+    def _settle(self, req: Request) -> None:
+        """The cache keeps what the request computed (§7.7) and the lane is free. Always within the step that
+        sent the last event, so nothing (a stats call, the next admission) observes a finished lane."""
+        if req.lane is not None:
+            self.cache.finish(req, req.lane, req.finish_reason)
+            self.lanes[req.lane] = None
+            req.lane = None
 
     def _deliver(self, req: Request, event: StreamEvent) -> None:
         try:

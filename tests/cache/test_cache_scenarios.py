@@ -172,6 +172,7 @@ def test_shared_preamble_across_eight_sessions_is_stored_once(hpc, root):
     assert all(o.usage.cached_tokens >= 256 for o in outs)
     refs = root.generate_many([s.token_ids.tolist() for s in sessions], GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    hpc.check_ledger()  # also a sync point: the worker settles a round's lanes after their last events
     tree = hpc.cache.index.tree
     for b in range(4):  # one node, so one device page, per preamble block
         block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()

@@ -71,10 +71,17 @@ def push_to_host(engine, seed):
         engine.generate(tokens(600, seed + i), GREEDY)
 
 
+def index_of(engine):
+    """The engine's prefix index, read from this thread once the worker has settled the requests whose last
+    events arrived (it sends a round's last events before settling their lanes)."""
+    engine._call(lambda: None)
+    return engine.cache.index
+
+
 def find_snapshot(engine, prompt, frontier):
     """The snapshot at `frontier` on the path of `prompt`'s first block, or None."""
     first = np.asarray(prompt[:64], "<i4").tobytes()
-    for s in engine.cache.index.tree.snapshots.values():
+    for s in index_of(engine).tree.snapshots.values():
         path = s.anchor.path()
         if s.frontier == frontier and path and path[0].tokens == first:
             return s
@@ -159,8 +166,8 @@ def test_host_only_restore_equals_device_resume_and_no_reuse(host, root):
     after = counters(host, "restored_blocks", "restored_images", "host_restored_bytes")
     assert after["restored_blocks"] - before["restored_blocks"] == 7
     assert after["restored_images"] - before["restored_images"] == 1
-    slab = host.cache.index.slabs.slab_bytes
-    moved = (7 + host.cache.index.slabs.image_slabs) * slab
+    slab = index_of(host).slabs.slab_bytes
+    moved = (7 + index_of(host).slabs.image_slabs) * slab
     record = host.cache_record(restored.request_id)
     assert record["restored_host_bytes"] == moved and record["source"] == "tap"
     assert after["host_restored_bytes"] - before["host_restored_bytes"] == moved
@@ -206,7 +213,7 @@ def test_demote_device_cache_moves_reuse_to_the_host(host, root):
     turn2 = prompt + list(out.token_ids) + tokens(30, 22)
     resumed = host.generate(turn2, GREEDY)
     assert resumed.usage.cached_tokens == 469
-    slabs = host.cache.index.slabs
+    slabs = index_of(host).slabs
     moved = (7 + 1 + slabs.image_slabs) * slabs.slab_bytes  # 7 blocks, the tail, the image
     assert host.cache_record(resumed.request_id)["restored_host_bytes"] == moved
     assert_same_output(resumed, root.generate(turn2, GREEDY))
@@ -230,7 +237,7 @@ def test_waiting_head_prefetches_its_host_path_and_admission_restores_only_the_r
     delta = {k: after[k] - before[k] for k in after}
     assert delta == {"prefetches": 1, "prefetched_blocks": 7, "restored_blocks": 0, "restored_tails": 1,
                      "restored_images": 1}
-    slabs = host.cache.index.slabs
+    slabs = index_of(host).slabs
     assert host.cache_record(resumed.request_id)["restored_host_bytes"] == (1 + slabs.image_slabs) * slabs.slab_bytes
     assert_same_output(resumed, root.generate(turn2, GREEDY))
     for o, p in zip(outs[:2], busy):
@@ -241,7 +248,7 @@ def test_write_through_fills_the_host_and_stats_report_it(host):
     before = host.stats()["prefix_cache"]
     host.generate(tokens(300, 6), GREEDY)
     after = host.stats()["prefix_cache"]
-    assert after["host_tier"] and after["host_slab_bytes"] == host.cache.index.slabs.slab_bytes
+    assert after["host_tier"] and after["host_slab_bytes"] == index_of(host).slabs.slab_bytes
     assert after["host_block_writes"] - before["host_block_writes"] == 4  # blocks 0..3, one batch
     assert after["host_image_writes"] > before["host_image_writes"]  # the prompt-tail tap
     assert after["host_written_bytes"] > before["host_written_bytes"]
@@ -291,7 +298,7 @@ def test_host_evictions_decide_which_snapshots_survive(checkpoint):
             assert find_snapshot(engine, gone, gone_frontier) is None and find_snapshot(engine, y1, 77) is ey1
             assert find_snapshot(engine, new, frontier) is not None
             settle(engine, warmed=False)
-        assert len(engine.cache.index.lists.dead) == 2  # dead KV is swept only as far as room is needed
+        assert len(index_of(engine).lists.dead) == 2  # dead KV is swept only as far as room is needed
 
         # The survivor still resumes, from the Host (its image was never on the Device since the slot moved on).
         assert ey1.image_device is ABSENT
