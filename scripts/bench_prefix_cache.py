@@ -100,12 +100,15 @@ class TraceShape:
     tool_result_words: tuple[int, int] = (150, 600)  # code-like text, about 3 tokens per word
     p_user: float = 0.3  # chance of each of up to two more follow-up queries before the agent loop
     edit_every: int = 2  # one conversation in this many has a deep edit in its second half
-    max_tokens: int = 64  # assistant reply length (generated tokens)
+    # Assistant reply length (generated tokens), drawn per turn. Replies of one fixed length kept the requests in
+    # flight in lockstep: they were sent together, decoded together and ended in the same round, so each
+    # batch of eight queued behind its own prefills (TTFT = the request's place in that convoy).
+    reply_tokens: tuple[int, int] = (32, 96)
 
 
 DEFAULT_SHAPE = TraceShape()
 SMOKE_SHAPE = TraceShape(conversations=3, turns=4, tools=3, tool_description_words=40, system_words=200,
-                         user_words=(10, 30), tool_result_words=(40, 120), max_tokens=16)
+                         user_words=(10, 30), tool_result_words=(40, 120), reply_tokens=(8, 24))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,7 @@ class Turn:
     message: dict
     call: dict | None = None
     edit: tuple[int, str] | None = None
+    reply_tokens: int = 64  # max_tokens of the turn's request (greedy, random weights: it runs to the limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +148,7 @@ def generate_trace(shape: TraceShape = DEFAULT_SHAPE, seed: int = 0) -> Trace:
         replies are filled in at run time (`turn_messages`).
     """
     rng = random.Random(seed)
+    replies = random.Random(f"{seed}-replies")  # its own stream: the prompts do not depend on reply_tokens
     tools = tuple(_tool_definition(rng, name, shape.tool_description_words) for name in _TOOL_NAMES[: shape.tools])
     system = "You are a coding agent working in a large repository. " + _prose(rng, shape.system_words)
     conversations = []
@@ -169,7 +174,8 @@ def generate_trace(shape: TraceShape = DEFAULT_SHAPE, seed: int = 0) -> Trace:
                     edit = (index, content[:half] + _EDITED + _tool_result(rng, shape, "edit")[:half])
                 turns.append(Turn(kind, {"role": "user", "content": _user_query(rng, shape, c, t)}, edit=edit))
             length += 1
-        conversations.append(tuple(turns))
+        conversations.append(tuple(dataclasses.replace(turn, reply_tokens=replies.randint(*shape.reply_tokens))
+                                   for turn in turns))
     return Trace(shape, seed, system, tools, tuple(conversations))
 
 
@@ -369,7 +375,6 @@ def run_trace(engine, clients, trace: Trace, args, stop_at: float, label: str) -
     from ninfer_jax import PromptTooLongError
 
     shape = trace.shape
-    sampling = arm_sampling(label, max_tokens=shape.max_tokens)
     replies: list[list[str]] = [[] for _ in range(shape.conversations)]
     sequences: list[list] = [[] for _ in range(shape.conversations)]  # prompt + reply ids, for the oracle
     firsts: list = []  # every conversation's first prompt, once sent (the shared preamble)
@@ -406,6 +411,7 @@ def run_trace(engine, clients, trace: Trace, args, stop_at: float, label: str) -
             if cut:
                 continue
             try:
+                sampling = arm_sampling(label, max_tokens=trace.conversations[key[0]][key[1]].reply_tokens)
                 rid = engine.submit(item, sampling, sink=lambda ev, key=key: events.put((key, ev)))
             except PromptTooLongError as e:
                 print(f"[{label}] conversation {key[0]} turn {key[1]} refused: {e}", flush=True)
@@ -430,7 +436,8 @@ def run_trace(engine, clients, trace: Trace, args, stop_at: float, label: str) -
             "computed_tokens": ev.usage.prompt_tokens - ev.usage.cached_tokens,
             "reusable_tokens": max([_common_prefix(ids, r) for r in refs], default=0),
             "completion_tokens": ev.usage.completion_tokens, "ttft_s": ev.metrics.ttft_s,
-            "latency_s": ev.metrics.latency_s, "queue_s": ev.metrics.queue_s, "finish_reason": ev.finish_reason,
+            "latency_s": ev.metrics.latency_s, "queue_s": ev.metrics.queue_s,
+            "first_scheduled_s": ev.metrics.first_scheduled_s, "finish_reason": ev.finish_reason,
             "submitted_s": f.submitted_s, "finished_s": time.perf_counter() - t0,
             **_cache_record(engine, f.request_id),
         })
@@ -543,9 +550,13 @@ def run_arm(args) -> dict:
     # spawn, not fork: this process runs jax's threads.
     with multiprocessing.get_context("spawn").Pool(2, _client_start, (tokenizer_dir(args), trace)) as clients:
         before = engine.stats()
+        profile = _profile_worker(engine) if args.profile_worker else None
         t = time.perf_counter()
         records, cut = run_trace(engine, clients, trace, args, stop_at, arm)
         wall = time.perf_counter() - t
+        if profile is not None:
+            profile = profile()
+            print(f"[{arm}] worker profile over the trace:\n{profile}", flush=True)
     stats = engine.stats()
     worker_s = {k.removeprefix("seconds_"): v - before["scheduler"].get(k, 0.0)
                 for k, v in stats["scheduler"].items() if k.startswith("seconds_")}
@@ -568,9 +579,37 @@ def run_arm(args) -> dict:
     engine.stop()
     return {"arm": arm, "records": records, "truncated": cut, "trace_wall_s": wall, "init_s": init_s,
             "compile_s": compile_s, "compiles": compiles, "preamble_tokens": preamble, "throughput": throughput,
-            "trace_cache": trace_cache, "trace_worker_s": worker_s,
+            "trace_cache": trace_cache, "trace_worker_s": worker_s, "worker_profile": profile,
             "stats": stats, "options": dataclasses.asdict(engine.options), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "arm_s": time.perf_counter() - start}
+
+
+def _profile_worker(engine, top: int = 30):
+    """Runs the engine worker's steps under cProfile from now on; returns a function that stops it and gives the
+    top functions by own time and by cumulative time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    prof, worker = cProfile.Profile(), engine.worker
+    step = worker.step
+
+    def profiled():
+        prof.enable()
+        try:
+            return step()
+        finally:
+            prof.disable()
+
+    worker.step = profiled  # the engine's thread looks the method up on every step
+
+    def report() -> str:
+        worker.step = step
+        out = io.StringIO()
+        for order in ("tottime", "cumtime"):
+            pstats.Stats(prof, stream=out).strip_dirs().sort_stats(order).print_stats(top)
+        return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+    return report
 
 
 def tokenizer_dir(args) -> str:
@@ -729,7 +768,8 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
         f"system + tools preamble of {meta['preamble_tokens']} tokens (real Qwen3.5 chat template and tokenizer), "
         f"prompts up to {max((r['prompt_tokens'] for r in records), default=0)} tokens; turns: "
         + ", ".join(f"{k} {sum(r['kind'] == k for r in records)}" for k in kinds)
-        + f"; replies are {shape.max_tokens} greedy tokens of the engine's own, sent back as reasoning_content",
+        + f"; replies are {shape.reply_tokens[0]}-{shape.reply_tokens[1]} greedy tokens of the engine's own "
+        "(drawn per turn), sent back as reasoning_content",
         "- arms, each a fresh engine in its own process, in this order: "
         + "; ".join(f"{a} ({_arm_options(results[a])})" for a in ran),
         *[f"- {', '.join(a for a in ran if results[a].get('reused_from') == source)}: measured in {source}"
@@ -805,8 +845,29 @@ def _worker_section(results: dict, ran: list[str]) -> list[str]:
                      + f" | {results[a]['trace_wall_s']:.1f} | {np.percentile(queued, 50):.3f} / "
                      f"{np.percentile(queued, 99):.3f} |")
     lines += ["", "admit includes dispatching restores; the two reads include waiting for the device (a prefill "
-              "chunk's first token, a decode round's tokens); queue: arrival to admission.", ""]
-    return lines
+              "chunk's first token, a decode round's tokens); queue: arrival to admission.", "",
+              "TTFT split, p50 s per turn kind: waiting for a lane / then for its first chunk's dispatch (behind "
+              "other lanes' chunks and rounds) / from that dispatch to the first token", "",
+              "| kind | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    kinds = dict.fromkeys(r["kind"] for r in results[arms[0]]["records"])
+    for kind in kinds:
+        cells = []
+        for a in arms:
+            rs = [r for r in results[a]["records"] if r["kind"] == kind and r.get("first_scheduled_s") is not None
+                  and r["ttft_s"] is not None]
+            if not rs:
+                cells.append("-")
+                continue
+            parts = [[r["queue_s"] for r in rs], [r["first_scheduled_s"] - r["queue_s"] for r in rs],
+                     [r["ttft_s"] - r["first_scheduled_s"] for r in rs]]
+            cells.append(" / ".join(f"{np.percentile(p, 50):.3f}" for p in parts))
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    if any(results[a].get("worker_profile") for a in arms):
+        for a in arms:
+            if results[a].get("worker_profile"):
+                lines += ["", f"Worker profile over the {a} trace (cProfile, --profile-worker):", "", "```",
+                          results[a]["worker_profile"].rstrip(), "```"]
+    return lines + [""]
 
 
 def _host_section(results: dict, ran: list[str]) -> list[str]:
@@ -933,6 +994,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-prompt", type=int, help="prompt length of the decode probes")
     p.add_argument("--probe-reserve", type=float, help="seconds an arm keeps for its probes after the trace")
     p.add_argument("--prefix-tokens", type=int, help="restore probe: prefix length (default 100000; 2048 with --smoke)")
+    p.add_argument("--profile-worker", action="store_true",
+                   help="run the engine worker under cProfile during each arm's trace (its TTFTs then include the "
+                        "profiler's overhead) and put the top functions in the report")
     p.add_argument("--grace", type=float, default=20, help="seconds in-flight requests may finish after a cut")
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

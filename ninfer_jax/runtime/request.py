@@ -32,11 +32,13 @@ class Usage:
 
 @dataclasses.dataclass(frozen=True)
 class Metrics:
-    """Seconds from the request's arrival: to its first token, to its last, and waiting for a lane."""
+    """Seconds from the request's arrival: to its first token, to its last, to getting a lane, and to the
+    dispatch of its first prefill chunk (the time between the last two waits behind other lanes' chunks)."""
 
     ttft_s: float | None
     latency_s: float | None
     queue_s: float | None = None
+    first_scheduled_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Request:
     emitted_text: int = 0  # characters of `text` already sent
     emitted_tokens: int = 0
     admitted_at: float | None = None  # when it got a lane
+    scheduled_at: float | None = None  # when its first prefill chunk was dispatched
     first_token_at: float | None = None
     finish_reason: str | None = None
     cache: Any = None  # LaneCache while the request holds a lane (prefix_binding)
@@ -116,7 +119,8 @@ class Request:
         return Usage(self.num_prompt, len(self.output), self.cached_tokens)
 
     def metrics(self) -> Metrics:
-        now = time.perf_counter()
-        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        queued = None if self.admitted_at is None else self.admitted_at - self.arrival
-        return Metrics(ttft, now - self.arrival if self.finish_reason else None, queued)
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - self.arrival
+
+        end = time.perf_counter() if self.finish_reason else None
+        return Metrics(since(self.first_token_at), since(end), since(self.admitted_at), since(self.scheduled_at))

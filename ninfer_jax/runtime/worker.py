@@ -186,6 +186,8 @@ class Worker:
         full = last and not req.sampling.greedy
         self.sampler.step[req.lane] = len(req.output)
         tap_positions, tap_slots = self.cache.chunk_taps(req, end)
+        if req.scheduled_at is None:
+            req.scheduled_at = time.perf_counter()
         tokens_out, chosen, top = self.runner.prefill(
             tokens, base, self.page_tables[req.lane], req.lane, self._lane_sampler(req.lane),
             tap_positions, tap_slots, full=full,

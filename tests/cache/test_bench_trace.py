@@ -46,6 +46,18 @@ def test_the_trace_is_a_function_of_its_seed(trace):
     assert len(trace.conversations) >= 20 and all(len(turns) >= 10 for turns in trace.conversations)
 
 
+def test_reply_lengths_vary_per_turn_without_changing_the_prompts(trace):
+    import dataclasses
+
+    lengths = [turn.reply_tokens for turns in trace.conversations for turn in turns]
+    low, high = DEFAULT_SHAPE.reply_tokens
+    assert all(low <= n <= high for n in lengths)
+    assert len(set(lengths)) > 20 and abs(sum(lengths) / len(lengths) - (low + high) / 2) < 5  # spread, mean ~64
+    fixed = generate_trace(dataclasses.replace(DEFAULT_SHAPE, reply_tokens=(64, 64)), seed=0)
+    assert [[t.message for t in c] for c in fixed.conversations] == [[t.message for t in c]
+                                                                      for c in trace.conversations]
+
+
 def test_every_conversation_starts_behind_the_same_preamble(trace, prompts):
     shared = os.path.commonprefix([p[0] for p in prompts])
     system_end = shared.find("<|im_end|>")
