@@ -379,7 +379,7 @@ class HostTier:
             staged, start = job
             error = None
             try:
-                jax.block_until_ready(staged)
+                self._await_copies(staged)
             except BaseException as e:  # reported to the worker, which fails the engine
                 error = e
             with self._landing:
@@ -388,6 +388,11 @@ class HostTier:
                 if error is not None and self._restore_failure is None:
                     self._restore_failure = error
                 self._landing.notify_all()
+
+    @staticmethod
+    def _await_copies(staged: list) -> None:
+        """Returns once a restore's host-to-device copies have landed (raises if one failed)."""
+        jax.block_until_ready(staged)
 
     def take_restore_failure(self) -> BaseException | None:
         """The first restore copy that failed after its dispatch, once (None when none did)."""

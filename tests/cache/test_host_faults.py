@@ -88,6 +88,30 @@ def test_a_host_copy_failing_in_the_writer_thread_fails_the_engine_cleanly(check
         engine.stop()
 
 
+def test_a_restore_copy_failing_after_its_dispatch_fails_the_engine_cleanly(checkpoint):
+    """Restores are dispatched, not waited for: a copy that fails later fails the engine at its next step, with
+    every lane, pin and Filling slab released."""
+    engine = Engine.from_pretrained(checkpoint, **SMALL)
+    prompt = tokens(100, 4)
+    try:
+        first = engine.generate(prompt, GREEDY)  # endpoint at 107 in the one Device snapshot slot
+        engine.generate(tokens(100, 5), GREEDY)  # its endpoint takes the slot: the first image is Host-only
+
+        def broken(staged):
+            raise OSError(5, "Input/output error")
+
+        engine.cache.host._await_copies = broken
+        engine.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)  # restores the image
+        deadline = time.monotonic() + 30
+        while not engine.stats()["failed"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Host restore failed after its dispatch" in engine.stats()["failed"]
+        assert_failed_cleanly(engine)
+        assert engine.stats()["prefix_cache"]["host_restores_failed"] == 1
+    finally:
+        engine.stop()
+
+
 def test_a_forced_restore_error_fails_the_engine_cleanly_and_a_new_engine_works(checkpoint):
     engine = Engine.from_pretrained(checkpoint, **SMALL)
     prompt = tokens(100, 4)

@@ -5,6 +5,10 @@ Host eviction decisions under a small budget, and the Device-only mode (host_cac
 Every engine ends each test with the invariant checker, the slab ledger and a leak check (`settle`).
 """
 
+import threading
+import time
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.prefix_cache import HostSlabPool
 from ninfer_jax.prefix_cache.tree import ABSENT, RESIDENT
 from ninfer_jax.model.state import DeviceState
-from ninfer_jax.runtime.host_tier import HostSlabBuffer
+from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTier
 from ninfer_jax.runtime.runner import _gather_pages, _gather_slot, _scatter_pages, _scatter_slot
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
@@ -105,6 +109,87 @@ def test_defaults_follow_the_host_tier_rules():
     assert (with_host.device_snapshot_slots, with_host.max_new_taps) == (4, 8)  # C + 1, 8 (§14.2)
     device_only = EngineOptions(max_concurrency=3, host_cache_mib=0).resolve(4096)
     assert (device_only.device_snapshot_slots, device_only.max_new_taps) == (5, 2)  # C + 2, 2
+
+
+class _NumpyPoolRunner:
+    """The runner surface HostTier uses, over numpy pools: page p's bundle is `pages[p]`, slot s's image
+    `slots[s]` (rows of one slab each)."""
+
+    def __init__(self, num_pages: int, image_slots: int):
+        self.state = types.SimpleNamespace(num_pages=num_pages)
+        self.num_pages, self.image_slots = num_pages, image_slots
+
+    def enable_host_transfers(self, row_bytes: int, image_rows: int) -> None:
+        self.transfer_sizes = (1, 8)
+        self.pages = np.zeros((self.num_pages, row_bytes), np.uint8)
+        self.slots = np.zeros((self.image_slots, image_rows, row_bytes), np.uint8)
+
+    def transfer_size(self, n: int) -> int:
+        return next(b for b in self.transfer_sizes if n <= b)
+
+    def gather_pages(self, ids):
+        return jnp.asarray(self.pages[np.asarray(ids)])
+
+    def gather_slot(self, slot):
+        return jnp.asarray(self.slots[int(slot)])
+
+    def scatter_pages(self, ids, rows) -> None:
+        for i, page in enumerate(np.asarray(ids)):
+            if page < self.num_pages:  # num_pages marks a padding row
+                self.pages[page] = np.asarray(rows)[i]
+
+    def scatter_slot(self, slot, rows) -> None:
+        self.slots[int(slot)] = np.asarray(rows)
+
+
+def _gated_host_tier():
+    """A HostTier over numpy pools whose restores land only once the returned event is set."""
+    pool = HostSlabPool(16 * 8192, 8000, 16000)
+    host = HostTier(_NumpyPoolRunner(num_pages=8, image_slots=2), pool, pin=False)
+    gate, landed = threading.Event(), host._await_copies
+    host._await_copies = lambda staged: (gate.wait(30), landed(staged))
+    return host, gate
+
+
+def test_a_host_write_queued_behind_a_restore_waits_for_its_copies():
+    # The worker only dispatches a restore; a slab it reads may be freed and handed to a new write at once. The
+    # writer must not rewrite that slab before the restore's copies have read it.
+    host, gate = _gated_host_tier()
+    rng = np.random.default_rng(0)
+    old, new = (rng.integers(0, 256, (1, host.pool.slab_bytes)).astype(np.uint8) for _ in range(2))
+    try:
+        host.buffer.write([0], old)
+        host.runner.pages[5] = new[0]
+        host.restore([0], [3])  # dispatched; "in flight" until the gate opens
+        host.write("write", [5], [0])  # page 5 into the same slab 0
+        time.sleep(0.3)
+        assert host.landed() == []  # the write waits for the restore
+        np.testing.assert_array_equal(host.buffer.chunks[0][0], old[0])
+        gate.set()
+        assert host.landed(wait=True) == [("write", None)]
+        np.testing.assert_array_equal(host.buffer.chunks[0][0], new[0])
+        np.testing.assert_array_equal(host.runner.pages[3], old[0])  # the restore read the slab's old bytes
+        assert host.take_restore_failure() is None and host.stats()["host_restore_seconds"] >= 0.3
+    finally:
+        gate.set()
+        host.close()
+
+
+def test_a_restore_copy_failing_after_its_dispatch_is_reported_once():
+    host, gate = _gated_host_tier()
+
+    def broken(staged):
+        raise OSError(5, "Input/output error")
+
+    host._await_copies = broken
+    try:
+        host.restore([0, 1], [2, 3])
+        assert host.landed(wait=True) == []  # waits for the restore too, failed or not
+        failure = host.take_restore_failure()
+        assert isinstance(failure, OSError) and host.take_restore_failure() is None
+    finally:
+        gate.set()
+        host.close()
 
 
 def test_slab_buffer_chunks_and_packing():

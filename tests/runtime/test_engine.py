@@ -70,6 +70,10 @@ def test_eight_concurrent_requests_match_transformers_greedy(engine8, hf_greedy)
     outs = engine8.generate_many(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(prompt, 12)
+        m = out.metrics  # arrival -> lane -> first chunk dispatched -> first token -> last token
+        assert 0 <= m.queue_s <= m.first_scheduled_s <= m.ttft_s < m.latency_s
+    # One chunk per step, oldest first: the last of eight prompts waits behind the other seven's chunks.
+    assert max(o.metrics.first_scheduled_s for o in outs) > min(o.metrics.first_scheduled_s for o in outs)
 
 
 def test_outputs_do_not_depend_on_prefill_chunk_or_concurrency(engine8, checkpoint):
