@@ -858,7 +858,8 @@ def _worker_section(results: dict, ran: list[str]) -> list[str]:
     if not arms:
         return []
     lines = ["", "## Worker time over the trace (s) and lane waits", "",
-             "| arm | " + " | ".join(p.replace("_", " ") for p in WORKER_PHASES) + " | trace wall | queue p50 / p99 s |",
+             "| arm | " + " | ".join(p.replace("_", " ") for p in WORKER_PHASES)
+             + " | trace wall | queue p50 / p99 s |",
              "|---|" + "---|" * (len(WORKER_PHASES) + 2)]
     for a in arms:
         w = results[a]["trace_worker_s"]

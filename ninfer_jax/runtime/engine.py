@@ -198,8 +198,9 @@ class Engine:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self.worker.add(arg)
+            if kind == "add":  # a list: generate_many's requests arrive together
+                for req in arg:
+                    self.worker.add(req)
             elif kind == "cancel":
                 self.worker.cancel(arg)
             elif kind == "call":  # a function run on the worker thread (stats, ledger checks)
@@ -274,6 +275,11 @@ class Engine:
     def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                sink=None) -> str:
         """Queue a request (non-blocking) and return its id. Events go to `sink` (a callable)."""
+        req = self._request(prompt, sampling, request_id, sink)
+        self._send("add", [req])
+        return req.id
+
+    def _request(self, prompt, sampling: SamplingParams | None, request_id: str | None, sink) -> Request:
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")
         sampling = sampling or SamplingParams()
@@ -281,9 +287,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
-        req = Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok)
-        self._send("add", req)
-        return rid
+        return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok)
 
     def stream(self, prompt, sampling: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamEvent]:
@@ -313,15 +317,15 @@ class Engine:
 
     def generate_many(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None
                       ) -> list[RequestOutput]:
-        """Submit every prompt at once (they run concurrently) and wait for all of them."""
+        """Submit every prompt at once (they run concurrently) and wait for all of them. They reach the worker
+        in one command, so they are admitted in one step, in order."""
         if not isinstance(sampling, (list, tuple)):
             sampling = [sampling] * len(prompts)
         prepared = [self._prepare(p) for p in prompts]  # refuse the whole batch before queueing any
-        boxes = []
-        for p, sp in zip(prepared, sampling):
-            events: queue.SimpleQueue = queue.SimpleQueue()
-            boxes.append((p, self.submit(p, sp, sink=events.put), events))
-        return [self._collect(rid, p, events) for p, rid, events in boxes]
+        boxes = [(p, sp, queue.SimpleQueue()) for p, sp in zip(prepared, sampling)]
+        reqs = [self._request(p, sp, None, events.put) for p, sp, events in boxes]
+        self._send("add", reqs)
+        return [self._collect(req.id, p, events) for req, (p, _, events) in zip(reqs, boxes)]
 
     @staticmethod
     def _collect(rid, prepared, events) -> RequestOutput:

@@ -2,8 +2,9 @@
 
 Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
 that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
-one decode batch of C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row), all compiled by
-`warmup()`; `compile_count()` lets tests prove that serving never compiles again.
+one decode batch of C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row),
+all compiled by `warmup()`; `compile_count()` lets tests prove that serving never compiles again. Each
+step's host inputs arrive packed in one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
 Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
 bytes in the Host slab layout of `runtime/host_tier.py`. A gather reads listed pages (or one slot) into one
@@ -53,15 +54,44 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step
     return tuple(sorted(set(sizes))) + (prefill_chunk,)
 
 
-def _owned(host) -> jax.Array:
-    """A step input from a host array, copied first: the worker keeps mutating its arrays (page tables, the
-    sampler's) while a step it dispatched may still be queued, and jax may read a numpy buffer later (on CPU
-    it can alias it outright). Device arrays pass through."""
-    return host if isinstance(host, jax.Array) else jnp.asarray(np.array(host))
+# A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step
+# instead of a dozen. Each copy costs host time and a trip through the GIL, and a decode round at 35B-A3B
+# computes for only 7 ms.
 
 
-def _prefill_step(params, cfg, kc, full, state, tokens, n_valid, base, page_table, slot,
-                  tap_positions, tap_slots, sampler):
+def _sampler_columns(sampler) -> list[np.ndarray]:
+    """The five SamplerInputs arrays ([B] each) as int32 columns."""
+    temperature, top_k, top_p, seed, step = sampler
+    return [np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
+            np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
+            np.asarray(step, np.int32)]
+
+
+def _sampler_from_columns(col):
+    """The inverse of _sampler_columns, inside a step."""
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    return as_f32(col[0]), col[1], as_f32(col[2]), jax.lax.bitcast_convert_type(col[3], jnp.uint32), col[4]
+
+
+PREFILL_SCALARS = 3 + 5  # n_valid, base, slot, then the lane's five sampler values
+
+
+def pack_prefill_inputs(tokens, n_valid, base, slot, sampler, tap_positions, tap_slots, page_table) -> np.ndarray:
+    """One lane's prefill inputs as int32 [len(tokens) + PREFILL_SCALARS + 2 * max_taps + max_pages]."""
+    scalars = np.asarray([n_valid, base, slot], np.int32)
+    return np.concatenate([np.asarray(tokens, np.int32), scalars, *(c[:1] for c in _sampler_columns(sampler)),
+                           np.asarray(tap_positions, np.int32), np.asarray(tap_slots, np.int32),
+                           np.asarray(page_table, np.int32)])
+
+
+def _prefill_step(params, cfg, kc, full, layout, state, packed):
+    size, taps = layout  # static: the bucket's token count and the tap capacity
+    tokens, scalars = packed[:size], packed[size:size + PREFILL_SCALARS]
+    tap_positions = packed[size + PREFILL_SCALARS:size + PREFILL_SCALARS + taps]
+    tap_slots = packed[size + PREFILL_SCALARS + taps:size + PREFILL_SCALARS + 2 * taps]
+    page_table = packed[size + PREFILL_SCALARS + 2 * taps:]
+    n_valid, base, slot = scalars[0], scalars[1], scalars[2]
+    sampler = _sampler_from_columns([scalars[3 + i][None] for i in range(5)])
     hidden, state = qwen3_5.prefill(
         params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions, tap_slots
     )
@@ -70,27 +100,20 @@ def _prefill_step(params, cfg, kc, full, state, tokens, n_valid, base, page_tabl
     return out, state
 
 
-# A decode round's host inputs travel as one int32 array [C, DECODE_COLUMNS + max_pages] (floats bit-cast):
-# one host-to-device copy per round instead of eleven. Each copy costs host time and a trip through the GIL,
-# and a round at 35B-A3B computes for only 7 ms.
-DECODE_COLUMNS = 10  # tokens, positions, slots, active, use_prev, temperature, top_k, top_p, seed, step
+DECODE_COLUMNS = 10  # tokens, positions, slots, active, use_prev, then the five sampler columns
 
 
 def pack_decode_inputs(tokens, positions, page_tables, slots, active, use_prev, sampler) -> np.ndarray:
-    temperature, top_k, top_p, seed, step = sampler
+    """A decode round's inputs as int32 [C, DECODE_COLUMNS + max_pages]."""
     columns = [np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(slots, np.int32),
-               np.asarray(active, np.int32), np.asarray(use_prev, np.int32),
-               np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
-               np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
-               np.asarray(step, np.int32)]
+               np.asarray(active, np.int32), np.asarray(use_prev, np.int32), *_sampler_columns(sampler)]
     return np.concatenate([np.stack(columns, axis=1), np.asarray(page_tables, np.int32)], axis=1)
 
 
 def _unpack_decode_inputs(packed):
     col = [packed[:, i] for i in range(DECODE_COLUMNS)]
-    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    sampler = (as_f32(col[5]), col[6], as_f32(col[7]), jax.lax.bitcast_convert_type(col[8], jnp.uint32), col[9])
-    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, sampler, packed[:, DECODE_COLUMNS:]
+    sampler, page_tables = _sampler_from_columns(col[5:]), packed[:, DECODE_COLUMNS:]
+    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, sampler, page_tables
 
 
 def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
@@ -208,12 +231,14 @@ class ModelRunner:
         self.buckets = prefill_buckets(prefill_chunk)
         self.max_lanes, self.max_taps = max_lanes, max_taps
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
+        self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
         self._no_taps = np.full(max_taps, -1, np.int32)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         static = ("cfg", "kc", "full")
         self._steps = {
-            "prefill": jax.jit(_own(_prefill_step), static_argnames=static, donate_argnames=("state",)),
+            "prefill": jax.jit(_own(_prefill_step), static_argnames=static + ("layout",),
+                               donate_argnames=("state",)),
             "decode": jax.jit(_own(_decode_step), static_argnames=static, donate_argnames=("state",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
@@ -241,9 +266,8 @@ class ModelRunner:
 
     # --- the one place the donated state is written back ----------------------------------------
     def _swap(self, new_state: DeviceState) -> None:
-        old = jax.tree.map(lambda a: (a.shape, a.dtype), self.state)
-        new = jax.tree.map(lambda a: (a.shape, a.dtype), new_state)
-        assert old == new, "a step changed the DeviceState layout"
+        layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
+        assert layout == self._layout, "a step changed the DeviceState layout"
         self.state = new_state
 
     def bucket(self, n: int) -> int:
@@ -268,11 +292,13 @@ class ModelRunner:
         if tap_positions is not None and len(tap_positions):
             taps_p[: len(tap_positions)] = tap_positions
             taps_s[: len(tap_slots)] = tap_slots
-        out, state = self._steps["prefill"](
-            self.params, self.cfg, self.kernels, full, self.state,
-            jnp.asarray(padded), jnp.int32(n), jnp.int32(base), _owned(page_table), jnp.int32(slot),
-            jnp.asarray(taps_p), jnp.asarray(taps_s), tuple(map(_owned, sampler)),
-        )
+        packed = pack_prefill_inputs(padded, n, base, slot, sampler, taps_p, taps_s, page_table)
+        return self._prefill_packed(packed, size, full)
+
+    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool):
+        # The packed array is new, so the step may read it later (on CPU jax can alias a numpy buffer).
+        out, state = self._steps["prefill"](self.params, self.cfg, self.kernels, full, (size, self.max_taps),
+                                            self.state, jnp.asarray(packed))
         self._swap(state)
         return out
 
@@ -296,14 +322,16 @@ class ModelRunner:
     def _swap_gdn(self, gdn) -> None:
         self._swap(DeviceState(self.state.k_pages, self.state.v_pages, *gdn))
 
+    # Scalars and id lists go to the small steps as numpy: an eager jnp.int32(x) is a dispatch of its own,
+    # about 0.5 ms of host time each in the H200 worker profile (docs/benchmarks/prefix_cache_fixed_replies_profile.md).
     def copy_slot(self, src: int, dst: int) -> None:
         s = self.state
-        self._swap_gdn(self._steps["copy_slot"](s.ssm, s.conv, jnp.int32(src), jnp.int32(dst)))
+        self._swap_gdn(self._steps["copy_slot"](s.ssm, s.conv, np.int32(src), np.int32(dst)))
 
     def copy_page(self, src: int, dst: int, length: int) -> None:
         s = self.state
-        self._swap_kv(self._steps["copy_page"](s.k_pages, s.v_pages, jnp.int32(src), jnp.int32(dst),
-                                               jnp.int32(length)))
+        self._swap_kv(self._steps["copy_page"](s.k_pages, s.v_pages, np.int32(src), np.int32(dst),
+                                               np.int32(length)))
 
     # --- Host tier transfers (enable_host_transfers) ---------------------------------------------
     def transfer_size(self, n: int) -> int:
@@ -313,7 +341,7 @@ class ModelRunner:
     def gather_pages(self, pages: np.ndarray) -> jax.Array:
         """Page bundles of `pages` (int32 [B], B a transfer size) -> uint8 [B, bundle bytes], dispatched (not
         waited for) and landing in pinned host memory where the backend has it; np.asarray waits for it."""
-        return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, jnp.asarray(pages))
+        return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, np.asarray(pages, np.int32))
 
     def scatter_pages(self, pages, rows: np.ndarray) -> None:
         """Host rows uint8 [B, row_bytes] into `pages` (int32 [B], numpy or on the device; num_pages marks a
@@ -323,7 +351,7 @@ class ModelRunner:
 
     def gather_slot(self, slot: int) -> jax.Array:
         """State slot `slot` -> uint8 [image_rows, row_bytes], dispatched like gather_pages."""
-        return self._steps["gather_slot"](self.state.ssm, self.state.conv, jnp.int32(slot))
+        return self._steps["gather_slot"](self.state.ssm, self.state.conv, np.int32(slot))
 
     def scatter_slot(self, slot, rows: np.ndarray) -> None:
         """Host rows uint8 [image_rows, row_bytes] into state slot `slot` (an int or an int32 device scalar)."""
@@ -337,7 +365,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         table = np.zeros(self.max_pages, np.int32)
-        one = tuple(map(_owned, SamplerInputs.empty(1).arrays()))  # as `prefill` hands them to the step
+        one = SamplerInputs.empty(1).arrays()
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         variants = (False, True)
@@ -346,12 +374,8 @@ class ModelRunner:
         for full in variants:
             for size in self.buckets:
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
-                out, state = self._steps["prefill"](
-                    self.params, self.cfg, self.kernels, full, self.state,
-                    jnp.zeros(size, jnp.int32), jnp.int32(0), jnp.int32(PAGE), jnp.asarray(table), jnp.int32(0),
-                    jnp.asarray(self._no_taps), jnp.zeros(self.max_taps, jnp.int32), one,
-                )
-                self._swap(state)
+                out = self._prefill_packed(pack_prefill_inputs(np.zeros(size), 0, PAGE, 0, one, self._no_taps,
+                                                               np.zeros(self.max_taps), table), size, full)
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)
