@@ -191,8 +191,8 @@ def restore_markdown(rows: list[dict], meta: dict) -> list[str]:
         "recompute); its prompt-tail tap lands at the prefix's end. Every Device copy that has a Host copy is "
         "dropped (`Engine.demote_device_cache`); the prompt + its first output token + new ids (64 tokens past "
         "the prefix) then resumes from the tap, restoring the blocks and the state image from the Host. Restore "
-        "time and bytes are the deltas of `host_restore_seconds` / `host_restored_bytes` (slab bytes, synchronous "
-        f"restores, waiting for the copies); best of {meta['reps']} rounds. The ceiling: `jax.device_put` of a "
+        "time and bytes are the deltas of `host_restore_seconds` / `host_restored_bytes` (slab bytes; a restore "
+        f"timed from its dispatch to its copies landing); best of {meta['reps']} rounds. The ceiling: `jax.device_put` of a "
         "contiguous view of the slab buffer in the same process, best of 3. A warm-up on a short prefix compiles "
         "first.", "",
         "## Targets", "", "| target | measured | status |", "|---|---|---|",

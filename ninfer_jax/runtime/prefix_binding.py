@@ -21,16 +21,19 @@ State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
 inserted, tapped or published (§7.7 "disabled requests"), and no Host tier is allocated.
 
-Restores and prefetches run synchronously on the worker thread (JAX orders them against every step on the
-donated state), so their Filling windows open and close inside one worker call. Write-through is
+Restores and prefetches are dispatched on the worker thread and complete in the index in the same call: JAX
+orders their scatters before every later step on the donated state, so their Filling windows open and close
+inside one worker call; the Host tier's watcher thread sees the copies land, and writes queued behind them
+wait for that before touching the slabs they read. Write-through is
 asynchronous: the worker dispatches the gathers (`dispatch_writes`, right after its next model step is
 dispatched), the Host tier's writer thread copies them into the slabs, and `poll_writes` (every worker step)
 completes them in the index. A failed copy marks the binding failed:
 the index is told (the write fails, the staging is cancelled), and no copy runs after it.
 NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
 of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
-Copies complete inside the call that starts them, so an admission never sees a prefetch still landing
-(§6.6 "settle_prefetch" has nothing to wait for).
+A prefetch completes in the index inside the call that starts it (its scatters are ordered before any step
+that reads the pages), so an admission never sees a prefetch still landing (§6.6 "settle_prefetch" has
+nothing to wait for).
 """
 
 from __future__ import annotations
