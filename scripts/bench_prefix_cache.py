@@ -821,7 +821,8 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
     for k in kinds:
         cells = [summarize({"records": [r for r in results[a]["records"] if r["kind"] == k]}) for a in ran]
         lines.append(f"| {k} | {sum(r['kind'] == k for r in records)} | "
-                     + " | ".join(f"{c['ttft_p50_s']:.3f} / {c['cache_share']:.0%}" for c in cells) + " |")
+                     + " | ".join(f"{c['ttft_p50_s']:.3f} / {c['cache_share']:.0%}" if c["requests"] else "-"
+                                  for c in cells) + " |")
     lines += _worker_section(results, ran)
     lines += ["", "## Where requests resumed from, and compiles", ""]
     for a in ran:
