@@ -1047,11 +1047,7 @@ def rewrite_report(path: str) -> int:
     folder; the report keeps its command and date and says that it was rendered again."""
     meta = json.loads(Path(path).read_text())
     args = parse_args(shlex.split(meta["command"])[2:])
-    results = {}
-    for arm, result in meta["arms"].items():
-        records = [{k: v for k, v in r.items() if k != "arm"} for r in meta["requests"] if r["arm"] == arm]
-        results[arm] = {**{k: v for k, v in result.items() if k != "summary"},
-                        **({"records": records} if records else {})}
+    results = _report_results(meta)
     args.report_name, args.recorded_shape = Path(path).stem, meta["trace_shape"]
     write_report(results, args, Path(path).parent, meta["command"], meta["date"],
                  rendered_again=f"python scripts/bench_prefix_cache.py --rewrite-report {Path(path).as_posix()}")
@@ -1126,14 +1122,19 @@ def reused_arms(path: str | None, running: list[str], only: str | None = None) -
         return {}
     meta = json.loads(Path(path).read_text())
     wanted = set(only.split(",")) if only else set(meta["arms"])
-    out = {}
+    return {arm: {**result, "reused_from": f"an earlier run of the same trace, {meta['date']}: `{meta['command']}`"}
+            for arm, result in _report_results(meta).items()
+            if arm not in running and arm in wanted and "records" in result}
+
+
+def _report_results(meta: dict) -> dict:
+    """The per-arm results of a JSON report, as a run builds them (records back under their arm)."""
+    results = {}
     for arm, result in meta["arms"].items():
         records = [{k: v for k, v in r.items() if k != "arm"} for r in meta["requests"] if r["arm"] == arm]
-        if arm in running or arm not in wanted or not records:
-            continue
-        out[arm] = {**{k: v for k, v in result.items() if k != "summary"}, "records": records,
-                    "reused_from": f"an earlier run of the same trace, {meta['date']}: `{meta['command']}`"}
-    return out
+        results[arm] = {**{k: v for k, v in result.items() if k != "summary"},
+                        **({"records": records} if records else {})}
+    return results
 
 
 # --- the restore probe (host_restore_probe.py) ------------------------------------------------------------

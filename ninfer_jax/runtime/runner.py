@@ -379,11 +379,8 @@ class ModelRunner:
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)
-            packed = pack_decode_inputs(np.zeros(c), np.zeros(c), np.zeros((c, self.max_pages)), np.arange(c),
-                                        np.zeros(c, bool), np.zeros(c, bool), lanes)
-            out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
-                                               jnp.asarray(packed), self._no_prev)
-            self._swap(state)
+            out = self.decode(np.zeros(c), np.zeros(c), np.zeros((c, self.max_pages)), np.arange(c),
+                              np.zeros(c, bool), lanes, full=full)
             done += 1
             log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
                      c, "full" if full else "greedy", done, total, time.perf_counter() - start)

@@ -35,6 +35,28 @@ def assert_failed_cleanly(engine):
         engine.submit(tokens(10, 0), GREEDY)
 
 
+def io_error(*args):
+    raise OSError(5, "Input/output error")
+
+
+def wait_until_failed(engine) -> str:
+    """The engine's failure, once its worker has met it (a copy failing off the worker thread fails the engine
+    at its next step)."""
+    deadline = time.monotonic() + 30
+    while not engine.stats()["failed"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.stats()["failed"]
+
+
+def host_only_resume(engine) -> list[int]:
+    """A prompt that resumes from an endpoint whose image is on the Host only: the first conversation's
+    endpoint (107, in the one Device snapshot slot) is pushed out of the slot by a second one's."""
+    prompt = tokens(100, 4)
+    first = engine.generate(prompt, GREEDY)
+    engine.generate(tokens(100, 5), GREEDY)
+    return prompt + list(first.token_ids)[:7] + tokens(10, 6)
+
+
 def test_a_host_budget_the_machine_cannot_hold_is_a_startup_error(checkpoint):
     memory = physical_memory_bytes()
     too_much = (memory >> 20) + 1024 if memory else 1 << 40
@@ -73,15 +95,9 @@ def test_a_host_copy_failing_in_the_writer_thread_fails_the_engine_cleanly(check
     its next step, and the write's pins and Filling slabs are released."""
     engine = Engine.from_pretrained(checkpoint, **SMALL)
     try:
-        def broken(slabs, rows):
-            raise OSError(5, "Input/output error")
-
-        engine.cache.host.buffer.write = broken
+        engine.cache.host.buffer.write = io_error
         assert engine.generate(tokens(100, 7), GREEDY).finish_reason == "length"  # its write fails afterwards
-        deadline = time.monotonic() + 30
-        while not engine.stats()["failed"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "Input/output error" in engine.stats()["failed"]
+        assert "Input/output error" in wait_until_failed(engine)
         assert_failed_cleanly(engine)
         assert engine.stats()["prefix_cache"]["host_writes_failed"] == 1
     finally:
@@ -92,20 +108,11 @@ def test_a_restore_copy_failing_after_its_dispatch_fails_the_engine_cleanly(chec
     """Restores are dispatched, not waited for: a copy that fails later fails the engine at its next step, with
     every lane, pin and Filling slab released."""
     engine = Engine.from_pretrained(checkpoint, **SMALL)
-    prompt = tokens(100, 4)
     try:
-        first = engine.generate(prompt, GREEDY)  # endpoint at 107 in the one Device snapshot slot
-        engine.generate(tokens(100, 5), GREEDY)  # its endpoint takes the slot: the first image is Host-only
-
-        def broken(staged):
-            raise OSError(5, "Input/output error")
-
-        engine.cache.host._await_copies = broken
-        engine.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)  # restores the image
-        deadline = time.monotonic() + 30
-        while not engine.stats()["failed"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "Host restore failed after its dispatch" in engine.stats()["failed"]
+        resume = host_only_resume(engine)
+        engine.cache.host._await_copies = io_error
+        engine.generate(resume, GREEDY)  # restores the image; its copy "fails" once dispatched
+        assert "Host restore failed after its dispatch" in wait_until_failed(engine)
         assert_failed_cleanly(engine)
         assert engine.stats()["prefix_cache"]["host_restores_failed"] == 1
     finally:
@@ -114,12 +121,10 @@ def test_a_restore_copy_failing_after_its_dispatch_fails_the_engine_cleanly(chec
 
 def test_a_forced_restore_error_fails_the_engine_cleanly_and_a_new_engine_works(checkpoint):
     engine = Engine.from_pretrained(checkpoint, **SMALL)
-    prompt = tokens(100, 4)
     try:
-        first = engine.generate(prompt, GREEDY)  # endpoint at 107 in the one Device snapshot slot
-        engine.generate(tokens(100, 5), GREEDY)  # its endpoint takes the slot: the first image is Host-only
+        resume = host_only_resume(engine)
         engine.inject_host_fault("restore")
-        out = engine.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)
+        out = engine.generate(resume, GREEDY)
         assert out.finish_reason == "error" and "injected Host restore" in out.error
         assert_failed_cleanly(engine)
         assert engine.stats()["prefix_cache"]["host_restores_failed"] == 1
@@ -128,9 +133,7 @@ def test_a_forced_restore_error_fails_the_engine_cleanly_and_a_new_engine_works(
     # A new engine on the same checkpoint serves, restores from its Host tier included.
     fresh = Engine.from_pretrained(checkpoint, **SMALL)
     try:
-        first = fresh.generate(prompt, GREEDY)
-        fresh.generate(tokens(100, 5), GREEDY)
-        again = fresh.generate(prompt + list(first.token_ids)[:7] + tokens(10, 6), GREEDY)
+        again = fresh.generate(host_only_resume(fresh), GREEDY)
         assert again.finish_reason == "length" and again.usage.cached_tokens == 107
         assert fresh.cache_record(again.request_id)["restored_host_bytes"] > 0
         fresh.check_ledger()
