@@ -724,7 +724,7 @@ def targets(results: dict, host_heavy: bool = False) -> list[tuple[str, str, boo
                          f"(over the {len(keys)} requests both arms completed)", ratio >= goal))
     if host_heavy:
         return rows
-    if "hpc" in ran:
+    if "hpc" in ran and results["hpc"]["records"]:  # a run cut before its first request measured only probes
         s = summarize(results["hpc"])
         rows.append((">= 90% of prompt tokens from the cache (HPC)",
                      f"{s['cache_share']:.1%}; an exact cache keeping every earlier prompt and reply could serve "
@@ -797,7 +797,10 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
         *(["- Host-heavy: the Device KV capacity is set low (--kv-tokens) in every arm, so lanes wait for pages and "
            "most of the trace's tokens live only in the Host tier: reuse is restored from the Host or recomputed. "
            "The cache's cost in throughput is the Device-tier report's (no throughput probes here)."]
-          if args.host_heavy else []), "",
+          if args.host_heavy else []),
+        *([f"- {', '.join(a for a in ran if not results[a]['records'])}: the deadline cut the trace before its "
+           "first request; this run measured the throughput probes (Targets, Per arm)"]
+          if any(not results[a]["records"] for a in ran) else []), "",
         "## Targets (each ratio over the requests both of its arms completed)", "", "| target | measured | status |",
         "|---|---|---|",
         *[f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |" for t in meta["targets"]],
@@ -937,7 +940,10 @@ def _arm_options(result: dict) -> str:
 
 
 def plot_ttft(results: dict, path: Path) -> bool:
-    """TTFT of every request by turn, and the median per turn, one colour per arm (False: no matplotlib)."""
+    """TTFT of every request by turn, and the median per turn, one colour per arm (False: no matplotlib, or no
+    request completed)."""
+    if not any(r.get("records") for r in results.values()):
+        return False
     try:
         import matplotlib
 
@@ -1133,7 +1139,7 @@ def _report_results(meta: dict) -> dict:
     for arm, result in meta["arms"].items():
         records = [{k: v for k, v in r.items() if k != "arm"} for r in meta["requests"] if r["arm"] == arm]
         results[arm] = {**{k: v for k, v in result.items() if k != "summary"},
-                        **({"records": records} if records else {})}
+                        **({} if "error" in result else {"records": records})}  # an arm that ran has records
     return results
 
 

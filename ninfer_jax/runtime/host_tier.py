@@ -58,6 +58,7 @@ import jax
 import numpy as np
 
 from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
+from ninfer_jax.runtime.runner import split_transfer
 
 log = logging.getLogger("ninfer_jax.host_tier")
 
@@ -272,10 +273,8 @@ class HostTier:
         """
         self._transfer("write")
         runner, parts, done = self.runner, [], 0
-        while done < len(pages):
-            count = min(len(pages) - done, runner.transfer_sizes[-1])
-            ids = np.zeros(runner.transfer_size(count), np.int32)  # padding reads page 0, discarded
-            ids[:count] = pages[done:done + count]
+        for count in split_transfer(len(pages), runner.transfer_sizes):
+            ids = np.asarray(pages[done:done + count], np.int32)
             parts.append((runner.gather_pages(ids), page_slabs[done:done + count], count))
             done += count
         if image_slabs:
@@ -340,10 +339,9 @@ class HostTier:
     def restore(self, slabs: list[int], pages: list[int], image_slabs: list[int] = (), slot: int = -1) -> int:
         """Slabs into device pages (pairwise) and an image's slabs into state slot `slot`; returns the bytes moved.
 
-        Each run of consecutive slabs moves in pieces of the runner's batch sizes, each piece one contiguous
-        view of the slab pool (a piece may read past its run inside the chunk: those rows go to the dropped page
-        id), then a donated scatter places it. Copies are dispatched RESTORE_AHEAD pieces before their
-        scatters: a copy dispatched after a scatter waits for it, so copy, scatter, copy ... ran at 41 GB/s
+        Each run of consecutive slabs moves in pieces of the runner's batch sizes that sum exactly to the run
+        (`split_transfer`), each piece one contiguous view of the slab pool, then a donated scatter places it.
+        Copies are dispatched RESTORE_AHEAD pieces before their scatters: a copy dispatched after a scatter waits for it, so copy, scatter, copy ... ran at 41 GB/s
         where two copies ahead ran at 53 GB/s of a 54 GB/s pinned ceiling (H200, 35B-A3B pages,
         scripts/restore_scatter_probe.py). The scatters' page ids and slot go to the device first, in one
         transfer: an id copy queued behind the big copies would hold its scatter back until they land.
@@ -406,18 +404,10 @@ class HostTier:
         runner, pool, pieces = self.runner, self.pool, []
         for run in pool.runs(slabs):
             first = self.buffer.first_row(run)
-            rows_in_chunk = len(self.buffer.chunks[run.chunk])
             done = 0
-            while done < run.count:
-                left = run.count - done
-                size = runner.transfer_size(min(left, runner.transfer_sizes[-1]))
-                if first + done + size > rows_in_chunk:  # padding would leave the chunk: an exact piece
-                    size = max(b for b in runner.transfer_sizes if b <= left)
-                n = min(size, left)
-                ids = np.full(size, runner.state.num_pages, np.int32)  # padding rows are dropped
-                ids[:n] = pages[run.start + done:run.start + done + n]
-                pieces.append((functools.partial(self._rows, run.chunk, first + done, size), ids,
-                               runner.scatter_pages))
+            for n in split_transfer(run.count, runner.transfer_sizes):
+                ids = np.asarray(pages[run.start + done:run.start + done + n], np.int32)
+                pieces.append((functools.partial(self._rows, run.chunk, first + done, n), ids, runner.scatter_pages))
                 done += n
         return pieces
 

@@ -9,8 +9,8 @@ step's host inputs arrive packed in one int32 array (`pack_prefill_inputs`, `pac
 Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
 bytes in the Host slab layout of `runtime/host_tier.py`. A gather reads listed pages (or one slot) into one
 uint8 array that lands in pinned host memory where the backend has it; a donated scatter writes host rows
-into listed pages (or one slot). Batches come in a few bucket sizes, padded with an out-of-range page that
-the scatter drops, so they too compile once in `warmup()`.
+into listed pages (or one slot). A batch of pages is split into the compiled power-of-two sizes
+(`split_transfer`), so transfers compile once in `warmup()` and never move a padding row.
 """
 
 from __future__ import annotations
@@ -200,13 +200,26 @@ def _scatter_slot(ssm_pools, conv_pools, slot, rows):
     return tuple(ssm), tuple(conv)
 
 
-def transfer_buckets(max_batch: int, ratio: int = 8) -> tuple[int, ...]:
-    """Batch sizes compiled for page transfers: 1, ratio, ratio^2, ... below max_batch, then max_batch."""
+def transfer_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes compiled for page transfers: the powers of two below max_batch, then max_batch. Any count is
+    a sum of them (split_transfer), so no transfer moves a padding row: padding a 16-page write to a 64-page
+    bucket moved 4x its bytes across PCIe."""
     sizes, n = [], 1
     while n < max_batch:
         sizes.append(n)
-        n *= ratio
+        n *= 2
     return tuple(sizes) + (max_batch,)
+
+
+def split_transfer(count: int, sizes: tuple[int, ...]) -> list[int]:
+    """`count` pages as transfer batches of `sizes` (ascending, starting at 1), largest first, summing exactly
+    to `count`: at most one batch of each size below the largest."""
+    out = []
+    for size in reversed(sizes):
+        while count >= size:
+            out.append(size)
+            count -= size
+    return out
 
 
 def _own(fn):
@@ -334,18 +347,14 @@ class ModelRunner:
                                                np.int32(length)))
 
     # --- Host tier transfers (enable_host_transfers) ---------------------------------------------
-    def transfer_size(self, n: int) -> int:
-        """The compiled page batch size for n pages (n <= the largest)."""
-        return next(b for b in self.transfer_sizes if n <= b)
-
     def gather_pages(self, pages: np.ndarray) -> jax.Array:
         """Page bundles of `pages` (int32 [B], B a transfer size) -> uint8 [B, bundle bytes], dispatched (not
         waited for) and landing in pinned host memory where the backend has it; np.asarray waits for it."""
         return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, np.asarray(pages, np.int32))
 
     def scatter_pages(self, pages, rows: np.ndarray) -> None:
-        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B], numpy or on the device; num_pages marks a
-        padding row)."""
+        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B], B a transfer size, numpy or on the device); an
+        out-of-range page id drops its row."""
         s = self.state
         self._swap_kv(self._steps["scatter_pages"](s.k_pages, s.v_pages, jnp.asarray(pages), jnp.asarray(rows)))
 

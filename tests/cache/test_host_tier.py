@@ -18,7 +18,8 @@ from ninfer_jax.prefix_cache import HostSlabPool
 from ninfer_jax.prefix_cache.tree import ABSENT, RESIDENT
 from ninfer_jax.model.state import DeviceState
 from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTier
-from ninfer_jax.runtime.runner import _gather_pages, _gather_slot, _scatter_pages, _scatter_slot
+from ninfer_jax.runtime.runner import (_gather_pages, _gather_slot, _scatter_pages, _scatter_slot, split_transfer,
+                                       transfer_buckets)
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
 
@@ -120,12 +121,9 @@ class _NumpyPoolRunner:
         self.num_pages, self.image_slots = num_pages, image_slots
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int) -> None:
-        self.transfer_sizes = (1, 8)
+        self.transfer_sizes = (1, 2, 4, 8)
         self.pages = np.zeros((self.num_pages, row_bytes), np.uint8)
         self.slots = np.zeros((self.image_slots, image_rows, row_bytes), np.uint8)
-
-    def transfer_size(self, n: int) -> int:
-        return next(b for b in self.transfer_sizes if n <= b)
 
     def gather_pages(self, ids):
         return jnp.asarray(self.pages[np.asarray(ids)])
@@ -135,7 +133,7 @@ class _NumpyPoolRunner:
 
     def scatter_pages(self, ids, rows) -> None:
         for i, page in enumerate(np.asarray(ids)):
-            if page < self.num_pages:  # num_pages marks a padding row
+            if page < self.num_pages:  # an out-of-range id drops its row, like the jitted scatter
                 self.pages[page] = np.asarray(rows)[i]
 
     def scatter_slot(self, slot, rows) -> None:
@@ -189,6 +187,39 @@ def test_a_restore_copy_failing_after_its_dispatch_is_reported_once():
         assert isinstance(failure, OSError) and host.take_restore_failure() is None
     finally:
         gate.set()
+        host.close()
+
+
+def test_transfer_batches_sum_exactly_to_the_pages_moved():
+    assert transfer_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and transfer_buckets(40)[-2:] == (32, 40)
+    assert split_transfer(16, transfer_buckets(64)) == [16]
+    assert split_transfer(150, transfer_buckets(64)) == [64, 64, 16, 4, 2]
+    assert split_transfer(63, transfer_buckets(40)) == [40, 16, 4, 2, 1]
+    for count in range(200):
+        assert sum(split_transfer(count, transfer_buckets(64))) == count
+
+
+def test_writes_and_restores_move_no_padding_rows():
+    # A 13-page write and restore move 13 rows each (8 + 4 + 1), not a 64-row bucket of which 51 are padding.
+    host, gate = _gated_host_tier()
+    gate.set()
+    runner, moved = host.runner, []
+    gather, scatter = runner.gather_pages, runner.scatter_pages
+    runner.gather_pages = lambda ids: (moved.append(("gather", len(ids))), gather(ids))[1]
+    runner.scatter_pages = lambda ids, rows: (moved.append(("scatter", len(ids), len(rows))), scatter(ids, rows))[1]
+    runner.num_pages = runner.state.num_pages = 16
+    runner.enable_host_transfers(host.pool.slab_bytes, host.pool.image_slabs)
+    runner.pages[:] = np.random.default_rng(2).integers(0, 256, runner.pages.shape).astype(np.uint8)
+    written = runner.pages[:13].copy()
+    try:
+        host.write("w", list(range(13)), list(range(13)))
+        assert host.landed(wait=True) == [("w", None)]
+        host.restore(list(range(13)), list(range(3, 16)))
+        host.landed(wait=True)
+        assert moved == [("gather", 8), ("gather", 4), ("gather", 1),
+                         ("scatter", 8, 8), ("scatter", 4, 4), ("scatter", 1, 1)]
+        np.testing.assert_array_equal(runner.pages[3:16], written)
+    finally:
         host.close()
 
 
