@@ -12,10 +12,13 @@ and its state image, as `HostTier.write` gathers them) dispatched at every 8th r
   pinned_out      the same, the rows then copied into the page-locked slabs by `HostSlabBuffer.write` (a
                   numpy assignment: the engine as built);
   pinned_memmove  the same, the rows copied by ctypes memmoves (which release the GIL; full-width slabs);
+  fused           the round and the lane's gathers in one program, the gathers' outputs in pinned host memory
+                  (XLA may overlap their device-to-host copies with the round); the numpy copy into the slabs;
   device_async    the gather into device memory, then `copy_to_host_async()`; a writer thread waits for it
                   and copies the rows into the page-locked slabs;
   device_put      the gather into device memory, then `jax.device_put` to the pinned_host memory kind.
-Each variant also reports its copy rate alone (the writes of 8 lanes back to back). Best of 3.
+Each variant also reports its copy rate alone (the writes of 8 lanes back to back). Best of --reps, the
+variants interleaved rep by rep.
 
     python scripts/write_through_probe.py --model 35b-a3b --pages 16 [--out DIR]
 """
@@ -38,9 +41,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_engine import MODELS  # noqa: E402
 
 ROUNDS, EVERY = 64, 8
+KINDS = ("none", "pinned_wait", "pinned_read", "pinned_out", "pinned_memmove", "fused", "device_async", "device_put")
 
 
-def probe(model: str, pages_per_lane: int, matmuls: int = 400, reps: int = 3) -> dict:
+def probe(model: str, pages_per_lane: int, kinds: tuple[str, ...] = KINDS, matmuls: int = 400,
+          reps: int = 3) -> dict:
     import functools
 
     import jax
@@ -73,6 +78,13 @@ def probe(model: str, pages_per_lane: int, matmuls: int = 400, reps: int = 3) ->
         for i in range(w.shape[0]):
             x = x + jnp.tanh(x @ w[i])
         return x
+
+    # The fused form: the round and one lane's gathers in one program, the gathers' outputs in pinned host memory,
+    # so XLA may overlap their device-to-host copies with the round's matmuls.
+    def round_with_write(x, w, k_pages, v_pages, ssm, conv, pages, slot):
+        return round_step(x, w), _gather_pages(k_pages, v_pages, pages), slot_fn(ssm, conv, slot)
+
+    fused = jax.jit(round_with_write, out_shardings=(jax.sharding.SingleDeviceSharding(device), pinned, pinned))
 
     x0 = jnp.ones((8, 2048), jnp.bfloat16)
     page_ids = [np.arange(i * pages_per_lane, (i + 1) * pages_per_lane, dtype=np.int32) for i in range(lanes)]
@@ -116,8 +128,16 @@ def probe(model: str, pages_per_lane: int, matmuls: int = 400, reps: int = 3) ->
         start = time.perf_counter()
         x, prev = x0, None
         for r in range(ROUNDS):
-            x = round_step(x, weights)
-            if kind != "none" and r % EVERY == EVERY - 1:
+            writes = kind != "none" and r % EVERY == EVERY - 1
+            if writes and kind == "fused":
+                lane = r // EVERY
+                x, *parts = fused(x, weights, state.k_pages, state.v_pages, state.ssm, state.conv, page_ids[lane],
+                                  np.int32(lane))
+                jobs.put((parts, lane, kind))
+                writes = False
+            else:
+                x = round_step(x, weights)
+            if writes:
                 jobs.put((dispatch(kind, r // EVERY), r // EVERY, kind))
             if prev is not None:
                 np.asarray(prev[0, :1])  # the worker reads the previous round's tokens
@@ -129,28 +149,34 @@ def probe(model: str, pages_per_lane: int, matmuls: int = 400, reps: int = 3) ->
         return elapsed
 
     def alone(kind: str) -> float:
+        if kind == "fused":
+            kind = "pinned_out"  # the same copies; a fused write exists only beside a round
         start = time.perf_counter()
         for lane in range(lanes):
             land(dispatch(kind, lane), lane, kind)
         return time.perf_counter() - start
 
-    kinds = ("none", "pinned_wait", "pinned_read", "pinned_out", "pinned_memmove", "device_async", "device_put")
     for kind in kinds:  # compile and touch everything once
         rounds(kind)
         if kind != "none":
             alone(kind)
     lane_bytes = pages_per_lane * bundle + pool.image_slabs * pool.slab_bytes
     result = {"model": model, "pages_per_lane": pages_per_lane, "lane_bytes": lane_bytes, "rounds": ROUNDS,
-              "writes": lanes, "pinned_slabs": buffer.pinned}
+              "writes": lanes, "pinned_slabs": buffer.pinned, "reps": reps}
+    # Reps interleave the variants, so a drift of the machine over the run touches every variant alike.
+    samples = {kind: [] for kind in kinds}
+    for _ in range(reps):
+        for kind in kinds:
+            samples[kind].append(rounds(kind))
     for kind in kinds:
-        best = min(rounds(kind) for _ in range(reps))
-        row = {"rounds_s": best, "round_ms": best / ROUNDS * 1e3}
+        best = min(samples[kind])
+        row = {"rounds_s": best, "round_ms": best / ROUNDS * 1e3, "samples_s": samples[kind]}
         if kind != "none":
-            row["copy_alone_s"] = min(alone(kind) for _ in range(reps))
+            row["copy_alone_s"] = min(alone(kind) for _ in range(3))
             row["copy_gbs"] = lanes * lane_bytes / row["copy_alone_s"] / 1e9
             row["cost_vs_none"] = best / result["none"]["rounds_s"] - 1
         result[kind] = row
-        print(f"[{model}] {kind:12s} rounds {best * 1e3:7.1f} ms ({row['round_ms']:.2f} ms each)"
+        print(f"[{model}] {kind:14s} rounds {best * 1e3:7.1f} ms ({row['round_ms']:.2f} ms each)"
               + (f" | cost {row['cost_vs_none']:+.1%} | copy alone {row['copy_gbs']:.1f} GB/s"
                  if kind != "none" else ""), flush=True)
     buffer.close()
@@ -162,9 +188,15 @@ def main() -> int:
     p.add_argument("--model", default="35b-a3b")
     p.add_argument("--pages", type=int, default=16, help="pages each ending lane writes (16: a 1024-token prompt)")
     p.add_argument("--matmuls", type=int, default=400, help="matmuls in the stand-in decode round")
+    p.add_argument("--variants", default=",".join(KINDS), help="the variants to run (none always runs)")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out")
     args = p.parse_args()
-    result = probe(args.model, args.pages, args.matmuls)
+    kinds = ("none",) + tuple(k for k in args.variants.split(",") if k and k != "none")
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; known: {KINDS}")
+    result = probe(args.model, args.pages, kinds, args.matmuls, args.reps)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
