@@ -12,6 +12,7 @@ import sys
 import time
 
 from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.compile_cache import default_compile_cache_dir, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
@@ -33,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
     p.add_argument("--kernels", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
+                   help="keep compiled programs here for the next run; none: off (default "
+                        "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/ninfer_jax/xla)")
     return p
 
 
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s | %(message)s")
     kv = args.kv_capacity if args.kv_capacity == "auto" else int(args.kv_capacity)
+    enable_compile_cache(args.compile_cache_dir)
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
         kv_capacity=kv, max_model_len=args.max_model_len, kernels=args.kernels,

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ninfer_jax.compile_cache import default_compile_cache_dir, enable_compile_cache
+
 MAX_CONCURRENCY = 8  # spec scope: max_concurrency 1..8
 
 # flag -> Engine option, for the prefix-cache options --no-prefix-reuse excludes.
@@ -42,6 +44,7 @@ class ServeOptions:
     port: int
     api_key: str | None
     engine: dict[str, Any]  # keyword arguments of Engine.from_pretrained
+    compile_cache: str | None = None  # jax's persistent compilation cache folder (None: off)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admit a request while another prefills (needed for in-flight coalescing)")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
+    engine.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
+                        help="keep compiled programs here for the next start; none: off (default "
+                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/ninfer_jax/xla)")
     cache = parser.add_argument_group("hybrid prefix cache (spec §14.2; unset values are derived)")
     cache.add_argument("--no-prefix-reuse", action="store_true", help="disable the prefix cache")
     cache.add_argument("--host-cache-mib", type=_non_negative,
@@ -115,7 +121,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         engine[CACHE_FLAGS[flag]] = value
     if prefix_file is not None:
         engine["prefix_cache_file"] = prefix_file
-    return ServeOptions(args.host, args.port, args.api_key, engine)
+    return ServeOptions(args.host, args.port, args.api_key, engine, args.compile_cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from .serving import OrderlyServer, server_config
 
     try:
+        enable_compile_cache(options.compile_cache)
         engine = Engine.from_pretrained(**options.engine)
     except ValueError as error:  # options the engine refuses, a checkpoint it cannot serve
         log.error("cannot start | %s", error)

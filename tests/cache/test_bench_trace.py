@@ -4,6 +4,7 @@ options, targets and reports say what they should (synthetic results); the resto
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -157,6 +158,28 @@ def test_host_heavy_targets_are_the_ttft_ratios_5x_and_3x():
     device = targets(results)  # no throughput probes ran: no throughput row
     assert [met for _, _, met in device] == [True, True, True]
     assert "1.5x better than align" in device[1][0] and "90%" in device[2][0]
+
+
+def test_align_device_is_reported_beside_the_targets_without_a_host_tier(tmp_path, monkeypatch):
+    import bench_prefix_cache
+
+    assert parse_args([]).arms == "hpc,align,no_reuse"  # the issues' comparisons by default
+    results = {"hpc": _arm(0.1, 950), "align": _arm(0.25, 900), "align_device": _arm(0.5, 400),
+               "no_reuse": _arm(0.6, 0)}
+    rows = targets(results, host_heavy=True)
+    assert [met for _, _, met in rows] == [True, False, None]
+    assert "without a Host tier" in rows[2][0] and "5.00x" in rows[2][1]
+    write_report(results, parse_args(["--host-heavy", "--arms", "hpc,align_device"]), tmp_path, "c", "d")
+    assert "| HPC TTFT p50 against align without a Host tier, as vLLM ships it (no target) | 0.500 s / 0.100 s" \
+        " = 5.00x (over the 4 requests both arms completed) | - |" in (tmp_path / "prefix_cache_host.md").read_text()
+    # --host-cache-mib sizes the cache arms' Host tier; align_device keeps none
+    built = {}
+    fake = types.SimpleNamespace(tokenizer=None)
+    monkeypatch.setattr(bench_prefix_cache, "random_engine",
+                        lambda model, args, options, tokenizer=None: (built.update(options), fake)[1])
+    for arm in ("align", "align_device"):
+        bench_prefix_cache.build_engine(arm, parse_args(["--smoke", "--host-cache-mib", "64"]))
+        assert (built["cache_policy"], built["host_cache_mib"]) == ("align", 64 if arm == "align" else 0)
 
 
 def test_the_host_section_counts_restored_and_prefetched_blocks(tmp_path):

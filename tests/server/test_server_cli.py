@@ -39,6 +39,11 @@ def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
     }
 
 
+def test_the_compile_cache_folder_is_an_option_and_none_turns_it_off(tmp_path):
+    assert _options("--compile-cache-dir", str(tmp_path)).compile_cache == str(tmp_path)
+    assert _options("--compile-cache-dir", "none").compile_cache == "none"
+
+
 def test_prefix_cache_file_is_resolved_to_an_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert _options("--prefix-cache-file", "cache.bin").engine["prefix_cache_file"] == str(tmp_path / "cache.bin")
