@@ -341,10 +341,11 @@ class HostTier:
 
         Each run of consecutive slabs moves in pieces of the runner's batch sizes that sum exactly to the run
         (`split_transfer`), each piece one contiguous view of the slab pool, then a donated scatter places it.
-        Copies are dispatched RESTORE_AHEAD pieces before their scatters: a copy dispatched after a scatter waits for it, so copy, scatter, copy ... ran at 41 GB/s
-        where two copies ahead ran at 53 GB/s of a 54 GB/s pinned ceiling (H200, 35B-A3B pages,
-        scripts/restore_scatter_probe.py). The scatters' page ids and slot go to the device first, in one
-        transfer: an id copy queued behind the big copies would hold its scatter back until they land.
+        Copies are dispatched RESTORE_AHEAD pieces before their scatters: a copy dispatched after a scatter
+        waits for it, so copy, scatter, copy ... ran at 41 GB/s where two copies ahead ran at 53 GB/s of a
+        54 GB/s pinned ceiling (H200, 35B-A3B pages, scripts/restore_scatter_probe.py). The scatters' page ids
+        and slot go to the device first, in one transfer: an id copy queued behind the big copies would hold
+        its scatter back until they land.
         Returns once everything is dispatched; the watcher thread sees the copies land (`landed(wait=True)`
         waits for them, and a failed copy is `take_restore_failure()`'s).
         """
