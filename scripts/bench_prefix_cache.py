@@ -507,7 +507,48 @@ def measure_throughput(engine, arm: str, args, vocab: int) -> dict:
     result = {k: max(v) for k, v in out["on"].items()}
     if "off" in out:
         result["paired_off"] = {k: max(v) for k, v in out["off"].items()}
+    if args.device_trace:  # one more all-lanes decode probe per mode, under jax's profiler
+        import jax
+
+        result["device_trace"] = {}
+        for mode, as_arm in modes.items():
+            engine.stats()
+            folder = Path(args.device_trace) / f"{arm}-{mode}"
+            with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+                _decode_probe(args.max_concurrency)(engine, as_arm, args, vocab, rng)
+                engine.stats()  # the Host writes of the probe land inside the trace
+            trace = next(folder.glob("**/perfetto_trace.json.gz"))
+            result["device_trace"][mode] = summarize_device_trace(trace)
+            print(f"[{arm}] device trace, {mode}: {_trace_line(result['device_trace'][mode])}", flush=True)
     return {**result, "samples": out}
+
+
+def summarize_device_trace(path: Path, top: int = 15) -> dict:
+    """Where a perfetto trace's device time went: the events of its device processes ("/device:..."; on CPU,
+    which has none, every process but the Python tracer's), summed by name, the top ones first, and the total
+    busy time (overlapping events on several streams add up)."""
+    import gzip
+
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = ({pid for pid, name in names.items() if name.startswith("/device:")}
+               or {pid for pid, name in names.items() if name != "python"})
+    totals, counts = {}, {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in devices:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0)
+            counts[e["name"]] = counts.get(e["name"], 0) + 1
+    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+    return {"busy_us": sum(totals.values()), "events": sum(counts.values()),
+            "top": [{"name": n, "us": totals[n], "count": counts[n]} for n in ranked]}
+
+
+def _trace_line(summary: dict) -> str:
+    return (f"{summary['busy_us'] / 1e3:.1f} ms busy in {summary['events']} events; top: "
+            + ", ".join(f"{t['name'][:40]} {t['us'] / 1e3:.2f} ms x{t['count']}" for t in summary["top"][:6]))
 
 
 def _prefill_probe(engine, arm: str, args, vocab: int, rng) -> float:
@@ -900,6 +941,13 @@ def _worker_section(results: dict, ran: list[str]) -> list[str]:
             if results[a].get("worker_profile"):
                 lines += ["", f"Worker profile over the {a} trace (cProfile, --profile-worker):", "", "```",
                           results[a]["worker_profile"].rstrip(), "```"]
+    for a in arms:
+        traces = (results[a].get("throughput") or {}).get("device_trace") or {}
+        for mode, summary in traces.items():
+            lines += ["", f"Device time of one all-lanes decode probe, {a} arm, cache {mode} (--device-trace): "
+                      f"{summary['busy_us'] / 1e3:.1f} ms busy in {summary['events']} events", "",
+                      "| event | ms | count |", "|---|---|---|",
+                      *[f"| {t['name'][:80]} | {t['us'] / 1e3:.2f} | {t['count']} |" for t in summary["top"]]]
     return lines + [""]
 
 
@@ -1035,6 +1083,10 @@ def parse_args(argv=None):
     p.add_argument("--prefix-tokens", type=int, help="restore probe: prefix length (default 100000; 2048 with --smoke)")
     p.add_argument("--rewrite-report", metavar="JSON", help="render the report of an earlier run again from its "
                    "JSON (this version's tables and targets) and exit")
+    p.add_argument("--device-trace", metavar="DIR",
+                   help="after the throughput probes, one more all-lanes decode probe per mode (cache on, and its "
+                        "reuse-disabled twin in the HPC arm) under jax's profiler, its trace in DIR/<arm>-<mode>; "
+                        "the device time by event name goes to the result and the log")
     p.add_argument("--profile-worker", action="store_true",
                    help="run the engine worker under cProfile during each arm's trace (its TTFTs then include the "
                         "profiler's overhead) and put the top functions in the report")

@@ -240,3 +240,23 @@ def test_the_restore_probe_resumes_a_demoted_prefix_from_the_host(checkpoint_fac
         assert r["cached_tokens"] >= 1024 and r["source"] == "tap" and r["compiles"] == 0
         assert r["restored_blocks"] == 16 and r["restored_images"] == 1 and r["demoted_pages"] >= 16
     assert row["restored_bytes"] == row["rounds"][0]["record_restored_bytes"] > 0
+
+
+def test_the_device_trace_summary_counts_only_device_events(tmp_path):
+    import gzip
+
+    from bench_prefix_cache import summarize_device_trace
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "python"}},
+              {"ph": "X", "pid": 1, "name": "MemcpyD2H", "dur": 1700.0},
+              {"ph": "X", "pid": 1, "name": "MemcpyD2H", "dur": 300.0},
+              {"ph": "X", "pid": 1, "name": "fusion.12", "dur": 500.0},
+              {"ph": "X", "pid": 2, "name": "$worker.py step", "dur": 9000.0}]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = summarize_device_trace(path)
+    assert summary["busy_us"] == 2500.0 and summary["events"] == 3
+    assert summary["top"] == [{"name": "MemcpyD2H", "us": 2000.0, "count": 2},
+                              {"name": "fusion.12", "us": 500.0, "count": 1}]
