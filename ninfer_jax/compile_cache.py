@@ -5,13 +5,15 @@ It is a process-wide jax setting, so the library never turns it on by itself: th
 call `enable_compile_cache` with their `--compile-cache-dir` (default: $JAX_COMPILATION_CACHE_DIR if set, else
 $XDG_CACHE_HOME/ninfer_jax/xla or ~/.cache/ninfer_jax/xla; "none" turns it off). Library users can set
 JAX_COMPILATION_CACHE_DIR themselves. Entries are keyed by jax on the program, the compiler options and the
-device, so a changed model, option or jax version compiles again rather than loading a wrong program.
+device, so a changed model, option or jax version compiles again rather than loading a wrong program. Entries
+that no longer decompress (a disk error, a copy cut short) are dropped at start, so they are written again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import zlib
 from pathlib import Path
 
 log = logging.getLogger("ninfer_jax.compile_cache")
@@ -44,12 +46,54 @@ def enable_compile_cache(path: str | None) -> str | None:
         raise ValueError(f"compile cache folder {folder}: {e.strerror or e}") from e
     if not os.access(folder, os.W_OK):
         raise ValueError(f"compile cache folder {folder} is not writable")
+    dropped = drop_damaged_entries(folder)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     # Every step is worth keeping: the small cache copies compile in well under the default 1 s floor, but
     # each still costs a restart its compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    log.info("compile cache | %s | %d entries", folder, sum(1 for _ in folder.iterdir()))
+    log.info("compile cache | %s | %d entries | %d damaged entries dropped", folder,
+             sum(1 for _ in folder.iterdir()), dropped)
     return str(folder)
 
 
-__all__ = ["default_compile_cache_dir", "enable_compile_cache"]
+def drop_damaged_entries(folder: Path) -> int:
+    """Removes the entries that do not decompress; returns how many. jax warns about a damaged entry at every
+    start, compiles its program again and never rewrites the file, so each restart would pay that compile."""
+    dropped = 0
+    for entry in folder.glob("*-cache"):
+        try:
+            data = entry.read_bytes()
+        except OSError:
+            continue
+        if _decompresses(data):
+            continue
+        try:
+            entry.unlink()
+            dropped += 1
+        except OSError as e:
+            log.warning("compile cache | cannot drop damaged entry %s | %s", entry.name, e.strerror or e)
+    return dropped
+
+
+def _decompresses(data: bytes) -> bool:
+    """Whether a cache entry is a whole zlib or zstd stream (jax writes one or the other); a zstd entry counts
+    as whole when the zstandard package is not there to check it."""
+    if data[:4] == b"\x28\xb5\x2f\xfd":
+        try:
+            import zstandard
+        except ImportError:
+            return True
+        try:
+            zstandard.ZstdDecompressor().decompress(data)
+            return True
+        except zstandard.ZstdError:
+            return False
+    try:
+        stream = zlib.decompressobj()
+        stream.decompress(data)
+        return stream.eof and not stream.unused_data
+    except zlib.error:
+        return False
+
+
+__all__ = ["default_compile_cache_dir", "drop_damaged_entries", "enable_compile_cache"]

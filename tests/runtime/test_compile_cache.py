@@ -1,14 +1,15 @@
 """The entry points' persistent compilation cache (`ninfer_jax/compile_cache.py`): where it lives, how it is
-turned off, a folder it cannot use, and a second run that compiles nothing new."""
+turned off, a folder it cannot use, damaged entries, and a second run that compiles nothing new."""
 
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 
-from ninfer_jax.compile_cache import default_compile_cache_dir, enable_compile_cache
+from ninfer_jax.compile_cache import default_compile_cache_dir, drop_damaged_entries, enable_compile_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,6 +37,16 @@ def test_a_folder_that_cannot_be_made_is_a_clear_error(tmp_path):
         enable_compile_cache(str(blocker / "xla"))
 
 
+def test_damaged_entries_are_dropped_and_whole_ones_kept(tmp_path):
+    whole = zlib.compress(b"an executable" * 100)
+    (tmp_path / "jit_a-1-cache").write_bytes(whole)
+    (tmp_path / "jit_b-2-cache").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    (tmp_path / "jit_c-3-cache").write_bytes(b"\x00" * 64)  # not a compressed stream at all
+    (tmp_path / "notes.txt").write_text("not an entry")
+    assert drop_damaged_entries(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_a-1-cache", "notes.txt"]
+
+
 def test_a_second_run_of_ninfer_generate_loads_every_program_from_the_cache(tmp_path):
     folder = tmp_path / "xla"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -46,7 +57,11 @@ def test_a_second_run_of_ninfer_generate_loads_every_program_from_the_cache(tmp_
     assert first.returncode == 0, first.stderr[-2000:]
     entries = sorted(p.name for p in folder.iterdir())
     assert len(entries) >= 8  # the prefill buckets and decode, greedy and full, and the cache's small steps
+    damaged = folder / next(e for e in entries if "decode_step" in e)
+    damaged.write_bytes(b"\x78\x9c damaged on disk")
     second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert f"compile cache | {folder} | {len(entries)} entries" in second.stderr
-    assert sorted(p.name for p in folder.iterdir()) == entries  # every program was a hit: nothing new written
+    assert f"compile cache | {folder} | {len(entries) - 1} entries | 1 damaged entries dropped" in second.stderr
+    # every other program was a hit (nothing new written); the damaged one was compiled and written again
+    assert sorted(p.name for p in folder.iterdir()) == entries
+    assert drop_damaged_entries(folder) == 0  # the rewritten entry is whole
