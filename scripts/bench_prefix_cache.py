@@ -936,11 +936,10 @@ def _worker_section(results: dict, ran: list[str]) -> list[str]:
                      [r["ttft_s"] - r["first_scheduled_s"] for r in rs]]
             cells.append(" / ".join(f"{np.percentile(p, 50):.3f}" for p in parts))
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    if any(results[a].get("worker_profile") for a in arms):
-        for a in arms:
-            if results[a].get("worker_profile"):
-                lines += ["", f"Worker profile over the {a} trace (cProfile, --profile-worker):", "", "```",
-                          results[a]["worker_profile"].rstrip(), "```"]
+    for a in arms:
+        if results[a].get("worker_profile"):
+            lines += ["", f"Worker profile over the {a} trace (cProfile, --profile-worker):", "", "```",
+                      results[a]["worker_profile"].rstrip(), "```"]
     for a in arms:
         traces = (results[a].get("throughput") or {}).get("device_trace") or {}
         for mode, summary in traces.items():
@@ -1157,11 +1156,16 @@ def main() -> int:
         if s and arm != "no_reuse" and results[arm].get("trace_cache", {}).get("host_tier"):
             print(f"{arm}: {host_line(results[arm]['trace_cache'])}")
     for target, measured, met in targets(results, args.host_heavy):
-        print(f"{'      ' if met is None else 'met   ' if met else 'MISSED'} {target}: {measured}")
+        print(f"{_met_label(met)} {target}: {measured}")
     print(f"report: {out / (args.report_name + '.md')} ({time.perf_counter() - t0:.0f} s)")
     if args.smoke:
         return smoke_check(results, args.host_heavy)
     return 0
+
+
+def _met_label(met: bool | None) -> str:
+    """A target's status in the log: met, MISSED, or blank for a row with no target."""
+    return "      " if met is None else "met   " if met else "MISSED"
 
 
 def _subprocess(args, extra: list[str], label: str, timeout: float | None) -> dict:
@@ -1254,7 +1258,7 @@ def run_restore(args, out: Path, command: str, started: str) -> int:
               f"{row['recompute_vs_restore']:.0f}x the restore; TTFT cold {row['recompute_s']:.2f} s, resumed "
               f"{row['resume_ttft_s']:.3f} s"))
     for target, measured, met in restore_targets(rows):
-        print(f"{'      ' if met is None else 'met   ' if met else 'MISSED'} {target}: {measured}")
+        print(f"{_met_label(met)} {target}: {measured}")
     print(f"report: {out / (args.report_name + '.md')} ({time.perf_counter() - t0:.0f} s)")
     return 1 if len(ran) < len(rows) else 0
 

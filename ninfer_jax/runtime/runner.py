@@ -76,12 +76,23 @@ def _sampler_from_columns(col):
 PREFILL_SCALARS = 3 + 5  # n_valid, base, slot, then the lane's five sampler values
 
 
-def pack_prefill_inputs(tokens, n_valid, base, slot, sampler, tap_positions, tap_slots, page_table) -> np.ndarray:
-    """One lane's prefill inputs as int32 [len(tokens) + PREFILL_SCALARS + 2 * max_taps + max_pages]."""
-    scalars = np.asarray([n_valid, base, slot], np.int32)
-    return np.concatenate([np.asarray(tokens, np.int32), scalars, *(c[:1] for c in _sampler_columns(sampler)),
-                           np.asarray(tap_positions, np.int32), np.asarray(tap_slots, np.int32),
-                           np.asarray(page_table, np.int32)])
+def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_positions, tap_slots, page_table,
+                        max_taps: int) -> np.ndarray:
+    """One lane's prefill inputs as int32 [size + PREFILL_SCALARS + 2 * max_taps + len(page_table)], written
+    once into a new array: the tokens padded to the bucket `size` (n_valid = len(tokens)), the lane's sampler
+    values, the taps padded to max_taps (position -1: none), the page table."""
+    n, taps = len(tokens), len(tap_positions)
+    if taps > max_taps or len(tap_slots) != taps:
+        raise ValueError(f"{taps} tap positions and {len(tap_slots)} tap slots for {max_taps} tap places")
+    at = size + PREFILL_SCALARS  # the taps' start
+    packed = np.zeros(at + 2 * max_taps + len(page_table), np.int32)
+    packed[:n] = tokens
+    packed[size:at] = [n, base, slot, *(c[0] for c in _sampler_columns(sampler))]
+    packed[at:at + max_taps] = -1
+    packed[at:at + taps] = tap_positions
+    packed[at + max_taps:at + max_taps + taps] = tap_slots
+    packed[at + 2 * max_taps:] = page_table
+    return packed
 
 
 def _prefill_step(params, cfg, kc, full, layout, state, packed):
@@ -245,7 +256,6 @@ class ModelRunner:
         self.max_lanes, self.max_taps = max_lanes, max_taps
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
-        self._no_taps = np.full(max_taps, -1, np.int32)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         static = ("cfg", "kc", "full")
@@ -297,15 +307,10 @@ class ModelRunner:
         page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
         64-aligned positions whose state is also written to snapshot slots (in-kernel taps).
         """
-        n = len(tokens)
-        size = self.bucket(n)
-        padded = np.zeros(size, np.int32)
-        padded[:n] = tokens
-        taps_p, taps_s = self._no_taps.copy(), np.zeros(self.max_taps, np.int32)
-        if tap_positions is not None and len(tap_positions):
-            taps_p[: len(tap_positions)] = tap_positions
-            taps_s[: len(tap_slots)] = tap_slots
-        packed = pack_prefill_inputs(padded, n, base, slot, sampler, taps_p, taps_s, page_table)
+        size = self.bucket(len(tokens))
+        no_taps = tap_positions is None
+        packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
+                                     () if no_taps else tap_slots, page_table, self.max_taps)
         return self._prefill_packed(packed, size, full)
 
     def _prefill_packed(self, packed: np.ndarray, size: int, full: bool):
@@ -336,7 +341,8 @@ class ModelRunner:
         self._swap(DeviceState(self.state.k_pages, self.state.v_pages, *gdn))
 
     # Scalars and id lists go to the small steps as numpy: an eager jnp.int32(x) is a dispatch of its own,
-    # about 0.5 ms of host time each in the H200 worker profile (docs/benchmarks/prefix_cache_fixed_replies_profile.md).
+    # about 0.5 ms of host time each in the H200 worker profile
+    # (docs/benchmarks/prefix_cache_fixed_replies_profile.md).
     def copy_slot(self, src: int, dst: int) -> None:
         s = self.state
         self._swap_gdn(self._steps["copy_slot"](s.ssm, s.conv, np.int32(src), np.int32(dst)))
@@ -383,8 +389,8 @@ class ModelRunner:
         for full in variants:
             for size in self.buckets:
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
-                out = self._prefill_packed(pack_prefill_inputs(np.zeros(size), 0, PAGE, 0, one, self._no_taps,
-                                                               np.zeros(self.max_taps), table), size, full)
+                packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
+                out = self._prefill_packed(packed, size, full)
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)

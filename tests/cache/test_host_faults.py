@@ -1,6 +1,6 @@
 """Fault injection for the Host tier (spec §13.3): a Host allocation that fails at start is a clear startup
-error; a forced transfer error in a write-through (at dispatch or in the writer thread) or a restore fails the engine (every request ends with
-"error") with no leaked pin, page or slab, and a new engine works after it."""
+error; a forced transfer error in a write-through (at dispatch or in the writer thread) or a restore fails the
+engine (every request ends with "error") with no leaked pin, page or slab, and a new engine works after it."""
 
 import time
 

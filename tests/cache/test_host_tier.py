@@ -7,7 +7,6 @@ Every engine ends each test with the invariant checker, the slab ledger and a le
 
 import threading
 import time
-import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +21,7 @@ from ninfer_jax.runtime.runner import (_gather_pages, _gather_slot, _scatter_pag
                                        transfer_buckets)
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
+from test_host_faults import io_error
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -117,7 +117,6 @@ class _NumpyPoolRunner:
     `slots[s]` (rows of one slab each)."""
 
     def __init__(self, num_pages: int, image_slots: int):
-        self.state = types.SimpleNamespace(num_pages=num_pages)
         self.num_pages, self.image_slots = num_pages, image_slots
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int) -> None:
@@ -175,11 +174,7 @@ def test_a_host_write_queued_behind_a_restore_waits_for_its_copies():
 
 def test_a_restore_copy_failing_after_its_dispatch_is_reported_once():
     host, gate = _gated_host_tier()
-
-    def broken(staged):
-        raise OSError(5, "Input/output error")
-
-    host._await_copies = broken
+    host._await_copies = io_error
     try:
         host.restore([0, 1], [2, 3])
         assert host.landed(wait=True) == []  # waits for the restore too, failed or not
@@ -207,7 +202,7 @@ def test_writes_and_restores_move_no_padding_rows():
     gather, scatter = runner.gather_pages, runner.scatter_pages
     runner.gather_pages = lambda ids: (moved.append(("gather", len(ids))), gather(ids))[1]
     runner.scatter_pages = lambda ids, rows: (moved.append(("scatter", len(ids), len(rows))), scatter(ids, rows))[1]
-    runner.num_pages = runner.state.num_pages = 16
+    runner.num_pages = 16
     runner.enable_host_transfers(host.pool.slab_bytes, host.pool.image_slabs)
     runner.pages[:] = np.random.default_rng(2).integers(0, 256, runner.pages.shape).astype(np.uint8)
     written = runner.pages[:13].copy()
