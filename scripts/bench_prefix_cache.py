@@ -498,15 +498,23 @@ def measure_throughput(engine, arm: str, args, vocab: int) -> dict:
     rng = np.random.default_rng(1234)
     modes = {"on": arm, "off": "no_reuse"} if arm == "hpc" else {"on": arm}
     out = {mode: {"prefill_tok_s": [], "decode_1lane_tok_s": [], "decode_lanes_tok_s": []} for mode in modes}
+    worker_s = {mode: [] for mode in modes}  # the worker's seconds per phase over each all-lanes decode probe
     for key, probe in (("prefill_tok_s", _prefill_probe), ("decode_1lane_tok_s", _decode_probe(1)),
                        ("decode_lanes_tok_s", _decode_probe(args.max_concurrency))):
         for _ in range(args.probe_reps):
             for mode, as_arm in modes.items():
-                engine.stats()  # quiet: the previous probe's Host writes have landed
+                before = _probe_seconds(engine.stats())  # quiet: the previous probe's Host writes have landed
                 out[mode][key].append(probe(engine, as_arm, args, vocab, rng))
+                if key == "decode_lanes_tok_s":
+                    after = _probe_seconds(engine.stats())
+                    worker_s[mode].append({k: v - before.get(k, 0.0) for k, v in after.items()})
     result = {k: max(v) for k, v in out["on"].items()}
     if "off" in out:
         result["paired_off"] = {k: max(v) for k, v in out["off"].items()}
+    result["decode_lanes_worker_s"] = worker_s
+    for mode, reps in worker_s.items():
+        print(f"[{arm}] worker and Host writer seconds per all-lanes decode probe, cache {mode}: "
+              + " | ".join(" ".join(f"{k} {v:.3f}" for k, v in r.items()) for r in reps), flush=True)
     if args.device_trace:  # one more all-lanes decode probe per mode, under jax's profiler
         import jax
 
@@ -518,15 +526,37 @@ def measure_throughput(engine, arm: str, args, vocab: int) -> dict:
                 _decode_probe(args.max_concurrency)(engine, as_arm, args, vocab, rng)
                 engine.stats()  # the Host writes of the probe land inside the trace
             trace = next(folder.glob("**/perfetto_trace.json.gz"))
-            result["device_trace"][mode] = summarize_device_trace(trace)
+            result["device_trace"][mode] = summarize_device_trace(trace, top=None)
             print(f"[{arm}] device trace, {mode}: {_trace_line(result['device_trace'][mode])}", flush=True)
+        if len(modes) == 2:
+            diff = trace_difference(*result["device_trace"].values())
+            print(f"[{arm}] device trace, cache on - off: " + ", ".join(
+                f"{d['name'][:50]} {d['us'] / 1e3:+.2f} ms ({d['count']:+d})" for d in diff[:12]), flush=True)
+            result["device_trace"]["on_minus_off"] = diff[:TRACE_KEPT]
+        for mode in modes:  # the result keeps the largest names (the difference above used them all)
+            result["device_trace"][mode]["top"] = result["device_trace"][mode]["top"][:TRACE_KEPT]
     return {**result, "samples": out}
 
 
-def summarize_device_trace(path: Path, top: int = 15) -> dict:
+TRACE_KEPT = 40  # event names kept per device trace summary in the result
+
+
+def _probe_seconds(stats: dict) -> dict:
+    """The worker's seconds per phase and the Host writer's fetch and copy seconds, as counted so far."""
+    out = {k.removeprefix("seconds_"): v for k, v in stats["scheduler"].items() if k.startswith("seconds_")}
+    cache = stats.get("prefix_cache") or {}
+    out.update({k.removeprefix("host_"): cache[k] for k in ("host_write_fetch_seconds", "host_write_copy_seconds")
+                if k in cache})
+    return out
+
+
+def summarize_device_trace(path: Path, top: int | None = 15) -> dict:
     """Where a perfetto trace's device time went: the events of its device processes ("/device:..."; on CPU,
     which has none, every process but the Python tracer's), summed by name, the top ones first, and the total
-    busy time (overlapping events on several streams add up)."""
+    busy time (overlapping events on several streams add up). Per device thread (a stream, or XLA's op and
+    module lines): its busy time with overlaps merged, and the span from its first event's start to its last
+    one's end, so span - busy is the time that line sat idle (a host-bound loop shows it on the compute
+    stream)."""
     import gzip
 
     with gzip.open(path) as f:
@@ -534,21 +564,52 @@ def summarize_device_trace(path: Path, top: int = 15) -> dict:
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     devices = ({pid for pid, name in names.items() if name.startswith("/device:")}
                or {pid for pid, name in names.items() if name != "python"})
-    totals, counts = {}, {}
+    totals, counts, spans = {}, {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices:
             totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0)
             counts[e["name"]] = counts.get(e["name"], 0) + 1
-    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+            spans.setdefault((e["pid"], e.get("tid")), []).append((e.get("ts", 0.0), e.get("dur", 0.0)))
+    ranked = sorted(totals, key=totals.get, reverse=True)[:top]  # top None: every name
+    lines = [{"name": threads.get(key) or f"{names.get(key[0], key[0])}/{key[1]}", "events": len(iv),
+              "busy_us": _merged_busy(iv), "span_us": max(t + d for t, d in iv) - min(t for t, _ in iv)}
+             for key, iv in spans.items()]
+    lines.sort(key=lambda line: line["busy_us"], reverse=True)
     return {"busy_us": sum(totals.values()), "events": sum(counts.values()),
-            "top": [{"name": n, "us": totals[n], "count": counts[n]} for n in ranked]}
+            "top": [{"name": n, "us": totals[n], "count": counts[n]} for n in ranked], "threads": lines[:8]}
+
+
+def trace_difference(on: dict, off: dict) -> list[dict]:
+    """Per event name, device time and count of `on` minus `off` (summaries of summarize_device_trace with
+    every name), the largest absolute time differences first."""
+    a = {t["name"]: t for t in on["top"]}
+    b = {t["name"]: t for t in off["top"]}
+    zero = {"us": 0.0, "count": 0}
+    rows = [{"name": n, "us": a.get(n, zero)["us"] - b.get(n, zero)["us"],
+             "count": a.get(n, zero)["count"] - b.get(n, zero)["count"]} for n in a.keys() | b.keys()]
+    return sorted(rows, key=lambda r: abs(r["us"]), reverse=True)
+
+
+def _merged_busy(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by (start, duration) intervals, overlaps counted once."""
+    busy, end = 0.0, float("-inf")
+    for start, dur in sorted(intervals):
+        if start + dur > end:
+            busy += start + dur - max(start, end)
+            end = start + dur
+    return busy
 
 
 def _trace_line(summary: dict) -> str:
     return (f"{summary['busy_us'] / 1e3:.1f} ms busy in {summary['events']} events; top: "
-            + ", ".join(f"{t['name'][:40]} {t['us'] / 1e3:.2f} ms x{t['count']}" for t in summary["top"][:6]))
+            + ", ".join(f"{t['name'][:40]} {t['us'] / 1e3:.2f} ms x{t['count']}" for t in summary["top"][:6])
+            + "; lines (busy / span ms): "
+            + ", ".join(f"{t['name'][:40]} {t['busy_us'] / 1e3:.1f} / {t['span_us'] / 1e3:.1f}"
+                        for t in summary.get("threads", [])[:6]))
 
 
 def _prefill_probe(engine, arm: str, args, vocab: int, rng) -> float:
@@ -943,10 +1004,19 @@ def _worker_section(results: dict, ran: list[str]) -> list[str]:
     for a in arms:
         traces = (results[a].get("throughput") or {}).get("device_trace") or {}
         for mode, summary in traces.items():
+            if mode == "on_minus_off":
+                lines += ["", f"Device time of the all-lanes decode probe, {a} arm, cache on minus off, the largest "
+                          "differences by event name:", "", "| event | ms | count |", "|---|---|---|",
+                          *[f"| {t['name'][:80]} | {t['us'] / 1e3:+.2f} | {t['count']:+d} |" for t in summary[:15]]]
+                continue
             lines += ["", f"Device time of one all-lanes decode probe, {a} arm, cache {mode} (--device-trace): "
                       f"{summary['busy_us'] / 1e3:.1f} ms busy in {summary['events']} events", "",
                       "| event | ms | count |", "|---|---|---|",
-                      *[f"| {t['name'][:80]} | {t['us'] / 1e3:.2f} | {t['count']} |" for t in summary["top"]]]
+                      *[f"| {t['name'][:80]} | {t['us'] / 1e3:.2f} | {t['count']} |" for t in summary["top"][:15]]]
+            if summary.get("threads"):
+                lines += ["", "| device line | busy ms (overlaps merged) | span ms | events |", "|---|---|---|---|",
+                          *[f"| {t['name'][:80]} | {t['busy_us'] / 1e3:.1f} | {t['span_us'] / 1e3:.1f} | "
+                            f"{t['events']} |" for t in summary["threads"]]]
     return lines + [""]
 
 

@@ -53,7 +53,7 @@ def probe(model: str, reps: int = 3) -> dict:
     state = init_device_state(cfg, num_pages, 1, jnp.bfloat16, jnp.bfloat16)
     pools = [state.k_pages, state.v_pages]
     scatter = jax.jit(_scatter_pages, donate_argnames=("k_pages", "v_pages"))
-    views = [chunk[i * BATCH:(i + 1) * BATCH] for i in range(BATCHES)]
+    views = [chunk[i * BATCH:(i + 1) * BATCH].view(np.uint32) for i in range(BATCHES)]  # rows travel as words
     ids = [jnp.asarray(np.arange(i * BATCH, (i + 1) * BATCH, dtype=np.int32)) for i in range(BATCHES)]
 
     def place(i, rows):

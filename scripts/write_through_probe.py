@@ -66,7 +66,7 @@ def probe(model: str, pages_per_lane: int, kinds: tuple[str, ...] = KINDS, matmu
     state = init_device_state(cfg, 4 * pages_per_lane * lanes, lanes + 1, jnp.bfloat16, jnp.bfloat16)
     device = jax.devices()[0]
     pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    slot_fn = functools.partial(_gather_slot, rows=pool.image_slabs, row_bytes=pool.slab_bytes)
+    slot_fn = functools.partial(_gather_slot, rows=pool.image_slabs, row_words=pool.slab_bytes // 4)
     gathers = {"device": (jax.jit(_gather_pages), jax.jit(slot_fn)),
                "pinned": (jax.jit(_gather_pages, out_shardings=pinned), jax.jit(slot_fn, out_shardings=pinned))}
 
@@ -104,7 +104,7 @@ def probe(model: str, pages_per_lane: int, kinds: tuple[str, ...] = KINDS, matmu
         if kind == "pinned_wait":
             jax.block_until_ready(parts)
             return
-        rows = np.asarray(parts[0])
+        rows = np.asarray(parts[0]).view(np.uint8)
         if kind == "pinned_read":
             np.asarray(parts[1])
             return

@@ -298,11 +298,15 @@ class HostTier:
             error = None
             try:
                 for i, (array, slabs, count) in enumerate(parts):
-                    rows = np.asarray(array)  # waits for the gather
+                    t0 = time.perf_counter()
+                    rows = np.asarray(array).view(np.uint8)  # waits for the gather and its copy to the host
                     if i == 0:
                         with self._landing:
                             self._landing.wait_for(lambda: self._restores_landed >= fence)
+                    t1 = time.perf_counter()
                     self.buffer.write(slabs, rows[:count])
+                    self.counters["write_fetch_ns"] += int((t1 - t0) * 1e9)
+                    self.counters["write_copy_ns"] += int((time.perf_counter() - t1) * 1e9)
             except BaseException as e:  # reported to the worker, which fails the engine
                 error = e
             with self._landing:
@@ -333,7 +337,7 @@ class HostTier:
         Page-locked: the contiguous view itself (the DMA reads the pool directly, DESIGN.md: 50 GB/s).
         Pageable: a private copy, since a CPU device may alias the numpy buffer and the slab may be
         rewritten once the restore returns."""
-        view = self.buffer.chunks[chunk][first:first + count]
+        view = self.buffer.chunks[chunk][first:first + count].view(np.uint32)  # the transfers' words
         return jax.device_put(view if self.buffer.pinned else view.copy())
 
     def restore(self, slabs: list[int], pages: list[int], image_slabs: list[int] = (), slot: int = -1) -> int:
@@ -422,7 +426,7 @@ class HostTier:
             def copy():
                 host = np.empty((len(slabs), self.pool.slab_bytes), np.uint8)
                 self.buffer.read(slabs, host)
-                return jax.device_put(host)
+                return jax.device_put(host.view(np.uint32))
         return copy, np.int32(slot), self.runner.scatter_slot
 
     def close(self) -> None:
@@ -445,6 +449,9 @@ class HostTier:
             "host_restore_batches": self.counters["restore_batches"],
             "host_restore_seconds": self.counters["restore_ns"] / 1e9,
             "host_write_batches": self.counters["write_batches"],
+            # the writer thread's time: waiting for each gather to reach host memory, then copying it into slabs
+            "host_write_fetch_seconds": self.counters["write_fetch_ns"] / 1e9,
+            "host_write_copy_seconds": self.counters["write_copy_ns"] / 1e9,
         }
 
 

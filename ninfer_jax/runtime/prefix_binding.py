@@ -16,7 +16,11 @@ its answers call for, through the ModelRunner and the HostTier:
            waits for the sibling's Boundary tap at their divergence (§12.2);
   prefetch while the FIFO head waits (for a lane or for pages), up to 256 of its source's Host-only path
            blocks are copied into spare Device pages, so its admission restores only the rest (§6.6).
-State slots: 0..C-1 are the lanes' active slots; the index's snapshot slot s is state slot C + s.
+State slots: the runner's C + D state slots are a lane's active slot or an index snapshot slot's, through two
+tables (`lane_slot`, `state_slot`; at start lane i has slot i and snapshot slot s has C + s). An endpoint
+swaps them (§7.7: the active image itself becomes the snapshot, frozen, no copy): the lane's slot becomes the
+snapshot's and the lane takes the free snapshot slot's, whose stale state nothing reads (a lane starting at
+position 0 starts from zero, and a resumed one has its slot loaded first).
 
 With the cache disabled (no_prefix_reuse) the same binding only hands out and frees pages: nothing is
 inserted, tapped or published (§7.7 "disabled requests"), and no Host tier is allocated.
@@ -29,8 +33,6 @@ asynchronous: the worker dispatches the gathers (`dispatch_writes`, right after 
 dispatched), the Host tier's writer thread copies them into the slabs, and `poll_writes` (every worker step)
 completes them in the index. A failed copy marks the binding failed:
 the index is told (the write fails, the staging is cancelled), and no copy runs after it.
-NOTE: an endpoint copies the lane's active slot into a snapshot slot (one D2D copy per GDN layer) instead
-of freezing it in place: lanes keep fixed slots, which keeps the decode step's slot ids static.
 A prefetch completes in the index inside the call that starts it (its scatters are ordered before any step
 that reads the pages), so an admission never sees a prefetch still landing (§6.6 "settle_prefetch" has
 nothing to wait for).
@@ -126,13 +128,20 @@ class PrefixCacheBinding:
         self._coalescing: set[str] = set()  # ids of heads waiting for a sibling (counted once each)
         self._last_prefetch: tuple[str, int, int] | None = None  # (head id, blocks copied, spare pages before)
         self.records: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self.lane_slots = np.arange(lanes, dtype=np.int32)  # lane -> its active state slot (the decode input)
+        self._snapshot_slots = np.arange(lanes, lanes + self.options.device_snapshot_slots, dtype=np.int32)
 
     @property
     def pages(self):
         return self.index.pages
 
     def state_slot(self, index_slot: int) -> int:
-        return self.lanes + index_slot
+        """The runner's state slot that holds the index's snapshot slot `index_slot`."""
+        return int(self._snapshot_slots[index_slot])
+
+    def lane_slot(self, lane: int) -> int:
+        """The runner's state slot that is lane `lane`'s active state."""
+        return int(self.lane_slots[lane])
 
     # --- admission (§6) --------------------------------------------------------------------------
     def admit(self, req: Request, lane: int, entitlement: int, lanes=()) -> Readiness:
@@ -162,7 +171,7 @@ class PrefixCacheBinding:
         s = staging.snapshot
         if s is not None:
             if staging.image_slot >= 0:  # the image is on the Device; a Host image was restored into the slot
-                self.runner.copy_slot(self.state_slot(staging.image_slot), lane)
+                self.runner.copy_slot(self.state_slot(staging.image_slot), self.lane_slot(lane))
             if s.tail_len:
                 self.runner.copy_page(s.tail_page, staging.lane_pages[0], s.tail_len)
         req.pages = [n.device_page for n in lc.path] + list(staging.lane_pages)
@@ -188,7 +197,8 @@ class PrefixCacheBinding:
         try:
             if self.failed or self.host is None:
                 raise RuntimeError("Host restore after a failed copy")
-            moved = self.host.restore([p[0] for p in pairs], [p[1] for p in pairs], staging.image_slabs, lane)
+            moved = self.host.restore([p[0] for p in pairs], [p[1] for p in pairs], staging.image_slabs,
+                                      self.lane_slot(lane))
         except BaseException:
             self.failed = True
             self.counters["host_restores_failed"] += 1
@@ -445,7 +455,10 @@ class PrefixCacheBinding:
                                           tail_len=tail_len)
         if grant is None:
             return None
-        self.runner.copy_slot(lane, self.state_slot(grant.slot))
+        # The lane's state becomes the snapshot's in place (§7.7): the two slot tables swap, nothing is copied.
+        # No step in flight reads the lane any more (it settles after its last round is read).
+        mine = self.lane_slot(lane)
+        self.lane_slots[lane], self._snapshot_slots[grant.slot] = self._snapshot_slots[grant.slot], mine
         blocks = end // BLOCK_TOKENS
         anchor = lc.path[blocks - 1] if blocks else self.index.root
         tail = encode_tokens(req.token_slice(blocks * BLOCK_TOKENS, end)) if tail_len else b""
@@ -484,6 +497,8 @@ class PrefixCacheBinding:
         assert len(owned) == len(set(owned)), "a private page is mapped by two lanes"
         active = self.pages.count(OwnerState.ACTIVE)
         assert active == len(owned), f"{active} ACTIVE pages but lanes own {len(owned)}"
+        slots = np.concatenate([self.lane_slots, self._snapshot_slots])
+        assert sorted(slots) == list(range(len(slots))), f"state slots not one per lane and snapshot slot: {slots}"
         staging = sum(len(r.cache.staged) for r in lanes if r is not None and getattr(r, "cache", None))
         assert len(self.index.staging_slots) == staging, "a staging slot is held by no lane"
         # Restores complete inside the worker call that starts them, and writes have landed: nothing is Filling.

@@ -7,10 +7,11 @@ all compiled by `warmup()`; `compile_count()` lets tests prove that serving neve
 step's host inputs arrive packed in one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
 Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
-bytes in the Host slab layout of `runtime/host_tier.py`. A gather reads listed pages (or one slot) into one
-uint8 array that lands in pinned host memory where the backend has it; a donated scatter writes host rows
-into listed pages (or one slot). A batch of pages is split into the compiled power-of-two sizes
-(`split_transfer`), so transfers compile once in `warmup()` and never move a padding row.
+bytes in the Host slab layout of `runtime/host_tier.py`, carried as uint32 words (the host views them as
+bytes). A gather reads listed pages (or one slot) into one word array that lands in pinned host memory where
+the backend has it; a donated scatter writes host rows into listed pages (or one slot). A batch of pages is
+split into the compiled power-of-two sizes (`split_transfer`), so transfers compile once in `warmup()` and
+never move a padding row.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
 
 
 def _copy_slot(ssm, conv, src, dst):
-    """State slot src -> dst (a snapshot or a restore between slots): one D2D copy per GDN layer."""
+    """State slot src -> dst (a resume loading a snapshot into its lane): one D2D copy per GDN layer."""
     return tuple(s.at[dst].set(s[src]) for s in ssm), tuple(c.at[dst].set(c[src]) for c in conv)
 
 
@@ -155,48 +156,65 @@ def _copy_page(k_pages, v_pages, src, dst, length):
     return tuple(map(one, k_pages)), tuple(map(one, v_pages))
 
 
-def _as_bytes(x):
-    """[n, ...] of any dtype -> its raw bytes, uint8 [n, bytes per row] (bitcast, no conversion)."""
-    b = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
-    return b.reshape(x.shape[0], -1)
+WORD_BYTES = 4  # transfer rows travel as uint32 words; on the H200, uint8 fusions moved them at a fraction of HBM rate
 
 
-def _from_bytes(b, like):
-    """uint8 [n, bytes per row] -> [n, *like.shape[1:]] of like.dtype (the inverse of _as_bytes)."""
-    shape = (b.shape[0],) + tuple(like.shape[1:])
+def _as_words(x):
+    """[n, ...] of any dtype -> its raw bytes as uint32 words [n, words per row] (a bitcast, no conversion; the
+    bytes in memory order, so a host view of the words as uint8 is the rows' bytes). A row's bytes must be a
+    whole number of words."""
+    n, itemsize = x.shape[0], jnp.dtype(x.dtype).itemsize
+    flat = x.reshape(n, -1)
+    if flat.shape[1] * itemsize % WORD_BYTES:
+        raise ValueError(f"a row of {flat.shape[1] * itemsize} B is not a whole number of {WORD_BYTES}-byte words")
+    if x.dtype == jnp.uint32:
+        return flat
+    if itemsize < WORD_BYTES:  # bitcast takes a trailing axis of the narrower items
+        flat = flat.reshape(n, -1, WORD_BYTES // itemsize)
+    return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(n, -1)
+
+
+def _from_words(w, like):
+    """uint32 [n, words per row] -> [n, *like.shape[1:]] of like.dtype (the inverse of _as_words)."""
+    shape = (w.shape[0],) + tuple(like.shape[1:])
     itemsize = jnp.dtype(like.dtype).itemsize
-    if itemsize == 1:
-        return jax.lax.bitcast_convert_type(b.reshape(shape), like.dtype)
-    return jax.lax.bitcast_convert_type(b.reshape(shape + (itemsize,)), like.dtype)
+    if itemsize > WORD_BYTES:
+        w = w.reshape(w.shape[0], -1, itemsize // WORD_BYTES)
+    return jax.lax.bitcast_convert_type(w, like.dtype).reshape(shape)
+
+
+def _row_words(pool) -> int:
+    """Words of one row (one page, or one slot) of a pool."""
+    return math.prod(pool.shape[1:]) * jnp.dtype(pool.dtype).itemsize // WORD_BYTES
 
 
 def _gather_pages(k_pages, v_pages, pages):
-    """Page bundles of `pages` [B]: per attention layer in order, its K page then its V page, as bytes."""
+    """Page bundles of `pages` [B]: per attention layer in order, its K page then its V page, as words."""
     parts = []
     for k, v in zip(k_pages, v_pages):
-        parts += [_as_bytes(k[pages]), _as_bytes(v[pages])]
-    return jnp.concatenate(parts, axis=1)  # [B, bundle bytes]
+        parts += [_as_words(k[pages]), _as_words(v[pages])]
+    return jnp.concatenate(parts, axis=1)  # [B, bundle words]
 
 
 def _scatter_pages(k_pages, v_pages, pages, rows):
-    """Host rows [B, >= bundle bytes] (the _gather_pages layout) into `pages`; out-of-range pages are dropped."""
+    """Host rows [B, >= bundle words] (the _gather_pages layout) into `pages`; out-of-range pages are dropped."""
     offset, ks, vs = 0, [], []
     for k, v in zip(k_pages, v_pages):
         for pool, out in ((k, ks), (v, vs)):
-            width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
-            out.append(pool.at[pages].set(_from_bytes(rows[:, offset:offset + width], pool), mode="drop"))
+            width = _row_words(pool)
+            out.append(pool.at[pages].set(_from_words(rows[:, offset:offset + width], pool), mode="drop"))
             offset += width
     return tuple(ks), tuple(vs)
 
 
-def _gather_slot(ssm, conv, slot, *, rows: int, row_bytes: int):
-    """State slot `slot` as bytes: per GDN layer in order, its ssm row then its conv row, padded and cut into
-    `rows` rows of `row_bytes` (the image's packed byte o lands in row o // row_bytes)."""
+def _gather_slot(ssm, conv, slot, *, rows: int, row_words: int):
+    """State slot `slot` as words: per GDN layer in order, its ssm row then its conv row, padded and cut into
+    `rows` rows of `row_words` (the image's packed byte o lands in row o // (4 * row_words))."""
     parts = []
     for s, c in zip(ssm, conv):
-        parts += [_as_bytes(s[slot][None])[0], _as_bytes(c[slot][None])[0]]
+        parts += [_as_words(s[slot][None])[0], _as_words(c[slot][None])[0]]
     flat = jnp.concatenate(parts)
-    return jnp.pad(flat, (0, rows * row_bytes - flat.shape[0])).reshape(rows, row_bytes)
+    return jnp.pad(flat, (0, rows * row_words - flat.shape[0])).reshape(rows, row_words)
 
 
 def _scatter_slot(ssm_pools, conv_pools, slot, rows):
@@ -205,8 +223,8 @@ def _scatter_slot(ssm_pools, conv_pools, slot, rows):
     ssm, conv = [], []
     for s, c in zip(ssm_pools, conv_pools):
         for pool, out in ((s, ssm), (c, conv)):
-            width = math.prod(pool.shape[1:]) * pool.dtype.itemsize
-            out.append(pool.at[slot].set(_from_bytes(flat[None, offset:offset + width], pool)[0], mode="drop"))
+            width = _row_words(pool)
+            out.append(pool.at[slot].set(_from_words(flat[None, offset:offset + width], pool)[0], mode="drop"))
             offset += width
     return tuple(ssm), tuple(conv)
 
@@ -272,6 +290,8 @@ class ModelRunner:
     def enable_host_transfers(self, row_bytes: int, image_rows: int, max_batch: int = 64) -> None:
         """Adds the Host tier's transfer ops: page batches of rows of `row_bytes` (one slab each, at least one
         page bundle), and state images of `image_rows` such rows. Call before `warmup()`."""
+        if row_bytes % WORD_BYTES:
+            raise ValueError(f"transfer rows of {row_bytes} B are not a whole number of {WORD_BYTES}-byte words")
         self.row_bytes, self.image_rows = row_bytes, image_rows
         self.transfer_sizes = transfer_buckets(max(1, min(max_batch, self.state.num_pages)))
         device = jax.devices()[0]
@@ -279,7 +299,7 @@ class ModelRunner:
         # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md: 51 GB/s D2H).
         host = {"out_shardings": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")} \
             if "pinned_host" in kinds else {}
-        gather_slot = functools.partial(_gather_slot, rows=image_rows, row_bytes=row_bytes)
+        gather_slot = functools.partial(_gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
         self._steps.update({
             "gather_pages": jax.jit(_own(_gather_pages), **host),
             "scatter_pages": jax.jit(_own(_scatter_pages), donate_argnames=("k_pages", "v_pages")),
@@ -354,22 +374,23 @@ class ModelRunner:
 
     # --- Host tier transfers (enable_host_transfers) ---------------------------------------------
     def gather_pages(self, pages: np.ndarray) -> jax.Array:
-        """Page bundles of `pages` (int32 [B], B a transfer size) -> uint8 [B, bundle bytes], dispatched (not
+        """Page bundles of `pages` (int32 [B], B a transfer size) -> uint32 [B, bundle words], dispatched (not
         waited for) and landing in pinned host memory where the backend has it; np.asarray waits for it."""
         return self._steps["gather_pages"](self.state.k_pages, self.state.v_pages, np.asarray(pages, np.int32))
 
     def scatter_pages(self, pages, rows: np.ndarray) -> None:
-        """Host rows uint8 [B, row_bytes] into `pages` (int32 [B], B a transfer size, numpy or on the device); an
-        out-of-range page id drops its row."""
+        """Host rows uint32 [B, row_bytes / 4] into `pages` (int32 [B], B a transfer size, numpy or on the
+        device); an out-of-range page id drops its row."""
         s = self.state
         self._swap_kv(self._steps["scatter_pages"](s.k_pages, s.v_pages, jnp.asarray(pages), jnp.asarray(rows)))
 
     def gather_slot(self, slot: int) -> jax.Array:
-        """State slot `slot` -> uint8 [image_rows, row_bytes], dispatched like gather_pages."""
+        """State slot `slot` -> uint32 [image_rows, row_bytes / 4], dispatched like gather_pages."""
         return self._steps["gather_slot"](self.state.ssm, self.state.conv, np.int32(slot))
 
     def scatter_slot(self, slot, rows: np.ndarray) -> None:
-        """Host rows uint8 [image_rows, row_bytes] into state slot `slot` (an int or an int32 device scalar)."""
+        """Host rows uint32 [image_rows, row_bytes / 4] into state slot `slot` (an int or an int32 device
+        scalar)."""
         s = self.state
         self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.asarray(slot, jnp.int32), jnp.asarray(rows)))
 
@@ -413,9 +434,10 @@ class ModelRunner:
             for size in self.transfer_sizes:
                 self.gather_pages(np.zeros(size, np.int32))
                 self.scatter_pages(np.full(size, self.state.num_pages, np.int32),
-                                   np.zeros((size, self.row_bytes), np.uint8))
+                                   np.zeros((size, self.row_bytes // WORD_BYTES), np.uint32))
             self.gather_slot(0)
-            self.scatter_slot(self.state.num_slots, np.zeros((self.image_rows, self.row_bytes), np.uint8))
+            self.scatter_slot(self.state.num_slots,
+                              np.zeros((self.image_rows, self.row_bytes // WORD_BYTES), np.uint32))
             log.info("compiling | host transfers, page batches %s | %.1f s", self.transfer_sizes,
                      time.perf_counter() - start)
         jax.block_until_ready(self.state)

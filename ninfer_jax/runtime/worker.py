@@ -189,7 +189,7 @@ class Worker:
         if req.scheduled_at is None:
             req.scheduled_at = time.perf_counter()
         tokens_out, chosen, top = self.runner.prefill(
-            tokens, base, self.page_tables[req.lane], req.lane, self._lane_sampler(req.lane),
+            tokens, base, self.page_tables[req.lane], self.cache.lane_slot(req.lane), self._lane_sampler(req.lane),
             tap_positions, tap_slots, full=full,
         )
         req.computed = end
@@ -242,7 +242,7 @@ class Worker:
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         full = any(not r.sampling.greedy for r in live)
         out = self.runner.decode(
-            tokens, positions, self.page_tables, np.arange(c, dtype=np.int32), active, self.sampler.arrays(),
+            tokens, positions, self.page_tables, self.cache.lane_slots, active, self.sampler.arrays(),
             full=full, prev_tokens=previous.out[0] if previous is not None else None,
             use_prev=ahead & active,
         )

@@ -249,10 +249,11 @@ def test_the_device_trace_summary_counts_only_device_events(tmp_path):
 
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "python"}},
-              {"ph": "X", "pid": 1, "name": "MemcpyD2H", "dur": 1700.0},
-              {"ph": "X", "pid": 1, "name": "MemcpyD2H", "dur": 300.0},
-              {"ph": "X", "pid": 1, "name": "fusion.12", "dur": 500.0},
-              {"ph": "X", "pid": 2, "name": "$worker.py step", "dur": 9000.0}]
+              {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+              {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyD2H", "ts": 0.0, "dur": 1700.0},
+              {"ph": "X", "pid": 1, "tid": 8, "name": "MemcpyD2H", "ts": 1000.0, "dur": 300.0},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "fusion.12", "ts": 100.0, "dur": 500.0},
+              {"ph": "X", "pid": 2, "tid": 1, "name": "$worker.py step", "ts": 0.0, "dur": 9000.0}]
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -260,3 +261,7 @@ def test_the_device_trace_summary_counts_only_device_events(tmp_path):
     assert summary["busy_us"] == 2500.0 and summary["events"] == 3
     assert summary["top"] == [{"name": "MemcpyD2H", "us": 2000.0, "count": 2},
                               {"name": "fusion.12", "us": 500.0, "count": 1}]
+    # per device line: overlapping copies merged (1700 us, not 2000), an unnamed line named by its process
+    assert summary["threads"] == [
+        {"name": "/device:GPU:0/8", "events": 2, "busy_us": 1700.0, "span_us": 1700.0},
+        {"name": "Stream #7", "events": 1, "busy_us": 500.0, "span_us": 500.0}]

@@ -115,6 +115,32 @@ def test_resume_from_an_endpoint_with_a_tail_equals_root(hpc, root):
     assert_same_output(resumed, root.generate(turn2, GREEDY))
 
 
+def test_an_endpoint_takes_the_lanes_state_slot_without_a_copy(hpc, root):
+    # §7.7: the active image itself becomes the snapshot. The lane and the free snapshot slot swap state slots,
+    # so the lane next runs on a slot holding stale state, which a fresh prompt ignores and a resume overwrites.
+    runner, copies = hpc.runner, []
+    copy_slot = runner.copy_slot
+    runner.copy_slot = lambda src, dst: (copies.append((src, dst)), copy_slot(src, dst))[1]
+    try:
+        prompt = tokens(300, 40)
+        lane_slots = hpc.cache.lane_slots.copy()
+        endpoints = hpc.stats()["prefix_cache"]["endpoints_published"]
+        turn1 = hpc.generate(prompt, SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
+        assert hpc.stats()["prefix_cache"]["endpoints_published"] == endpoints + 1
+        assert copies == []  # nothing loaded (a fresh prompt) and nothing copied at the endpoint
+        moved = np.flatnonzero(hpc.cache.lane_slots != lane_slots)
+        assert len(moved) == 1 and hpc.cache.lane_slots[moved[0]] >= hpc.options.max_concurrency
+        fresh = tokens(200, 41)  # runs on the lane's new slot from position 0
+        assert_same_output(hpc.generate(fresh, GREEDY), root.generate(fresh, GREEDY))
+        turn2 = prompt + list(turn1.token_ids) + tokens(40, 42)
+        resumed = hpc.generate(turn2, GREEDY)
+        assert resumed.usage.cached_tokens == len(prompt) + len(turn1.token_ids) - 1
+        assert len(copies) == 1 and copies[0][0] == lane_slots[moved[0]]  # the endpoint is the lane's old slot
+        assert_same_output(resumed, root.generate(turn2, GREEDY))
+    finally:
+        runner.copy_slot = copy_slot
+
+
 def test_a_turn_that_stops_on_a_token_leaves_an_endpoint_covering_that_token(hpc, root):
     # Decode runs one round ahead: the round dispatched before the stop token was read feeds it, so the
     # endpoint covers the whole output (stop token included), and its extra sampled token is dropped.

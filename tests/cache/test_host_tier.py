@@ -124,19 +124,19 @@ class _NumpyPoolRunner:
         self.pages = np.zeros((self.num_pages, row_bytes), np.uint8)
         self.slots = np.zeros((self.image_slots, image_rows, row_bytes), np.uint8)
 
-    def gather_pages(self, ids):
-        return jnp.asarray(self.pages[np.asarray(ids)])
+    def gather_pages(self, ids):  # rows travel as uint32 words, like the runner's
+        return jnp.asarray(self.pages[np.asarray(ids)].view(np.uint32))
 
     def gather_slot(self, slot):
-        return jnp.asarray(self.slots[int(slot)])
+        return jnp.asarray(self.slots[int(slot)].view(np.uint32))
 
     def scatter_pages(self, ids, rows) -> None:
         for i, page in enumerate(np.asarray(ids)):
             if page < self.num_pages:  # an out-of-range id drops its row, like the jitted scatter
-                self.pages[page] = np.asarray(rows)[i]
+                self.pages[page] = np.asarray(rows)[i].view(np.uint8)
 
     def scatter_slot(self, slot, rows) -> None:
-        self.slots[int(slot)] = np.asarray(rows)
+        self.slots[int(slot)] = np.asarray(rows).view(np.uint8)
 
 
 def _gated_host_tier():
@@ -235,20 +235,29 @@ def test_slab_buffer_chunks_and_packing():
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
 def test_transfer_ops_move_pages_and_slots_bit_exactly(kv_dtype):
-    """The runner's gathers and scatters round-trip raw bytes (the Host slab layout) for either KV dtype."""
+    """The runner's gathers and scatters round-trip raw bytes (the Host slab layout, carried as uint32 words)
+    for either KV dtype; viewed as bytes, a gathered bundle is each layer's K page then V page in memory order."""
     rng = np.random.default_rng(1)
     pages = lambda: jnp.asarray(rng.standard_normal((6, 64, 2, 8)), kv_dtype)
     state = DeviceState((pages(), pages()), (pages(), pages()),
                         (jnp.asarray(rng.standard_normal((4, 2, 4, 4)), jnp.float32),) * 2,
                         (jnp.asarray(rng.standard_normal((4, 3, 16)), kv_dtype),) * 2)
-    row_bytes = 4 * 64 * 2 * 8 * jnp.dtype(kv_dtype).itemsize + 100  # a bundle, then slab padding
-    rows = np.zeros((2, row_bytes), np.uint8)
-    rows[:, :row_bytes - 100] = np.asarray(_gather_pages(state.k_pages, state.v_pages, jnp.asarray([1, 4])))
+    row_bytes = 4 * 64 * 2 * 8 * jnp.dtype(kv_dtype).itemsize + 128  # a bundle, then slab padding
+    rows = np.zeros((2, row_bytes // 4), np.uint32)
+    gathered = np.asarray(_gather_pages(state.k_pages, state.v_pages, jnp.asarray([1, 4])))
+    assert gathered.dtype == np.uint32
+    layout = [np.asarray(pool[p]).view(np.uint8).reshape(-1) for p in (1, 4)
+              for k, v in zip(state.k_pages, state.v_pages) for pool in (k, v)]
+    np.testing.assert_array_equal(gathered.view(np.uint8).reshape(-1), np.concatenate(layout))
+    rows[:, :gathered.shape[1]] = gathered
     moved_k, moved_v = _scatter_pages(state.k_pages, state.v_pages, jnp.asarray([3, 6]), jnp.asarray(rows))
     for before, after in zip(state.k_pages + state.v_pages, moved_k + moved_v):  # page 6 is out of range: dropped
         np.testing.assert_array_equal(np.asarray(after[3]).view(np.uint8), np.asarray(before[1]).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(after[:3]), np.asarray(before[:3]))
-    image = _gather_slot(state.ssm, state.conv, 2, rows=3, row_bytes=256)
+    image = _gather_slot(state.ssm, state.conv, 2, rows=3, row_words=64)
+    packed = np.concatenate([np.asarray(pool[2]).view(np.uint8).reshape(-1)
+                             for s, c in zip(state.ssm, state.conv) for pool in (s, c)])
+    np.testing.assert_array_equal(np.asarray(image).view(np.uint8).reshape(-1)[:packed.size], packed)
     ssm, conv = _scatter_slot(state.ssm, state.conv, 0, image)
     for before, after in zip(state.ssm + state.conv, ssm + conv):
         np.testing.assert_array_equal(np.asarray(after[0]).view(np.uint8), np.asarray(before[2]).view(np.uint8))
