@@ -1189,8 +1189,8 @@ def rewrite_report(path: str) -> int:
     return 0
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.rewrite_report:
         return rewrite_report(args.rewrite_report)
     if args.arm:
@@ -1207,6 +1207,11 @@ def main() -> int:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}; known: {ARMS}")
+    floor = args.probe_reserve + 30 + ARM_FLOOR_S * (len(arms) - 1)
+    if args.deadline and args.deadline <= floor:  # else the first arm is skipped and the run measures nothing
+        raise SystemExit(f"--deadline {args.deadline:g} s is too short for {len(arms)} arm(s): the first needs more "
+                         f"than its --probe-reserve ({args.probe_reserve:g} s) + 30 s, and every further arm keeps "
+                         f"{ARM_FLOOR_S} s; give more than {floor:g} s")
     results, t0 = reused_arms(args.reuse_results, arms, args.reuse_arms), time.perf_counter()
     for i, arm in enumerate(arms):
         left = args.deadline - (time.perf_counter() - t0)

@@ -265,3 +265,14 @@ def test_the_device_trace_summary_counts_only_device_events(tmp_path):
     assert summary["threads"] == [
         {"name": "/device:GPU:0/8", "events": 2, "busy_us": 1700.0, "span_us": 1700.0},
         {"name": "Stream #7", "events": 1, "busy_us": 500.0, "span_us": 500.0}]
+
+
+def test_a_deadline_too_short_for_the_first_arm_is_refused_before_any_work(tmp_path):
+    from bench_prefix_cache import main
+
+    with pytest.raises(SystemExit, match="--deadline 170 s is too short for 1 arm"):
+        main(["--arms", "hpc", "--deadline", "170", "--probe-reserve", "140", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="give more than 230 s"):  # 100 + 30 for the first arm, 100 for the second
+        main(["--arms", "hpc,align", "--deadline", "200", "--probe-reserve", "100", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # no report of a run that measured nothing
+
