@@ -29,6 +29,13 @@ def default_compile_cache_dir() -> str:
     return str(base / "ninfer_jax" / "xla")
 
 
+def add_compile_cache_argument(parser) -> None:
+    """The entry points' `--compile-cache-dir` option (on an argparse parser or argument group)."""
+    parser.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
+                        help="keep compiled programs here for the next start; none: off (default "
+                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/ninfer_jax/xla)")
+
+
 def enable_compile_cache(path: str | None) -> str | None:
     """Turns jax's persistent compilation cache on at `path` (None or one of OFF: off); returns the folder used.
 
@@ -96,4 +103,5 @@ def _decompresses(data: bytes) -> bool:
         return False
 
 
-__all__ = ["default_compile_cache_dir", "drop_damaged_entries", "enable_compile_cache"]
+__all__ = ["add_compile_cache_argument", "default_compile_cache_dir", "drop_damaged_entries",
+           "enable_compile_cache"]

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ninfer_jax import Engine, SamplingParams
-from ninfer_jax.compile_cache import default_compile_cache_dir, enable_compile_cache
+from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
     p.add_argument("--kernels", default="reference", choices=["reference", "pallas"])
-    p.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
-                   help="keep compiled programs here for the next run; none: off (default "
-                        "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/ninfer_jax/xla)")
+    add_compile_cache_argument(p)
     return p
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ninfer_jax.compile_cache import default_compile_cache_dir, enable_compile_cache
+from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 
 MAX_CONCURRENCY = 8  # spec scope: max_concurrency 1..8
 
@@ -69,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admit a request while another prefills (needed for in-flight coalescing)")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
-    engine.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
-                        help="keep compiled programs here for the next start; none: off (default "
-                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/ninfer_jax/xla)")
+    add_compile_cache_argument(engine)
     cache = parser.add_argument_group("hybrid prefix cache (spec §14.2; unset values are derived)")
     cache.add_argument("--no-prefix-reuse", action="store_true", help="disable the prefix cache")
     cache.add_argument("--host-cache-mib", type=_non_negative,
