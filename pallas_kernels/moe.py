@@ -8,8 +8,9 @@ up columns; down [E, I, H].
 Names: T tokens, K experts per token, R = T*K routed rows (row r = t*K + k), E experts, H hidden,
 I expert intermediate, BM/BN/BK tile sides, P padded rows (a multiple of BM).
 
-Both paths run the same two kernels over row tiles of one expert each; they differ in how rows are
-laid out into tiles:
+Three paths. Prefill and wide decode run the same two kernels over row tiles of one expert each; they
+differ in how rows are laid out into tiles (steps 1-4 below). Narrow decode (R <= `gemv_max_rows`, one
+lane) runs two split-K matrix-vector kernels instead (step 5).
   1. Layout. Prefill (R > `MoeConfig.decode_max_rows`), the moe_align_block_size idea of vLLM's fused_moe
      and the group offsets of megablox's gmm: `_align_rows` sorts the R rows by expert (one int32 key per
      row, so XLA runs a single-operand sort) and pads each expert's run to a multiple of BM. Decode
@@ -25,6 +26,13 @@ laid out into tiles:
   3. `_down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
      token order (row r of y [R + 1, H]; padding goes to the spare row R).
   4. out = y[:R].reshape(T, K, H).sum(1) in float32 (one fused XLA reduction, no scatter).
+  5. Narrow decode: every routed row is a matrix-vector product over its own expert. A row's 16-row tile
+     leaves too few programs (R * I / BN) in flight to keep HBM busy, and narrow column blocks read each
+     weight row in 64-byte pieces. `_gemv_gate_up_call` splits the H contraction into S pieces (grid
+     column block x row x split, wide column blocks), each program writing float32 partial sums
+     [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in the
+     tiled path); `_gemv_down_call` does the same over I ([S2, R, H] partials), and the final reduction
+     sums splits and experts with the routing weights in float32.
 
 Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
 and index ref is passed whole and indexed inside the kernel with ids loaded from an index array; block
@@ -55,7 +63,8 @@ def _is_pow2(n: int) -> bool:
 class MoeConfig:
     """Tuning knobs (hashable: a static jit argument). Block sides are clamped to the problem's dims.
 
-    Prefill: block_m rows per tile (also the per-expert padding unit), block_n columns of gate (and of
+    Narrow decode (R <= gemv_max_rows) has its own gemv_* column blocks, contraction steps, splits,
+    warps and stages. Prefill: block_m rows per tile (also the per-expert padding unit), block_n columns of gate (and of
     up) per program, block_k the contraction step over H; the down projection uses down_block_n
     columns of H and down_block_k steps over I. Decode (16-row tiles, one routed row each) has its own
     decode_* column blocks, steps, warps and pipeline stages.
@@ -75,6 +84,15 @@ class MoeConfig:
     decode_down_block_k: int = 256
     decode_num_warps: int = 4
     decode_num_stages: int = 4
+    gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
+    gemv_block_n: int = 128
+    gemv_block_k: int = 64
+    gemv_splits: int = 8  # pieces of the H contraction in gate_up
+    gemv_down_block_n: int = 128
+    gemv_down_block_k: int = 64
+    gemv_down_splits: int = 2  # pieces of the I contraction in down
+    gemv_num_warps: int = 4
+    gemv_num_stages: int = 4
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -84,6 +102,8 @@ class MoeConfig:
             if "block" in f.name and (v < 16 or not _is_pow2(v)):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two >= 16, got {v}")
             if f.name.endswith("num_warps") and not _is_pow2(v):
+                raise ValueError(f"MoeConfig.{f.name} must be a power of two, got {v}")
+            if f.name.endswith("splits") and not _is_pow2(v):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two, got {v}")
             if f.name.endswith("num_stages") and v < 1:
                 raise ValueError(f"MoeConfig.{f.name} must be >= 1, got {v}")
@@ -209,6 +229,67 @@ def _down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, bloc
     )(tile_expert, sorted_rows, row_weight, act, down)
 
 
+def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, part_ref, *, top_k: int, block_n: int,
+                         block_k: int, steps: int):
+    # expert_ids_ref: [R] int32           x_ref: [T, H]            gate_up_ref: [E, H, 2I]
+    # part_ref (out): [S, R, 2I] f32, this program writes the gate and the up columns of its block n
+    # for row r, summed over its split s of H (steps * block_k rows of the weights)
+    n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e, t = expert_ids_ref[r], lax.div(r, top_k)
+    inter = part_ref.shape[2] // 2
+    cdt = gate_up_ref.dtype
+
+    def body(i, acc):
+        acc_g, acc_u = acc
+        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+        xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)[:, None]  # [BK, 1]
+        wg = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)].astype(jnp.float32)
+        wu = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(inter + n * block_n, block_n)].astype(jnp.float32)
+        return acc_g + jnp.sum(xv * wg, axis=0), acc_u + jnp.sum(xv * wu, axis=0)
+
+    zero = jnp.zeros((block_n,), jnp.float32)
+    g, u = lax.fori_loop(0, steps, body, (zero, zero))
+    part_ref[s, r, pl.ds(n * block_n, block_n)] = g
+    part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
+
+
+def _gemv_down_kernel(expert_ids_ref, act_ref, down_ref, part_ref, *, block_n: int, block_k: int,
+                      steps: int):
+    # expert_ids_ref: [R] int32    act_ref: [R, I]    down_ref: [E, I, H]
+    # part_ref (out): [S2, R, H] f32, this program writes row r's column block n summed over split s of I
+    n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = expert_ids_ref[r]
+
+    def body(i, acc):
+        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+        av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[:, None]  # [BK, 1]
+        wd = down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)].astype(jnp.float32)
+        return acc + jnp.sum(av * wd, axis=0)
+
+    part_ref[s, r, pl.ds(n * block_n, block_n)] = lax.fori_loop(
+        0, steps, body, jnp.zeros((block_n,), jnp.float32))
+
+
+def _gemv_call(kernel, name, expert_ids, vec, weights, *, out_cols, block_n, block_k, splits, num_warps,
+               num_stages, interpret, **kw):
+    """One split-K matrix-vector kernel: grid (column block, routed row, split), whole-array refs."""
+    rows, contraction = expert_ids.shape[0], weights.shape[1]
+    splits = min(splits, contraction // block_k)  # small shapes: fewer, whole pieces
+    steps = contraction // (splits * block_k)
+    if contraction % (splits * block_k):
+        raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of "
+                         f"splits {splits} x block_k {block_k}")
+    kernel = functools.partial(kernel, block_n=block_n, block_k=block_k, steps=steps, **kw)
+    return pl.pallas_call(
+        kernel,
+        grid=(out_cols // block_n, rows, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, weights.shape[2]), jnp.float32),
+        compiler_params=_compat.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(expert_ids, vec, weights)
+
+
 def _align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
     """Sort the R routed rows by expert and pad each expert's run to a multiple of block_m.
 
@@ -281,7 +362,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     Returns:
       [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k].
       Products accumulate in float32; with bf16 weights the activation act and each weighted expert
-      output are rounded to bf16 once (relative error ~1e-3 against the float32 reference).
+      output are rounded to bf16 once (relative error ~1e-3 against the float32 reference); the narrow
+      decode path keeps the expert outputs in float32.
     """
     t, h = x.shape
     num_experts, inter = down.shape[0], down.shape[1]
@@ -305,6 +387,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     flat_ids = expert_ids.reshape(rows).astype(jnp.int32)
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
 
+    if rows <= cfg.gemv_max_rows:
+        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
         sorted_rows, tile_expert = _rows_as_tiles(flat_ids, block_m)
@@ -326,6 +410,22 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret)
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+
+
+def _gemv_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
+    """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels."""
+    h, inter = x.shape[1], down.shape[1]
+    common = dict(num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages, interpret=interpret)
+    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", flat_ids, x, gate_up, out_cols=inter,
+                      block_n=_block(cfg.gemv_block_n, inter, "I"), block_k=_block(cfg.gemv_block_k, h, "H"),
+                      splits=cfg.gemv_splits, top_k=k, **common)
+    gu = part.sum(axis=0)  # [R, 2I] float32
+    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
+    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", flat_ids, act, down, out_cols=h,
+                      block_n=_block(cfg.gemv_down_block_n, h, "H"),
+                      block_k=_block(cfg.gemv_down_block_k, inter, "I"), splits=cfg.gemv_down_splits, **common)
+    y = part.sum(axis=0) * flat_w[:, None]  # [R, H] float32
+    return y.reshape(t, k, h).sum(axis=1)
 
 
 # The plain-jnp reference these kernels match lives with the others in `reference.py`.

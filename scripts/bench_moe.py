@@ -50,14 +50,25 @@ CHECK_TOKENS = 32  # reference subset above this many tokens
 
 # Configs swept per regime; "default" (config=None: `moe.default_config`) always runs first.
 C = moe.MoeConfig
-DECODE_CONFIGS = {  # the defaults: n32k256dn64k256 (R <= 16), n64k128dn128k128 (16 < R <= 64), w4 s4
-    "n32k256dn64k256": C(),
-    "n16k256dn32k256": C(decode_block_n=16, decode_down_block_n=32),
+TILED = dict(gemv_max_rows=0)
+GEMV_ALL = dict(gemv_max_rows=64)  # the split-K matrix-vector path at 8 tokens too
+DECODE_CONFIGS = {  # tiled: n32k256dn64k256 (R <= 16), n64k128dn128k128 (16 < R <= 64), w4 s4
+    "n32k256dn64k256": C(**TILED),
     "n64k128dn128k128": C(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
-                          decode_down_block_k=128),
-    "n32k128dn64k128s3": C(decode_block_k=128, decode_down_block_k=128, decode_num_stages=3),
-    "n16k512dn32k512w8s3": C(decode_block_n=16, decode_block_k=512, decode_down_block_n=32,
-                             decode_down_block_k=512, decode_num_warps=8, decode_num_stages=3),
+                          decode_down_block_k=128, **TILED),
+    # split-K matrix-vector (gemv_*): column block, step, splits of H | down column block, step, splits of I
+    "gemv_n128k64s8_d128k64s2": C(**GEMV_ALL),
+    "gemv_n128k64s4_d128k64s1": C(gemv_splits=4, gemv_down_splits=1, **GEMV_ALL),
+    "gemv_n128k64s16_d128k64s4": C(gemv_splits=16, gemv_down_splits=4, **GEMV_ALL),
+    "gemv_n256k32s8_d256k32s2": C(gemv_block_n=256, gemv_block_k=32, gemv_down_block_n=256,
+                                  gemv_down_block_k=32, **GEMV_ALL),
+    "gemv_n64k128s8_d64k128s2": C(gemv_block_n=64, gemv_block_k=128, gemv_down_block_n=64,
+                                  gemv_down_block_k=128, **GEMV_ALL),
+    "gemv_n128k64s8_d128k64s2_w8": C(gemv_num_warps=8, **GEMV_ALL),
+    "gemv_n128k64s8_d128k64s2_st2": C(gemv_num_stages=2, **GEMV_ALL),
+    "gemv_n128k64s8_d128k64s2_st3": C(gemv_num_stages=3, **GEMV_ALL),
+    "gemv_n128k32s16_d128k32s4": C(gemv_block_k=32, gemv_splits=16, gemv_down_block_k=32,
+                                   gemv_down_splits=4, **GEMV_ALL),
 }
 SPARSE_CONFIGS = {  # prefill with few rows per expert (512 tokens: 16 per expert); default m32n128k64w4s4
     "m16n128k64w4s4": C(block_m=16, num_warps=4, num_stages=4),

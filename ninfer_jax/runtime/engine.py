@@ -92,7 +92,7 @@ class Engine:
         self.runner = ModelRunner(
             self.config, params, KernelConfig(o.kernels, o.interpret), num_pages=num_pages, num_slots=num_slots,
             max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
-            max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype,
+            max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype, batch_invariant=o.batch_invariant,
         )
         log.info("engine options | %s", o.summary())
         log.info(

@@ -23,6 +23,10 @@ class EngineOptions:
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
     memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
+    # Every decode round runs all max_concurrency rows, so a request's tokens never depend on what else runs (a
+    # round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order depends on
+    # the row count). Costs speed at low concurrency: one 35B-A3B lane computes 8 rows.
+    batch_invariant: bool = False
     # Hybrid prefix cache (spec §14.2); None = derived.
     no_prefix_reuse: bool = False
     host_cache_mib: int = 8192  # the Host slab pool (spec §5.4); 0 = Device only

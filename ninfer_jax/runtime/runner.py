@@ -2,7 +2,7 @@
 
 Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
 that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
-one decode batch of C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row),
+decode rounds of 1, 2, 4, ... C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row),
 all compiled by `warmup()`; `compile_count()` lets tests prove that serving never compiles again. Each
 step's host inputs arrive packed in one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
@@ -30,7 +30,7 @@ from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-from ninfer_jax.runtime.sampling import MAX_LOGPROBS, sample
+from ninfer_jax.runtime.sampling import MAX_LOGPROBS, TOP_K_GROUPS, sample
 
 log = logging.getLogger("ninfer_jax.runner")
 
@@ -96,7 +96,7 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     return packed
 
 
-def _prefill_step(params, cfg, kc, full, layout, state, packed):
+def _prefill_step(params, cfg, kc, full, top_k_groups, layout, state, packed):
     size, taps = layout  # static: the bucket's token count and the tap capacity
     tokens, scalars = packed[:size], packed[size:size + PREFILL_SCALARS]
     tap_positions = packed[size + PREFILL_SCALARS:size + PREFILL_SCALARS + taps]
@@ -108,33 +108,49 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed):
         params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions, tap_slots
     )
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
-    out = sample(qwen3_5.logits(params, last), sampler, full=full, num_logprobs=MAX_LOGPROBS)
+    out = sample(qwen3_5.logits(params, last), sampler, full=full, num_logprobs=MAX_LOGPROBS,
+                 top_k_groups=top_k_groups)
     return out, state
 
 
-DECODE_COLUMNS = 10  # tokens, positions, slots, active, use_prev, then the five sampler columns
+# tokens, positions, slots, active, use_prev, lane, then the five sampler columns
+DECODE_COLUMNS = 11
 
 
-def pack_decode_inputs(tokens, positions, page_tables, slots, active, use_prev, sampler) -> np.ndarray:
-    """A decode round's inputs as int32 [C, DECODE_COLUMNS + max_pages]."""
-    columns = [np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(slots, np.int32),
-               np.asarray(active, np.int32), np.asarray(use_prev, np.int32), *_sampler_columns(sampler)]
-    return np.concatenate([np.stack(columns, axis=1), np.asarray(page_tables, np.int32)], axis=1)
+def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, use_prev, sampler) -> np.ndarray:
+    """A decode round's rows as int32 [size, DECODE_COLUMNS + max_pages]: row i is lane lanes[i] (its entries of
+    the [C] lane arrays), then padding rows up to the bucket `size`, inactive and marked lane C (past every
+    lane, so the step drops their outputs). A padding row takes the state slot of a lane not in the round:
+    the GDN step writes every row's slot back (an inactive row's unchanged), so slots must be distinct."""
+    lanes = np.asarray(lanes, np.int64)
+    n, c = len(lanes), len(tokens)
+    lane_columns = [np.asarray(col, np.int32) for col in (tokens, positions, slots, np.ones(c), use_prev, np.arange(c))]
+    columns = lane_columns + _sampler_columns(sampler)
+    packed = np.zeros((size, DECODE_COLUMNS + page_tables.shape[1]), np.int32)
+    packed[:n, :DECODE_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
+    packed[:n, DECODE_COLUMNS:] = np.asarray(page_tables)[lanes]
+    packed[n:, 5] = c
+    packed[n:, 2] = np.asarray(slots, np.int32)[np.setdiff1d(np.arange(c), lanes)[:size - n]]
+    return packed
 
 
 def _unpack_decode_inputs(packed):
     col = [packed[:, i] for i in range(DECODE_COLUMNS)]
-    sampler, page_tables = _sampler_from_columns(col[5:]), packed[:, DECODE_COLUMNS:]
-    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, sampler, page_tables
+    sampler, page_tables = _sampler_from_columns(col[6:]), packed[:, DECODE_COLUMNS:]
+    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables
 
 
-def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
-    tokens, positions, slots, active, use_prev, sampler, page_tables = _unpack_decode_inputs(packed)
+def _decode_step(params, cfg, kc, full, top_k_groups, state, packed, prev_tokens):
+    """One decode round over a bucket of rows (active lanes first, then padding); outputs come back indexed
+    by lane ([C] like prev_tokens, zero for lanes not in the round)."""
+    tokens, positions, slots, active, use_prev, lanes, sampler, page_tables = _unpack_decode_inputs(packed)
     # A lane whose previous round is still in flight takes its token from that round's output on the device.
-    tokens = jnp.where(use_prev, prev_tokens, tokens)
+    tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
     hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
-    out = sample(qwen3_5.logits(params, hidden), sampler, full=full, num_logprobs=MAX_LOGPROBS)
-    return out, state
+    out = sample(qwen3_5.logits(params, hidden), sampler, full=full, num_logprobs=MAX_LOGPROBS,
+                 top_k_groups=top_k_groups)
+    c = prev_tokens.shape[0]
+    return jax.tree.map(lambda x: jnp.zeros((c,) + x.shape[1:], x.dtype).at[lanes].set(x, mode="drop"), out), state
 
 
 # The cache's copies and transfers take and donate only the pools they write (the KV pools, or the GDN
@@ -229,15 +245,15 @@ def _scatter_slot(ssm_pools, conv_pools, slot, rows):
     return tuple(ssm), tuple(conv)
 
 
-def transfer_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch sizes compiled for page transfers: the powers of two below max_batch, then max_batch. Any count is
-    a sum of them (split_transfer), so no transfer moves a padding row: padding a 16-page write to a 64-page
-    bucket moved 4x its bytes across PCIe."""
+def pow2_buckets(largest: int) -> tuple[int, ...]:
+    """The powers of two below `largest`, then `largest`: the compiled sizes of decode rounds (lanes) and of page
+    transfers. Any count is a sum of them (split_transfer), so no transfer moves a padding row (padding a 16-page
+    write to a 64-page bucket moved 4x its bytes across PCIe), and a round pads to less than twice its lanes."""
     sizes, n = [], 1
-    while n < max_batch:
+    while n < largest:
         sizes.append(n)
         n *= 2
-    return tuple(sizes) + (max_batch,)
+    return tuple(sizes) + (largest,)
 
 
 def split_transfer(count: int, sizes: tuple[int, ...]) -> list[int]:
@@ -267,16 +283,21 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
-                 kv_dtype, conv_dtype):
+                 kv_dtype, conv_dtype, batch_invariant: bool = False):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
         self.max_lanes, self.max_taps = max_lanes, max_taps
+        # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
+        self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
+        # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not
+        # (docs/benchmarks/sampler_topk_probe.md); on CPU lax.top_k is the faster.
+        self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
-        static = ("cfg", "kc", "full")
+        static = ("cfg", "kc", "full", "top_k_groups")
         self._steps = {
             "prefill": jax.jit(_own(_prefill_step), static_argnames=static + ("layout",),
                                donate_argnames=("state",)),
@@ -293,7 +314,7 @@ class ModelRunner:
         if row_bytes % WORD_BYTES:
             raise ValueError(f"transfer rows of {row_bytes} B are not a whole number of {WORD_BYTES}-byte words")
         self.row_bytes, self.image_rows = row_bytes, image_rows
-        self.transfer_sizes = transfer_buckets(max(1, min(max_batch, self.state.num_pages)))
+        self.transfer_sizes = pow2_buckets(max(1, min(max_batch, self.state.num_pages)))
         device = jax.devices()[0]
         kinds = {m.kind for m in device.addressable_memories()}
         # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md: 51 GB/s D2H).
@@ -335,21 +356,31 @@ class ModelRunner:
 
     def _prefill_packed(self, packed: np.ndarray, size: int, full: bool):
         # The packed array is new, so the step may read it later (on CPU jax can alias a numpy buffer).
-        out, state = self._steps["prefill"](self.params, self.cfg, self.kernels, full, (size, self.max_taps),
-                                            self.state, jnp.asarray(packed))
+        out, state = self._steps["prefill"](self.params, self.cfg, self.kernels, full, self.top_k_groups,
+                                            (size, self.max_taps), self.state, jnp.asarray(packed))
         self._swap(state)
         return out
 
+    def decode_size(self, lanes: int) -> int:
+        return next(size for size in self.decode_sizes if lanes <= size)
+
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
                use_prev=None):
-        """One decode round over max_lanes lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
-        inactive lanes untouched). A lane with use_prev set feeds prev_tokens[lane] (the previous round's token
-        output, still on the device) instead of tokens[lane], so a round can be dispatched before the previous
-        one is read back."""
+        """One decode round over the active lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
+        inactive lanes untouched), run as a batch of the next compiled size: one active lane computes one row,
+        not C (at 35B-A3B every padding row also routed to experts whose weights the round then read). A lane
+        with use_prev set feeds prev_tokens[lane] (the previous round's token output, still on the device)
+        instead of tokens[lane], so a round can be dispatched before the previous one is read back. Outputs are
+        indexed by lane."""
         if prev_tokens is None:
             prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
-        packed = pack_decode_inputs(tokens, positions, page_tables, slots, active, use_prev, sampler)
-        out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
+        lanes = np.flatnonzero(active)
+        packed = pack_decode_inputs(lanes, self.decode_size(len(lanes)), tokens, positions, page_tables, slots,
+                                    use_prev, sampler)
+        return self._decode_packed(packed, full, prev_tokens)
+
+    def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens):
+        out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.top_k_groups, self.state,
                                            jnp.asarray(packed), prev_tokens)
         self._swap(state)
         return out
@@ -405,7 +436,7 @@ class ModelRunner:
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         variants = (False, True)
-        total = len(self.buckets) * len(variants) + len(variants)
+        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants)
         done = 0
         for full in variants:
             for size in self.buckets:
@@ -415,11 +446,13 @@ class ModelRunner:
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)
-            out = self.decode(np.zeros(c), np.zeros(c), np.zeros((c, self.max_pages)), np.arange(c),
-                              np.zeros(c, bool), lanes, full=full)
-            done += 1
-            log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
-                     c, "full" if full else "greedy", done, total, time.perf_counter() - start)
+            for size in self.decode_sizes:  # rounds of padding rows only: nothing is written
+                packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
+                                            np.zeros(c), np.zeros(c), lanes)
+                out = self._decode_packed(packed, full, self._no_prev)
+                done += 1
+                log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
+                         size, "full" if full else "greedy", done, total, time.perf_counter() - start)
         jax.block_until_ready(out)
         return time.perf_counter() - start + self.warmup_copies()
 

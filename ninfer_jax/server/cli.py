@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=_positive, help="context length (default min(config, 32768))")
     engine.add_argument("--concurrent-prefill", action="store_true",
                         help="admit a request while another prefills (needed for in-flight coalescing)")
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="decode every round at full width, so outputs never depend on other requests "
+                             "(slower at low concurrency)")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
     add_compile_cache_argument(engine)
@@ -115,6 +118,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             engine[key] = value
     if args.concurrent_prefill:
         engine["concurrent_prefill"] = True
+    if args.batch_invariant:
+        engine["batch_invariant"] = True
     for flag, value in given.items():
         engine[CACHE_FLAGS[flag]] = value
     if prefix_file is not None:

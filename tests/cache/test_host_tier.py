@@ -18,7 +18,7 @@ from ninfer_jax.prefix_cache.tree import ABSENT, RESIDENT
 from ninfer_jax.model.state import DeviceState
 from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTier
 from ninfer_jax.runtime.runner import (_gather_pages, _gather_slot, _scatter_pages, _scatter_slot, split_transfer,
-                                       transfer_buckets)
+                                       pow2_buckets)
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
 from test_host_faults import io_error
@@ -186,12 +186,12 @@ def test_a_restore_copy_failing_after_its_dispatch_is_reported_once():
 
 
 def test_transfer_batches_sum_exactly_to_the_pages_moved():
-    assert transfer_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and transfer_buckets(40)[-2:] == (32, 40)
-    assert split_transfer(16, transfer_buckets(64)) == [16]
-    assert split_transfer(150, transfer_buckets(64)) == [64, 64, 16, 4, 2]
-    assert split_transfer(63, transfer_buckets(40)) == [40, 16, 4, 2, 1]
+    assert pow2_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and pow2_buckets(40)[-2:] == (32, 40)
+    assert split_transfer(16, pow2_buckets(64)) == [16]
+    assert split_transfer(150, pow2_buckets(64)) == [64, 64, 16, 4, 2]
+    assert split_transfer(63, pow2_buckets(40)) == [40, 16, 4, 2, 1]
     for count in range(200):
-        assert sum(split_transfer(count, transfer_buckets(64))) == count
+        assert sum(split_transfer(count, pow2_buckets(64))) == count
 
 
 def test_writes_and_restores_move_no_padding_rows():

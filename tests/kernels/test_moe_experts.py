@@ -23,9 +23,9 @@ from pallas_kernels import reference as ref
 INTERPRET = jax.default_backend() == "cpu"
 E, K, H, I = 8, 2, 64, 32
 
-# Prefill path with 16-row tiles (several tiles per expert, padding in most); the default decode path.
-PREFILL = moe.MoeConfig(block_m=16, decode_max_rows=0)
-DECODE = moe.MoeConfig()
+# Prefill path with 16-row tiles (several tiles per expert, padding in most); the tiled decode path.
+PREFILL = moe.MoeConfig(block_m=16, decode_max_rows=0, gemv_max_rows=0)
+DECODE = moe.MoeConfig(gemv_max_rows=0)
 
 
 def _inputs(seed: int, t: int, dtype, routing: str):
@@ -83,7 +83,7 @@ def test_decode_path_matches_reference(t, routing, dtype):
 @pytest.mark.parametrize("t,routing,dtype", [(40, "router", jnp.bfloat16), (13, "one_expert", jnp.float32)])
 def test_prefill_default_tiles(t, routing, dtype):
     """DEFAULT_CONFIG's 128-row tiles: at these tiny shapes most of each tile is padding."""
-    _check(dataclasses.replace(moe.DEFAULT_CONFIG, decode_max_rows=0), t, dtype, routing)
+    _check(dataclasses.replace(moe.DEFAULT_CONFIG, decode_max_rows=0, gemv_max_rows=0), t, dtype, routing)
 
 
 @pytest.mark.parametrize("routing", ["router", "one_expert"])
@@ -145,3 +145,30 @@ def test_lowers_to_triton_at_35b_a3b_shapes(tokens):
     text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     assert text.count(target) == 2  # gate_up and down kernels
+
+
+# The split-K matrix-vector path at the tiny shapes: 16-wide column blocks and 16-deep steps, so both
+# kernels split their contraction (H=64: 2 pieces of 2 steps; I=32: 2 pieces of 1 step).
+GEMV = moe.MoeConfig(gemv_block_n=16, gemv_block_k=16, gemv_splits=2, gemv_down_block_n=16,
+                     gemv_down_block_k=16, gemv_down_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("routing", ["router", "one_expert"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_gemv_decode_path_matches_reference(t, routing, dtype):
+    _check(dataclasses.replace(GEMV, gemv_max_rows=t * K), t, dtype, routing)
+
+
+def test_one_lane_takes_the_gemv_path_and_more_lanes_the_tiles():
+    """Which kernels the defaults pick at the 35B-A3B shapes: one lane (8 rows) the split-K pair."""
+    _compat.lower_for_h200()
+    e, k, h, i = 256, 8, 2048, 512
+    spec = jax.ShapeDtypeStruct
+    names = {}
+    for tokens in (1, 8):
+        args = (spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.int32), spec((tokens, k), jnp.float32),
+                spec((e, h, 2 * i), jnp.bfloat16), spec((e, i, h), jnp.bfloat16))
+        names[tokens] = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_gemv_gate_up" in names[1] and "moe_gemv_down" in names[1]
+    assert "moe_gemv" not in names[8] and "moe_gate_up" in names[8]

@@ -85,6 +85,31 @@ def test_outputs_do_not_depend_on_prefill_chunk_or_concurrency(engine8, checkpoi
     assert sequential == concurrent
 
 
+def test_a_decode_round_runs_its_active_lanes_padded_to_a_power_of_two(engine8, hf_greedy, monkeypatch):
+    sizes = []
+    run = engine8.runner._decode_packed
+    monkeypatch.setattr(engine8.runner, "_decode_packed", lambda packed, *a: (sizes.append(len(packed)), run(packed, *a))[1])
+    prompt = _prompts(1, seed=11)[0]
+    assert engine8.generate(prompt, GREEDY).token_ids == hf_greedy(prompt, 12)
+    assert set(sizes) == {1}  # one lane: one row, not eight
+    sizes.clear()
+    prompts = _prompts(3, seed=12)
+    outs = engine8.generate_many(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(p, 12) for p in prompts]
+    assert 4 in sizes and max(sizes) == 4 and set(sizes) <= {1, 2, 4}
+
+
+def test_batch_invariant_rounds_run_every_lane_and_match_transformers(checkpoint, hf_greedy):
+    prompts = _prompts(3, seed=9)
+    with Engine.from_pretrained(checkpoint, max_concurrency=4, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=32 * 64, output_window=64, batch_invariant=True) as engine:
+        assert engine.runner.decode_sizes == (4,)
+        outs = engine.generate_many(prompts, GREEDY)
+        engine.check_ledger()
+        assert engine.stats()["compiles_since_warmup"] == 0
+    assert [o.token_ids for o in outs] == [hf_greedy(p, 12) for p in prompts]
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engine8):
     prompt = _prompts(1, seed=4)[0]
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)

@@ -30,10 +30,12 @@ def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
     options = _options("--model", str(tmp_path), "--host-cache-mib", "1024", "--device-snapshot-slots", "6",
                        "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192", "--cache-tap-min-gap", "2048",
                        "--prefix-cache-file", str(tmp_path / "cache.bin"), "--concurrent-prefill",
-                       "--kv-capacity", "65536", "--prefill-chunk", "512", "--max-model-len", "4096")
+                       "--kv-capacity", "65536", "--prefill-chunk", "512", "--max-model-len", "4096",
+                       "--batch-invariant")
     assert options.engine == {
         "path": str(tmp_path), "dtype": "auto", "max_concurrency": 4, "kv_capacity": 65536, "no_prefix_reuse": False,
         "warmup": True, "prefill_chunk": 512, "max_model_len": 4096, "concurrent_prefill": True,
+        "batch_invariant": True,
         "host_cache_mib": 1024, "device_snapshot_slots": 6, "max_new_taps": 3, "tap_ladder_tokens": 8192,
         "tap_min_gap_tokens": 2048, "prefix_cache_file": str((tmp_path / "cache.bin").resolve()),
     }
