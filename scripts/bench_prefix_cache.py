@@ -56,11 +56,11 @@ HOST_HEAVY_ARMS = ("hpc", "align_device", "no_reuse")  # the Host-heavy run's
 # The Host-heavy run, whose Device is too small for the trace, measures its "align" target against
 # align_device: a Host tier holding every snapshot is this project's design, not align's; given that Host
 # tier, align differs from HPC only in where it snapshots, and its ratio is reported beside the targets.
-# align_device takes the cache arms' tap capacity (it plans at most one tap per request) and, in the
-# Host-heavy run, their snapshot slots (HOST_HEAVY), so it shares their compiled programs instead of a cold
-# compile of its own (~2.5 min at 35B-A3B).
+# align_device takes the cache arms' snapshot slots and tap capacity (their defaults with a Host tier; it plans
+# at most one tap per request), so it shares their compiled programs instead of a cold compile of its own
+# (~2.5 min at 35B-A3B; `build_engine`).
 ARM_OPTIONS = {"hpc": {}, "align": {"cache_policy": "align"}, "no_reuse": {},
-               "align_device": {"cache_policy": "align", "host_cache_mib": 0, "max_new_taps": 8}}
+               "align_device": {"cache_policy": "align", "host_cache_mib": 0}}
 
 
 def arm_sampling(arm: str, **fields):
@@ -287,12 +287,16 @@ def build_engine(arm: str, args):
     """A fresh engine for the arm: the built-in tiny checkpoint on CPU (--smoke) or random bf16 weights at
     the real shapes. Returns (engine, tokenizer, seconds to build it)."""
     from ninfer_jax.frontend import load_tokenizer
+    from ninfer_jax.runtime.options import default_max_new_taps, default_snapshot_slots
 
     overrides = dict(ARM_OPTIONS[arm])
     if args.kv_tokens:  # every arm: the same Device capacity
         overrides["kv_capacity"] = args.kv_tokens
     if args.snapshot_slots:
         overrides["device_snapshot_slots"] = args.snapshot_slots
+    if arm == "align_device":  # the cache arms' pool and tap layout (see ARM_OPTIONS)
+        overrides.setdefault("device_snapshot_slots", default_snapshot_slots(args.max_concurrency, host_tier=True))
+        overrides.setdefault("max_new_taps", default_max_new_taps(host_tier=True))
     if args.host_cache_mib is not None:
         overrides.setdefault("host_cache_mib", args.host_cache_mib)
     start = time.perf_counter()
@@ -1123,8 +1127,7 @@ FULL_DEFAULTS = dict(prefill_chunk=2048, max_model_len=49152, probe_tokens=32768
 # stay under ~20k tokens (the late 30-35k turns run 4-5 at a time), against ~600k distinct tokens (~12 GiB of
 # 35B-A3B KV) in the trace; 32 GiB of page-locked Host (the H200 machine has 128 GiB) holds all of them with
 # their snapshots. The smoke run's 2,048 tokens do the same to the tiny trace.
-# snapshot_slots: the cache arms' default at 8 lanes (C + 1 with a Host tier), given to align_device too.
-HOST_HEAVY = dict(kv_tokens=163_840, host_cache_mib=32_768, probe_reps=0, snapshot_slots=9)
+HOST_HEAVY = dict(kv_tokens=163_840, host_cache_mib=32_768, probe_reps=0)
 SMOKE_HOST_HEAVY = dict(kv_tokens=2048, probe_reps=0)
 REPORT_NAMES = {"trace": "prefix_cache", "host_heavy": "prefix_cache_host", "restore": "prefix_cache_restore"}
 ARM_FLOOR_S = 100  # device time kept back for each arm still to run when --deadline splits the run

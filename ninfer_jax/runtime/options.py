@@ -10,6 +10,16 @@ class OptionsError(ValueError):
     """Conflicting or invalid engine options; the message names the option."""
 
 
+def default_snapshot_slots(max_concurrency: int, host_tier: bool) -> int:
+    """D, the Device snapshot slots, when unset: C + 1 with a Host tier, C + 2 without (spec §14.2)."""
+    return max_concurrency + (1 if host_tier else 2)
+
+
+def default_max_new_taps(host_tier: bool) -> int:
+    """Taps planned per request when unset: 8 with a Host tier, 2 without (spec §14.2)."""
+    return 8 if host_tier else 2
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Engine settings. `resolve()` returns a copy with every derived value filled in."""
@@ -84,8 +94,8 @@ class EngineOptions:
             max_model_len=max_len,
             prefill_chunk=min(self.prefill_chunk, -(-max_len // 64) * 64),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
-            else (c + 1 if host else c + 2),
-            max_new_taps=self.max_new_taps if self.max_new_taps is not None else (8 if host else 2),
+            else default_snapshot_slots(c, host),
+            max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
             tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * self.prefill_chunk),
             tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, self.prefill_chunk),
         )

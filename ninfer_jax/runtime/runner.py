@@ -256,6 +256,14 @@ def pow2_buckets(largest: int) -> tuple[int, ...]:
     return tuple(sizes) + (largest,)
 
 
+def _fit(n: int, sizes: tuple[int, ...], what: str) -> int:
+    """The smallest of the ascending compiled `sizes` that holds n; `what` names n in the error."""
+    for size in sizes:
+        if n <= size:
+            return size
+    raise ValueError(f"{what.format(n)} exceeds the largest compiled size {sizes[-1]}")
+
+
 def split_transfer(count: int, sizes: tuple[int, ...]) -> list[int]:
     """`count` pages as transfer batches of `sizes` (ascending, starting at 1), largest first, summing exactly
     to `count`: at most one batch of each size below the largest."""
@@ -335,10 +343,8 @@ class ModelRunner:
         self.state = new_state
 
     def bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
+        """The compiled prefill length for a chunk of n tokens."""
+        return _fit(n, self.buckets, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
@@ -362,7 +368,8 @@ class ModelRunner:
         return out
 
     def decode_size(self, lanes: int) -> int:
-        return next(size for size in self.decode_sizes if lanes <= size)
+        """The compiled round size for `lanes` active lanes."""
+        return _fit(lanes, self.decode_sizes, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
                use_prev=None):

@@ -184,6 +184,8 @@ def test_align_device_is_reported_beside_the_targets_without_a_host_tier(tmp_pat
     for arm in ("align", "align_device"):
         bench_prefix_cache.build_engine(arm, parse_args(["--smoke", "--host-cache-mib", "64"]))
         assert (built["cache_policy"], built["host_cache_mib"]) == ("align", 64 if arm == "align" else 0)
+    # ... but the cache arms' slots and taps (their Host-tier defaults), so it shares their compiled programs
+    assert (built["device_snapshot_slots"], built["max_new_taps"]) == (parse_args(["--smoke"]).max_concurrency + 1, 8)
 
 
 def test_the_host_section_counts_restored_and_prefetched_blocks(tmp_path):
