@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
-    p.add_argument("--kernels", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "reference", "pallas"],
+                   help="Pallas kernels or the jnp references (auto: pallas on a GPU)")
     add_compile_cache_argument(p)
     return p
 

@@ -11,8 +11,8 @@ prefetch): row r of a key block of `pages_per_block` pages is token r % 64 of pa
     and writes (o, max, sum) partials; a small jnp combine merges the splits (flash-decoding).
   prefill: one program per (block of queries, query head), flash attention over the lane's keys
     [0, base + T): blocks wholly below the causal diagonal without a mask, the rest masked by absolute
-    position. `PrefillConfig.impl = "cudnn"` instead gathers the pages and runs cuDNN flash attention
-    (GPU only) in two parts (prefix keys, non-causal; chunk keys, causal) merged by their log-sum-exps.
+    position. `PrefillConfig.impl = "cudnn"` instead runs cuDNN flash attention (GPU only) on gathered keys:
+    the chunk's own (causal), then the prefix in fixed segments of pages (no mask), merged by log-sum-exp.
 
 Keys at or past the valid length are never loaded (masked loads), so stale or poisoned pool rows cannot
 leak into the softmax. Outputs are float32.
@@ -308,18 +308,20 @@ def _prefill_kernel(
 class PrefillConfig:
     """Tuning knobs of paged prefill attention (hashable: a static argument)."""
 
-    # "pallas", or "cudnn": gather pages + cuDNN flash attention (GPU only). NOTE: the cuDNN path is in
-    # scripts/bench_kernels.py but has not run on the H200 yet (device budget); serve it only after it has.
+    # "pallas", or "cudnn": gathered pages through cuDNN flash attention (GPU only)
     impl: str = "pallas"
-    block_q: int = 64
+    # 128 queries on 8 warps: the fastest of the H200 sweep (docs/benchmarks/kernels.md), 1.09x 64 on 4 warps
+    # in a 32k prefill of the 27B (docs/benchmarks/prefill_profile.md)
+    block_q: int = 128
     pages_per_block: int = 1  # pages per key block (64 keys each)
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
+    cudnn_segment_pages: int = 128  # impl "cudnn": prefix keys gathered per cuDNN call (8192 keys)
 
     def __post_init__(self):
         if self.impl not in ("pallas", "cudnn"):
             raise ValueError(f"PrefillConfig.impl must be 'pallas' or 'cudnn', got {self.impl!r}")
-        for name in ("block_q", "pages_per_block", "num_warps"):
+        for name in ("block_q", "pages_per_block", "num_warps", "cudnn_segment_pages"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"PrefillConfig.{name} must be a power of 2, got {x}")
@@ -355,29 +357,48 @@ def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interp
     return o[:t_len] if interpret else o
 
 
-def _paged_prefill_cudnn(q, k_pages, v_pages, page_table, base):
-    """Gather the lane's pages, then cuDNN flash attention: prefix keys (no mask) + chunk keys (causal)."""
+def _flash_attention(q, k, v, causal, implementation, kv_len=None):
+    """jax.nn's attention ("cudnn" or "xla") of q [1, T, Hq, D] over k, v [1, S, Hkv, D], the first kv_len keys
+    if given -> (o [1, T, Hq, D] f32, log-sum-exp [1, T, Hq] f32)."""
+    lengths = {} if kv_len is None else dict(
+        query_seq_lengths=jnp.full((1,), q.shape[1], jnp.int32), key_value_seq_lengths=kv_len.reshape(1))
+    o, lse = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation,
+                                          return_residual=True, **lengths)
+    return o.astype(_F32), lse.astype(_F32)
+
+
+def _merge(a, b):
+    """Two partial attentions (o, lse) over disjoint key sets -> the attention over their union."""
+    (oa, la), (ob, lb) = a, b
+    m = jnp.maximum(la, lb)
+    wa, wb = jnp.exp(la - m), jnp.exp(lb - m)
+    return (oa * wa[..., None] + ob * wb[..., None]) / (wa + wb)[..., None], m + jnp.log(wa + wb)
+
+
+def _paged_prefill_gathered(q, k_pages, v_pages, page_table, base, segment_pages, implementation):
+    """jax.nn flash attention (cuDNN on the GPU) on gathered keys: the chunk's own rows (causal), then the prefix
+    [0, base) in segments of `segment_pages` pages (no mask; the last one cut by its length), merged by
+    log-sum-exp. Only the segments the prefix reaches are gathered, so the cost follows the lane's length, not
+    its page table's; gathered rows past the prefix are zeroed, so stale pool rows never reach the products."""
     t_len, hq, d = q.shape
     hkv = k_pages.shape[2]
-    k = k_pages[page_table].reshape(-1, hkv, d)[None]  # [1, max_pages * 64, Hkv, D]
-    v = v_pages[page_table].reshape(-1, hkv, d)[None]
-    qb = q.astype(k.dtype)[None]
-    k_chunk = lax.dynamic_slice_in_dim(k, base, t_len, axis=1)
-    v_chunk = lax.dynamic_slice_in_dim(v, base, t_len, axis=1)
-    o2, lse2 = jax.nn.dot_product_attention(
-        qb, k_chunk, v_chunk, is_causal=True, implementation="cudnn", return_residual=True
-    )
-    o1, lse1 = jax.nn.dot_product_attention(
-        qb, k, v, query_seq_lengths=jnp.full((1,), t_len, jnp.int32),
-        key_value_seq_lengths=jnp.maximum(base, 1).reshape(1), implementation="cudnn",
-        return_residual=True,
-    )
-    lse1 = jnp.where(base > 0, lse1.astype(_F32), -jnp.inf)
-    lse2 = lse2.astype(_F32)
-    m = jnp.maximum(lse1, lse2)
-    w1, w2 = jnp.exp(lse1 - m)[..., None], jnp.exp(lse2 - m)[..., None]
-    out = (o1.astype(_F32) * w1 + o2.astype(_F32) * w2) / (w1 + w2)
-    return out[0]
+    qb = q.astype(k_pages.dtype)[None]
+    pos = base + jnp.arange(t_len, dtype=jnp.int32)
+    rows = (page_table[jnp.minimum(pos // PAGE, page_table.shape[0] - 1)], pos % PAGE)
+    acc = _flash_attention(qb, k_pages[rows][None], v_pages[rows][None], True, implementation)
+    seg = segment_pages * PAGE
+    table = jnp.pad(page_table, (0, -page_table.shape[0] % segment_pages))
+
+    def prefix_segment(i, acc):
+        pages = lax.dynamic_slice_in_dim(table, i * segment_pages, segment_pages)
+        n = jnp.minimum(base - i * seg, seg)
+        keep = (jnp.arange(seg) < n)[None, :, None, None]
+        k = jnp.where(keep, k_pages[pages].reshape(1, seg, hkv, d), 0)
+        v = jnp.where(keep, v_pages[pages].reshape(1, seg, hkv, d), 0)
+        return _merge(acc, _flash_attention(qb, k, v, False, implementation, n))
+
+    o, _ = lax.fori_loop(0, (base + seg - 1) // seg, prefix_segment, acc)
+    return o[0]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -388,7 +409,7 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, base, *, interpret=
       q: [T, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D] with the chunk's own keys already written;
       page_table: [max_pages] int32 (entries past the lane's length may be any valid page id);
       base: int32 scalar >= 0.
-      interpret: run the Pallas interpreter (CPU tests; forces impl "pallas").
+      interpret: run the Pallas interpreter (CPU tests); impl "cudnn" then runs XLA's attention instead.
       config: `PrefillConfig` (None: defaults).
     Returns:
       [T, Hq, D] float32. Query i sees key j iff j <= base + i.
@@ -399,6 +420,7 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, base, *, interpret=
         raise ValueError(f"page_table must be [max_pages], got {page_table.shape}")
     base = jnp.asarray(base, jnp.int32)
     page_table = page_table.astype(jnp.int32)
-    if config.impl == "cudnn" and not interpret:
-        return _paged_prefill_cudnn(q, k_pages, v_pages, page_table, base)
+    if config.impl == "cudnn":
+        return _paged_prefill_gathered(q, k_pages, v_pages, page_table, base, config.cudnn_segment_pages,
+                                       "xla" if interpret else "cudnn")
     return _paged_prefill_call(q, k_pages, v_pages, page_table, base, config=config, interpret=interpret)

@@ -73,6 +73,8 @@ def param_counts(cfg):
 
 
 def bench_ours(name: str, args) -> dict:
+    import dataclasses
+
     import jax
 
     from ninfer_jax import Engine, SamplingParams
@@ -101,13 +103,17 @@ def bench_ours(name: str, args) -> dict:
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
               "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
               "decode_roofline_tok_s_1lane": tbps * 1e12 / decode_bytes}
-    for n in (8192, 32768):
-        best = None
-        for _ in range(2):
-            out = engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy)
-            best = out.metrics.ttft_s if best is None else min(best, out.metrics.ttft_s)
-        result[f"prefill_{n // 1024}k_tok_s"] = n / best
-        print(f"[{name}] prefill {n}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
+
+    def time_prefill(suffix: str = "") -> None:
+        for n in (8192, 32768):
+            best = None
+            for _ in range(2):
+                out = engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy)
+                best = out.metrics.ttft_s if best is None else min(best, out.metrics.ttft_s)
+            result[f"prefill_{n // 1024}k_tok_s{suffix}"] = n / best
+            print(f"[{name}] prefill {n}{suffix}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
+
+    time_prefill()
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     for lanes in (1, 8):
         prompts = [rng.integers(0, cfg.vocab_size, 1024).tolist() for _ in range(lanes)]
@@ -118,6 +124,14 @@ def bench_ours(name: str, args) -> dict:
         result[f"decode_{lanes}lane_tok_s"] = tokens / span
         print(f"[{name}] decode {lanes} lanes: {tokens / span:.1f} tok/s", flush=True)
     result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
+    # Other prefill attentions on the same engine (the runner's static KernelConfig swapped; each compiles in an
+    # untimed first request), so their ratios to the default are side by side.
+    from pallas_kernels.paged_attention import PrefillConfig
+
+    for impl in [v for v in args.prefill_attention_variants.split(",") if v]:
+        engine.runner.kernels = dataclasses.replace(engine.runner.kernels, prefill_attention=PrefillConfig(impl=impl))
+        engine.generate(rng.integers(0, cfg.vocab_size, args.prefill_chunk).tolist(), greedy)
+        time_prefill(f"_{impl}")
     engine.stop()
     return result
 
@@ -170,6 +184,7 @@ def bench_peer(name: str, args) -> dict:
 
 
 def write_report(rows: list[dict], out: Path, command: str) -> None:
+    """engine.json (every number) and engine.md (a row per engine, and per other prefill attention)."""
     out.mkdir(parents=True, exist_ok=True)
     import jax
 
@@ -190,6 +205,11 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
             lines.append(f"| {r['model']} | {label} | {d.get('prefill_8k_tok_s', 0):.0f} | "
                          f"{d.get('prefill_32k_tok_s', 0):.0f} | {pct_p:.0f}% | {d.get('decode_1lane_tok_s', 0):.1f} "
                          f"| {pct_d:.0f}% | {d.get('decode_8lane_tok_s', 0):.1f} |")
+        for key in [k for k in ours if k.startswith("prefill_32k_tok_s_")]:
+            impl = key.removeprefix("prefill_32k_tok_s_")
+            lines.append(f"| {r['model']} | ninfer-jax, prefill attention {impl} | "
+                         f"{ours.get(f'prefill_8k_tok_s_{impl}', 0):.0f} | {ours[key]:.0f} | "
+                         f"{ours[key] / ours['prefill_roofline_tok_s'] * 100:.0f}% | - | - | - |")
     (out / "engine.md").write_text("\n".join(lines) + "\n")
 
 
@@ -201,6 +221,8 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--peer-decode-tokens", type=int, default=16)
     p.add_argument("--part", choices=["ours", "peer", "all"], default="all")
+    p.add_argument("--prefill-attention-variants", default="cudnn",
+                   help="prefill attentions timed after the default on the same engine ('' for none)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
     names = args.models.split(",")
@@ -216,7 +238,8 @@ def main() -> int:
             # One process per part: jax and torch each take the GPU's memory for themselves.
             cmd = [sys.executable, __file__, "--part", part, "--models", name, "--kernels", args.kernels,
                    "--prefill-chunk", str(args.prefill_chunk), "--decode-tokens", str(args.decode_tokens),
-                   "--peer-decode-tokens", str(args.peer_decode_tokens)]
+                   "--peer-decode-tokens", str(args.peer_decode_tokens),
+                   "--prefill-attention-variants", args.prefill_attention_variants]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             sys.stdout.write(proc.stdout[-4000:])
             sys.stderr.write(proc.stderr[-4000:])

@@ -11,12 +11,15 @@ slot ids. They are pure: pools go in, updated pools come out (the jitted step do
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference as ref
+
+if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by the reference path
+    from pallas_kernels.paged_attention import PrefillConfig
 
 PAGE = ref.PAGE
 
@@ -27,6 +30,7 @@ class KernelConfig:
 
     backend: Literal["reference", "pallas"] = "reference"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
+    prefill_attention: PrefillConfig | None = None  # the Pallas prefill attention's config; None: its default
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
@@ -116,7 +120,7 @@ def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):
         from pallas_kernels import paged_attention
 
         return paged_attention.paged_prefill_attention(
-            q, k_pages, v_pages, page_table, base, interpret=kc.interpret
+            q, k_pages, v_pages, page_table, base, interpret=kc.interpret, config=kc.prefill_attention
         )
     t = q.shape[0]
     positions = base + jnp.arange(t, dtype=jnp.int32)

@@ -42,6 +42,7 @@ from ninfer_jax.runtime.request import (
 from ninfer_jax.runtime.runner import ModelRunner
 from ninfer_jax.runtime.sampling import SamplingParams
 from ninfer_jax.runtime.worker import Worker, pages_for
+from pallas_kernels.paged_attention import PrefillConfig
 
 log = logging.getLogger("ninfer_jax.engine")
 
@@ -71,7 +72,7 @@ class Engine:
         used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
         """
         self.config, self.model_name = config, model_name
-        self.options = options.resolve(config.max_position_embeddings)
+        self.options = options.resolve(config.max_position_embeddings, jax.default_backend())
         o = self.options
         if o.prefix_cache_file is not None and weights_identity is None:
             raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
@@ -90,7 +91,8 @@ class Engine:
             raise ValueError(f"kv_capacity {kv_tokens} tokens gives {num_pages} pages, fewer than "
                              f"max_concurrency {o.max_concurrency}")
         self.runner = ModelRunner(
-            self.config, params, KernelConfig(o.kernels, o.interpret), num_pages=num_pages, num_slots=num_slots,
+            self.config, params, KernelConfig(o.kernels, o.interpret, PrefillConfig(impl=o.prefill_attention)),
+            num_pages=num_pages, num_slots=num_slots,
             max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
             max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype, batch_invariant=o.batch_invariant,
         )
@@ -132,7 +134,8 @@ class Engine:
             if o.prefix_cache_file is not None and self.cache.host is not None:
                 self.cache_file = PrefixCacheFile(o.prefix_cache_file, {
                     "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
-                    "dtype": o.dtype, "kernels": o.kernels, "prefill_chunk": o.prefill_chunk,
+                    "dtype": o.dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
+                    "prefill_chunk": o.prefill_chunk,
                     "source": source_identity()})
                 self.cache_load = self.cache_file.load(self.cache.index, self.cache.host.buffer)
             seconds = self.runner.warmup() if warmup else self.runner.warmup_copies()
@@ -168,7 +171,7 @@ class Engine:
                                     kv_capacity=kv_capacity, no_prefix_reuse=no_prefix_reuse, **other_options)
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
-        options.resolve(10**9)  # refuse bad options before reading any weights
+        options.resolve(10**9, jax.default_backend())  # refuse bad options before reading any weights
         config, params = load_checkpoint(directory, dtype=dtype)
         return cls(config, params, options, tokenizer=load_tokenizer(directory),
                    chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,

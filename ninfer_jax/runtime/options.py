@@ -29,7 +29,10 @@ class EngineOptions:
     prefill_chunk: int = 2048
     kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
     max_model_len: int | None = None  # default: min(config max positions, 32768)
-    kernels: str = "reference"  # "reference" (jnp) or "pallas"
+    kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
+    # Prefill attention with kernels "pallas": "pallas" (the paged kernel) or "cudnn" (gathered keys through cuDNN
+    # flash attention, GPU only; 4% faster on a 32k prefill of the 27B, docs/benchmarks/prefill_profile.md)
+    prefill_attention: str = "pallas"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
     memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
@@ -53,16 +56,21 @@ class EngineOptions:
         "prefix_cache_file", "concurrent_prefill",
     )
 
-    def resolve(self, config_max_positions: int) -> "EngineOptions":
-        """Validates and fills every derived value (pure: no device queries)."""
+    def resolve(self, config_max_positions: int, backend: str = "cpu") -> "EngineOptions":
+        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, is an argument)."""
         if self.dtype not in ("bfloat16", "float32"):
             raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if not 1 <= self.max_concurrency <= 64:
             raise OptionsError(f"max_concurrency must be in 1..64, got {self.max_concurrency}")
         if self.prefill_chunk < 64 or self.prefill_chunk % 64:
             raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {self.prefill_chunk}")
-        if self.kernels not in ("reference", "pallas"):
-            raise OptionsError(f"kernels must be 'reference' or 'pallas', got {self.kernels!r}")
+        if self.kernels not in ("auto", "reference", "pallas"):
+            raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
+        if self.prefill_attention not in ("pallas", "cudnn"):
+            raise OptionsError(f"prefill_attention must be 'pallas' or 'cudnn', got {self.prefill_attention!r}")
+        if self.prefill_attention == "cudnn" and (self.kernels == "reference" or self.interpret):
+            raise OptionsError("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
+                               + ("interpret" if self.interpret else "kernels 'reference'"))
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
         if self.host_cache_mib < 0:
@@ -89,8 +97,13 @@ class EngineOptions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
         c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
+        kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
+        if self.prefill_attention == "cudnn" and (kernels != "pallas" or backend != "gpu"):
+            raise OptionsError(f"prefill_attention 'cudnn' needs a GPU and kernels 'pallas' (backend {backend}, "
+                               f"kernels {kernels})")
         return dataclasses.replace(
             self,
+            kernels=kernels,
             max_model_len=max_len,
             prefill_chunk=min(self.prefill_chunk, -(-max_len // 64) * 64),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None

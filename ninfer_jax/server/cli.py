@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--batch-invariant", action="store_true",
                         help="decode every round at full width, so outputs never depend on other requests "
                              "(slower at low concurrency)")
+    engine.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference"],
+                        help="hot operations: Pallas kernels or the jnp references (auto: pallas on a GPU)")
+    engine.add_argument("--prefill-attention", default="pallas", choices=["pallas", "cudnn"],
+                        help="prefill attention with the Pallas kernels: the paged kernel, or gathered keys through "
+                             "cuDNN flash attention (GPU only)")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
     add_compile_cache_argument(engine)
@@ -120,6 +125,12 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         engine["concurrent_prefill"] = True
     if args.batch_invariant:
         engine["batch_invariant"] = True
+    if args.prefill_attention == "cudnn" and args.kernels == "reference":
+        raise UsageError("--prefill-attention cudnn runs with the Pallas kernels; it conflicts with --kernels reference")
+    if args.kernels != "auto":
+        engine["kernels"] = args.kernels
+    if args.prefill_attention != "pallas":
+        engine["prefill_attention"] = args.prefill_attention
     for flag, value in given.items():
         engine[CACHE_FLAGS[flag]] = value
     if prefix_file is not None:

@@ -73,6 +73,11 @@ def test_decode_matches_reference(rng, hq, hkv, d, lengths, max_pages, config):
         (64, 64, 6, 2, 16, None),
         (70, 130, 4, 1, 32, paged_attention.PrefillConfig(block_q=16, pages_per_block=2)),
         (100, 0, 2, 2, 64, paged_attention.PrefillConfig(block_q=32)),
+        # the gathered path ("cudnn"; XLA's attention in interpret mode): prefixes of 0, 1 and several segments
+        (64, 0, 6, 2, 16, paged_attention.PrefillConfig(impl="cudnn")),
+        (17, 5, 4, 2, 32, paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1)),
+        (70, 130, 4, 1, 32, paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=2)),
+        (40, 300, 6, 2, 16, paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1)),
     ],
 )
 def test_prefill_matches_reference(rng, t, base, hq, hkv, d, config):

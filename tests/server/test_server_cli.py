@@ -31,11 +31,11 @@ def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
                        "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192", "--cache-tap-min-gap", "2048",
                        "--prefix-cache-file", str(tmp_path / "cache.bin"), "--concurrent-prefill",
                        "--kv-capacity", "65536", "--prefill-chunk", "512", "--max-model-len", "4096",
-                       "--batch-invariant")
+                       "--batch-invariant", "--kernels", "pallas", "--prefill-attention", "cudnn")
     assert options.engine == {
         "path": str(tmp_path), "dtype": "auto", "max_concurrency": 4, "kv_capacity": 65536, "no_prefix_reuse": False,
         "warmup": True, "prefill_chunk": 512, "max_model_len": 4096, "concurrent_prefill": True,
-        "batch_invariant": True,
+        "batch_invariant": True, "kernels": "pallas", "prefill_attention": "cudnn",
         "host_cache_mib": 1024, "device_snapshot_slots": 6, "max_new_taps": 3, "tap_ladder_tokens": 8192,
         "tap_min_gap_tokens": 2048, "prefix_cache_file": str((tmp_path / "cache.bin").resolve()),
     }
@@ -65,6 +65,7 @@ def test_no_prefix_reuse_conflicts_with_every_cache_option(flag, tmp_path):
     (["--max-concurrency", "0"], "must be in 1..8"),
     (["--max-concurrency", "9"], "must be in 1..8"),
     (["--model", "{tmp}/a", "{tmp}/b"], "two models given"),
+    (["--kernels", "reference", "--prefill-attention", "cudnn"], "conflicts with --kernels reference"),
 ])
 def test_conflicting_options_are_refused_before_loading(argv, message, tmp_path):
     with pytest.raises(UsageError, match=message):

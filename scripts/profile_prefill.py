@@ -1,0 +1,182 @@
+"""Where a cold long prefill's time goes at the real shapes (random bf16 weights), and what the variants change.
+
+For each model shape: the engine's TTFT of a cold prompt (default 32k tokens) with the default kernels; a jax
+profiler trace of one such prefill, its device kernels summed by name and by kind (GEMM, attention, GDN, MoE,
+the rest); then the same prompt with each prefill-attention variant (`--attention`, swapped into the runner's
+static `KernelConfig`, so each compiles once, untimed) and with each other prefill chunk (`--chunks`: a new
+engine on the same weights). Every variant is timed in this one process, so the ratios are side by side.
+
+    python scripts/profile_prefill.py --models 27b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny": "tiny-dense"}
+
+# Kernel kinds by name fragment, first match wins (XLA names its cuBLAS/Triton GEMM fusions gemm_* / *dot*).
+KINDS = (("attention", ("paged_prefill", "cudnn", "fmha", "flash")), ("gdn", ("gdn",)), ("moe", ("moe",)),
+         ("gemm", ("gemm", "dot", "cublas", "sm90_xmma", "nvjet")))
+
+
+def kind_of(kernel: str) -> str:
+    low = kernel.lower()
+    for kind, fragments in KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return "other"
+
+
+def ttft(engine, prompt, reps: int) -> float:
+    from ninfer_jax import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    return min(engine.generate(prompt, one).metrics.ttft_s for _ in range(reps))
+
+
+def attention_variants(names: list[str]):
+    from pallas_kernels.paged_attention import PrefillConfig
+
+    table = {"default": None, "pallas_q64_w4": PrefillConfig(block_q=64, num_warps=4),
+             "pallas_q128_w8": PrefillConfig(block_q=128, num_warps=8), "cudnn": PrefillConfig(impl="cudnn")}
+    return [(n, table[n]) for n in names]
+
+
+def check_attention(cfg, variants) -> list[dict]:
+    """Each prefill-attention variant against the jnp reference (float32 softmax) at the model's heads, bf16 pools,
+    a chunk of 512 queries over prefixes of 0 and 9000 keys (one full cuDNN segment and a partial second)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ninfer_jax.model import ops
+
+    rows = []
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for t, base in ((512, 0), (512, 9000)):
+        pages = -(-(base + t) // 64) + 8
+        keys = jax.random.split(jax.random.key(base + 1), 3)
+        k = jax.random.normal(keys[0], (pages, 64, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(keys[1], (pages, 64, hkv, d), jnp.bfloat16)
+        q = jax.random.normal(keys[2], (t, hq, d), jnp.bfloat16)
+        table = jnp.asarray(np.random.default_rng(base).permutation(pages), jnp.int32)
+        want = np.asarray(ops.attention_prefill(ops.REFERENCE, q, k, v, table, jnp.int32(base)), np.float64)
+        for label, config in variants:
+            kc = ops.KernelConfig("pallas", prefill_attention=config)
+            got = np.asarray(ops.attention_prefill(kc, q, k, v, table, jnp.int32(base)), np.float64)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            rows.append({"variant": label, "T": t, "base": base, "rel_err": err, "ok": err < 1e-2})
+            print(f"check {label} T={t} base={base}: rel err {err:.2e} ({'ok' if err < 1e-2 else 'FAILED'})",
+                  flush=True)
+    return rows
+
+
+def profile(name: str, args) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from ninfer_jax import Engine, SamplingParams
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.runtime.options import EngineOptions
+    from profile_decode import kernel_table
+
+    cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
+    params = random_params(cfg, seed=0)
+    jax.block_until_ready(params)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
+    result = {"model": name, "tokens": args.tokens, "variants": []}
+    if args.check and jax.default_backend() == "gpu":
+        result["checks"] = check_attention(cfg, attention_variants(args.attention.split(",")))
+
+    def engine_for(chunk: int):
+        opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=chunk,
+                             max_model_len=args.tokens + 1024, kv_capacity=args.tokens + 4096,
+                             kernels="pallas", no_prefix_reuse=True,
+                             interpret=jax.default_backend() == "cpu")  # CPU: a smoke run
+        engine = Engine(cfg, params, opts, model_name=name, warmup=False)
+        t = time.perf_counter()
+        engine.generate(prompt[:chunk], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        print(f"[{name}] chunk {chunk}: compiled in {time.perf_counter() - t:.1f} s", flush=True)
+        return engine
+
+    def record(label: str, engine, chunk: int):
+        s = ttft(engine, prompt, args.reps)
+        row = {"variant": label, "prefill_chunk": chunk, "ttft_s": s, "tok_s": args.tokens / s}
+        result["variants"].append(row)
+        print(f"[{name}] {label} chunk {chunk}: {args.tokens / s:.0f} tok/s (ttft {s:.3f} s)", flush=True)
+
+    chunks = [int(c) for c in args.chunks.split(",")]
+    engine = engine_for(chunks[0])
+    base_kc = engine.runner.kernels
+    record("default", engine, chunks[0])
+    if args.trace:
+        trace_dir = Path(args.trace_dir) / name
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            ttft(engine, prompt, 1)
+        rows = kernel_table(trace_dir, 1, 10_000)
+        by_kind = collections.Counter()
+        for r in rows[:-1]:
+            by_kind[kind_of(r["kernel"])] += r["us_per_round"]
+        result["device_ms"] = rows[-1]["us_per_round"] / 1e3
+        result["kernels"] = rows[: args.top] + rows[-1:]
+        result["by_kind_ms"] = {k: v / 1e3 for k, v in by_kind.most_common()}
+        print(f"[{name}] device kernels {result['device_ms']:.1f} ms in {rows[-1]['launches_per_round']:.0f} "
+              f"launches; by kind (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in result["by_kind_ms"].items()),
+              flush=True)
+        for r in rows[: args.top]:
+            print(f"[{name}] {r['us_per_round'] / 1e3:9.2f} ms {r['launches_per_round']:6.0f}x  {r['kernel']}",
+                  flush=True)
+    for label, config in attention_variants(args.attention.split(","))[1:]:
+        engine.runner.kernels = dataclasses.replace(base_kc, prefill_attention=config)
+        ttft(engine, prompt[: chunks[0] + 64], 1)  # compiles this variant's prefill step, untimed
+        record(label, engine, chunks[0])
+    engine.runner.kernels = base_kc
+    for chunk in chunks[1:]:
+        engine.stop()
+        del engine
+        gc.collect()
+        engine = engine_for(chunk)
+        record("default", engine, chunk)
+    engine.stop()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="27b")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
+    p.add_argument("--attention", default="default,pallas_q128_w8,cudnn")
+    p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="(GPU) check each attention variant against the jnp reference first")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--trace-dir", default="/tmp/ninfer_prefill_trace")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    for m in args.models.split(","):
+        rows.append(profile(m, args))
+        gc.collect()
+        if args.out:  # after each model, so a deadline keeps what finished
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "prefill_profile.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
