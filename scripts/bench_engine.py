@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b"}
+MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny-moe": "tiny-moe"}  # tiny-moe: a CPU smoke run
 
 
 def measure_ceilings():
@@ -120,7 +120,17 @@ def bench_ours(name: str, args) -> dict:
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     for lanes in (1, 8):
         prompts = [rng.integers(0, cfg.vocab_size, 1024).tolist() for _ in range(lanes)]
+        before = engine.stats()["scheduler"]
         outs = engine.generate_many(prompts, decode)
+        # The worker's seconds by phase over these requests, per decode round: round_dispatch and round_read are
+        # the decode's host time (the read includes waiting for the device); the prefill phases are the prompts'.
+        after = engine.stats()["scheduler"]
+        rounds = max(1, after.get("decode_rounds", 0) - before.get("decode_rounds", 0))
+        phases = {k.removeprefix("seconds_"): (v - before.get(k, 0)) / rounds * 1e3
+                  for k, v in after.items() if k.startswith("seconds_")}
+        result[f"decode_{lanes}lane_worker_ms_per_round"] = phases
+        print(f"[{name}] decode {lanes} lanes, worker ms per round: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         # decode time: after the last first token until the last finish
         span = max(o.metrics.latency_s for o in outs) - max(o.metrics.ttft_s for o in outs)
         tokens = sum(o.usage.completion_tokens - 1 for o in outs)
