@@ -160,7 +160,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
-    p.add_argument("--attention", default="default,pallas_q128_w8,cudnn")
+    p.add_argument("--attention", default="default,cudnn",
+                   help="prefill attentions: default, pallas_q64_w4, pallas_q128_w8, cudnn")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="(GPU) check each attention variant against the jnp reference first")
