@@ -71,6 +71,8 @@ class EngineOptions:
         if self.prefill_attention == "cudnn" and (self.kernels == "reference" or self.interpret):
             raise OptionsError("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
                                + ("interpret" if self.interpret else "kernels 'reference'"))
+        if self.prefill_attention == "cudnn" and backend != "gpu":
+            raise OptionsError(f"prefill_attention 'cudnn' needs a GPU (backend {backend})")
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
         if self.host_cache_mib < 0:
@@ -98,9 +100,6 @@ class EngineOptions:
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
         c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
-        if self.prefill_attention == "cudnn" and (kernels != "pallas" or backend != "gpu"):
-            raise OptionsError(f"prefill_attention 'cudnn' needs a GPU and kernels 'pallas' (backend {backend}, "
-                               f"kernels {kernels})")
         return dataclasses.replace(
             self,
             kernels=kernels,
