@@ -28,11 +28,14 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
   4. out = y[:R].reshape(T, K, H).sum(1) in float32 (one fused XLA reduction, no scatter).
   5. Narrow decode: every routed row is a matrix-vector product over its own expert. A row's 16-row tile
      leaves too few programs (R * I / BN) in flight to keep HBM busy, and narrow column blocks read each
-     weight row in 64-byte pieces. `_gemv_gate_up_call` splits the H contraction into S pieces (grid
-     column block x row x split, wide column blocks), each program writing float32 partial sums
-     [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in the
-     tiled path); `_gemv_down_call` does the same over I ([S2, R, H] partials), and the final reduction
-     sums splits and experts with the routing weights in float32.
+     weight row in 64-byte pieces. The gate_up kernel (`_gemv_call`) splits the H contraction into S
+     pieces (grid column block x row x split, wide column blocks), each program writing float32 partial
+     sums [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in
+     the tiled path); the down kernel does the same over I ([S2, R, H] partials), and the final reduction
+     sums splits and experts with the routing weights in float32. A shared expert of the same I rides
+     along as T more rows (rows R.. read its weights instead of an expert's): one lane's round reads all
+     nine experts' weights in two kernels instead of the shared expert's four matmul and glue kernels.
+  Elsewhere the shared expert, when given, is two plain matmuls added to the routed sum.
 
 Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
 and index ref is passed whole and indexed inside the kernel with ids loaded from an index array; block
@@ -53,6 +56,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels import reference as ref
+from pallas_kernels.reference import SharedExpert
 
 
 def _is_pow2(n: int) -> bool:
@@ -229,57 +233,85 @@ def _down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, bloc
     )(tile_expert, sorted_rows, row_weight, act, down)
 
 
-def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, part_ref, *, top_k: int, block_n: int,
+def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, routed_rows: int, block_n: int,
                          block_k: int, steps: int):
     # expert_ids_ref: [R] int32           x_ref: [T, H]            gate_up_ref: [E, H, 2I]
-    # part_ref (out): [S, R, 2I] f32, this program writes the gate and the up columns of its block n
-    # for row r, summed over its split s of H (steps * block_k rows of the weights)
+    # refs: (shared_gate_up_ref [H, 2I], part_ref) when the shared expert rides along as rows R..R+T-1, else
+    # (part_ref,). part_ref (out): [S, rows, 2I] f32, this program writes the gate and the up columns of its
+    # block n for row r, summed over its split s of H (steps * block_k rows of the weights)
+    *shared_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, t = expert_ids_ref[r], lax.div(r, top_k)
     inter = part_ref.shape[2] // 2
     cdt = gate_up_ref.dtype
 
-    def body(i, acc):
-        acc_g, acc_u = acc
-        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-        xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)[:, None]  # [BK, 1]
-        wg = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)].astype(jnp.float32)
-        wu = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(inter + n * block_n, block_n)].astype(jnp.float32)
-        return acc_g + jnp.sum(xv * wg, axis=0), acc_u + jnp.sum(xv * wu, axis=0)
+    def accumulate(t, tile):  # tile(k0, c0): the [block_k, block_n] weight tile at rows k0, columns c0
+        def body(i, acc):
+            acc_g, acc_u = acc
+            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+            xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)[:, None]  # [BK, 1]
+            wg = tile(k0, n * block_n).astype(jnp.float32)
+            wu = tile(k0, inter + n * block_n).astype(jnp.float32)
+            return acc_g + jnp.sum(xv * wg, axis=0), acc_u + jnp.sum(xv * wu, axis=0)
 
-    zero = jnp.zeros((block_n,), jnp.float32)
-    g, u = lax.fori_loop(0, steps, body, (zero, zero))
-    part_ref[s, r, pl.ds(n * block_n, block_n)] = g
-    part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
+        zero = jnp.zeros((block_n,), jnp.float32)
+        g, u = lax.fori_loop(0, steps, body, (zero, zero))
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = g
+        part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
+
+    def routed():
+        e = expert_ids_ref[r]
+        accumulate(lax.div(r, top_k), lambda k0, c0: gate_up_ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
+
+    if not shared_ref:
+        routed()
+        return
+    pl.when(r < routed_rows)(routed)
+    pl.when(r >= routed_rows)(lambda: accumulate(
+        r - routed_rows, lambda k0, c0: shared_ref[0][pl.ds(k0, block_k), pl.ds(c0, block_n)]))
 
 
-def _gemv_down_kernel(expert_ids_ref, act_ref, down_ref, part_ref, *, block_n: int, block_k: int,
+def _gemv_down_kernel(expert_ids_ref, act_ref, down_ref, *refs, routed_rows: int, block_n: int, block_k: int,
                       steps: int):
-    # expert_ids_ref: [R] int32    act_ref: [R, I]    down_ref: [E, I, H]
-    # part_ref (out): [S2, R, H] f32, this program writes row r's column block n summed over split s of I
+    # expert_ids_ref: [R] int32    act_ref: [rows, I]    down_ref: [E, I, H]
+    # refs: (shared_down_ref [I, H], part_ref) or (part_ref,), as in the gate_up kernel. part_ref (out):
+    # [S2, rows, H] f32, this program writes row r's column block n summed over split s of I
+    *shared_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = expert_ids_ref[r]
 
-    def body(i, acc):
-        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-        av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[:, None]  # [BK, 1]
-        wd = down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)].astype(jnp.float32)
-        return acc + jnp.sum(av * wd, axis=0)
+    def accumulate(tile):  # tile(k0): the [block_k, block_n] weight tile at rows k0 of this column block
+        def body(i, acc):
+            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+            av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[:, None]  # [BK, 1]
+            return acc + jnp.sum(av * tile(k0).astype(jnp.float32), axis=0)
 
-    part_ref[s, r, pl.ds(n * block_n, block_n)] = lax.fori_loop(
-        0, steps, body, jnp.zeros((block_n,), jnp.float32))
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = lax.fori_loop(
+            0, steps, body, jnp.zeros((block_n,), jnp.float32))
+
+    def routed():
+        e = expert_ids_ref[r]
+        accumulate(lambda k0: down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)])
+
+    if not shared_ref:
+        routed()
+        return
+    pl.when(r < routed_rows)(routed)
+    pl.when(r >= routed_rows)(lambda: accumulate(
+        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]))
 
 
-def _gemv_call(kernel, name, expert_ids, vec, weights, *, out_cols, block_n, block_k, splits, num_warps,
-               num_stages, interpret, **kw):
-    """One split-K matrix-vector kernel: grid (column block, routed row, split), whole-array refs."""
-    rows, contraction = expert_ids.shape[0], weights.shape[1]
+def _gemv_call(kernel, name, expert_ids, vec, weights, shared_weights, *, rows, out_cols, block_n, block_k, splits,
+               num_warps, num_stages, interpret, **kw):
+    """One split-K matrix-vector kernel: grid (column block, row, split), whole-array refs. Rows past the R
+    routed ones (expert_ids' length) read `shared_weights` ([contraction, columns]) instead of an expert's."""
+    contraction = weights.shape[1]
     splits = min(splits, contraction // block_k)  # small shapes: fewer, whole pieces
     steps = contraction // (splits * block_k)
     if contraction % (splits * block_k):
         raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of "
                          f"splits {splits} x block_k {block_k}")
-    kernel = functools.partial(kernel, block_n=block_n, block_k=block_k, steps=steps, **kw)
+    kernel = functools.partial(kernel, routed_rows=expert_ids.shape[0], block_n=block_n, block_k=block_k,
+                               steps=steps, **kw)
+    extra = () if shared_weights is None else (shared_weights,)
     return pl.pallas_call(
         kernel,
         grid=(out_cols // block_n, rows, splits),
@@ -287,7 +319,7 @@ def _gemv_call(kernel, name, expert_ids, vec, weights, *, out_cols, block_n, blo
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
-    )(expert_ids, vec, weights)
+    )(expert_ids, vec, weights, *extra)
 
 
 def _align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
@@ -349,21 +381,25 @@ def _block(want: int, dim: int, name: str) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: jax.Array,
-                down: jax.Array, *, config: MoeConfig | None = None, interpret: bool = False) -> jax.Array:
-    """Routed experts of an MoE layer (the shared expert is the model's).
+                down: jax.Array, shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
+                interpret: bool = False) -> jax.Array:
+    """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
       x: [T, H] bfloat16 or float32 (cast to the weights' dtype for the matrix products).
       expert_ids: [T, K] int32 in [0, E).
       expert_weights: [T, K] float32 routing weights (already renormalised by the router).
       gate_up: [E, H, 2I] (gate columns first, then up); down: [E, I, H]; same dtype (bf16 or f32).
+      shared: the shared expert (`reference.SharedExpert`: gate_up [H, 2Is], down [Is, H], weight [T]) or None.
+        Narrow decode runs it as T more rows of its two kernels (one lane's round then reads its weights in
+        the same kernels as the routed experts'; Is must equal I); the other paths add it as two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E)`.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
-      [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k].
-      Products accumulate in float32; with bf16 weights the activation act and each weighted expert
-      output are rounded to bf16 once (relative error ~1e-3 against the float32 reference); the narrow
-      decode path keeps the expert outputs in float32.
+      [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
+      shared.weight_t * down_s(silu(gate_s x_t) * up_s x_t). Products accumulate in float32; with bf16
+      weights the activation act and each weighted expert output are rounded to bf16 once (relative error
+      ~1e-3 against the float32 reference); the narrow decode path keeps the expert outputs in float32.
     """
     t, h = x.shape
     num_experts, inter = down.shape[0], down.shape[1]
@@ -381,14 +417,29 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         raise ValueError(f"moe_experts: expert_ids must be integers, got {expert_ids.dtype}")
     if h % 16 or inter % 16:
         raise ValueError(f"moe_experts: H={h} and I={inter} must be multiples of 16")
+    if shared is not None:
+        si = shared.down.shape[0]
+        if shared.gate_up.shape != (h, 2 * si) or shared.down.shape != (si, h) or shared.weight.shape != (t,):
+            raise ValueError(f"moe_experts: shared gate_up {shared.gate_up.shape}, down {shared.down.shape}, "
+                             f"weight {shared.weight.shape} must be [H, 2Is], [Is, H], [T] with H={h}, T={t}")
+        if shared.gate_up.dtype != gate_up.dtype or shared.down.dtype != gate_up.dtype:
+            raise ValueError(f"moe_experts: the shared expert's weights must be {gate_up.dtype} like the experts'")
 
     rows = t * k
     cfg = default_config(rows, num_experts) if config is None else config
     flat_ids = expert_ids.reshape(rows).astype(jnp.int32)
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
 
-    if rows <= cfg.gemv_max_rows:
-        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
+    if rows <= cfg.gemv_max_rows and (shared is None or shared.down.shape == down.shape[1:]):
+        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
+    out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
+    return out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
+
+
+def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
+    """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles."""
+    h, (num_experts, inter) = x.shape[1], down.shape[:2]
+    rows = t * k
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
         sorted_rows, tile_expert = _rows_as_tiles(flat_ids, block_m)
@@ -412,20 +463,36 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
-def _gemv_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
-    """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels."""
+def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, cfg, interpret):
+    """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
+    given) as T more rows of the same two kernels."""
     h, inter = x.shape[1], down.shape[1]
-    common = dict(num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages, interpret=interpret)
-    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", flat_ids, x, gate_up, out_cols=inter,
+    rows = t * k + (t if shared is not None else 0)
+    common = dict(rows=rows, num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages, interpret=interpret)
+    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", flat_ids, x, gate_up,
+                      None if shared is None else shared.gate_up, out_cols=inter,
                       block_n=_block(cfg.gemv_block_n, inter, "I"), block_k=_block(cfg.gemv_block_k, h, "H"),
                       splits=cfg.gemv_splits, top_k=k, **common)
-    gu = part.sum(axis=0)  # [R, 2I] float32
+    gu = part.sum(axis=0)  # [rows, 2I] float32
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
-    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", flat_ids, act, down, out_cols=h,
+    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", flat_ids, act, down,
+                      None if shared is None else shared.down, out_cols=h,
                       block_n=_block(cfg.gemv_down_block_n, h, "H"),
                       block_k=_block(cfg.gemv_down_block_k, inter, "I"), splits=cfg.gemv_down_splits, **common)
-    y = part.sum(axis=0) * flat_w[:, None]  # [R, H] float32
-    return y.reshape(t, k, h).sum(axis=1)
+    y = part.sum(axis=0)  # [rows, H] float32
+    out = (y[: t * k] * flat_w[:, None]).reshape(t, k, h).sum(axis=1)
+    if shared is not None:
+        out = out + y[t * k :] * shared.weight.astype(jnp.float32)[:, None]
+    return out
+
+
+def _shared_dense(x, shared: SharedExpert, dtype):
+    """The shared expert as plain matmuls (the paths whose kernels have no rows for it): float32 products,
+    act rounded to the weights' dtype as the routed rows' is."""
+    inter = shared.down.shape[0]
+    gu = jnp.dot(x.astype(dtype), shared.gate_up, preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
+    return jnp.dot(act, shared.down, preferred_element_type=jnp.float32) * shared.weight[:, None]
 
 
 # The plain-jnp reference these kernels match lives with the others in `reference.py`.

@@ -21,6 +21,8 @@ Conventions (shared with the kernels):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -189,12 +191,22 @@ def moe_route_ref(x, router_w, top_k: int):
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def moe_experts_ref(x, expert_ids, expert_weights, gate_up, down):
-    """Routed experts: sum_k w_k * down_e(silu(gate_e x) * up_e x), e = expert_ids[:, k].
+class SharedExpert(NamedTuple):
+    """An MoE layer's shared expert, which every token takes: gate_up [H, 2I] (gate columns first), down [I, H],
+    and its weight per token [T] float32 (the model's sigmoid gate)."""
+
+    gate_up: jax.Array
+    down: jax.Array
+    weight: jax.Array
+
+
+def moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared: SharedExpert | None = None):
+    """Routed experts: sum_k w_k * down_e(silu(gate_e x) * up_e x), e = expert_ids[:, k]; plus, when given, the
+    shared expert's output times its weight.
 
     Args:
       x: [T, H]; expert_ids, expert_weights: [T, K]; gate_up: [E, H, 2I] (gate columns first);
-      down: [E, I, H].
+      down: [E, I, H]; shared: SharedExpert or None.
     Returns:
       [T, H] float32.
     """
@@ -203,7 +215,18 @@ def moe_experts_ref(x, expert_ids, expert_weights, gate_up, down):
     gu = jnp.einsum("th,tkhi->tki", xf, gate_up[expert_ids].astype(jnp.float32))
     act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
     out = jnp.einsum("tki,tkih->tkh", act, down[expert_ids].astype(jnp.float32))
-    return jnp.einsum("tkh,tk->th", out, expert_weights.astype(jnp.float32))
+    out = jnp.einsum("tkh,tk->th", out, expert_weights.astype(jnp.float32))
+    if shared is None:
+        return out
+    return out + shared_expert_ref(x, shared)
+
+
+def shared_expert_ref(x, shared: SharedExpert):
+    """weight_t * down(silu(gate x_t) * up x_t) for every token, float32 [T, H]."""
+    inter = shared.down.shape[0]
+    gu = jnp.dot(x.astype(jnp.float32), shared.gate_up.astype(jnp.float32))
+    act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
+    return jnp.dot(act, shared.down.astype(jnp.float32)) * shared.weight.astype(jnp.float32)[:, None]
 
 
 def gdn_naive_f64(q, k, v, g, beta, state, record_states: bool = False):

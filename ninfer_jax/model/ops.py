@@ -138,10 +138,12 @@ def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_leng
     return ref.paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths)
 
 
-def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down):
-    """Routed experts of an MoE layer: x [T, H], ids/weights [T, K], gate_up [E, H, 2I], down [E, I, H]."""
+def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
+                shared: ref.SharedExpert | None = None):
+    """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
+    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32."""
     if kc.backend == "pallas":
         from pallas_kernels import moe
 
-        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, interpret=kc.interpret)
-    return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down)
+        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, interpret=kc.interpret)
+    return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)

@@ -38,15 +38,26 @@ from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-from pallas_kernels.reference import l2_normalize, moe_route_ref
+from pallas_kernels.reference import SharedExpert, l2_normalize, moe_route_ref
 
 F32 = jnp.float32
 
 
 # --- small pieces ------------------------------------------------------------------------------------
+# XLA's GPU compiler rewrites a vector x matrix dot into multiply + reduce (its DotStrengthReduction pass) when
+# (N + 1) x K is under this many elements.
+_XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
+
+
 def _dot(x, w):
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # cost a separate pass over every output, 181 of 3956 ms in a 32k prefill of the 27B (prefill_profile.md).
+    if x.ndim == 2 and x.shape[0] == 1 and (w.shape[1] + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
+        # The rewritten form wrote the [K, N] product out before reducing it: 1.0 of 4.9 ms of a 35B-A3B one-lane
+        # round (decode_round_probe.md). Two rows make it a matmul again; the barrier keeps the simplifier from
+        # folding the copy back. The second row reads no extra weight bytes.
+        two = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
+        return jnp.dot(two, w, preferred_element_type=x.dtype)[:1]
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
@@ -83,9 +94,11 @@ def mlp(p: MLPParams, x):
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
     ids, weights = moe_route_ref(x, p.router, cfg.num_experts_per_tok)
-    routed = ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down).astype(x.dtype)
-    shared = mlp(p.shared, x) * jax.nn.sigmoid(_dot(x, p.shared_gate))
-    return routed + shared
+    # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
+    # kernels (decode_round_probe.md).
+    gate = jax.nn.sigmoid(_dot(x, p.shared_gate)[:, 0].astype(F32))
+    shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
+    return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared).astype(x.dtype)
 
 
 def ffn(p, x, cfg, kc):

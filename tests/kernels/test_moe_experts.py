@@ -54,9 +54,18 @@ def _rel_err(out, want) -> float:
     return float(np.linalg.norm(out - want) / np.linalg.norm(want))
 
 
-def _check(cfg, t, dtype, routing):
+def _shared(seed: int, t: int, dtype, inter: int = I) -> ref.SharedExpert:
+    rng = np.random.default_rng(seed + 1)
+    return ref.SharedExpert(jnp.asarray(rng.standard_normal((H, 2 * inter), np.float32) * H**-0.5, dtype),
+                            jnp.asarray(rng.standard_normal((inter, H), np.float32) * inter**-0.5, dtype),
+                            jnp.asarray(rng.random(t, np.float32) + 0.2))
+
+
+def _check(cfg, t, dtype, routing, shared_inter: int | None = None):
     seed = secrets.randbits(32)
     args = _inputs(seed, t, dtype, routing)
+    if shared_inter is not None:
+        args = args + (_shared(seed, t, dtype, shared_inter),)
     out = moe.moe_experts(*args, config=cfg, interpret=INTERPRET)
     want = ref.moe_experts_ref(*args)
     assert out.shape == (t, H) and out.dtype == jnp.float32
@@ -160,6 +169,30 @@ def test_gemv_decode_path_matches_reference(t, routing, dtype):
     _check(dataclasses.replace(GEMV, gemv_max_rows=t * K), t, dtype, routing)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_gemv_path_runs_the_shared_expert_as_more_rows(t, dtype):
+    _check(dataclasses.replace(GEMV, gemv_max_rows=t * K), t, dtype, "router", shared_inter=I)
+
+
+@pytest.mark.parametrize("cfg, t, shared_inter", [(GEMV, 1, 2 * I), (DECODE, 3, I), (PREFILL, 24, I)],
+                         ids=["gemv-other-width", "tiled-decode", "prefill"])
+def test_other_paths_add_the_shared_expert(cfg, t, shared_inter):
+    """A shared expert of another width than the experts', or any tiled path: two matmuls added."""
+    _check(dataclasses.replace(cfg, gemv_max_rows=t * K) if cfg is GEMV else cfg, t, jnp.float32, "router",
+           shared_inter=shared_inter)
+
+
+def test_shared_expert_must_match_the_experts():
+    args = _inputs(0, 2, jnp.float32, "router")
+    bad_weight = ref.SharedExpert(*_shared(0, 2, jnp.float32)[:2], jnp.ones(3, jnp.float32))
+    with pytest.raises(ValueError, match="shared"):
+        moe.moe_experts(*args, bad_weight, interpret=INTERPRET)
+    bad_dtype = _shared(0, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared"):
+        moe.moe_experts(*args, bad_dtype, interpret=INTERPRET)
+
+
 def test_one_lane_takes_the_gemv_path_and_more_lanes_the_tiles():
     """Which kernels the defaults pick at the 35B-A3B shapes: one lane (8 rows) the split-K pair."""
     _compat.lower_for_h200()
@@ -172,3 +205,17 @@ def test_one_lane_takes_the_gemv_path_and_more_lanes_the_tiles():
         names[tokens] = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "moe_gemv_gate_up" in names[1] and "moe_gemv_down" in names[1]
     assert "moe_gemv" not in names[8] and "moe_gate_up" in names[8]
+
+
+def test_one_lane_reads_the_shared_expert_in_the_gemv_kernels():
+    """At the 35B-A3B shapes one lane's shared expert adds no kernel and no matmul of its own."""
+    _compat.lower_for_h200()
+    e, k, h, i = 256, 8, 2048, 512
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, h), jnp.bfloat16), spec((1, k), jnp.int32), spec((1, k), jnp.float32),
+            spec((e, h, 2 * i), jnp.bfloat16), spec((e, i, h), jnp.bfloat16),
+            ref.SharedExpert(spec((h, 2 * i), jnp.bfloat16), spec((i, h), jnp.bfloat16), spec((1,), jnp.float32)))
+    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    assert text.count(target) == 2 and "moe_gemv_gate_up" in text
+    assert "dot_general" not in text

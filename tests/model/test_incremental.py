@@ -12,7 +12,7 @@ import torch
 
 from conftest import ORACLE_VOCAB, hf_model
 from ninfer_jax.model import decode, forward, init_device_state, load_checkpoint, logits, prefill
-from ninfer_jax.model.ops import REFERENCE
+from ninfer_jax.model.ops import REFERENCE, KernelConfig
 
 PROMPT_LEN = 203
 MAX_PAGES = 8
@@ -28,6 +28,12 @@ def _prefill_logits(params, cfg, tokens, n_valid, base, page_table, slot, state)
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def _decode_logits(params, cfg, tokens, positions, page_tables, slots, active, state):
     hidden, state = decode(params, cfg, REFERENCE, tokens, positions, page_tables, slots, active, state)
+    return logits(params, hidden), state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kc"))
+def _decode_logits_with(params, cfg, kc, tokens, positions, page_tables, slots, active, state):
+    hidden, state = decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
     return logits(params, hidden), state
 
 
@@ -102,3 +108,32 @@ def test_greedy_decode_matches_transformers_generate(model):
             )
         assert generated[lane] == out[0, len(prompt):].tolist(), f"lane {lane}"
     assert min(len(g) for g in generated) >= 20
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes):
+    """The decode step on the Pallas kernels (interpret mode): one lane takes the MoE matrix-vector kernels with
+    the shared expert as an extra row, attention and GDN their decode kernels; the logits equal the references'
+    over a few steps, each path carrying its own state."""
+    _, cfg, params = model
+    rng = np.random.default_rng(lanes)
+    state = init_device_state(cfg, num_pages=lanes * 4, num_slots=lanes, kv_dtype=jnp.float32,
+                              conv_dtype=jnp.float32)
+    tables = np.arange(lanes * 4, dtype=np.int32).reshape(lanes, 4)
+    last = []
+    for lane in range(lanes):
+        prompt = rng.integers(0, ORACLE_VOCAB, 40 + 23 * lane).astype(np.int32)
+        lg, state = _chunked_prefill(params, cfg, prompt, 64, state, lane, jnp.asarray(tables[lane]))
+        last.append(int(lg[-1].argmax()))
+    positions = np.array([40 + 23 * lane for lane in range(lanes)], np.int32)
+    states = {"reference": state, "pallas": state}
+    kernels = {"reference": REFERENCE, "pallas": KernelConfig("pallas", interpret=True)}
+    for _ in range(3):
+        out = {}
+        for name, kc in kernels.items():
+            out[name], states[name] = _decode_logits_with(
+                params, cfg, kc, jnp.asarray(last, jnp.int32), jnp.asarray(positions), jnp.asarray(tables),
+                jnp.arange(lanes, dtype=jnp.int32), jnp.ones(lanes, bool), states[name])
+        chex.assert_trees_all_close(out["pallas"], out["reference"], atol=2e-4, rtol=0)
+        last = np.asarray(out["reference"]).argmax(-1).astype(np.int32).tolist()
+        positions += 1
