@@ -5,6 +5,7 @@
                  XLA's GPU compiler strength-reduces it into multiply + reduce
   shared_apart   the MoE shared expert as the model's own matmuls (before session 10), not rows of the expert
                  kernels
+  gdn_fused      the GDN decode between its projections as one kernel (KernelConfig.fuse_gdn_decode)
   moe_gemv_*     the narrow-decode MoE kernels (moe.MoeConfig gemv_* fields) with other tiles
 
 Random bf16 weights at the real shapes, Pallas kernels, one idle engine; rounds at position 1024 dispatched back
@@ -37,7 +38,7 @@ MOE_GEMV = {  # MoeConfig fields replaced for rows <= gemv_max_rows
     "moe_gemv_warps8": dict(gemv_num_warps=8),
     "moe_gemv_warps2_splits16": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=4),
 }
-VARIANTS = ("default", "one_row_dot", "shared_apart", *MOE_GEMV)
+VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_fused", *MOE_GEMV)
 
 
 def _one_row_dot(x, w):
@@ -168,11 +169,12 @@ def probe(name: str, args) -> dict:
     runner = engine.runner
     lanes_list = [int(n) for n in args.lanes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
-    steps = {}
+    steps, kernels = {}, {}
     for v in variants:  # each variant traces and compiles its own decode programs, untimed
         steps[v] = jax.jit(runner_module._own(runner_module._decode_step),
                            static_argnames=("cfg", "kc", "full", "top_k_groups"), donate_argnames=("state",))
-        runner._steps["decode"] = steps[v]
+        kernels[v] = dataclasses.replace(engine.runner.kernels, fuse_gdn_decode=v == "gdn_fused")
+        runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:
                 jax.block_until_ready(runner.decode(*_decode_inputs(engine, lanes, 1024)))
@@ -180,7 +182,7 @@ def probe(name: str, args) -> dict:
     dispatch = {v: {n: [] for n in lanes_list} for v in variants}
     for _ in range(args.repeats):
         for v in variants:
-            runner._steps["decode"] = steps[v]
+            runner._steps["decode"], runner.kernels = steps[v], kernels[v]
             for lanes in lanes_list:
                 runs[v][lanes].append(time_rounds(engine, lanes, args.rounds, sync=False) * 1e3)
                 dispatch[v][lanes].append(dispatch_ms(engine, lanes))
@@ -195,7 +197,7 @@ def probe(name: str, args) -> dict:
               + f" (runs {runs[v]})", flush=True)
     if args.host_costs:
         result["host_costs"] = host_costs(engine)
-    runner._steps["decode"] = steps[variants[0]]
+    runner._steps["decode"], runner.kernels = steps[variants[0]], kernels[variants[0]]
     trace_dir = Path(args.trace_dir) / name
     decode_args = _decode_inputs(engine, 1, 1024)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):

@@ -31,10 +31,14 @@ class KernelConfig:
     backend: Literal["reference", "pallas"] = "reference"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     prefill_attention: PrefillConfig | None = None  # the Pallas prefill attention's config; None: its default
+    # GDN decode between the projections as one kernel (pallas_kernels/gdn_decode_layer.py); off until timed
+    fuse_gdn_decode: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
+        if self.fuse_gdn_decode and self.backend != "pallas":
+            raise ValueError("KernelConfig.fuse_gdn_decode needs the pallas backend (it has no reference of its own)")
 
 
 REFERENCE = KernelConfig()
@@ -108,6 +112,16 @@ def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
 
     o, states = jax.vmap(one)(q, k, v, g, beta, states)
     return o, state_pool.at[slots].set(states)
+
+
+def gdn_decode_layer(kc: KernelConfig, qkv, z, a, b, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool,
+                     slots, *, num_key_heads: int, eps: float):
+    """The fused GDN decode step (kc.fuse_gdn_decode): in-projection outputs -> gated-norm outputs [B, Hv, Dv],
+    the state pool updated in place and the lanes' new conv histories [B, K-1, C] (for the caller to scatter)."""
+    from pallas_kernels import gdn_decode_layer as kernel
+
+    return kernel.gdn_decode_layer(qkv, z, a, b, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool,
+                                   slots, num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
 
 
 def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):

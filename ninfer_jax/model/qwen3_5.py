@@ -266,6 +266,11 @@ def prefill(
 def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
     slots, active = ctx["slots"], ctx["active"]
     qkv, z, a, b = _gdn_in(p, x, cfg)
+    if kc.fuse_gdn_decode:  # the rest of this function, up to out_proj, as one kernel
+        y, ssm, tail = ops.gdn_decode_layer(kc, qkv, z, a, b, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w,
+                                            ssm, slots, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
+        conv = conv.at[slots].set(tail.astype(conv.dtype))
+        return _dot(y.reshape(y.shape[0], -1), p.out_proj), ssm, conv
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
     conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window)[:, 0]

@@ -1,0 +1,79 @@
+"""The fused GDN decode kernel (`pallas_kernels/gdn_decode_layer.py`, interpret mode) equals the model's unfused
+decode step on the same inputs: layer output, state slots and conv histories, active and inactive lanes; and it
+lowers to Triton at the real shapes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.model import qwen3_5
+from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.random_init import random_params
+from pallas_kernels import _compat
+from pallas_kernels.gdn_decode_layer import gdn_decode_layer
+
+UNFUSED = KernelConfig("pallas", interpret=True)
+FUSED = dataclasses.replace(UNFUSED, fuse_gdn_decode=True)
+
+
+def _layer_inputs(cfg, dtype, lanes, seed):
+    params = random_params(cfg, seed=seed, dtype=dtype)
+    layer = params.layers[cfg.gdn_layers[0]].mixer
+    rng = np.random.default_rng(seed)
+    slots_total = lanes + 3
+    x = jnp.asarray(rng.standard_normal((lanes, cfg.hidden_size)), dtype)
+    ssm = jnp.asarray(rng.standard_normal((slots_total, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_value_head_dim)) * 0.3, jnp.float32)
+    conv = jnp.asarray(rng.standard_normal((slots_total, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)), dtype)
+    slots = jnp.asarray(rng.permutation(slots_total)[:lanes], jnp.int32)
+    active = jnp.asarray(np.arange(lanes) % 3 != 1)  # lane 1 (and every third after it) sits out
+    return layer, x, ssm, conv, dict(slots=slots, active=active)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("config", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
+    cfg = ModelConfig.from_file(f"configs/{config}.json")
+    layer, x, ssm, conv, ctx = _layer_inputs(cfg, dtype, lanes, seed=lanes)
+    step = jax.jit(qwen3_5._gdn_decode, static_argnames=("cfg", "kc"))
+    want_y, want_ssm, want_conv = step(layer, x, cfg, UNFUSED, ssm, conv, ctx)
+    got_y, got_ssm, got_conv = step(layer, x, cfg, FUSED, ssm, conv, ctx)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got_ssm), np.asarray(want_ssm), rtol=1e-5, atol=1e-5)
+    # Conv histories are copies of inputs: equal to the bit.
+    np.testing.assert_array_equal(np.asarray(got_conv, np.float32), np.asarray(want_conv, np.float32))
+    # Inactive lanes' slots and every slot no lane holds are untouched.
+    held = {int(s) for s, a in zip(ctx["slots"], ctx["active"]) if a}
+    for slot in range(ssm.shape[0]):
+        if slot not in held:
+            np.testing.assert_array_equal(np.asarray(got_ssm[slot]), np.asarray(ssm[slot]))
+            np.testing.assert_array_equal(np.asarray(got_conv[slot]), np.asarray(conv[slot]))
+    assert len(held) < ssm.shape[0] and any(not a for a in np.asarray(ctx["active"])) == (lanes > 1)
+
+
+def test_fusion_needs_the_pallas_backend():
+    with pytest.raises(ValueError, match="pallas"):
+        KernelConfig(fuse_gdn_decode=True)
+
+
+@pytest.mark.parametrize("config", ["qwen3.5-35b-a3b", "qwen3.5-27b"])
+def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config):
+    _compat.lower_for_h200()
+    cfg = ModelConfig.from_file(f"configs/{config}.json")
+    spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    lanes, slots = 8, 18
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    args = (spec((lanes, cfg.conv_dim), bf16), spec((lanes, hv, dv), bf16), spec((lanes, hv), bf16),
+            spec((lanes, hv), bf16), spec((lanes,), jnp.bool_),
+            spec((slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), bf16),
+            spec((cfg.linear_conv_kernel_dim, cfg.conv_dim), bf16), spec((hv,), jnp.float32), spec((hv,), jnp.float32),
+            spec((dv,), bf16), spec((slots, hv, cfg.linear_key_head_dim, dv), jnp.float32), spec((lanes,), jnp.int32))
+    text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "gdn_decode_layer" in text
