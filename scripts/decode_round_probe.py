@@ -10,7 +10,8 @@
 
 Random bf16 weights at the real shapes, Pallas kernels, one idle engine; rounds at position 1024 dispatched back
 to back (as profile_decode.py), each variant's programs compiled first, then all variants timed in turn,
-`--repeats` times; medians. Each variant's host time to dispatch one round on an idle GPU is taken too (the
+`--repeats` times; medians. Before the timing, each variant runs one round from the same copy of the state: its
+greedy tokens and their log-probabilities are checked against the first variant's. Each variant's host time to dispatch one round on an idle GPU is taken too (the
 worker dispatches a round while the previous one runs, so a round costs the larger of the two). A profiler trace
 of the first variant's one-lane round gives its largest kernels; `--host-costs` times what a jitted call's host
 side pays for its arguments (the model's parameter and state pytrees) and for its number of kernels.
@@ -114,6 +115,27 @@ def dispatch_ms(engine, lanes: int, calls: int = 20) -> float:
     return statistics.median(seconds) * 1e3
 
 
+def agreement(engine, variants, steps, kernels, lanes: int) -> dict:
+    """Each variant's round from one copy of the state: its greedy tokens and their log-probabilities against the
+    first variant's (the variants must compute the same model on the device, up to rounding)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    runner = engine.runner
+    start = jax.tree.map(jnp.copy, runner.state)
+    outs = {}
+    for v in variants:
+        runner.state = jax.tree.map(jnp.copy, start)
+        runner._steps["decode"], runner.kernels = steps[v], kernels[v]
+        tokens, chosen, _ = runner.decode(*_decode_inputs(engine, lanes, 1024))
+        outs[v] = np.asarray(tokens)[:lanes], np.asarray(chosen)[:lanes]
+    runner.state = start
+    base_tokens, base_logprobs = outs[variants[0]]
+    return {v: {"lanes": lanes, "same_tokens": int((t == base_tokens).sum()),
+                "max_logprob_diff": float(np.abs(lp - base_logprobs).max())} for v, (t, lp) in outs.items()}
+
+
 def host_costs(engine) -> dict:
     """Host ms of one call (idle GPU) of jitted functions that take what the decode step takes, and of one with
     1200 unfused kernels: what the call's arguments and its kernel count cost before the device starts."""
@@ -178,6 +200,10 @@ def probe(name: str, args) -> dict:
         with _patch(v):
             for lanes in lanes_list:
                 jax.block_until_ready(runner.decode(*_decode_inputs(engine, lanes, 1024)))
+    check = agreement(engine, variants, steps, kernels, max(lanes_list))
+    for v, row in check.items():
+        print(f"[{name}] {v} against {variants[0]}: {row['same_tokens']}/{row['lanes']} greedy tokens equal, "
+              f"chosen log-probabilities within {row['max_logprob_diff']:.2e}", flush=True)
     runs = {v: {n: [] for n in lanes_list} for v in variants}
     dispatch = {v: {n: [] for n in lanes_list} for v in variants}
     for _ in range(args.repeats):
@@ -188,7 +214,7 @@ def probe(name: str, args) -> dict:
                 dispatch[v][lanes].append(dispatch_ms(engine, lanes))
     result = {"model": name, "variants": {}}
     for v in variants:
-        row = {f"{n}lane_ms": statistics.median(t) for n, t in runs[v].items()}
+        row = {f"{n}lane_ms": statistics.median(t) for n, t in runs[v].items()} | {"agreement": check[v]}
         row |= {f"{n}lane_dispatch_ms": statistics.median(t) for n, t in dispatch[v].items()}
         row["runs_ms"] = {str(n): t for n, t in runs[v].items()}
         result["variants"][v] = row
