@@ -26,6 +26,15 @@ from pallas_kernels.gdn_chunk import check_gdn_inputs
 _F32 = jnp.float32
 
 
+def delta_rule_step(s, q, k, v, g, beta):
+    """One token of the gated delta rule on a [Dk, Dv'] slice of one head's float32 state (inside a kernel):
+    q, k [Dk], v [Dv'], g and beta scalars, all float32. Returns (o [Dv'], the new state slice)."""
+    s = s * jnp.exp(g)
+    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    return jnp.sum(s * q[:, None], axis=0), s
+
+
 def _decode_kernel(
     slots_ref,  # [B] int32 (whole array)
     q_ref,  # [B, Hk, Dk] (whole array)
@@ -51,11 +60,7 @@ def _decode_kernel(
     g = g_ref[b, h].astype(_F32)
     beta = beta_ref[b, h].astype(_F32)
 
-    s = s * jnp.exp(g)
-    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    o_ref[b, h, vcols] = jnp.sum(s * q[:, None], axis=0)
-    pool_out_ref[slot, h, :, vcols] = s
+    o_ref[b, h, vcols], pool_out_ref[slot, h, :, vcols] = delta_rule_step(s, q, k, v, g, beta)
 
 
 @dataclasses.dataclass(frozen=True)

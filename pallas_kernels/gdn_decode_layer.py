@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.gdn_decode import delta_rule_step
 from pallas_kernels.reference import l2_normalize
 
 _F32 = jnp.float32
@@ -99,11 +100,7 @@ def _layer_kernel(
                                                               + dt_bias_ref[h].astype(_F32)) * mask
     beta = jax.nn.sigmoid(b_ref[lane, h].astype(_F32)) * mask
 
-    s = ssm_ref[slot, h, :, :] * jnp.exp(g)  # [Dk, Dv]
-    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = jnp.sum(s * q[:, None], axis=0)  # [Dv]
-    ssm_out_ref[slot, h, :, :] = s
+    o, ssm_out_ref[slot, h, :, :] = delta_rule_step(ssm_ref[slot, h, :, :], q, k, v, g, beta)  # o [Dv]
 
     # The gated RMSNorm, with the model's roundings: o to the activations' dtype, the normalised o back to it
     # before the weight, the weighted product in the weight's and activations' common dtype.

@@ -99,20 +99,26 @@ def _patch(variant: str) -> _Patch:
     return _Patch(moe=MOE_GEMV.get(variant))
 
 
-def dispatch_ms(engine, lanes: int, calls: int = 20) -> float:
-    """Median host seconds (as ms) of one decode call on an idle GPU: its return, not its completion."""
+def host_ms(call, calls: int) -> float:
+    """Median host time (ms) of `call()` on an idle GPU: its return, not its completion (each call's results
+    are waited for before the next)."""
     import time
 
     import jax
 
-    args = _decode_inputs(engine, lanes, 1024)
     seconds = []
     for _ in range(calls):
         start = time.perf_counter()
-        out = engine.runner.decode(*args)
+        out = call()
         seconds.append(time.perf_counter() - start)
         jax.block_until_ready(out)
     return statistics.median(seconds) * 1e3
+
+
+def dispatch_ms(engine, lanes: int, calls: int = 20) -> float:
+    """Median host time (ms) to dispatch one decode round of `lanes` lanes."""
+    args = _decode_inputs(engine, lanes, 1024)
+    return host_ms(lambda: engine.runner.decode(*args), calls)
 
 
 def agreement(engine, variants, steps, kernels, lanes: int) -> dict:
@@ -139,8 +145,6 @@ def agreement(engine, variants, steps, kernels, lanes: int) -> dict:
 def host_costs(engine) -> dict:
     """Host ms of one call (idle GPU) of jitted functions that take what the decode step takes, and of one with
     1200 unfused kernels: what the call's arguments and its kernel count cost before the device starts."""
-    import time
-
     import jax
     import jax.numpy as jnp
 
@@ -148,14 +152,8 @@ def host_costs(engine) -> dict:
     x = jnp.ones((8, 64), jnp.int32)
 
     def median_ms(fn, *a):
-        jax.block_until_ready(fn(*a))
-        seconds = []
-        for _ in range(30):
-            start = time.perf_counter()
-            out = fn(*a)
-            seconds.append(time.perf_counter() - start)
-            jax.block_until_ready(out)
-        return statistics.median(seconds) * 1e3
+        jax.block_until_ready(fn(*a))  # compiled first
+        return host_ms(lambda: fn(*a), 30)
 
     def chain(y):  # barriers keep XLA from fusing: one kernel per step
         for i in range(1200):
