@@ -1,7 +1,8 @@
 """Gated delta rule decode: one token for each of B lanes, each lane's state slot updated in place.
 
 Implements the contract of `ninfer_jax.model.ops.gdn_decode`. One program per (lane, value head, block of
-Dv columns) reads its [Dk, block_v] float32 slice of the lane's state slot, applies one step
+Dv columns; `program_blocks` picks the block) reads its [Dk, block_v] float32 slice of the lane's state slot,
+applies one step
 
     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
 
@@ -67,7 +68,9 @@ def _decode_kernel(
 class GdnDecodeConfig:
     """Tuning knobs (hashable: a static argument)."""
 
-    block_v: int = 128  # Dv columns per program (H200: 13.0 us at 8 lanes x Hv48 vs 20.0 at 32)
+    block_v: int = 128  # widest Dv columns per program (H200: 13.0 us at 8 lanes x Hv48 vs 20.0 at 32)
+    # Narrower blocks until the grid has this many programs: one lane's 32 heads would leave most SMs idle
+    min_programs: int = 128
     num_warps: int = 8
     num_stages: int = 1
 
@@ -76,14 +79,26 @@ class GdnDecodeConfig:
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise ValueError(f"GdnDecodeConfig.{name} must be a power of 2, got {x}")
-        if self.num_stages < 1:
-            raise ValueError("GdnDecodeConfig.num_stages must be >= 1")
+        if self.num_stages < 1 or self.min_programs < 0:
+            raise ValueError("GdnDecodeConfig.num_stages must be >= 1 and min_programs >= 0")
+
+
+DEFAULT_CONFIG = GdnDecodeConfig()
+
+
+def program_blocks(heads: int, dv: int, block_v: int, min_programs: int) -> int:
+    """Dv columns per program for `heads` (lane, value head) pairs: the widest power of two up to block_v whose
+    grid has min_programs programs, down to 16 columns (the state slice stays [Dk, >= 16])."""
+    block = min(block_v, dv)
+    while heads * (dv // block) < min_programs and block > 16 and dv % (block // 2) == 0:
+        block //= 2
+    return block
 
 
 def _gdn_decode_call(q, k, v, g, beta, state_pool, slots, *, config, interpret):
     lanes, hk, _ = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    block_v = min(config.block_v, dv)
+    block_v = program_blocks(lanes * hv, dv, config.block_v, config.min_programs)
     full = _compat.full_spec()
     return pl.pallas_call(
         functools.partial(_decode_kernel, group=hv // hk, block_v=block_v),
@@ -114,7 +129,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, *, interpret=False, config=N
     Returns:
       (o [B, Hv, Dv] float32, updated state_pool).
     """
-    config = config or GdnDecodeConfig()
+    config = config or DEFAULT_CONFIG
     check_gdn_inputs(q, k, v, g, beta, state_pool)
     lanes = q.shape[0]
     if slots.shape != (lanes,):

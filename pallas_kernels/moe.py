@@ -89,13 +89,15 @@ class MoeConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 4
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
+    # Many small programs: 16 and 4 splits on 2 warps made a 35B-A3B one-lane round 6% shorter than 8 and 2 on 4
+    # (decode_round_probe.md, session 11); one split per kernel (fused epilogues, fewer programs) was 40% longer
     gemv_block_n: int = 128
     gemv_block_k: int = 64
-    gemv_splits: int = 8  # pieces of the H contraction in gate_up
+    gemv_splits: int = 16  # pieces of the H contraction in gate_up
     gemv_down_block_n: int = 128
     gemv_down_block_k: int = 64
-    gemv_down_splits: int = 2  # pieces of the I contraction in down
-    gemv_num_warps: int = 4
+    gemv_down_splits: int = 4  # pieces of the I contraction in down
+    gemv_num_warps: int = 2
     gemv_num_stages: int = 4
 
     def __post_init__(self):

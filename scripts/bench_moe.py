@@ -51,24 +51,29 @@ CHECK_TOKENS = 32  # reference subset above this many tokens
 # Configs swept per regime; "default" (config=None: `moe.default_config`) always runs first.
 C = moe.MoeConfig
 TILED = dict(gemv_max_rows=0)
-GEMV_ALL = dict(gemv_max_rows=64)  # the split-K matrix-vector path at 8 tokens too
+
+
+def G(**fields):
+    """A split-K matrix-vector config (gemv_* fields; the path taken at 8 tokens too), spelled out from the session-10
+    tiles (8 and 2 splits on 4 warps) so a row's name stays true when the defaults move."""
+    return C(**(dict(gemv_max_rows=64, gemv_splits=8, gemv_down_splits=2, gemv_num_warps=4) | fields))
+
+
 DECODE_CONFIGS = {  # tiled: n32k256dn64k256 (R <= 16), n64k128dn128k128 (16 < R <= 64), w4 s4
     "n32k256dn64k256": C(**TILED),
     "n64k128dn128k128": C(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
                           decode_down_block_k=128, **TILED),
     # split-K matrix-vector (gemv_*): column block, step, splits of H | down column block, step, splits of I
-    "gemv_n128k64s8_d128k64s2": C(**GEMV_ALL),
-    "gemv_n128k64s4_d128k64s1": C(gemv_splits=4, gemv_down_splits=1, **GEMV_ALL),
-    "gemv_n128k64s16_d128k64s4": C(gemv_splits=16, gemv_down_splits=4, **GEMV_ALL),
-    "gemv_n256k32s8_d256k32s2": C(gemv_block_n=256, gemv_block_k=32, gemv_down_block_n=256,
-                                  gemv_down_block_k=32, **GEMV_ALL),
-    "gemv_n64k128s8_d64k128s2": C(gemv_block_n=64, gemv_block_k=128, gemv_down_block_n=64,
-                                  gemv_down_block_k=128, **GEMV_ALL),
-    "gemv_n128k64s8_d128k64s2_w8": C(gemv_num_warps=8, **GEMV_ALL),
-    "gemv_n128k64s8_d128k64s2_st2": C(gemv_num_stages=2, **GEMV_ALL),
-    "gemv_n128k64s8_d128k64s2_st3": C(gemv_num_stages=3, **GEMV_ALL),
-    "gemv_n128k32s16_d128k32s4": C(gemv_block_k=32, gemv_splits=16, gemv_down_block_k=32,
-                                   gemv_down_splits=4, **GEMV_ALL),
+    "gemv_n128k64s8_d128k64s2": G(),
+    "gemv_n128k64s4_d128k64s1": G(gemv_splits=4, gemv_down_splits=1),
+    "gemv_n128k64s16_d128k64s4": G(gemv_splits=16, gemv_down_splits=4),
+    "gemv_n128k64s16_d128k64s4_w2": G(gemv_splits=16, gemv_down_splits=4, gemv_num_warps=2),  # default since session 11
+    "gemv_n256k32s8_d256k32s2": G(gemv_block_n=256, gemv_block_k=32, gemv_down_block_n=256, gemv_down_block_k=32),
+    "gemv_n64k128s8_d64k128s2": G(gemv_block_n=64, gemv_block_k=128, gemv_down_block_n=64, gemv_down_block_k=128),
+    "gemv_n128k64s8_d128k64s2_w8": G(gemv_num_warps=8),
+    "gemv_n128k64s8_d128k64s2_st2": G(gemv_num_stages=2),
+    "gemv_n128k64s8_d128k64s2_st3": G(gemv_num_stages=3),
+    "gemv_n128k32s16_d128k32s4": G(gemv_block_k=32, gemv_splits=16, gemv_down_block_k=32, gemv_down_splits=4),
 }
 SPARSE_CONFIGS = {  # prefill with few rows per expert (512 tokens: 16 per expert); default m32n128k64w4s4
     "m16n128k64w4s4": C(block_m=16, num_warps=4, num_stages=4),

@@ -3,17 +3,26 @@
   default        the engine as it is
   one_row_dot    a one-row projection handed to XLA as a vector x matrix dot (the engine before session 10):
                  XLA's GPU compiler strength-reduces it into multiply + reduce
+  gate_two_rows  the one-column shared-expert gate as a two-row matmul too (before session 11)
   shared_apart   the MoE shared expert as the model's own matmuls (before session 10), not rows of the expert
                  kernels
-  gdn_fused      the GDN decode between its projections as one kernel (KernelConfig.fuse_gdn_decode)
+  gdn_unfused    the GDN decode as XLA kernels around the delta-rule kernel (KernelConfig.fuse_gdn_decode off, the
+                 engine before session 11; session 11's reports call the fused form, then the variant, gdn_fused)
+  norm_unfused   each residual add + RMSNorm as XLA's kernels (KernelConfig.fuse_add_norm off; before session 11)
+  gdn_layer_*    the fused GDN decode kernel with other warps or column blocks
+  gdn_whole_heads  the GDN decode kernels with one program per (lane, head) whatever the lanes (before session
+                 11: one lane ran 32 programs)
   moe_gemv_*     the narrow-decode MoE kernels (moe.MoeConfig gemv_* fields) with other tiles
+  a+b            two variants at once (say gdn_unfused+gdn_whole_heads)
 
 Random bf16 weights at the real shapes, Pallas kernels, one idle engine; rounds at position 1024 dispatched back
 to back (as profile_decode.py), each variant's programs compiled first, then all variants timed in turn,
 `--repeats` times; medians. Before the timing, each variant runs one round from the same copy of the state: its
-greedy tokens and their log-probabilities are checked against the first variant's. Each variant's host time to dispatch one round on an idle GPU is taken too (the
-worker dispatches a round while the previous one runs, so a round costs the larger of the two). A profiler trace
-of the first variant's one-lane round gives its largest kernels; `--host-costs` times what a jitted call's host
+greedy tokens, their log-probabilities and its top-20 log-probabilities are checked against the first variant's
+(with random weights any change in a float32 sum's order moves them by 0.1-0.3, a broken kernel by whole nats).
+Each variant's host time to dispatch one round on an idle GPU is taken too (the worker dispatches a round while
+the previous one runs, so a round costs the larger of the two). A profiler trace of the first variant's one-lane
+round (or of each of `--trace-variants`) gives its largest kernels; `--host-costs` times what a jitted call's host
 side pays for its arguments (the model's parameter and state pytrees) and for its number of kernels.
 
     python scripts/decode_round_probe.py --models 35b-a3b,27b --out $OUT/decode_round_probe.json
@@ -32,14 +41,34 @@ from pathlib import Path
 from bench_engine import MODELS, ROOT
 from profile_decode import _decode_inputs, kernel_table, time_rounds
 
-MOE_GEMV = {  # MoeConfig fields replaced for rows <= gemv_max_rows
+# MoeConfig fields replaced for rows <= gemv_max_rows, each spelled out from the tiles before session 11 (8 and 2
+# splits on 4 warps) so a name stays true when the defaults move
+_SESSION10_GEMV = dict(gemv_splits=8, gemv_down_splits=2, gemv_num_warps=4)
+MOE_GEMV = {name: _SESSION10_GEMV | fields for name, fields in {
+    "moe_gemv_splits8": {},
     "moe_gemv_splits16": dict(gemv_splits=16, gemv_down_splits=4),
     "moe_gemv_block_n64": dict(gemv_block_n=64, gemv_down_block_n=64),
     "moe_gemv_block_k128": dict(gemv_block_k=128, gemv_down_block_k=128, gemv_splits=4, gemv_down_splits=1),
     "moe_gemv_warps8": dict(gemv_num_warps=8),
     "moe_gemv_warps2_splits16": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=4),
+    "moe_gemv_stages2": dict(gemv_num_stages=2),
+    "moe_gemv_stages1": dict(gemv_num_stages=1),
+    "moe_gemv_bk32_splits16": dict(gemv_block_k=32, gemv_splits=16, gemv_down_block_k=32, gemv_down_splits=4),
+    "moe_gemv_w2_s16_n64": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=4, gemv_block_n=64,
+                                gemv_down_block_n=64),
+    "moe_gemv_w2_s32": dict(gemv_num_warps=2, gemv_splits=32, gemv_down_splits=8),
+    "moe_gemv_w2_s16_d8": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=8),
+    "moe_gemv_w1_s16": dict(gemv_num_warps=1, gemv_splits=16, gemv_down_splits=4),
+}.items()}
+GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
+    "gdn_layer_warps4": dict(num_warps=4),
+    "gdn_layer_warps2": dict(num_warps=2),
+    "gdn_layer_bv16": dict(min_programs=256),  # one lane: 16-column blocks, 256 programs
+    "gdn_layer_bv64": dict(min_programs=64),  # one lane: 64-column blocks, 64 programs
 }
-VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_fused", *MOE_GEMV)
+# "a+b" combines two
+VARIANTS = ("default", "one_row_dot", "gate_two_rows", "shared_apart", "gdn_unfused", "gdn_whole_heads",
+            "norm_unfused", *MOE_GEMV, *GDN_LAYER)
 
 
 def _one_row_dot(x, w):
@@ -58,45 +87,64 @@ def _moe_shared_apart(p, x, cfg, kc):
     return routed + qwen3_5.mlp(p.shared, x) * jax.nn.sigmoid(qwen3_5._dot(x, p.shared_gate))
 
 
+def _clear_kernel_traces():
+    """The kernels' entry points are jits of their own: their traces are cached by argument shapes and static
+    arguments, which do not see a patched module default, so a cached trace would hand back another variant's
+    kernels."""
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe
+
+    for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer):
+        fn.clear_cache()
+
+
 @dataclasses.dataclass
 class _Patch:
     """Module attributes a variant replaces while its programs are traced (each variant has its own jit)."""
 
-    dot: object = None
-    moe_layer: object = None
-    moe: dict | None = None
+    replace: list  # (module, attribute name, value)
 
     def __enter__(self):
-        from ninfer_jax.model import qwen3_5
-        from pallas_kernels import moe
-
-        self.saved = qwen3_5._dot, qwen3_5.moe, moe.default_config
-        if self.dot is not None:
-            qwen3_5._dot = self.dot
-        if self.moe_layer is not None:
-            qwen3_5.moe = self.moe_layer
-        if self.moe is not None:
-            base, fields = moe.default_config, self.moe
-
-            def config(rows, num_experts):
-                cfg = base(rows, num_experts)
-                return dataclasses.replace(cfg, **fields) if rows <= cfg.gemv_max_rows else cfg
-
-            moe.default_config = config
+        self.saved = [(m, a, getattr(m, a)) for m, a, _ in self.replace]
+        for m, a, v in self.replace:
+            setattr(m, a, v)
+        _clear_kernel_traces()
 
     def __exit__(self, *exc):
-        from ninfer_jax.model import qwen3_5
-        from pallas_kernels import moe
-
-        qwen3_5._dot, qwen3_5.moe, moe.default_config = self.saved
+        for m, a, v in self.saved:
+            setattr(m, a, v)
+        _clear_kernel_traces()
 
 
 def _patch(variant: str) -> _Patch:
-    if variant == "one_row_dot":
-        return _Patch(dot=_one_row_dot)
-    if variant == "shared_apart":
-        return _Patch(moe_layer=_moe_shared_apart)
-    return _Patch(moe=MOE_GEMV.get(variant))
+    from ninfer_jax.model import qwen3_5
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe
+
+    parts = variant.split("+")
+    replace = []
+    if "one_row_dot" in parts:
+        replace.append((qwen3_5, "_dot", _one_row_dot))
+    if "gate_two_rows" in parts:
+        replace.append((qwen3_5, "_TWO_ROWS_MIN_COLUMNS", 1))
+    if "shared_apart" in parts:
+        replace.append((qwen3_5, "moe", _moe_shared_apart))
+    if "gdn_whole_heads" in parts:
+        replace += [(gdn_decode, "DEFAULT_CONFIG", dataclasses.replace(gdn_decode.DEFAULT_CONFIG, min_programs=0)),
+                    (gdn_decode_layer, "DEFAULT_CONFIG",
+                     dataclasses.replace(gdn_decode_layer.DEFAULT_CONFIG, min_programs=0))]
+    layer_fields = {k: v for p in parts if p in GDN_LAYER for k, v in GDN_LAYER[p].items()}
+    if layer_fields:
+        replace.append((gdn_decode_layer, "DEFAULT_CONFIG", dataclasses.replace(gdn_decode_layer.DEFAULT_CONFIG,
+                                                                                **layer_fields)))
+    fields = {k: v for p in parts if p in MOE_GEMV for k, v in MOE_GEMV[p].items()}
+    if fields:
+        base = moe.default_config
+
+        def config(rows, num_experts):
+            cfg = base(rows, num_experts)
+            return dataclasses.replace(cfg, **fields) if rows <= cfg.gemv_max_rows else cfg
+
+        replace.append((moe, "default_config", config))
+    return _Patch(replace)
 
 
 def host_ms(call, calls: int) -> float:
@@ -134,12 +182,15 @@ def agreement(engine, variants, steps, kernels, lanes: int) -> dict:
     for v in variants:
         runner.state = jax.tree.map(jnp.copy, start)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
-        tokens, chosen, _ = runner.decode(*_decode_inputs(engine, lanes, 1024))
-        outs[v] = np.asarray(tokens)[:lanes], np.asarray(chosen)[:lanes]
+        tokens, chosen, (_, top) = runner.decode(*_decode_inputs(engine, lanes, 1024))
+        outs[v] = np.asarray(tokens)[:lanes], np.asarray(chosen)[:lanes], np.asarray(top)[:lanes]
     runner.state = start
-    base_tokens, base_logprobs = outs[variants[0]]
+    base_tokens, base_logprobs, base_top = outs[variants[0]]
+    # Random weights give nearly flat logits, where rounding alone can swap the greedy token; the top-20
+    # log-probabilities (sorted values, whatever their ids) say whether the distributions agree.
     return {v: {"lanes": lanes, "same_tokens": int((t == base_tokens).sum()),
-                "max_logprob_diff": float(np.abs(lp - base_logprobs).max())} for v, (t, lp) in outs.items()}
+                "max_logprob_diff": float(np.abs(lp - base_logprobs).max()),
+                "max_top20_logprob_diff": float(np.abs(top - base_top).max())} for v, (t, lp, top) in outs.items()}
 
 
 def host_costs(engine) -> dict:
@@ -184,16 +235,20 @@ def probe(name: str, args) -> dict:
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
     opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=2048, max_model_len=8192,
-                         kv_capacity=65536, kernels=args.kernels, no_prefix_reuse=True)
+                         kv_capacity=65536, kernels=args.kernels, no_prefix_reuse=True,
+                         interpret=jax.default_backend() == "cpu")  # a CPU smoke run interprets the kernels
     engine = Engine(cfg, random_params(cfg, seed=0), opts, model_name=name, warmup=False)
     runner = engine.runner
     lanes_list = [int(n) for n in args.lanes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     steps, kernels = {}, {}
+    engine_kernels = runner.kernels  # the loop below swaps runner.kernels: each variant starts from the engine's
     for v in variants:  # each variant traces and compiles its own decode programs, untimed
         steps[v] = jax.jit(runner_module._own(runner_module._decode_step),
                            static_argnames=("cfg", "kc", "full", "top_k_groups"), donate_argnames=("state",))
-        kernels[v] = dataclasses.replace(engine.runner.kernels, fuse_gdn_decode=v == "gdn_fused")
+        kc, parts = engine_kernels, v.split("+")
+        kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
+                                         fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:
@@ -201,7 +256,8 @@ def probe(name: str, args) -> dict:
     check = agreement(engine, variants, steps, kernels, max(lanes_list))
     for v, row in check.items():
         print(f"[{name}] {v} against {variants[0]}: {row['same_tokens']}/{row['lanes']} greedy tokens equal, "
-              f"chosen log-probabilities within {row['max_logprob_diff']:.2e}", flush=True)
+              f"chosen log-probabilities within {row['max_logprob_diff']:.2e}, top-20 log-probabilities within "
+              f"{row['max_top20_logprob_diff']:.2e}", flush=True)
     runs = {v: {n: [] for n in lanes_list} for v in variants}
     dispatch = {v: {n: [] for n in lanes_list} for v in variants}
     for _ in range(args.repeats):
@@ -221,17 +277,20 @@ def probe(name: str, args) -> dict:
               + f" (runs {runs[v]})", flush=True)
     if args.host_costs:
         result["host_costs"] = host_costs(engine)
-    runner._steps["decode"], runner.kernels = steps[variants[0]], kernels[variants[0]]
-    trace_dir = Path(args.trace_dir) / name
-    decode_args = _decode_inputs(engine, 1, 1024)
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-        for _ in range(args.trace_rounds):
-            out = runner.decode(*decode_args)
-        jax.block_until_ready(out)
-    result["kernels_1lane"] = kernel_table(trace_dir, args.trace_rounds, args.top)
-    for r in result["kernels_1lane"]:
-        print(f"[{name}] {variants[0]} {r['us_per_round']:9.1f} us {r['launches_per_round']:6.1f}x  {r['kernel']}",
-              flush=True)
+    traced = [v for v in (args.trace_variants or variants[0]).split(",") if v]
+    for v in traced:
+        runner._steps["decode"], runner.kernels = steps[v], kernels[v]
+        trace_dir = Path(args.trace_dir) / name / v
+        decode_args = _decode_inputs(engine, 1, 1024)
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(args.trace_rounds):
+                out = runner.decode(*decode_args)
+            jax.block_until_ready(out)
+        table = kernel_table(trace_dir, args.trace_rounds, args.top)
+        result["kernels_1lane" if v == variants[0] else f"kernels_1lane_{v}"] = table
+        for r in table:
+            print(f"[{name}] {v} {r['us_per_round']:9.1f} us {r['launches_per_round']:6.1f}x  {r['kernel']}",
+                  flush=True)
     engine.stop()
     return result
 
@@ -244,13 +303,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", default="1,8")
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace-variants", default="", help="variants whose one-lane round is traced (default: the first)")
     ap.add_argument("--trace-rounds", type=int, default=8)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace-dir", default="/tmp/ninfer_round_trace")
     ap.add_argument("--host-costs", action="store_true", help="also time a call's host side by what it is handed")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS) - {""}
+    unknown = {p for v in args.variants.split(",") for p in v.split("+")} - set(VARIANTS) - {""}
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     import jax

@@ -31,14 +31,19 @@ class KernelConfig:
     backend: Literal["reference", "pallas"] = "reference"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     prefill_attention: PrefillConfig | None = None  # the Pallas prefill attention's config; None: its default
-    # GDN decode between the projections as one kernel (pallas_kernels/gdn_decode_layer.py); off until timed
+    # GDN decode between the projections as one kernel (pallas_kernels/gdn_decode_layer.py); the engine turns it on
+    # with the pallas backend
     fuse_gdn_decode: bool = False
+    # Residual add + RMSNorm of up to `ADD_NORM_MAX_ROWS` rows as one kernel (pallas_kernels/rms_norm.py); the engine
+    # turns it on with the pallas backend
+    fuse_add_norm: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        if self.fuse_gdn_decode and self.backend != "pallas":
-            raise ValueError("KernelConfig.fuse_gdn_decode needs the pallas backend (it has no reference of its own)")
+        for flag in ("fuse_gdn_decode", "fuse_add_norm"):
+            if getattr(self, flag) and self.backend != "pallas":
+                raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
 
 REFERENCE = KernelConfig()
@@ -114,14 +119,28 @@ def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
     return o, state_pool.at[slots].set(states)
 
 
-def gdn_decode_layer(kc: KernelConfig, qkv, z, a, b, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool,
-                     slots, *, num_key_heads: int, eps: float):
-    """The fused GDN decode step (kc.fuse_gdn_decode): in-projection outputs -> gated-norm outputs [B, Hv, Dv],
-    the state pool updated in place and the lanes' new conv histories [B, K-1, C] (for the caller to scatter)."""
+def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
+                     num_key_heads: int, eps: float):
+    """The fused GDN decode step (kc.fuse_gdn_decode): the in-projection's output [B, C + Hv Dv + 2 Hv] (qkv, z, b,
+    a) -> gated-norm outputs [B, Hv, Dv], the state pool updated in place and the lanes' new conv histories
+    [B, K-1, C] (for the caller to scatter)."""
     from pallas_kernels import gdn_decode_layer as kernel
 
-    return kernel.gdn_decode_layer(qkv, z, a, b, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool,
-                                   slots, num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
+    return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
+                                   num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
+
+
+ADD_NORM_MAX_ROWS = 64  # decode rounds; a prefill chunk's rows are XLA's (bandwidth-bound there, no launch to save)
+
+
+def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
+    """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= ADD_NORM_MAX_ROWS and a
+    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm)."""
+    if not kc.fuse_add_norm or x.shape[0] > ADD_NORM_MAX_ROWS:
+        return None
+    from pallas_kernels import rms_norm as kernel
+
+    return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
 
 
 def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):

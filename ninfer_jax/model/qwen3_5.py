@@ -47,12 +47,17 @@ F32 = jnp.float32
 # XLA's GPU compiler rewrites a vector x matrix dot into multiply + reduce (its DotStrengthReduction pass) when
 # (N + 1) x K is under this many elements.
 _XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
+# A one-column product (the MoE shared-expert gate) is a plain dot product: its rewritten form is one small reduce,
+# where two rows would cost a concatenate and a matmul kernel.
+_TWO_ROWS_MIN_COLUMNS = 2
 
 
 def _dot(x, w):
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # cost a separate pass over every output, 181 of 3956 ms in a 32k prefill of the 27B (prefill_profile.md).
-    if x.ndim == 2 and x.shape[0] == 1 and (w.shape[1] + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
+    n = w.shape[1]
+    one_row = x.ndim == 2 and x.shape[0] == 1
+    if one_row and _TWO_ROWS_MIN_COLUMNS <= n and (n + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
         # The rewritten form wrote the [K, N] product out before reducing it: 1.0 of 4.9 ms of a 35B-A3B one-lane
         # round (decode_round_probe.md). Two rows make it a matmul again; the barrier keeps the simplifier from
         # folding the copy back. The second row reads no extra weight bytes.
@@ -66,6 +71,15 @@ def rms_norm(x, w, eps):
     xf = x.astype(F32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+
+
+def add_norm(kc: KernelConfig, x, h, w, eps):
+    """The residual stream x plus a block's output h (None: nothing to add), and its RMSNorm: (x + h, norm)."""
+    fused = ops.add_rms_norm(kc, x, h, w, eps)
+    if fused is not None:
+        return fused
+    x = x if h is None else x + h
+    return x, rms_norm(x, w, eps)
 
 
 def gated_rms_norm(x, z, w, eps):
@@ -108,7 +122,11 @@ def ffn(p, x, cfg, kc):
 # --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
 def _gdn_in(p: GDNParams, x, cfg: ModelConfig):
     """x [N, H] -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv], a [N, Hv], b [N, Hv])."""
-    proj = _dot(x, p.in_proj)
+    return _gdn_split(_dot(x, p.in_proj), cfg)
+
+
+def _gdn_split(proj, cfg: ModelConfig):
+    """The in-projection's output [N, conv_dim + Hv Dv + 2 Hv] -> its four parts, as `_gdn_in` returns them."""
     cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
     qkv, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
@@ -206,18 +224,20 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
     """The layer loop, unrolled; gdn_fn / attn_fn apply one token mixer and return its new pools."""
     ks, vs, ssms, convs = list(state.k_pages), list(state.v_pages), list(state.ssm), list(state.conv)
     gi = ai = 0
+    eps = cfg.rms_norm_eps
+    h = None  # the previous layer's FFN output, added to x with the next norm
     for layer in params.layers:
         layer: LayerParams
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        x, normed = add_norm(kc, x, h, layer.input_norm, eps)
         if isinstance(layer.mixer, GDNParams):
-            h, ssms[gi], convs[gi] = gdn_fn(layer.mixer, h, ssms[gi], convs[gi])
+            h, ssms[gi], convs[gi] = gdn_fn(layer.mixer, normed, ssms[gi], convs[gi])
             gi += 1
         else:
-            h, ks[ai], vs[ai] = attn_fn(layer.mixer, h, ks[ai], vs[ai])
+            h, ks[ai], vs[ai] = attn_fn(layer.mixer, normed, ks[ai], vs[ai])
             ai += 1
-        x = x + h
-        x = x + ffn(layer.ffn, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), cfg, kc)
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+        x, normed = add_norm(kc, x, h, layer.post_norm, eps)
+        h = ffn(layer.ffn, normed, cfg, kc)
+    _, x = add_norm(kc, x, h, params.final_norm, eps)
     return x, DeviceState(tuple(ks), tuple(vs), tuple(ssms), tuple(convs))
 
 
@@ -265,12 +285,13 @@ def prefill(
 # --- decode ------------------------------------------------------------------------------------------
 def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
     slots, active = ctx["slots"], ctx["active"]
-    qkv, z, a, b = _gdn_in(p, x, cfg)
+    proj = _dot(x, p.in_proj)
     if kc.fuse_gdn_decode:  # the rest of this function, up to out_proj, as one kernel
-        y, ssm, tail = ops.gdn_decode_layer(kc, qkv, z, a, b, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w,
-                                            ssm, slots, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
+        y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
+                                            num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
         conv = conv.at[slots].set(tail.astype(conv.dtype))
         return _dot(y.reshape(y.shape[0], -1), p.out_proj), ssm, conv
+    qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
     conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window)[:, 0]

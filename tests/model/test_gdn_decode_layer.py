@@ -14,7 +14,8 @@ from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.random_init import random_params
 from pallas_kernels import _compat
-from pallas_kernels.gdn_decode_layer import gdn_decode_layer
+from pallas_kernels.gdn_decode import program_blocks
+from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer
 
 UNFUSED = KernelConfig("pallas", interpret=True)
 FUSED = dataclasses.replace(UNFUSED, fuse_gdn_decode=True)
@@ -57,20 +58,47 @@ def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
     assert len(held) < ssm.shape[0] and any(not a for a in np.asarray(ctx["active"])) == (lanes > 1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_heads_split_over_programs_equal_whole_heads(dtype):
+    """A head's Dv columns over several programs (the norm then after the kernel) give what one program per head
+    gives (the norm inside it): same state, same histories, outputs to rounding."""
+    cfg = ModelConfig.from_file("configs/tiny-moe.json")
+    lanes = 3
+    layer, x, ssm, conv, ctx = _layer_inputs(cfg, dtype, lanes, seed=7)
+    proj = qwen3_5._dot(x, layer.in_proj)
+    args = (proj, ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w, ssm, ctx["slots"])
+    kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
+    whole = gdn_decode_layer(*args, **kw, config=GdnDecodeLayerConfig(min_programs=0))
+    split = gdn_decode_layer(*args, **kw, config=GdnDecodeLayerConfig(min_programs=10**6))
+    assert program_blocks(lanes * cfg.linear_num_value_heads, cfg.linear_value_head_dim, 128, 10**6) == 16
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(split[0], np.float32), np.asarray(whole[0], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(split[2], np.float32), np.asarray(whole[2], np.float32))
+
+
+def test_one_lane_spreads_its_heads_over_more_programs():
+    """35B-A3B (32 value heads of 128): one lane's heads in 32-column blocks (128 programs), eight lanes' whole."""
+    assert program_blocks(1 * 32, 128, 128, 128) == 32
+    assert program_blocks(8 * 32, 128, 128, 128) == 128
+    assert program_blocks(1 * 48, 128, 128, 128) == 32  # 27B: 48 heads
+    assert program_blocks(1 * 2, 16, 128, 128) == 16  # never under 16 columns
+
+
 def test_fusion_needs_the_pallas_backend():
     with pytest.raises(ValueError, match="pallas"):
         KernelConfig(fuse_gdn_decode=True)
 
 
+@pytest.mark.parametrize("lanes", [1, 8])
 @pytest.mark.parametrize("config", ["qwen3.5-35b-a3b", "qwen3.5-27b"])
-def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config):
+def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
     _compat.lower_for_h200()
     cfg = ModelConfig.from_file(f"configs/{config}.json")
     spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    lanes, slots = 8, 18
+    slots = 18
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    args = (spec((lanes, cfg.conv_dim), bf16), spec((lanes, hv, dv), bf16), spec((lanes, hv), bf16),
-            spec((lanes, hv), bf16), spec((lanes,), jnp.bool_),
+    args = (spec((lanes, cfg.conv_dim + hv * dv + 2 * hv), bf16), spec((lanes,), jnp.bool_),
             spec((slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), bf16),
             spec((cfg.linear_conv_kernel_dim, cfg.conv_dim), bf16), spec((hv,), jnp.float32), spec((hv,), jnp.float32),
             spec((dv,), bf16), spec((slots, hv, cfg.linear_key_head_dim, dv), jnp.float32), spec((lanes,), jnp.int32))

@@ -31,10 +31,11 @@ def test_one_row_projection_is_a_two_row_matmul_behind_a_barrier():
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-1)
 
 
-@pytest.mark.parametrize("rows, k, n", [(3, 64, 48), (1, 6144, 5120)], ids=["three-rows", "27b-o-proj"])
+@pytest.mark.parametrize("rows, k, n", [(3, 64, 48), (1, 6144, 5120), (1, 2048, 1)],
+                         ids=["three-rows", "27b-o-proj", "one-column"])
 def test_projections_xla_keeps_as_matmuls_are_left_as_they_are(rows, k, n):
-    # Wider inputs, and one row times a matrix at or above XLA's rewrite size (the 27B's smallest projection):
-    # their programs stay as they were.
+    # Wider inputs, one row times a matrix at or above XLA's rewrite size (the 27B's smallest projection), and a
+    # one-column product (the shared-expert gate, a dot product whichever way XLA writes it): left as they were.
     x, w = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     text, lhs_shapes = _operands(x, w)
     assert lhs_shapes == [f"{rows}x{k}"]

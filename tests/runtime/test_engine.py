@@ -239,3 +239,16 @@ def test_stop_answers_queued_requests_as_unavailable(checkpoint):
                       sink=lambda ev: ev.finish_reason and results.append(ev.finish_reason))
     engine.stop()
     assert sorted(results) == ["unavailable"] * 3 or ("unavailable" in results and len(results) == 3)
+
+
+def test_pallas_engine_with_its_fused_decode_kernels_matches_transformers(checkpoint, hf_greedy):
+    """The engine on the Pallas kernels (interpret mode) turns on the fused GDN decode layer and the add + norm kernel,
+    as it does on a GPU; two concurrent greedy requests still decode exactly what transformers' generate does."""
+    prompts = _prompts(2, seed=23)
+    with Engine.from_pretrained(checkpoint, kernels="pallas", interpret=True, max_concurrency=2, prefill_chunk=64,
+                                max_model_len=512, warmup=False) as engine:
+        kernels = engine.runner.kernels
+        assert kernels.fuse_gdn_decode and kernels.fuse_add_norm
+        outs = engine.generate_many(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert tuple(out.token_ids) == hf_greedy(prompt, 6)

@@ -1,0 +1,67 @@
+"""The residual add + RMSNorm kernel (`pallas_kernels/rms_norm.py`, interpret mode on CPU) against the model's own
+composition (`qwen3_5.rms_norm` after the add), and its Triton lowering at the 35B-A3B's hidden size."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ninfer_jax.model import ops, qwen3_5
+from pallas_kernels import _compat, rms_norm
+
+INTERPRET = jax.default_backend() == "cpu"
+EPS = 1e-6
+
+
+def _inputs(rows, hidden, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x, h = (jnp.asarray(rng.standard_normal((rows, hidden)) * 3, dtype) for _ in range(2))
+    return x, h, jnp.asarray(rng.standard_normal(hidden) * 0.1, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
+def test_add_and_norm_equal_the_models_composition(rows, dtype, residual):
+    x, h, w = _inputs(rows, 256, dtype, seed=rows)
+    got_x, got_y = rms_norm.add_rms_norm(x, h if residual else None, w, eps=EPS, interpret=INTERPRET)
+    want_x = x + h if residual else x
+    want_y = qwen3_5.rms_norm(want_x, w, EPS)
+    # The sum is rounded as the model's add: equal to the bit.
+    np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=8e-3, atol=8e-3)  # 1 bf16 ulp
+    np.testing.assert_allclose(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32), **tol)
+    assert got_y.dtype == x.dtype and got_x.dtype == x.dtype
+
+
+def test_model_takes_the_kernel_only_for_decode_rows_of_a_power_of_two():
+    kc = ops.KernelConfig("pallas", interpret=INTERPRET, fuse_add_norm=True)
+    x, h, w = _inputs(4, 64, jnp.float32)
+    assert ops.add_rms_norm(kc, x, h, w, EPS) is not None
+    assert ops.add_rms_norm(ops.KernelConfig("pallas", interpret=INTERPRET), x, h, w, EPS) is None  # flag off
+    wide = jnp.zeros((ops.ADD_NORM_MAX_ROWS + 1, 64), jnp.float32)
+    assert ops.add_rms_norm(kc, wide, wide, w, EPS) is None  # a prefill chunk
+    odd = jnp.zeros((1, 80), jnp.float32)
+    assert ops.add_rms_norm(kc, odd, odd, jnp.zeros(80), EPS) is None  # 80 is not a power of two
+    got_x, got_y = qwen3_5.add_norm(kc, odd + 1, odd, jnp.zeros(80), EPS)  # the composition instead
+    np.testing.assert_allclose(np.asarray(got_y), 1.0, rtol=1e-5)
+
+
+def test_rejects_shapes_it_cannot_read_whole():
+    x = jnp.zeros((2, 80), jnp.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm.add_rms_norm(x, x, jnp.zeros(80), eps=EPS, interpret=True)
+
+
+def test_fused_norm_needs_the_pallas_backend():
+    with pytest.raises(ValueError, match="fuse_add_norm"):
+        ops.KernelConfig(fuse_add_norm=True)
+
+
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
+def test_lowers_to_triton_at_the_35b_hidden_size(residual):
+    _compat.lower_for_h200()
+    row = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    text = rms_norm.add_rms_norm.trace(row, row if residual else None, jax.ShapeDtypeStruct((2048,), jnp.bfloat16),
+                                       eps=EPS).lower(lowering_platforms=("cuda",)).as_text()
+    assert "add_rms_norm" in text
