@@ -180,13 +180,17 @@ def paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths):
     return jax.vmap(one)(q, page_tables, kv_lengths)
 
 
+def moe_router_logits(x, router_w):
+    """x [T, H], router_w [E, H] -> float32 logits [T, E] (the router's matmul, in float32)."""
+    return jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32).T)
+
+
 def moe_route_ref(x, router_w, top_k: int):
     """Softmax router, top-k, renormalised.
 
     Args: x [T, H]; router_w [E, H]. Returns (expert ids [T, K] int32, weights [T, K] float32).
     """
-    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32).T)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(moe_router_logits(x, router_w), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 

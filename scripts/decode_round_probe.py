@@ -9,6 +9,8 @@
   gdn_unfused    the GDN decode as XLA kernels around the delta-rule kernel (KernelConfig.fuse_gdn_decode off, the
                  engine before session 11; session 11's reports call the fused form, then the variant, gdn_fused)
   norm_unfused   each residual add + RMSNorm as XLA's kernels (KernelConfig.fuse_add_norm off; before session 11)
+  route_fused    the MoE router after its logits as one kernel (KernelConfig.fuse_moe_route; built in session 11,
+                 off until this variant times it)
   gdn_layer_*    the fused GDN decode kernel with other warps or column blocks
   gdn_whole_heads  the GDN decode kernels with one program per (lane, head) whatever the lanes (before session
                  11: one lane ran 32 programs)
@@ -68,7 +70,7 @@ GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
 }
 # "a+b" combines two
 VARIANTS = ("default", "one_row_dot", "gate_two_rows", "shared_apart", "gdn_unfused", "gdn_whole_heads",
-            "norm_unfused", *MOE_GEMV, *GDN_LAYER)
+            "norm_unfused", "route_fused", *MOE_GEMV, *GDN_LAYER)
 
 
 def _one_row_dot(x, w):
@@ -82,7 +84,7 @@ def _moe_shared_apart(p, x, cfg, kc):
 
     from ninfer_jax.model import ops, qwen3_5
 
-    ids, weights = qwen3_5.moe_route_ref(x, p.router, cfg.num_experts_per_tok)
+    ids, weights = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok)
     routed = ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down).astype(x.dtype)
     return routed + qwen3_5.mlp(p.shared, x) * jax.nn.sigmoid(qwen3_5._dot(x, p.shared_gate))
 
@@ -248,7 +250,8 @@ def probe(name: str, args) -> dict:
                            static_argnames=("cfg", "kc", "full", "top_k_groups"), donate_argnames=("state",))
         kc, parts = engine_kernels, v.split("+")
         kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
-                                         fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts)
+                                         fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts,
+                                         fuse_moe_route=kc.fuse_moe_route or "route_fused" in parts)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:

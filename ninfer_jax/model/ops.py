@@ -34,14 +34,17 @@ class KernelConfig:
     # GDN decode between the projections as one kernel (pallas_kernels/gdn_decode_layer.py); the engine turns it on
     # with the pallas backend
     fuse_gdn_decode: bool = False
-    # Residual add + RMSNorm of up to `ADD_NORM_MAX_ROWS` rows as one kernel (pallas_kernels/rms_norm.py); the engine
+    # Residual add + RMSNorm of up to `DECODE_MAX_ROWS` rows as one kernel (pallas_kernels/rms_norm.py); the engine
     # turns it on with the pallas backend
     fuse_add_norm: bool = False
+    # The MoE router's softmax, top-k and renormalisation of up to `DECODE_MAX_ROWS` rows as one kernel
+    # (pallas_kernels/moe_route.py); built in session 11 after its device time ran out, so off until timed
+    fuse_moe_route: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -130,17 +133,32 @@ def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, d
                                    num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
 
 
-ADD_NORM_MAX_ROWS = 64  # decode rounds; a prefill chunk's rows are XLA's (bandwidth-bound there, no launch to save)
+# The small-row kernels (add + norm, router) take up to this many rows: decode rounds. A prefill chunk's rows stay
+# XLA's (bandwidth-bound there, no launch to save).
+DECODE_MAX_ROWS = 64
 
 
 def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
-    """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= ADD_NORM_MAX_ROWS and a
+    """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= DECODE_MAX_ROWS and a
     power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm)."""
-    if not kc.fuse_add_norm or x.shape[0] > ADD_NORM_MAX_ROWS:
+    if not kc.fuse_add_norm or x.shape[0] > DECODE_MAX_ROWS:
         return None
     from pallas_kernels import rms_norm as kernel
 
     return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
+
+
+def moe_route(kc: KernelConfig, x, router_w, top_k: int):
+    """The MoE router: x [T, H], router_w [E, H] -> (expert ids [T, K] int32, weights [T, K] float32, renormalised).
+    With kc.fuse_moe_route, up to DECODE_MAX_ROWS rows and power-of-two E and K, everything after the logits
+    matmul is one kernel."""
+    if kc.fuse_moe_route and x.shape[0] <= DECODE_MAX_ROWS:
+        from pallas_kernels import moe_route as kernel
+
+        logits = ref.moe_router_logits(x, router_w)
+        if kernel.supported(logits, top_k):
+            return kernel.route(logits, top_k=top_k, interpret=kc.interpret)
+    return ref.moe_route_ref(x, router_w, top_k)
 
 
 def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):

@@ -38,7 +38,7 @@ from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-from pallas_kernels.reference import SharedExpert, l2_normalize, moe_route_ref
+from pallas_kernels.reference import SharedExpert, l2_normalize
 
 F32 = jnp.float32
 
@@ -107,7 +107,7 @@ def mlp(p: MLPParams, x):
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
-    ids, weights = moe_route_ref(x, p.router, cfg.num_experts_per_tok)
+    ids, weights = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok)
     # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
     # kernels (decode_round_probe.md).
     gate = jax.nn.sigmoid(_dot(x, p.shared_gate)[:, 0].astype(F32))

@@ -39,7 +39,7 @@ def test_model_takes_the_kernel_only_for_decode_rows_of_a_power_of_two():
     x, h, w = _inputs(4, 64, jnp.float32)
     assert ops.add_rms_norm(kc, x, h, w, EPS) is not None
     assert ops.add_rms_norm(ops.KernelConfig("pallas", interpret=INTERPRET), x, h, w, EPS) is None  # flag off
-    wide = jnp.zeros((ops.ADD_NORM_MAX_ROWS + 1, 64), jnp.float32)
+    wide = jnp.zeros((ops.DECODE_MAX_ROWS + 1, 64), jnp.float32)
     assert ops.add_rms_norm(kc, wide, wide, w, EPS) is None  # a prefill chunk
     odd = jnp.zeros((1, 80), jnp.float32)
     assert ops.add_rms_norm(kc, odd, odd, jnp.zeros(80), EPS) is None  # 80 is not a power of two

@@ -114,8 +114,8 @@ def test_greedy_decode_matches_transformers_generate(model):
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes, fused):
     """The decode step on the Pallas kernels (interpret mode): one lane takes the MoE matrix-vector kernels with
-    the shared expert as an extra row, attention and GDN their decode kernels (fused: the GDN layer's one kernel and
-    the add + norm kernels, the engine's defaults with Pallas); the logits equal the references' over a few steps,
+    the shared expert as an extra row, attention and GDN their decode kernels (fused: the GDN layer's one kernel, the
+    add + norm kernels and the router kernel); the logits equal the references' over a few steps,
     each path carrying its own state."""
     _, cfg, params = model
     rng = np.random.default_rng(lanes)
@@ -130,7 +130,7 @@ def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes, fus
     positions = np.array([40 + 23 * lane for lane in range(lanes)], np.int32)
     states = {"reference": state, "pallas": state}
     kernels = {"reference": REFERENCE, "pallas": KernelConfig("pallas", interpret=True, fuse_gdn_decode=fused,
-                                                          fuse_add_norm=fused)}
+                                                          fuse_add_norm=fused, fuse_moe_route=fused)}
     for _ in range(3):
         out = {}
         for name, kc in kernels.items():
