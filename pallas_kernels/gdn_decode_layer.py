@@ -116,7 +116,11 @@ def _layer_kernel(
 def _gated_norm(o, z, norm_w, eps, norm_dtype):
     """The gated RMSNorm over the last axis with the model's roundings (o arrives in the activations' dtype): the
     normalised o back to that dtype before the weight, the weighted product in the weight's and activations'
-    common dtype. Runs inside the kernel on one head's [Dv] and in XLA on [B, Hv, Dv]."""
+    common dtype. Runs inside the kernel on one head's [Dv] and in XLA on [B, Hv, Dv].
+
+    Not `qwen3_5.gated_rms_norm` itself: that one writes the weighted product as a multiply in the common dtype,
+    whose rounding XLA may skip (excess precision: on CPU its result differs in the last bf16 bit from this form);
+    here each rounding is a cast, which XLA and Triton both take."""
     act = o.dtype
     of = o.astype(_F32)
     normed = (of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)).astype(act).astype(_F32)

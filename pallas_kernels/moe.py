@@ -264,11 +264,7 @@ def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, 
         e = expert_ids_ref[r]
         accumulate(lax.div(r, top_k), lambda k0, c0: gate_up_ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
 
-    if not shared_ref:
-        routed()
-        return
-    pl.when(r < routed_rows)(routed)
-    pl.when(r >= routed_rows)(lambda: accumulate(
+    _routed_or_shared(r, routed_rows, shared_ref, routed, lambda: accumulate(
         r - routed_rows, lambda k0, c0: shared_ref[0][pl.ds(k0, block_k), pl.ds(c0, block_n)]))
 
 
@@ -293,12 +289,18 @@ def _gemv_down_kernel(expert_ids_ref, act_ref, down_ref, *refs, routed_rows: int
         e = expert_ids_ref[r]
         accumulate(lambda k0: down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)])
 
+    _routed_or_shared(r, routed_rows, shared_ref, routed, lambda: accumulate(
+        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]))
+
+
+def _routed_or_shared(r, routed_rows: int, shared_ref, routed, shared):
+    """Run a matrix-vector program's row r: `routed()` for the R routed rows, `shared()` for the shared expert's
+    rows past them (only when its weights were passed, in `shared_ref`)."""
     if not shared_ref:
         routed()
         return
     pl.when(r < routed_rows)(routed)
-    pl.when(r >= routed_rows)(lambda: accumulate(
-        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]))
+    pl.when(r >= routed_rows)(shared)
 
 
 def _gemv_call(kernel, name, expert_ids, vec, weights, shared_weights, *, rows, out_cols, block_n, block_k, splits,

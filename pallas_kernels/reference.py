@@ -35,6 +35,14 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def rms_norm(x, w, eps):
+    """Zero-centred RMSNorm over the last axis: the (1 + w) form of Qwen3.5, normalised in float32, returned in x's
+    dtype. The model's norm, and what the add + norm kernel computes on each row."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
 def _expand_key_heads(x: jax.Array, num_v_heads: int) -> jax.Array:
     """[T, Hk, D] -> [T, Hv, D]: value head j reads key head j // (Hv // Hk)."""
     return jnp.repeat(x, num_v_heads // x.shape[1], axis=1)
@@ -190,8 +198,12 @@ def moe_route_ref(x, router_w, top_k: int):
 
     Args: x [T, H]; router_w [E, H]. Returns (expert ids [T, K] int32, weights [T, K] float32).
     """
-    probs = jax.nn.softmax(moe_router_logits(x, router_w), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    return moe_route_logits_ref(moe_router_logits(x, router_w), top_k)
+
+
+def moe_route_logits_ref(logits, top_k: int):
+    """The router after its matmul: float32 logits [T, E] -> (ids [T, K] int32, renormalised weights [T, K])."""
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 

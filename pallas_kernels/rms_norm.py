@@ -14,10 +14,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.reference import rms_norm
 
 _F32 = jnp.float32
 
@@ -33,9 +33,7 @@ def _kernel(*refs, eps: float, with_residual: bool):
     if with_residual:
         x = (x.astype(_F32) + h_ref[r, :].astype(_F32)).astype(x_ref.dtype)
         x_out_ref[r, :] = x
-    xf = x.astype(_F32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf) + eps)
-    y_ref[r, :] = (y * (1.0 + w_ref[...].astype(_F32))).astype(y_ref.dtype)
+    y_ref[r, :] = rms_norm(x, w_ref[...], eps)
 
 
 def supported(x: jax.Array) -> bool:

@@ -152,13 +152,13 @@ def moe_route(kc: KernelConfig, x, router_w, top_k: int):
     """The MoE router: x [T, H], router_w [E, H] -> (expert ids [T, K] int32, weights [T, K] float32, renormalised).
     With kc.fuse_moe_route, up to DECODE_MAX_ROWS rows and power-of-two E and K, everything after the logits
     matmul is one kernel."""
+    logits = ref.moe_router_logits(x, router_w)
     if kc.fuse_moe_route and x.shape[0] <= DECODE_MAX_ROWS:
         from pallas_kernels import moe_route as kernel
 
-        logits = ref.moe_router_logits(x, router_w)
         if kernel.supported(logits, top_k):
             return kernel.route(logits, top_k=top_k, interpret=kc.interpret)
-    return ref.moe_route_ref(x, router_w, top_k)
+    return ref.moe_route_logits_ref(logits, top_k)
 
 
 def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):

@@ -38,7 +38,8 @@ from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-from pallas_kernels.reference import SharedExpert, l2_normalize
+# rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
+from pallas_kernels.reference import SharedExpert, l2_normalize, rms_norm
 
 F32 = jnp.float32
 
@@ -64,13 +65,6 @@ def _dot(x, w):
         two = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
         return jnp.dot(two, w, preferred_element_type=x.dtype)[:1]
     return jnp.dot(x, w, preferred_element_type=x.dtype)
-
-
-def rms_norm(x, w, eps):
-    """Zero-centred RMSNorm: the (1 + w) form of Qwen3.5."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(F32))).astype(x.dtype)
 
 
 def add_norm(kc: KernelConfig, x, h, w, eps):
