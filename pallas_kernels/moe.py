@@ -31,9 +31,11 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      weight row in 64-byte pieces. The gate_up kernel (`_gemv_call`) splits the H contraction into S
      pieces (grid column block x row x split, wide column blocks), each program writing float32 partial
      sums [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in
-     the tiled path); the down kernel does the same over I ([S2, R, H] partials), and the final reduction
-     sums splits and experts with the routing weights in float32. A shared expert of the same I rides
-     along as T more rows (rows R.. read its weights instead of an expert's): one lane's round reads all
+     the tiled path); the down kernel does the same over I and scales each row by its routing weight
+     ([S2, R, H] partials), and the final sum over splits and experts is left to the consumer
+     (`reference.PartialSums`: the residual add + norm kernel) or done by XLA in float32. A shared expert
+     of the same I rides along as one more row per token (rows go token by token, its routed experts then
+     the shared one, which reads its own weights and is scaled by its gate): one lane's round reads all
      nine experts' weights in two kernels instead of the shared expert's four matmul and glue kernels.
   Elsewhere the shared expert, when given, is two plain matmuls added to the routed sum.
 
@@ -235,18 +237,19 @@ def _down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, bloc
     )(tile_expert, sorted_rows, row_weight, act, down)
 
 
-def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, routed_rows: int, block_n: int,
-                         block_k: int, steps: int):
-    # expert_ids_ref: [R] int32           x_ref: [T, H]            gate_up_ref: [E, H, 2I]
-    # refs: (shared_gate_up_ref [H, 2I], part_ref) when the shared expert rides along as rows R..R+T-1, else
-    # (part_ref,). part_ref (out): [S, rows, 2I] f32, this program writes the gate and the up columns of its
-    # block n for row r, summed over its split s of H (steps * block_k rows of the weights)
+def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, block_n: int, block_k: int,
+                         steps: int):
+    # expert_ids_ref: [T K] int32      x_ref: [T, H]            gate_up_ref: [E, H, 2I]
+    # refs: (shared_gate_up_ref [H, 2I], part_ref) when the shared expert rides along, else (part_ref,).
+    # part_ref (out): [S, T J, 2I] f32, this program writes the gate and the up columns of its block n for row r
+    # (token r // J's expert r % J, see _row), summed over its split s of H (steps * block_k rows of the weights)
     *shared_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, j, routed_id = _row(r, top_k, bool(shared_ref))
     inter = part_ref.shape[2] // 2
     cdt = gate_up_ref.dtype
 
-    def accumulate(t, tile):  # tile(k0, c0): the [block_k, block_n] weight tile at rows k0, columns c0
+    def accumulate(tile):  # tile(k0, c0): the [block_k, block_n] weight tile at rows k0, columns c0
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
@@ -261,61 +264,69 @@ def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, 
         part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
 
     def routed():
-        e = expert_ids_ref[r]
-        accumulate(lax.div(r, top_k), lambda k0, c0: gate_up_ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
+        e = expert_ids_ref[routed_id]
+        accumulate(lambda k0, c0: gate_up_ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
 
-    _routed_or_shared(r, routed_rows, shared_ref, routed, lambda: accumulate(
-        r - routed_rows, lambda k0, c0: shared_ref[0][pl.ds(k0, block_k), pl.ds(c0, block_n)]))
+    _routed_or_shared(j, top_k, shared_ref, routed, lambda: accumulate(
+        lambda k0, c0: shared_ref[0][pl.ds(k0, block_k), pl.ds(c0, block_n)]))
 
 
-def _gemv_down_kernel(expert_ids_ref, act_ref, down_ref, *refs, routed_rows: int, block_n: int, block_k: int,
-                      steps: int):
-    # expert_ids_ref: [R] int32    act_ref: [rows, I]    down_ref: [E, I, H]
-    # refs: (shared_down_ref [I, H], part_ref) or (part_ref,), as in the gate_up kernel. part_ref (out):
-    # [S2, rows, H] f32, this program writes row r's column block n summed over split s of I
+def _gemv_down_kernel(expert_ids_ref, route_w_ref, act_ref, down_ref, *refs, top_k: int, block_n: int,
+                      block_k: int, steps: int):
+    # expert_ids_ref, route_w_ref: [T K] int32 / f32    act_ref: [T J, I]    down_ref: [E, I, H]
+    # refs: (shared_down_ref [I, H], shared_w_ref [T] f32, part_ref) or (part_ref,), as in the gate_up kernel.
+    # part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s of I, times
+    # the row's weight (its routing weight, or the shared expert's gate)
     *shared_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, j, routed_id = _row(r, top_k, bool(shared_ref))
 
-    def accumulate(tile):  # tile(k0): the [block_k, block_n] weight tile at rows k0 of this column block
+    def accumulate(tile, weight):  # tile(k0): the [block_k, block_n] weight tile at rows k0 of this column block
         def body(i, acc):
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
             av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[:, None]  # [BK, 1]
             return acc + jnp.sum(av * tile(k0).astype(jnp.float32), axis=0)
 
-        part_ref[s, r, pl.ds(n * block_n, block_n)] = lax.fori_loop(
-            0, steps, body, jnp.zeros((block_n,), jnp.float32))
+        acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = acc * weight
 
     def routed():
-        e = expert_ids_ref[r]
-        accumulate(lambda k0: down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)])
+        e = expert_ids_ref[routed_id]
+        accumulate(lambda k0: down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)], route_w_ref[routed_id])
 
-    _routed_or_shared(r, routed_rows, shared_ref, routed, lambda: accumulate(
-        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]))
+    _routed_or_shared(j, top_k, shared_ref, routed, lambda: accumulate(
+        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)], shared_ref[1][t]))
 
 
-def _routed_or_shared(r, routed_rows: int, shared_ref, routed, shared):
-    """Run a matrix-vector program's row r: `routed()` for the R routed rows, `shared()` for the shared expert's
-    rows past them (only when its weights were passed, in `shared_ref`)."""
+def _row(r, top_k: int, with_shared: bool):
+    """Row r of the matrix-vector kernels -> (token t, its expert j, the routed row t K + j). Rows go token by
+    token, J = K (+ 1 with the shared expert, last) each, so row r's partial sums reshape to [T, J] for free."""
+    per_token = top_k + 1 if with_shared else top_k
+    t, j = lax.div(r, per_token), lax.rem(r, per_token)
+    return t, j, t * top_k + j
+
+
+def _routed_or_shared(j, top_k: int, shared_ref, routed, shared):
+    """Run a matrix-vector program for its token's expert j: `routed()` for the K routed experts, `shared()` for
+    the shared expert past them (only when its weights were passed, in `shared_ref`)."""
     if not shared_ref:
         routed()
         return
-    pl.when(r < routed_rows)(routed)
-    pl.when(r >= routed_rows)(shared)
+    pl.when(j < top_k)(routed)
+    pl.when(j >= top_k)(shared)
 
 
-def _gemv_call(kernel, name, expert_ids, vec, weights, shared_weights, *, rows, out_cols, block_n, block_k, splits,
-               num_warps, num_stages, interpret, **kw):
-    """One split-K matrix-vector kernel: grid (column block, row, split), whole-array refs. Rows past the R
-    routed ones (expert_ids' length) read `shared_weights` ([contraction, columns]) instead of an expert's."""
+def _gemv_call(kernel, name, inputs, weights, *, rows, out_cols, block_n, block_k, splits, num_warps, num_stages,
+               interpret, **kw):
+    """One split-K matrix-vector kernel over `weights` ([E, contraction, columns]): grid (column block, row,
+    split), whole-array refs, f32 partial sums [splits, rows, columns]. `inputs` are the kernel's refs in order."""
     contraction = weights.shape[1]
     splits = min(splits, contraction // block_k)  # small shapes: fewer, whole pieces
     steps = contraction // (splits * block_k)
     if contraction % (splits * block_k):
         raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of "
                          f"splits {splits} x block_k {block_k}")
-    kernel = functools.partial(kernel, routed_rows=expert_ids.shape[0], block_n=block_n, block_k=block_k,
-                               steps=steps, **kw)
-    extra = () if shared_weights is None else (shared_weights,)
+    kernel = functools.partial(kernel, block_n=block_n, block_k=block_k, steps=steps, **kw)
     return pl.pallas_call(
         kernel,
         grid=(out_cols // block_n, rows, splits),
@@ -323,7 +334,7 @@ def _gemv_call(kernel, name, expert_ids, vec, weights, shared_weights, *, rows, 
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
-    )(expert_ids, vec, weights, *extra)
+    )(*inputs)
 
 
 def _align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
@@ -383,10 +394,10 @@ def _block(want: int, dim: int, name: str) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "partial_sums", "interpret"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: jax.Array,
                 down: jax.Array, shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
-                interpret: bool = False) -> jax.Array:
+                partial_sums: bool = False, interpret: bool = False) -> jax.Array | ref.PartialSums:
     """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
@@ -398,9 +409,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         Narrow decode runs it as T more rows of its two kernels (one lane's round then reads its weights in
         the same kernels as the routed experts'; Is must equal I); the other paths add it as two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E)`.
+      partial_sums: return the result as `reference.PartialSums` for the consumer to sum (narrow decode leaves its
+        split-K pieces and weighted expert rows unsummed; the other paths' sums are wrapped whole).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
-      [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
+      [T, H] float32 (or its PartialSums), sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
       shared.weight_t * down_s(silu(gate_s x_t) * up_s x_t). Products accumulate in float32; with bf16
       weights the activation act and each weighted expert output are rounded to bf16 once (relative error
       ~1e-3 against the float32 reference); the narrow decode path keeps the expert outputs in float32.
@@ -435,9 +448,11 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
 
     if rows <= cfg.gemv_max_rows and (shared is None or shared.down.shape == down.shape[1:]):
-        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
+        sums = _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
+        return sums if partial_sums else sums.total()
     out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
-    return out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
+    out = out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
+    return ref.PartialSums(out[None, :, None]) if partial_sums else out
 
 
 def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
@@ -469,25 +484,23 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
 
 def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, cfg, interpret):
     """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
-    given) as T more rows of the same two kernels."""
+    given) as one more row per token in the same two kernels. Returns the weighted rows' partial sums."""
     h, inter = x.shape[1], down.shape[1]
-    rows = t * k + (t if shared is not None else 0)
-    common = dict(rows=rows, num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages, interpret=interpret)
-    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", flat_ids, x, gate_up,
-                      None if shared is None else shared.gate_up, out_cols=inter,
-                      block_n=_block(cfg.gemv_block_n, inter, "I"), block_k=_block(cfg.gemv_block_k, h, "H"),
-                      splits=cfg.gemv_splits, top_k=k, **common)
+    per_token = k + (1 if shared is not None else 0)
+    rows = t * per_token
+    common = dict(rows=rows, top_k=k, num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages,
+                  interpret=interpret)
+    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up",
+                      (flat_ids, x, gate_up) + (() if shared is None else (shared.gate_up,)), gate_up,
+                      out_cols=inter, block_n=_block(cfg.gemv_block_n, inter, "I"),
+                      block_k=_block(cfg.gemv_block_k, h, "H"), splits=cfg.gemv_splits, **common)
     gu = part.sum(axis=0)  # [rows, 2I] float32
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
-    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", flat_ids, act, down,
-                      None if shared is None else shared.down, out_cols=h,
-                      block_n=_block(cfg.gemv_down_block_n, h, "H"),
+    shared_down = () if shared is None else (shared.down, shared.weight.astype(jnp.float32))
+    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, act, down) + shared_down, down,
+                      out_cols=h, block_n=_block(cfg.gemv_down_block_n, h, "H"),
                       block_k=_block(cfg.gemv_down_block_k, inter, "I"), splits=cfg.gemv_down_splits, **common)
-    y = part.sum(axis=0)  # [rows, H] float32
-    out = (y[: t * k] * flat_w[:, None]).reshape(t, k, h).sum(axis=1)
-    if shared is not None:
-        out = out + y[t * k :] * shared.weight.astype(jnp.float32)[:, None]
-    return out
+    return ref.PartialSums(part.reshape(part.shape[0], t, per_token, h))
 
 
 def _shared_dense(x, shared: SharedExpert, dtype):

@@ -207,6 +207,18 @@ def moe_route_logits_ref(logits, top_k: int):
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
+class PartialSums(NamedTuple):
+    """A [R, H] float32 result left unsummed by the kernel that made it, for its consumer to finish: the value is
+    parts [S, R, J, H] summed over S and J (a split-K kernel's pieces; an MoE layer's weighted expert rows of each
+    token). The residual add + norm kernel sums them as it reads them, saving a reduce launch per layer in a
+    decode round; anything else calls total()."""
+
+    parts: jax.Array
+
+    def total(self, dtype=jnp.float32):
+        return self.parts.sum(axis=(0, 2)).astype(dtype)
+
+
 class SharedExpert(NamedTuple):
     """An MoE layer's shared expert, which every token takes: gate_up [H, 2I] (gate columns first), down [I, H],
     and its weight per token [T] float32 (the model's sigmoid gate)."""

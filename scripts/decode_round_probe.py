@@ -9,8 +9,14 @@
   gdn_unfused    the GDN decode as XLA kernels around the delta-rule kernel (KernelConfig.fuse_gdn_decode off, the
                  engine before session 11; session 11's reports call the fused form, then the variant, gdn_fused)
   norm_unfused   each residual add + RMSNorm as XLA's kernels (KernelConfig.fuse_add_norm off; before session 11)
-  route_fused    the MoE router after its logits as one kernel (KernelConfig.fuse_moe_route; built in session 11,
-                 off until this variant times it)
+  route_unfused  the MoE router after its logits as XLA's kernels, a sort for its top-k (KernelConfig.fuse_moe_route
+                 off; before session 12. Session 12's first run timed the other way round, as route_fused)
+  moe_sums_apart the MoE decode kernels' partial sums summed by XLA (before session 12), not by the add + norm
+                 kernel that follows
+  gemv_apart     one-row projections as XLA's matmuls (KernelConfig.decode_gemv off; before session 12), not the
+                 split-K matrix-vector kernel
+  gemv_*         the matrix-vector kernel (gemv.GemvConfig) with other tiles
+  norm_sums_*    the add + norm kernel with other warps when it sums a producer's partial sums
   gdn_layer_*    the fused GDN decode kernel with other warps or column blocks
   gdn_whole_heads  the GDN decode kernels with one program per (lane, head) whatever the lanes (before session
                  11: one lane ran 32 programs)
@@ -61,6 +67,8 @@ MOE_GEMV = {name: _SESSION10_GEMV | fields for name, fields in {
     "moe_gemv_w2_s32": dict(gemv_num_warps=2, gemv_splits=32, gemv_down_splits=8),
     "moe_gemv_w2_s16_d8": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=8),
     "moe_gemv_w1_s16": dict(gemv_num_warps=1, gemv_splits=16, gemv_down_splits=4),
+    "moe_gemv_w2_s16_d2": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=2),
+    "moe_gemv_w2_s16_d1": dict(gemv_num_warps=2, gemv_splits=16, gemv_down_splits=1),
 }.items()}
 GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
     "gdn_layer_warps4": dict(num_warps=4),
@@ -68,9 +76,20 @@ GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
     "gdn_layer_bv16": dict(min_programs=256),  # one lane: 16-column blocks, 256 programs
     "gdn_layer_bv64": dict(min_programs=64),  # one lane: 64-column blocks, 64 programs
 }
+GEMV = {  # gemv.GemvConfig fields replaced
+    "gemv_splits8": dict(splits=8),
+    "gemv_bn128": dict(block_n=128),
+    "gemv_warps2": dict(num_warps=2),
+}
+NORM = {  # rms_norm.AddNormConfig fields replaced
+    "norm_sums_warps4": dict(partial_sums_num_warps=4),
+    "norm_sums_warps8": dict(partial_sums_num_warps=8),
+    "norm_sums_warps32": dict(partial_sums_num_warps=32),
+}
 # "a+b" combines two
 VARIANTS = ("default", "one_row_dot", "gate_two_rows", "shared_apart", "gdn_unfused", "gdn_whole_heads",
-            "norm_unfused", "route_fused", *MOE_GEMV, *GDN_LAYER)
+            "norm_unfused", "route_unfused", "moe_sums_apart", "gemv_apart", *MOE_GEMV, *GDN_LAYER, *GEMV,
+            *NORM)
 
 
 def _one_row_dot(x, w):
@@ -89,13 +108,25 @@ def _moe_shared_apart(p, x, cfg, kc):
     return routed + qwen3_5.mlp(p.shared, x) * jax.nn.sigmoid(qwen3_5._dot(x, p.shared_gate))
 
 
+def _moe_sums_apart(moe_experts):
+    def summed(*args, **kw):
+        import jax.numpy as jnp
+
+        from ninfer_jax.model import ops
+
+        return ops.finish_sum(moe_experts(*args, **kw), jnp.float32)
+
+    return summed
+
+
 def _clear_kernel_traces():
     """The kernels' entry points are jits of their own: their traces are cached by argument shapes and static
     arguments, which do not see a patched module default, so a cached trace would hand back another variant's
     kernels."""
-    from pallas_kernels import gdn_decode, gdn_decode_layer, moe
+    from pallas_kernels import gdn_decode, gdn_decode_layer, gemv, moe, rms_norm
 
-    for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer):
+    for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer, gemv.gemv,
+               rms_norm.add_rms_norm):
         fn.clear_cache()
 
 
@@ -118,11 +149,13 @@ class _Patch:
 
 
 def _patch(variant: str) -> _Patch:
-    from ninfer_jax.model import qwen3_5
-    from pallas_kernels import gdn_decode, gdn_decode_layer, moe
+    from ninfer_jax.model import ops, qwen3_5
+    from pallas_kernels import gdn_decode, gdn_decode_layer, gemv, moe, rms_norm
 
     parts = variant.split("+")
     replace = []
+    if "moe_sums_apart" in parts:
+        replace.append((ops, "moe_experts", _moe_sums_apart(ops.moe_experts)))
     if "one_row_dot" in parts:
         replace.append((qwen3_5, "_dot", _one_row_dot))
     if "gate_two_rows" in parts:
@@ -137,6 +170,12 @@ def _patch(variant: str) -> _Patch:
     if layer_fields:
         replace.append((gdn_decode_layer, "DEFAULT_CONFIG", dataclasses.replace(gdn_decode_layer.DEFAULT_CONFIG,
                                                                                 **layer_fields)))
+    norm_fields = {k: v for p in parts if p in NORM for k, v in NORM[p].items()}
+    if norm_fields:
+        replace.append((rms_norm, "DEFAULT_CONFIG", dataclasses.replace(rms_norm.DEFAULT_CONFIG, **norm_fields)))
+    gemv_fields = {k: v for p in parts if p in GEMV for k, v in GEMV[p].items()}
+    if gemv_fields:
+        replace.append((gemv, "DEFAULT_CONFIG", dataclasses.replace(gemv.DEFAULT_CONFIG, **gemv_fields)))
     fields = {k: v for p in parts if p in MOE_GEMV for k, v in MOE_GEMV[p].items()}
     if fields:
         base = moe.default_config
@@ -251,7 +290,8 @@ def probe(name: str, args) -> dict:
         kc, parts = engine_kernels, v.split("+")
         kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
                                          fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts,
-                                         fuse_moe_route=kc.fuse_moe_route or "route_fused" in parts)
+                                         fuse_moe_route=kc.fuse_moe_route and "route_unfused" not in parts,
+                                         decode_gemv=kc.decode_gemv and "gemv_apart" not in parts)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:

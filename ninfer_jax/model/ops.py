@@ -38,13 +38,17 @@ class KernelConfig:
     # turns it on with the pallas backend
     fuse_add_norm: bool = False
     # The MoE router's softmax, top-k and renormalisation of up to `DECODE_MAX_ROWS` rows as one kernel
-    # (pallas_kernels/moe_route.py); built in session 11 after its device time ran out, so off until timed
+    # (pallas_kernels/moe_route.py); the engine turns it on with the pallas backend
     fuse_moe_route: bool = False
+    # A one-lane decode round's output projections (attention's o_proj, GDN's out_proj, the dense MLP's down) as
+    # split-K matrix-vector kernels whose pieces the add + norm kernel sums (pallas_kernels/gemv.py); the engine
+    # turns it on with the pallas backend
+    decode_gemv: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "decode_gemv"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -140,12 +144,31 @@ DECODE_MAX_ROWS = 64
 
 def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
     """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= DECODE_MAX_ROWS and a
-    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm)."""
+    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm); h
+    may be `reference.PartialSums`."""
     if not kc.fuse_add_norm or x.shape[0] > DECODE_MAX_ROWS:
         return None
     from pallas_kernels import rms_norm as kernel
 
     return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
+
+
+def decode_gemv(kc: KernelConfig, x, w):
+    """x [1, K] @ w [K, N] as the split-K matrix-vector kernel when kc.decode_gemv (one decode row) and the kernel
+    takes the shapes, returned as `reference.PartialSums` of its pieces for an add + norm kernel to finish; None
+    otherwise (the caller runs its matmul)."""
+    if not kc.decode_gemv or x.ndim != 2 or x.shape[0] != 1:
+        return None
+    from pallas_kernels import gemv as kernel
+
+    if not kernel.supported(x, w):
+        return None
+    return ref.PartialSums(kernel.gemv(x, w, partial=True, interpret=kc.interpret)[:, :, None, :])  # [S, 1, 1, N]
+
+
+def finish_sum(h, dtype):
+    """A block's output as an array in `dtype`, summing it first if a kernel left it as `reference.PartialSums`."""
+    return h.total(dtype) if isinstance(h, ref.PartialSums) else h.astype(dtype)
 
 
 def moe_route(kc: KernelConfig, x, router_w, top_k: int):
@@ -192,9 +215,11 @@ def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_leng
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
-    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32."""
+    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32, or with kc.fuse_add_norm its
+    `reference.PartialSums` (the add + norm kernel that takes it finishes the sum)."""
     if kc.backend == "pallas":
         from pallas_kernels import moe
 
-        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, interpret=kc.interpret)
+        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, partial_sums=kc.fuse_add_norm,
+                               interpret=kc.interpret)
     return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)
