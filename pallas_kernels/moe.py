@@ -32,8 +32,7 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      pieces (grid column block x row x split, wide column blocks), each program writing float32 partial
      sums [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in
      the tiled path); the down kernel does the same over I and scales each row by its routing weight
-     ([S2, R, H] partials), and the final sum over splits and experts is left to the consumer
-     (`reference.PartialSums`: the residual add + norm kernel) or done by XLA in float32. A shared expert
+     ([S2, R, H] partials), and one float32 reduction sums splits and each token's experts. A shared expert
      of the same I rides along as one more row per token (rows go token by token, its routed experts then
      the shared one, which reads its own weights and is scaled by its gate): one lane's round reads all
      nine experts' weights in two kernels instead of the shared expert's four matmul and glue kernels.
@@ -394,10 +393,10 @@ def _block(want: int, dim: int, name: str) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("config", "partial_sums", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: jax.Array,
                 down: jax.Array, shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
-                partial_sums: bool = False, interpret: bool = False) -> jax.Array | ref.PartialSums:
+                interpret: bool = False) -> jax.Array:
     """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
@@ -409,11 +408,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         Narrow decode runs it as T more rows of its two kernels (one lane's round then reads its weights in
         the same kernels as the routed experts'; Is must equal I); the other paths add it as two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E)`.
-      partial_sums: return the result as `reference.PartialSums` for the consumer to sum (narrow decode leaves its
-        split-K pieces and weighted expert rows unsummed; the other paths' sums are wrapped whole).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
-      [T, H] float32 (or its PartialSums), sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
+      [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
       shared.weight_t * down_s(silu(gate_s x_t) * up_s x_t). Products accumulate in float32; with bf16
       weights the activation act and each weighted expert output are rounded to bf16 once (relative error
       ~1e-3 against the float32 reference); the narrow decode path keeps the expert outputs in float32.
@@ -448,11 +445,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
 
     if rows <= cfg.gemv_max_rows and (shared is None or shared.down.shape == down.shape[1:]):
-        sums = _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
-        return sums if partial_sums else sums.total()
+        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
     out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
-    out = out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
-    return ref.PartialSums(out[None, :, None]) if partial_sums else out
+    return out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
 
 
 def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
@@ -484,7 +479,7 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
 
 def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, cfg, interpret):
     """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
-    given) as one more row per token in the same two kernels. Returns the weighted rows' partial sums."""
+    given) as one more row per token in the same two kernels."""
     h, inter = x.shape[1], down.shape[1]
     per_token = k + (1 if shared is not None else 0)
     rows = t * per_token
@@ -500,7 +495,8 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, cfg, interpre
     part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, act, down) + shared_down, down,
                       out_cols=h, block_n=_block(cfg.gemv_down_block_n, h, "H"),
                       block_k=_block(cfg.gemv_down_block_k, inter, "I"), splits=cfg.gemv_down_splits, **common)
-    return ref.PartialSums(part.reshape(part.shape[0], t, per_token, h))
+    # the weighted rows' pieces [S2, T, J, H]: one reduction over splits and each token's experts
+    return part.reshape(part.shape[0], t, per_token, h).sum(axis=(0, 2))
 
 
 def _shared_dense(x, shared: SharedExpert, dtype):

@@ -5,12 +5,14 @@ Computes `reference.moe_route_logits_ref`, what the router does after its logits
     weights = p[ids] / sum(p[ids])
 XLA runs this as a softmax kernel, a sort for `lax.top_k` (4 us per layer on the H200 at 256 experts) and the
 renormalisation, a few kernels per MoE layer of a decode round. One program per row does it all: K rounds of
-max, first index of the max, and masking it out, over the row's E probabilities in registers. E must be a power
-of two (Triton's block shapes); `ops.moe_route` keeps the reference otherwise.
+max, first index of the max, and masking it out, over the row's E probabilities in registers. Given the row and
+the shared expert's gate, it also computes that gate (a dot product over H and a sigmoid, two more XLA kernels
+otherwise). E and H must be powers of two (Triton's block shapes); `ops.moe_route` keeps the reference otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,8 +25,14 @@ from pallas_kernels import _compat
 _F32 = jnp.float32
 
 
-def _kernel(logits_ref, ids_ref, weights_ref, *, top_k: int):
-    # logits_ref: [T, E] f32; ids_ref (out): [T, K] int32; weights_ref (out): [T, K] f32; program t handles row t
+def _kernel(logits_ref, *refs, top_k: int):
+    # logits_ref: [T, E] f32; refs: (x_ref [T, H], gate_w_ref [H],) ids_ref (out) [T, K] int32, weights_ref (out)
+    # [T, K] f32, (shared_ref (out) [T, 1] f32: the shared expert's gate). Program t handles row t
+    with_shared = len(refs) == 5
+    if with_shared:
+        x_ref, gate_w_ref, ids_ref, weights_ref, shared_ref = refs
+    else:
+        ids_ref, weights_ref = refs
     t = pl.program_id(0)
     num_experts = logits_ref.shape[1]
     p = jax.nn.softmax(logits_ref[t, :])
@@ -40,26 +48,55 @@ def _kernel(logits_ref, ids_ref, weights_ref, *, top_k: int):
         p = jnp.where(experts == idx, -1.0, p)  # probabilities are >= 0: taken experts never win again
     ids_ref[t, :] = ids
     weights_ref[t, :] = chosen / jnp.sum(chosen)
+    if with_shared:  # the gate's dot product, rounded to the activations' dtype as the model's matmul, then sigmoid
+        dot = jnp.sum(x_ref[t, :].astype(_F32) * gate_w_ref[...].astype(_F32), keepdims=True)  # [1]
+        shared_ref[t, :] = jax.nn.sigmoid(dot.astype(x_ref.dtype).astype(_F32))
 
 
-def supported(logits: jax.Array, top_k: int) -> bool:
-    """Whether `route` takes logits [T, E] and K: E and K powers of two, K <= E."""
+@dataclasses.dataclass(frozen=True)
+class RouteConfig:
+    """Tuning knobs (hashable)."""
+
+    num_warps: int = 4
+
+
+DEFAULT_CONFIG = RouteConfig()
+
+
+def supported(logits: jax.Array, top_k: int, x: jax.Array | None = None) -> bool:
+    """Whether `route` takes logits [T, E] and K (E and K powers of two, K <= E), and with a shared gate x [T, H]
+    (H a power of two: the row is read whole)."""
     e = logits.shape[-1]
-    return logits.ndim == 2 and e & (e - 1) == 0 and top_k & (top_k - 1) == 0 and 0 < top_k <= e
+    ok = logits.ndim == 2 and e & (e - 1) == 0 and top_k & (top_k - 1) == 0 and 0 < top_k <= e
+    if x is not None:
+        h = x.shape[-1]
+        ok = ok and x.shape[0] == logits.shape[0] and h >= 16 and h & (h - 1) == 0
+    return ok
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "interpret"))
-def route(logits, *, top_k: int, interpret: bool = False):
-    """(expert ids [T, K] int32, renormalised weights [T, K] float32) from router logits [T, E] (float32)."""
-    if not supported(logits, top_k):
+def route(logits, x=None, shared_gate_w=None, *, top_k: int, interpret: bool = False):
+    """(expert ids [T, K] int32, renormalised weights [T, K] float32) from router logits [T, E] (float32); with x
+    [T, H] and the shared expert's gate shared_gate_w [H, 1] also its weight per token [T] float32
+    (`reference.shared_expert_gate`), which saves that small projection its own kernels."""
+    with_shared = shared_gate_w is not None
+    if not supported(logits, top_k, x if with_shared else None) or (
+            with_shared and shared_gate_w.size != x.shape[1]):
         raise ValueError(f"moe_route: logits {logits.shape} need a power-of-two expert count and top_k {top_k} a "
-                         f"power of two no larger")
+                         f"power of two no larger; a shared gate x {None if x is None else x.shape} a power-of-two H "
+                         f"and a gate of H values")
     rows = logits.shape[0]
-    return tuple(pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((rows, top_k), jnp.int32), jax.ShapeDtypeStruct((rows, top_k), _F32)]
+    inputs = (logits.astype(_F32),)
+    if with_shared:  # the gate [H, 1] as [H]: a reshape, not a slice (a sliced operand would be copied first)
+        out_shape.append(jax.ShapeDtypeStruct((rows, 1), _F32))
+        inputs += (x, shared_gate_w.reshape(-1))
+    out = pl.pallas_call(
         functools.partial(_kernel, top_k=top_k),
         grid=(rows,),
-        out_shape=[jax.ShapeDtypeStruct((rows, top_k), jnp.int32), jax.ShapeDtypeStruct((rows, top_k), _F32)],
-        compiler_params=_compat.triton_params(4, 1),
+        out_shape=out_shape,
+        compiler_params=_compat.triton_params(DEFAULT_CONFIG.num_warps, 1),
         interpret=interpret,
         name="moe_route",
-    )(logits.astype(_F32)))
+    )(*inputs)
+    return (out[0], out[1], out[2].reshape(rows)) if with_shared else (out[0], out[1])

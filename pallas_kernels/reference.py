@@ -189,8 +189,18 @@ def paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths):
 
 
 def moe_router_logits(x, router_w):
-    """x [T, H], router_w [E, H] -> float32 logits [T, E] (the router's matmul, in float32)."""
-    return jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32).T)
+    """x [T, H], router_w [E, H] -> float32 logits [T, E] (the router's matmul, in float32).
+
+    Products of bf16 values are exact in float32, so float32 accumulation of the bf16 operands computes what
+    converting them first would; written as a contraction over both operands' H, so XLA reads the weights as they
+    are (a converted, transposed copy of the router cost a kernel per MoE layer in a decode round)."""
+    return jnp.einsum("th,eh->te", x, router_w, preferred_element_type=jnp.float32)
+
+
+def shared_expert_gate(x, gate_w):
+    """x [T, H], gate_w [H, 1] -> the shared expert's weight per token [T] float32: sigmoid of the gate's
+    projection, rounded to x's dtype as the model's matmul output is."""
+    return jax.nn.sigmoid(jnp.dot(x, gate_w, preferred_element_type=x.dtype)[:, 0].astype(jnp.float32))
 
 
 def moe_route_ref(x, router_w, top_k: int):
@@ -205,18 +215,6 @@ def moe_route_logits_ref(logits, top_k: int):
     """The router after its matmul: float32 logits [T, E] -> (ids [T, K] int32, renormalised weights [T, K])."""
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
-
-
-class PartialSums(NamedTuple):
-    """A [R, H] float32 result left unsummed by the kernel that made it, for its consumer to finish: the value is
-    parts [S, R, J, H] summed over S and J (a split-K kernel's pieces; an MoE layer's weighted expert rows of each
-    token). The residual add + norm kernel sums them as it reads them, saving a reduce launch per layer in a
-    decode round; anything else calls total()."""
-
-    parts: jax.Array
-
-    def total(self, dtype=jnp.float32):
-        return self.parts.sum(axis=(0, 2)).astype(dtype)
 
 
 class SharedExpert(NamedTuple):

@@ -3,7 +3,6 @@
   default        the engine as it is
   one_row_dot    a one-row projection handed to XLA as a vector x matrix dot (the engine before session 10):
                  XLA's GPU compiler strength-reduces it into multiply + reduce
-  gate_two_rows  the one-column shared-expert gate as a two-row matmul too (before session 11)
   shared_apart   the MoE shared expert as the model's own matmuls (before session 10), not rows of the expert
                  kernels
   gdn_unfused    the GDN decode as XLA kernels around the delta-rule kernel (KernelConfig.fuse_gdn_decode off, the
@@ -11,12 +10,12 @@
   norm_unfused   each residual add + RMSNorm as XLA's kernels (KernelConfig.fuse_add_norm off; before session 11)
   route_unfused  the MoE router after its logits as XLA's kernels, a sort for its top-k (KernelConfig.fuse_moe_route
                  off; before session 12. Session 12's first run timed the other way round, as route_fused)
-  moe_sums_apart the MoE decode kernels' partial sums summed by XLA (before session 12), not by the add + norm
-                 kernel that follows
-  gemv_apart     one-row projections as XLA's matmuls (KernelConfig.decode_gemv off; before session 12), not the
-                 split-K matrix-vector kernel
-  gemv_*         the matrix-vector kernel (gemv.GemvConfig) with other tiles
-  norm_sums_*    the add + norm kernel with other warps when it sums a producer's partial sums
+  shared_gate_apart  the MoE shared expert's gate as XLA's kernels (before session 12), not inside the router kernel
+  router_logits_f32  the router's logits from float32 copies of its operands (before session 12): XLA converted
+                 and transposed the router weights every round
+  two_rows_cut   a one-row output projection's duplicate row cut off before the add + norm kernel (before session
+                 12): a copy kernel
+  route_warps*, norm_warps*  the router or the add + norm kernel on other warps
   gdn_layer_*    the fused GDN decode kernel with other warps or column blocks
   gdn_whole_heads  the GDN decode kernels with one program per (lane, head) whatever the lanes (before session
                  11: one lane ran 32 programs)
@@ -76,20 +75,12 @@ GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
     "gdn_layer_bv16": dict(min_programs=256),  # one lane: 16-column blocks, 256 programs
     "gdn_layer_bv64": dict(min_programs=64),  # one lane: 64-column blocks, 64 programs
 }
-GEMV = {  # gemv.GemvConfig fields replaced
-    "gemv_splits8": dict(splits=8),
-    "gemv_bn128": dict(block_n=128),
-    "gemv_warps2": dict(num_warps=2),
-}
-NORM = {  # rms_norm.AddNormConfig fields replaced
-    "norm_sums_warps4": dict(partial_sums_num_warps=4),
-    "norm_sums_warps8": dict(partial_sums_num_warps=8),
-    "norm_sums_warps32": dict(partial_sums_num_warps=32),
-}
+ROUTE_WARPS = {"route_warps1": 1, "route_warps2": 2, "route_warps8": 8}  # moe_route.RouteConfig.num_warps
+NORM_WARPS = {"norm_warps1": 1, "norm_warps2": 2, "norm_warps8": 8}  # rms_norm.AddNormConfig.num_warps
 # "a+b" combines two
-VARIANTS = ("default", "one_row_dot", "gate_two_rows", "shared_apart", "gdn_unfused", "gdn_whole_heads",
-            "norm_unfused", "route_unfused", "moe_sums_apart", "gemv_apart", *MOE_GEMV, *GDN_LAYER, *GEMV,
-            *NORM)
+VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_heads", "norm_unfused", "route_unfused",
+            "shared_gate_apart", "router_logits_f32", "two_rows_cut", *MOE_GEMV, *GDN_LAYER, *ROUTE_WARPS,
+            *NORM_WARPS)
 
 
 def _one_row_dot(x, w):
@@ -103,29 +94,41 @@ def _moe_shared_apart(p, x, cfg, kc):
 
     from ninfer_jax.model import ops, qwen3_5
 
-    ids, weights = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok)
+    ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
     routed = ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down).astype(x.dtype)
-    return routed + qwen3_5.mlp(p.shared, x) * jax.nn.sigmoid(qwen3_5._dot(x, p.shared_gate))
+    return routed + qwen3_5.mlp(p.shared, x)[: x.shape[0]] * gate[:, None].astype(x.dtype)
 
 
-def _moe_sums_apart(moe_experts):
-    def summed(*args, **kw):
-        import jax.numpy as jnp
+def _shared_gate_apart(moe_route):
+    def route(kc, x, router_w, top_k, shared_gate_w):
+        from pallas_kernels import reference as ref
 
-        from ninfer_jax.model import ops
+        ids, weights, _ = moe_route(kc, x, router_w, top_k)
+        return ids, weights, ref.shared_expert_gate(x, shared_gate_w)
 
-        return ops.finish_sum(moe_experts(*args, **kw), jnp.float32)
+    return route
 
-    return summed
+
+def _router_logits_f32(x, router_w):
+    import jax.numpy as jnp
+
+    return jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32).T)
+
+
+def _dot_cut(dot):
+    def cut(x, w, *, to_norm=False):
+        return dot(x, w)
+
+    return cut
 
 
 def _clear_kernel_traces():
     """The kernels' entry points are jits of their own: their traces are cached by argument shapes and static
     arguments, which do not see a patched module default, so a cached trace would hand back another variant's
     kernels."""
-    from pallas_kernels import gdn_decode, gdn_decode_layer, gemv, moe, rms_norm
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, rms_norm
 
-    for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer, gemv.gemv,
+    for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer, moe_route.route,
                rms_norm.add_rms_norm):
         fn.clear_cache()
 
@@ -150,18 +153,26 @@ class _Patch:
 
 def _patch(variant: str) -> _Patch:
     from ninfer_jax.model import ops, qwen3_5
-    from pallas_kernels import gdn_decode, gdn_decode_layer, gemv, moe, rms_norm
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, rms_norm
+    from pallas_kernels import reference as ref
 
     parts = variant.split("+")
     replace = []
-    if "moe_sums_apart" in parts:
-        replace.append((ops, "moe_experts", _moe_sums_apart(ops.moe_experts)))
     if "one_row_dot" in parts:
         replace.append((qwen3_5, "_dot", _one_row_dot))
-    if "gate_two_rows" in parts:
-        replace.append((qwen3_5, "_TWO_ROWS_MIN_COLUMNS", 1))
+    if "two_rows_cut" in parts:
+        replace.append((qwen3_5, "_dot", _dot_cut(qwen3_5._dot)))
     if "shared_apart" in parts:
         replace.append((qwen3_5, "moe", _moe_shared_apart))
+    if "shared_gate_apart" in parts:
+        replace.append((ops, "moe_route", _shared_gate_apart(ops.moe_route)))
+    if "router_logits_f32" in parts:
+        replace.append((ref, "moe_router_logits", _router_logits_f32))
+    for table, module in ((ROUTE_WARPS, moe_route), (NORM_WARPS, rms_norm)):
+        for p in parts:
+            if p in table:
+                replace.append((module, "DEFAULT_CONFIG", dataclasses.replace(module.DEFAULT_CONFIG,
+                                                                              num_warps=table[p])))
     if "gdn_whole_heads" in parts:
         replace += [(gdn_decode, "DEFAULT_CONFIG", dataclasses.replace(gdn_decode.DEFAULT_CONFIG, min_programs=0)),
                     (gdn_decode_layer, "DEFAULT_CONFIG",
@@ -170,12 +181,6 @@ def _patch(variant: str) -> _Patch:
     if layer_fields:
         replace.append((gdn_decode_layer, "DEFAULT_CONFIG", dataclasses.replace(gdn_decode_layer.DEFAULT_CONFIG,
                                                                                 **layer_fields)))
-    norm_fields = {k: v for p in parts if p in NORM for k, v in NORM[p].items()}
-    if norm_fields:
-        replace.append((rms_norm, "DEFAULT_CONFIG", dataclasses.replace(rms_norm.DEFAULT_CONFIG, **norm_fields)))
-    gemv_fields = {k: v for p in parts if p in GEMV for k, v in GEMV[p].items()}
-    if gemv_fields:
-        replace.append((gemv, "DEFAULT_CONFIG", dataclasses.replace(gemv.DEFAULT_CONFIG, **gemv_fields)))
     fields = {k: v for p in parts if p in MOE_GEMV for k, v in MOE_GEMV[p].items()}
     if fields:
         base = moe.default_config
@@ -290,8 +295,7 @@ def probe(name: str, args) -> dict:
         kc, parts = engine_kernels, v.split("+")
         kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
                                          fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts,
-                                         fuse_moe_route=kc.fuse_moe_route and "route_unfused" not in parts,
-                                         decode_gemv=kc.decode_gemv and "gemv_apart" not in parts)
+                                         fuse_moe_route=kc.fuse_moe_route and "route_unfused" not in parts)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:

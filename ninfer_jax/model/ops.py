@@ -40,15 +40,11 @@ class KernelConfig:
     # The MoE router's softmax, top-k and renormalisation of up to `DECODE_MAX_ROWS` rows as one kernel
     # (pallas_kernels/moe_route.py); the engine turns it on with the pallas backend
     fuse_moe_route: bool = False
-    # A one-lane decode round's output projections (attention's o_proj, GDN's out_proj, the dense MLP's down) as
-    # split-K matrix-vector kernels whose pieces the add + norm kernel sums (pallas_kernels/gemv.py); the engine
-    # turns it on with the pallas backend
-    decode_gemv: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "decode_gemv"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -144,8 +140,7 @@ DECODE_MAX_ROWS = 64
 
 def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
     """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= DECODE_MAX_ROWS and a
-    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm); h
-    may be `reference.PartialSums`."""
+    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm)."""
     if not kc.fuse_add_norm or x.shape[0] > DECODE_MAX_ROWS:
         return None
     from pallas_kernels import rms_norm as kernel
@@ -153,35 +148,20 @@ def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
     return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
 
 
-def decode_gemv(kc: KernelConfig, x, w):
-    """x [1, K] @ w [K, N] as the split-K matrix-vector kernel when kc.decode_gemv (one decode row) and the kernel
-    takes the shapes, returned as `reference.PartialSums` of its pieces for an add + norm kernel to finish; None
-    otherwise (the caller runs its matmul)."""
-    if not kc.decode_gemv or x.ndim != 2 or x.shape[0] != 1:
-        return None
-    from pallas_kernels import gemv as kernel
-
-    if not kernel.supported(x, w):
-        return None
-    return ref.PartialSums(kernel.gemv(x, w, partial=True, interpret=kc.interpret)[:, :, None, :])  # [S, 1, 1, N]
-
-
-def finish_sum(h, dtype):
-    """A block's output as an array in `dtype`, summing it first if a kernel left it as `reference.PartialSums`."""
-    return h.total(dtype) if isinstance(h, ref.PartialSums) else h.astype(dtype)
-
-
-def moe_route(kc: KernelConfig, x, router_w, top_k: int):
-    """The MoE router: x [T, H], router_w [E, H] -> (expert ids [T, K] int32, weights [T, K] float32, renormalised).
-    With kc.fuse_moe_route, up to DECODE_MAX_ROWS rows and power-of-two E and K, everything after the logits
+def moe_route(kc: KernelConfig, x, router_w, top_k: int, shared_gate_w=None):
+    """The MoE router and the shared expert's gate: x [T, H], router_w [E, H], shared_gate_w [H, 1] or None ->
+    (expert ids [T, K] int32, weights [T, K] float32 renormalised, the shared expert's weight [T] float32 or None).
+    With kc.fuse_moe_route, up to DECODE_MAX_ROWS rows and power-of-two E, K and H, everything after the logits
     matmul is one kernel."""
     logits = ref.moe_router_logits(x, router_w)
     if kc.fuse_moe_route and x.shape[0] <= DECODE_MAX_ROWS:
         from pallas_kernels import moe_route as kernel
 
-        if kernel.supported(logits, top_k):
-            return kernel.route(logits, top_k=top_k, interpret=kc.interpret)
-    return ref.moe_route_logits_ref(logits, top_k)
+        if kernel.supported(logits, top_k, None if shared_gate_w is None else x):
+            out = kernel.route(logits, x, shared_gate_w, top_k=top_k, interpret=kc.interpret)
+            return out if shared_gate_w is not None else (*out, None)
+    gate = None if shared_gate_w is None else ref.shared_expert_gate(x, shared_gate_w)
+    return (*ref.moe_route_logits_ref(logits, top_k), gate)
 
 
 def attention_prefill(kc: KernelConfig, q, k_pages, v_pages, page_table, base):
@@ -215,11 +195,9 @@ def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_leng
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
-    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32, or with kc.fuse_add_norm its
-    `reference.PartialSums` (the add + norm kernel that takes it finishes the sum)."""
+    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32."""
     if kc.backend == "pallas":
         from pallas_kernels import moe
 
-        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, partial_sums=kc.fuse_add_norm,
-                               interpret=kc.interpret)
+        return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, interpret=kc.interpret)
     return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)

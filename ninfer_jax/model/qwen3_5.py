@@ -39,7 +39,7 @@ from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 # rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
-from pallas_kernels.reference import PartialSums, SharedExpert, l2_normalize, rms_norm
+from pallas_kernels.reference import SharedExpert, l2_normalize, rms_norm
 
 F32 = jnp.float32
 
@@ -48,40 +48,32 @@ F32 = jnp.float32
 # XLA's GPU compiler rewrites a vector x matrix dot into multiply + reduce (its DotStrengthReduction pass) when
 # (N + 1) x K is under this many elements.
 _XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
-# A one-column product (the MoE shared-expert gate) is a plain dot product: its rewritten form is one small reduce,
-# where two rows would cost a concatenate and a matmul kernel.
-_TWO_ROWS_MIN_COLUMNS = 2
 
 
-def _dot(x, w):
+def _dot(x, w, *, to_norm: bool = False):
+    """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
+    the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # cost a separate pass over every output, 181 of 3956 ms in a 32k prefill of the 27B (prefill_profile.md).
-    n = w.shape[1]
     one_row = x.ndim == 2 and x.shape[0] == 1
-    if one_row and _TWO_ROWS_MIN_COLUMNS <= n and (n + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
+    if one_row and (w.shape[1] + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
         # The rewritten form wrote the [K, N] product out before reducing it: 1.0 of 4.9 ms of a 35B-A3B one-lane
         # round (decode_round_probe.md). Two rows make it a matmul again; the barrier keeps the simplifier from
-        # folding the copy back. The second row reads no extra weight bytes.
+        # folding the copy back. The second row reads no extra weight bytes. Cutting it off is a copy kernel when
+        # the product goes to a custom call (the add + norm kernel), which ignores it instead.
         two = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
-        return jnp.dot(two, w, preferred_element_type=x.dtype)[:1]
+        out = jnp.dot(two, w, preferred_element_type=x.dtype)
+        return out if to_norm else out[:1]
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
-def _project_to_norm(kc: KernelConfig, x, w):
-    """x @ w for a block's output projection, whose result goes straight to an add + norm: a one-lane decode row
-    through the split-K matrix-vector kernel when kc.decode_gemv, its pieces left for the norm kernel to sum
-    (`PartialSums`). The input projections stay cuBLAS's, which reads their wide weights as fast (gemv.md)."""
-    out = ops.decode_gemv(kc, x, w)
-    return _dot(x, w) if out is None else out
-
-
 def add_norm(kc: KernelConfig, x, h, w, eps):
-    """The residual stream x plus a block's output h (None: nothing to add; `PartialSums`: a kernel's unsummed
-    result), and its RMSNorm: (x + h, norm)."""
+    """The residual stream x plus a block's output h (None: nothing to add; rows past x's are ignored, see
+    `_dot`'s to_norm), and its RMSNorm: (x + h, norm)."""
     fused = ops.add_rms_norm(kc, x, h, w, eps)
     if fused is not None:
         return fused
-    x = x if h is None else x + ops.finish_sum(h, x.dtype)
+    x = x if h is None else x + h[: x.shape[0]]
     return x, rms_norm(x, w, eps)
 
 
@@ -103,25 +95,22 @@ def rope(x, positions, cfg: ModelConfig):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def mlp(p: MLPParams, x, kc: KernelConfig = ops.REFERENCE):
+def mlp(p: MLPParams, x):
     gu = _dot(x, p.gate_up)
     inter = p.down.shape[0]
-    return _project_to_norm(kc, jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down)
+    return _dot(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
-    ids, weights = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok)
+    ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
     # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
     # kernels (decode_round_probe.md).
-    gate = jax.nn.sigmoid(_dot(x, p.shared_gate)[:, 0].astype(F32))
     shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
-    out = ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared)
-    # PartialSums go to the add + norm kernel as they are (it sums and rounds them)
-    return out if isinstance(out, PartialSums) else out.astype(x.dtype)
+    return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared).astype(x.dtype)
 
 
 def ffn(p, x, cfg, kc):
-    return moe(p, x, cfg, kc) if isinstance(p, MoEParams) else mlp(p, x, kc)
+    return moe(p, x, cfg, kc) if isinstance(p, MoEParams) else mlp(p, x)
 
 
 # --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
@@ -150,9 +139,9 @@ def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
     return q, k, v, g, beta
 
 
-def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
+def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
     y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
-    return _project_to_norm(kc, y.reshape(y.shape[0], -1), p.out_proj)
+    return _dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
 
 
 def _conv(window, conv_w):
@@ -188,10 +177,10 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
         rows = jax.lax.dynamic_slice_in_dim(window, jnp.clip(pos - base, 0, t), km1, axis=0)
         target = jnp.where(ok, ctx["tap_slots"][j], conv.shape[0])
         conv = conv.at[target].set(rows.astype(conv.dtype), mode="drop")
-    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
+    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
 
 
-def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig, kc: KernelConfig):
+def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig):
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     proj = _dot(x, p.qkv_proj)
     qg = proj[:, : hq * 2 * d].reshape(-1, hq, 2, d)
@@ -203,9 +192,9 @@ def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig, kc: KernelConfig):
     return q, k, v, gate
 
 
-def _attn_out(p: AttnParams, core, gate, kc: KernelConfig, dtype):
+def _attn_out(p: AttnParams, core, gate, dtype):
     y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
-    return _project_to_norm(kc, y, p.o_proj)
+    return _dot(y, p.o_proj, to_norm=True)
 
 
 def _write_kv(pages, rows, page_ids, offsets):
@@ -216,13 +205,13 @@ def _write_kv(pages, rows, page_ids, offsets):
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     t = x.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, gate = _attn_qkv(p, x, positions, cfg, kc)
+    q, k, v, gate = _attn_qkv(p, x, positions, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
     v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
     core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
-    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
+    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
 
 
 def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
@@ -295,7 +284,7 @@ def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
         conv = conv.at[slots].set(tail.astype(conv.dtype))
-        return _project_to_norm(kc, y.reshape(y.shape[0], -1), p.out_proj), ssm, conv
+        return _dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
@@ -306,18 +295,18 @@ def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
     core, ssm = ops.gdn_decode(kc, q, k, v, g * m, beta * m, ssm, slots)
     new_hist = jnp.where(active[:, None, None], window[:, 1:], history)
     conv = conv.at[slots].set(new_hist.astype(conv.dtype))
-    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
+    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
 
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
-    q, k, v, gate = _attn_qkv(p, x, positions, cfg, kc)
+    q, k, v, gate = _attn_qkv(p, x, positions, cfg)
     page_ids = tables[jnp.arange(x.shape[0]), positions // PAGE]
     page_ids = jnp.where(active, page_ids, k_pages.shape[0])
     k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
     v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
-    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
+    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
 
 
 def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, active,

@@ -91,13 +91,12 @@ class Engine:
             raise ValueError(f"kv_capacity {kv_tokens} tokens gives {num_pages} pages, fewer than "
                              f"max_concurrency {o.max_concurrency}")
         self.runner = ModelRunner(
-            # With Pallas the GDN decode, each residual add + norm and the MoE router run as one kernel each, and a
-            # one-lane round's projections as matrix-vector kernels (decode_round_probe.md)
+            # With Pallas the GDN decode, each residual add + norm and the MoE router run as one kernel each
+            # (decode_round_probe.md)
             self.config, params, KernelConfig(o.kernels, o.interpret, PrefillConfig(impl=o.prefill_attention),
                                               fuse_gdn_decode=o.kernels == "pallas",
                                               fuse_add_norm=o.kernels == "pallas",
-                                              fuse_moe_route=o.kernels == "pallas",
-                                              decode_gemv=o.kernels == "pallas"),
+                                              fuse_moe_route=o.kernels == "pallas"),
             num_pages=num_pages, num_slots=num_slots,
             max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
             max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype, batch_invariant=o.batch_invariant,

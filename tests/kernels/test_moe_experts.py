@@ -220,30 +220,3 @@ def test_one_lane_reads_the_shared_expert_in_the_gemv_kernels():
     assert text.count(target) == 2 and "moe_gemv_gate_up" in text
     assert "dot_general" not in text
 
-
-@pytest.mark.parametrize("cfg, t, shared", [(GEMV, 1, True), (GEMV, 3, True), (GEMV, 2, False), (DECODE, 3, True),
-                                            (PREFILL, 24, False)],
-                         ids=["gemv-1-shared", "gemv-3-shared", "gemv-2", "tiled-decode", "prefill"])
-def test_partial_sums_total_the_reference(cfg, t, shared):
-    """partial_sums=True leaves the result for its consumer: narrow decode as [splits, T, experts per token (with the
-    shared one last), H] pieces, already weighted; the tiled paths as one whole piece. Either way they total the
-    reference."""
-    seed = secrets.randbits(32)
-    args = _inputs(seed, t, jnp.float32, "router") + ((_shared(seed, t, jnp.float32),) if shared else ())
-    cfg = dataclasses.replace(cfg, gemv_max_rows=t * K) if cfg is GEMV else cfg
-    sums = moe.moe_experts(*args, config=cfg, partial_sums=True, interpret=INTERPRET)
-    assert isinstance(sums, ref.PartialSums)
-    per_token = K + 1 if shared else K
-    assert sums.parts.shape == ((cfg.gemv_down_splits, t, per_token, H) if cfg is not PREFILL and cfg.gemv_max_rows
-                                else (1, t, 1, H))
-    want = ref.moe_experts_ref(*args)
-    err = _rel_err(sums.total(), want)
-    assert err < 1e-5, f"seed={seed}: relative error {err:.2e}"
-    if shared and cfg.gemv_max_rows:  # the last row of each token is the shared expert's, times its gate
-        x, _, _, _, _, sh = args
-        inter = sh.down.shape[0]
-        gu = np.asarray(x, np.float64) @ np.asarray(sh.gate_up, np.float64)
-        act = gu[:, :inter] / (1 + np.exp(-gu[:, :inter])) * gu[:, inter:]
-        want_shared = act @ np.asarray(sh.down, np.float64) * np.asarray(sh.weight, np.float64)[:, None]
-        got_shared = np.asarray(sums.parts, np.float64)[:, :, K].sum(axis=0)
-        np.testing.assert_allclose(got_shared, want_shared, rtol=1e-4, atol=1e-5)

@@ -48,6 +48,7 @@ def test_ops_take_the_kernel_only_when_asked_and_able():
         xr = jnp.resize(x, (rows, x.shape[1]))
         got = ops.moe_route(kc, xr, router, 2)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref.moe_route_ref(xr, router, 2)[0]))
+        assert got[2] is None  # no shared gate asked for
     np.testing.assert_array_equal(np.asarray(ops.moe_route(on, x, router, 2)[0]), np.asarray(want[0]))
     x6, router6 = _case(2, 6)  # six experts: not a power of two, the reference runs
     np.testing.assert_array_equal(np.asarray(ops.moe_route(on, x6, router6, 2)[0]),
@@ -58,8 +59,59 @@ def test_ops_take_the_kernel_only_when_asked_and_able():
         ops.KernelConfig(fuse_moe_route=True)
 
 
-def test_lowers_to_triton_at_the_35b_shapes():
+@pytest.mark.parametrize("shared", [False, True], ids=["router", "router-and-shared-gate"])
+def test_lowers_to_triton_at_the_35b_shapes(shared):
     _compat.lower_for_h200()
-    text = moe_route.route.trace(jax.ShapeDtypeStruct((1, 256), jnp.float32), top_k=8).lower(
+    spec = jax.ShapeDtypeStruct
+    gate = (spec((1, 2048), jnp.bfloat16), spec((2048, 1), jnp.bfloat16)) if shared else ()
+    text = moe_route.route.trace(spec((1, 256), jnp.float32), *gate, top_k=8).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "moe_route" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_route_also_computes_the_shared_expert_gate(rows, dtype):
+    """Given the rows and the shared expert's gate [H, 1], the kernel returns its weight per token: sigmoid of the
+    gate's projection rounded to the rows' dtype (reference.shared_expert_gate), with the same routing."""
+    x, router = _case(rows, 16, hidden=64, seed=rows)
+    x = x.astype(dtype)
+    gate_w = jnp.asarray(np.random.default_rng(7).standard_normal((64, 1)) * 0.3, dtype)
+    logits = ref.moe_router_logits(x, router)
+    ids, weights, shared = moe_route.route(logits, x, gate_w, top_k=4, interpret=INTERPRET)
+    want_ids, want_w = ref.moe_route_logits_ref(logits, 4)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    want_shared = ref.shared_expert_gate(x, gate_w)
+    assert shared.shape == (rows,) and shared.dtype == jnp.float32
+    # the dot product's sum order differs from XLA's: within one rounding of the rows' dtype, before the sigmoid
+    tol = 1e-6 if dtype == jnp.float32 else 4e-3
+    np.testing.assert_allclose(np.asarray(shared), np.asarray(want_shared), rtol=tol, atol=tol)
+    # and through ops, which the model calls
+    on = ops.KernelConfig("pallas", interpret=INTERPRET, fuse_moe_route=True)
+    got = ops.moe_route(on, x, router, 4, gate_w)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want_shared), rtol=tol, atol=tol)
+    off = ops.moe_route(ops.KernelConfig("pallas", interpret=INTERPRET), x, router, 4, gate_w)
+    np.testing.assert_array_equal(np.asarray(off[2]), np.asarray(want_shared))
+
+
+def test_router_logits_equal_float64():
+    """bf16 operands accumulated in float32: the products are exact, so the logits are the float64 dot products of
+    the bf16 values to float32 accuracy."""
+    x, router = (a.astype(jnp.bfloat16) for a in _case(3, 16, hidden=256, seed=3))
+    want = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+    got = ref.moe_router_logits(x, router)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_gate_needs_a_power_of_two_hidden_size():
+    logits = jnp.zeros((1, 8), jnp.float32)
+    assert not moe_route.supported(logits, 2, jnp.zeros((1, 48)))
+    with pytest.raises(ValueError, match="power-of-two H"):
+        moe_route.route(logits, jnp.zeros((1, 48)), jnp.zeros((48, 1)), top_k=2, interpret=True)
+    x, router = _case(1, 8, hidden=48)  # through ops the reference takes it
+    on = ops.KernelConfig("pallas", interpret=INTERPRET, fuse_moe_route=True)
+    gate_w = jnp.ones((48, 1), jnp.float32) * 0.01
+    np.testing.assert_allclose(np.asarray(ops.moe_route(on, x, router, 2, gate_w)[2]),
+                               np.asarray(ref.shared_expert_gate(x, gate_w)))

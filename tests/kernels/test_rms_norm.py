@@ -8,7 +8,6 @@ import pytest
 
 from ninfer_jax.model import ops, qwen3_5
 from pallas_kernels import _compat, rms_norm
-from pallas_kernels import reference as ref
 
 INTERPRET = jax.default_backend() == "cpu"
 EPS = 1e-6
@@ -59,38 +58,26 @@ def test_fused_norm_needs_the_pallas_backend():
         ops.KernelConfig(fuse_add_norm=True)
 
 
-@pytest.mark.parametrize("residual", ["add", "no-add", "moe-partial-sums"])
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
 def test_lowers_to_triton_at_the_35b_hidden_size(residual):
     _compat.lower_for_h200()
     row = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
-    h = {"add": row, "no-add": None,  # one lane's MoE decode pieces: 4 splits x (8 experts + the shared one)
-         "moe-partial-sums": ref.PartialSums(jax.ShapeDtypeStruct((4, 1, 9, 2048), jnp.float32))}[residual]
-    text = rms_norm.add_rms_norm.trace(row, h, jax.ShapeDtypeStruct((2048,), jnp.bfloat16),
+    text = rms_norm.add_rms_norm.trace(row, row if residual else None, jax.ShapeDtypeStruct((2048,), jnp.bfloat16),
                                        eps=EPS).lower(lowering_platforms=("cuda",)).as_text()
     assert "add_rms_norm" in text
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_partial_sums_are_summed_and_rounded_before_the_add(rows, dtype):
-    """h as PartialSums [S, R, J, H] (an MoE decode kernel's weighted pieces): the kernel sums them, rounds the sum
-    to x's dtype and adds, exactly as the model adds their total. Eighths of small integers sum exactly in any
-    order, so the results are equal to the bit."""
-    rng = np.random.default_rng(rows)
-    x, _, w = _inputs(rows, 128, dtype, seed=rows)
-    parts = jnp.asarray(rng.integers(-40, 40, (4, rows, 3, 128)) / 8, jnp.float32)
-    sums = ref.PartialSums(parts)
-    got_x, got_y = rms_norm.add_rms_norm(x, sums, w, eps=EPS, interpret=INTERPRET)
-    want_x, want_y = rms_norm.add_rms_norm(x, sums.total(dtype), w, eps=EPS, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
-    np.testing.assert_array_equal(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32))
-    # and the model's composition when the kernel does not apply takes the same total
-    kc = ops.KernelConfig("pallas", interpret=INTERPRET)
-    comp_x, _ = qwen3_5.add_norm(kc, x, sums, w, EPS)
-    np.testing.assert_array_equal(np.asarray(comp_x, np.float32), np.asarray(want_x, np.float32))
-
-
-def test_partial_sums_must_match_the_rows():
-    x = jnp.zeros((2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="like x"):
-        rms_norm.add_rms_norm(x, ref.PartialSums(jnp.zeros((2, 3, 1, 64))), jnp.zeros(64), eps=EPS, interpret=True)
+def test_rows_of_h_past_xs_are_ignored():
+    """A one-row projection's two-row matmul output comes whole (qwen3_5._dot(to_norm=True)): only row 0 is added,
+    here as in the model's composition."""
+    x, h, w = _inputs(1, 128, jnp.bfloat16, seed=5)
+    two = jnp.concatenate([h, h * 100 + 7])
+    got = rms_norm.add_rms_norm(x, two, w, eps=EPS, interpret=INTERPRET)
+    want = rms_norm.add_rms_norm(x, h, w, eps=EPS, interpret=INTERPRET)
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    kc = ops.KernelConfig("pallas", interpret=INTERPRET)  # the composition, kernel off
+    comp_x, _ = qwen3_5.add_norm(kc, x, two, w, EPS)
+    np.testing.assert_array_equal(np.asarray(comp_x, np.float32), np.asarray(x + h, np.float32))
+    with pytest.raises(ValueError, match="R' >= R"):
+        rms_norm.add_rms_norm(jnp.concatenate([x, x]), h, w, eps=EPS, interpret=True)
