@@ -6,9 +6,11 @@ layout is fixed: `[P, 64, Hkv, D]` per layer for K and for V; a lane's logical b
 prefetch): row r of a key block of `pages_per_block` pages is token r % 64 of page
 `table[first + r // 64]`.
 
-  decode: one program per (lane, KV head, split of the lane's pages). The program holds the whole query
+  decode: one program per (lane, KV head, split of the lane's pages: its kv length's pages spread evenly over the
+    splits, so a short context still runs many programs). The program holds the whole query
     group of its KV head (padded to 16 rows for the matrix units), runs an online softmax over its pages
-    and writes (o, max, sum) partials; a small jnp combine merges the splits (flash-decoding).
+    and writes (o, max, sum) partials of the group's real rows (the padding rows share one spare row);
+    a small jnp combine merges the splits (flash-decoding).
   prefill: one program per (block of queries, query head), flash attention over the lane's keys
     [0, base + T): blocks wholly below the causal diagonal without a mask, the rest masked by absolute
     position. `PrefillConfig.impl = "cudnn"` instead runs cuDNN flash attention (GPU only) on gathered keys:
@@ -91,13 +93,14 @@ def _decode_kernel(
     q_ref,  # [B, Hq, D] (whole array)
     k_ref,  # [P, 64, Hkv, D] (whole pool)
     v_ref,  # [P, 64, Hkv, D] (whole pool)
-    o_ref,  # out [B, NS, Hkv, R, D] f32 (whole array): unnormalised partial outputs
-    m_ref,  # out [B, NS, Hkv, R] f32: running max of each partial
-    l_ref,  # out [B, NS, Hkv, R] f32: softmax denominator of each partial
+    o_ref,  # out [B, NS, Hkv, G', D] f32 (whole array): unnormalised partial outputs of the group's G query heads
+    #         (G' = G + 1 when the group is padded to R rows: row G takes the padding rows)
+    m_ref,  # out [B, NS, Hkv, G'] f32: running max of each partial
+    l_ref,  # out [B, NS, Hkv, G'] f32: softmax denominator of each partial
     *,
     group: int,
     rows: int,
-    pages_per_split: int,
+    num_splits: int,
     pages_per_block: int,
     scale: float,
 ):
@@ -112,6 +115,8 @@ def _decode_kernel(
     q = (q.astype(_F32) * scale).astype(k_ref.dtype)
 
     n_pages = (length + PAGE - 1) // PAGE
+    # The lane's own pages spread over the splits (not max_pages'): a short context still uses many programs
+    pages_per_split = (n_pages + num_splits - 1) // num_splits
     first = sp * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
     n_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
@@ -129,9 +134,15 @@ def _decode_kernel(
 
     init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32), jnp.zeros((rows, d), _F32))
     m, l, acc = lax.fori_loop(0, n_blocks, body, init)
-    o_ref[b, sp, kvh, :, :] = acc
-    m_ref[b, sp, kvh, :] = m
-    l_ref[b, sp, kvh, :] = l
+    if rows == o_ref.shape[3]:
+        o_ref[b, sp, kvh, :, :] = acc
+        m_ref[b, sp, kvh, :] = m
+        l_ref[b, sp, kvh, :] = l
+    else:  # G real rows, then one spare row that every padding row lands in (the combine never reads it)
+        g = jnp.minimum(r, group)
+        o_ref[b, sp, kvh, g[:, None], cols[None, :]] = acc
+        m_ref[b, sp, kvh, g] = m
+        l_ref[b, sp, kvh, g] = l
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +154,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 512  # for num_splits=None: aim for this many programs
+    # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
+    # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
+    # splits, 8 MB of partials per layer for a lane of a thousand keys (decode_round_probe.md, session 12)
+    min_pages_per_split: int = 4
 
     def __post_init__(self):
         for name in ("pages_per_block", "num_warps"):
@@ -151,18 +166,21 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be a power of 2, got {x}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError("DecodeConfig.num_splits must be >= 1")
-        if self.num_stages < 1 or self.target_programs < 1:
-            raise ValueError("DecodeConfig.num_stages and target_programs must be >= 1")
+        if self.num_stages < 1 or self.target_programs < 1 or self.min_pages_per_split < 1:
+            raise ValueError("DecodeConfig.num_stages, target_programs and min_pages_per_split must be >= 1")
 
     def splits(self, lanes: int, kv_heads: int, max_pages: int) -> int:
         if self.num_splits is not None:
             return min(self.num_splits, max_pages)
         want = -(-self.target_programs // (lanes * kv_heads))
-        return max(1, min(want, -(-max_pages // self.pages_per_block)))
+        return max(1, min(want, -(-max_pages // max(self.pages_per_block, self.min_pages_per_split))))
+
+
+DEFAULT_DECODE_CONFIG = DecodeConfig()
 
 
 def _combine_splits(o, m, l):
-    """Merge flash-decoding partials over axis 1: o [B, NS, Hkv, R, D], m/l [B, NS, Hkv, R]."""
+    """Merge flash-decoding partials over axis 1: o [B, NS, Hkv, G, D], m/l [B, NS, Hkv, G]."""
     m_all = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - m_all)
     num = jnp.sum(o * w[..., None], axis=1)
@@ -175,17 +193,17 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
     hkv = k_pages.shape[2]
     group = hq // hkv
     rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+    stored = group if rows == group else group + 1  # the partials' rows: the group's, and a spare for the padding
     max_pages = page_tables.shape[1]
     n_splits = config.splits(lanes, hkv, max_pages)
-    pages_per_split = -(-max_pages // n_splits)
-    pages_per_block = min(config.pages_per_block, pl.next_power_of_2(pages_per_split))
+    pages_per_block = min(config.pages_per_block, pl.next_power_of_2(-(-max_pages // n_splits)))
     full = _compat.full_spec()
     o, m, l = pl.pallas_call(
         functools.partial(
             _decode_kernel,
             group=group,
             rows=rows,
-            pages_per_split=pages_per_split,
+            num_splits=n_splits,
             pages_per_block=pages_per_block,
             scale=d**-0.5,
         ),
@@ -194,16 +212,16 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
         in_specs=[full] * 5,
         out_specs=[full] * 3,  # partials written at [lane, split, kv head]
         out_shape=[
-            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows, d), _F32),
-            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows), _F32),
-            jax.ShapeDtypeStruct((lanes, n_splits, hkv, rows), _F32),
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, stored, d), _F32),
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, stored), _F32),
+            jax.ShapeDtypeStruct((lanes, n_splits, hkv, stored), _F32),
         ],
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(kv_lengths, page_tables, q, k_pages, v_pages)
-    out = _combine_splits(o, m, l)[:, :, :group, :]  # [B, Hkv, group, D]
-    return out.reshape(lanes, hq, d)
+    o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]  # slices fused into the combine
+    return _combine_splits(o, m, l).reshape(lanes, hq, d)  # [B, Hkv, group, D] -> [B, Hq, D]
 
 
 def _check_pool(q, k_pages, v_pages):
@@ -238,7 +256,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
         v_pages,
         page_tables.astype(jnp.int32),
         kv_lengths.astype(jnp.int32),
-        config=config or DecodeConfig(),
+        config=config or DEFAULT_DECODE_CONFIG,
         interpret=interpret,
     )
 

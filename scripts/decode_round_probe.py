@@ -16,6 +16,8 @@
   two_rows_cut   a one-row output projection's duplicate row cut off before the add + norm kernel (before session
                  12): a copy kernel
   route_warps*, norm_warps*  the router or the add + norm kernel on other warps
+  attn_min_pages*  paged decode attention with another floor of pages per split (DecodeConfig.min_pages_per_split;
+                 1 is before session 12)
   gdn_layer_*    the fused GDN decode kernel with other warps or column blocks
   gdn_whole_heads  the GDN decode kernels with one program per (lane, head) whatever the lanes (before session
                  11: one lane ran 32 programs)
@@ -77,10 +79,11 @@ GDN_LAYER = {  # gdn_decode_layer.GdnDecodeLayerConfig fields replaced
 }
 ROUTE_WARPS = {"route_warps1": 1, "route_warps2": 2, "route_warps8": 8}  # moe_route.RouteConfig.num_warps
 NORM_WARPS = {"norm_warps1": 1, "norm_warps2": 2, "norm_warps8": 8}  # rms_norm.AddNormConfig.num_warps
+ATTN_MIN_PAGES = {f"attn_min_pages{n}": n for n in (1, 2, 4, 8, 16, 32)}  # DecodeConfig.min_pages_per_split
 # "a+b" combines two
 VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_heads", "norm_unfused", "route_unfused",
             "shared_gate_apart", "router_logits_f32", "two_rows_cut", *MOE_GEMV, *GDN_LAYER, *ROUTE_WARPS,
-            *NORM_WARPS)
+            *NORM_WARPS, *ATTN_MIN_PAGES)
 
 
 def _one_row_dot(x, w):
@@ -126,10 +129,10 @@ def _clear_kernel_traces():
     """The kernels' entry points are jits of their own: their traces are cached by argument shapes and static
     arguments, which do not see a patched module default, so a cached trace would hand back another variant's
     kernels."""
-    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, rms_norm
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, paged_attention, rms_norm
 
     for fn in (moe.moe_experts, gdn_decode.gdn_decode, gdn_decode_layer.gdn_decode_layer, moe_route.route,
-               rms_norm.add_rms_norm):
+               rms_norm.add_rms_norm, paged_attention.paged_decode_attention):
         fn.clear_cache()
 
 
@@ -153,7 +156,7 @@ class _Patch:
 
 def _patch(variant: str) -> _Patch:
     from ninfer_jax.model import ops, qwen3_5
-    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, rms_norm
+    from pallas_kernels import gdn_decode, gdn_decode_layer, moe, moe_route, paged_attention, rms_norm
     from pallas_kernels import reference as ref
 
     parts = variant.split("+")
@@ -168,6 +171,10 @@ def _patch(variant: str) -> _Patch:
         replace.append((ops, "moe_route", _shared_gate_apart(ops.moe_route)))
     if "router_logits_f32" in parts:
         replace.append((ref, "moe_router_logits", _router_logits_f32))
+    for p in parts:
+        if p in ATTN_MIN_PAGES:
+            replace.append((paged_attention, "DEFAULT_DECODE_CONFIG", dataclasses.replace(
+                paged_attention.DEFAULT_DECODE_CONFIG, min_pages_per_split=ATTN_MIN_PAGES[p])))
     for table, module in ((ROUTE_WARPS, moe_route), (NORM_WARPS, rms_norm)):
         for p in parts:
             if p in table:
@@ -280,7 +287,7 @@ def probe(name: str, args) -> dict:
     from ninfer_jax.runtime.options import EngineOptions
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
-    opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=2048, max_model_len=8192,
+    opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=2048, max_model_len=args.max_model_len,
                          kv_capacity=65536, kernels=args.kernels, no_prefix_reuse=True,
                          interpret=jax.default_backend() == "cpu")  # a CPU smoke run interprets the kernels
     engine = Engine(cfg, random_params(cfg, seed=0), opts, model_name=name, warmup=False)
@@ -349,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"first is traced; from {', '.join(VARIANTS)}")
     ap.add_argument("--lanes", default="1,8")
     ap.add_argument("--rounds", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="the engine's; it sets the page tables' width, so paged decode attention's splits")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trace-variants", default="", help="variants whose one-lane round is traced (default: the first)")
     ap.add_argument("--trace-rounds", type=int, default=8)

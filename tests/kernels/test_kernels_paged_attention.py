@@ -47,6 +47,9 @@ def poison(pool, tables, lengths):
         (6, 1, 16, [130, 7], 3, paged_attention.DecodeConfig(num_splits=1, pages_per_block=1)),
         (8, 2, 64, [500, 129, 64], 8, paged_attention.DecodeConfig(num_splits=3, pages_per_block=2)),
         (2, 2, 16, [37], 4, paged_attention.DecodeConfig(num_splits=16)),  # more splits than pages
+        (16, 2, 32, [700, 3], 24, paged_attention.DecodeConfig(min_pages_per_split=4)),  # 8 queries a head: 6 splits
+        (4, 1, 16, [3000, 64, 1], 64, paged_attention.DecodeConfig(num_splits=5)),  # 47, 1, 1 pages over 5 splits
+        (32, 2, 16, [129], 4, None),  # 16 queries per KV head: the partials need no spare row
     ],
 )
 def test_decode_matches_reference(rng, hq, hkv, d, lengths, max_pages, config):
@@ -125,6 +128,19 @@ def test_rejects_bad_inputs():
         paged_attention.PrefillConfig(impl="flash")
 
 
+def test_one_lanes_splits_keep_a_minimum_of_pages():
+    """Every split's partials are written and combined, reached by the lane's keys or not: a floor of pages per
+    split bounds that traffic at one lane and a long max_model_len, and leaves 8 lanes' splits as they were."""
+    floor1 = paged_attention.DecodeConfig(min_pages_per_split=1)
+    assert floor1.splits(1, 2, 528) == 256  # 512 programs of 2 pages
+    cfg = paged_attention.DecodeConfig(min_pages_per_split=8)
+    assert cfg.splits(1, 2, 528) == 66
+    assert cfg.splits(8, 2, 528) == floor1.splits(8, 2, 528) == 32
+    assert cfg.splits(1, 2, 4) == 1
+    with pytest.raises(ValueError, match="min_pages_per_split"):
+        paged_attention.DecodeConfig(min_pages_per_split=0)
+
+
 def test_lowers_to_triton_at_real_shapes():
     _compat.lower_for_h200()
     sd = jax.ShapeDtypeStruct
@@ -132,6 +148,11 @@ def test_lowers_to_triton_at_real_shapes():
     pool = sd((4096, PAGE, 4, 256), bf)
     text = paged_attention.paged_decode_attention.trace(
         sd((8, 24, 256), bf), pool, pool, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
+    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    pool_35b = sd((4096, PAGE, 2, 256), bf)  # 8 queries per KV head: a spare row for the padding
+    text = paged_attention.paged_decode_attention.trace(
+        sd((1, 16, 256), bf), pool_35b, pool_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
     text = paged_attention.paged_prefill_attention.trace(
