@@ -86,7 +86,7 @@ VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_
             *NORM_WARPS, *ATTN_MIN_PAGES)
 
 
-def _one_row_dot(x, w):
+def _one_row_dot(x, w, *, to_norm=False):  # qwen3_5._dot's signature: one row is one row whoever takes it
     import jax.numpy as jnp
 
     return jnp.dot(x, w, preferred_element_type=x.dtype)
