@@ -40,11 +40,15 @@ class KernelConfig:
     # The MoE router's softmax, top-k and renormalisation of up to `DECODE_MAX_ROWS` rows as one kernel
     # (pallas_kernels/moe_route.py); the engine turns it on with the pallas backend
     fuse_moe_route: bool = False
+    # The attention mixer's decode between its qkv projection and the attention kernel (q/k norms, RoPE, the KV
+    # writes) as one kernel (pallas_kernels/attn_decode_qkv.py); built in session 12 after its device time ran out,
+    # so off until timed
+    fuse_attn_qkv: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -131,6 +135,21 @@ def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, d
 
     return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
                                    num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
+
+
+def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages,
+                    v_pages, cfg):
+    """The fused attention decode step up to the attention kernel (kc.fuse_attn_qkv): the qkv projection's output
+    [B, Hq 2D + 2 Hkv D] -> (normalised, rotated q [B, Hq, D], the pools with each active lane's new key and value
+    written); None when the rows exceed DECODE_MAX_ROWS or the kernel does not take the head shapes."""
+    from pallas_kernels import attn_decode_qkv as kernel
+
+    if not kc.fuse_attn_qkv or proj.shape[0] > DECODE_MAX_ROWS or not kernel.supported(cfg.head_dim, cfg.rotary_dim):
+        return None
+    return kernel.attn_decode_qkv(proj, q_norm, k_norm, jnp.asarray(inv_freq), positions, page_tables, active,
+                                  k_pages, v_pages, num_heads=cfg.num_attention_heads,
+                                  num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
+                                  eps=cfg.rms_norm_eps, interpret=kc.interpret)
 
 
 # The small-row kernels (add + norm, router) take up to this many rows: decode rounds. A prefill chunk's rows stay

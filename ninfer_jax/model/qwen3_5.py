@@ -85,11 +85,16 @@ def gated_rms_norm(x, z, w, eps):
     return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
 
 
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's frequencies [rotary_dim / 2] float32."""
+    rot = cfg.rotary_dim
+    return 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot))
+
+
 def rope(x, positions, cfg: ModelConfig):
     """NeoX rotate-half RoPE on the first rotary_dim dims of x [T, H, D] at integer positions [T]."""
     rot = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot))
-    freqs = positions.astype(F32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    freqs = positions.astype(F32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
     cos, sin = (f.astype(x.dtype)[:, None, :] for f in (jnp.cos(freqs), jnp.sin(freqs)))
     x1, x2, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
@@ -180,13 +185,18 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
 
 
-def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig):
+def _attn_split(proj, cfg: ModelConfig):
+    """The qkv projection's output [N, Hq 2D + 2 Hkv D] -> q [N, Hq, D], k, v [N, Hkv, D], gate [N, Hq D]."""
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    proj = _dot(x, p.qkv_proj)
     qg = proj[:, : hq * 2 * d].reshape(-1, hq, 2, d)
-    q, gate = qg[:, :, 0], qg[:, :, 1].reshape(x.shape[0], hq * d)
+    q, gate = qg[:, :, 0], qg[:, :, 1].reshape(proj.shape[0], hq * d)
     k = proj[:, hq * 2 * d : hq * 2 * d + hkv * d].reshape(-1, hkv, d)
     v = proj[:, hq * 2 * d + hkv * d :].reshape(-1, hkv, d)
+    return q, k, v, gate
+
+
+def _attn_qkv(p: AttnParams, x, positions, cfg: ModelConfig):
+    q, k, v, gate = _attn_split(_dot(x, p.qkv_proj), cfg)
     q = rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), positions, cfg)
     k = rope(rms_norm(k, p.k_norm, cfg.rms_norm_eps), positions, cfg)
     return q, k, v, gate
@@ -300,6 +310,14 @@ def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
+    if kc.fuse_attn_qkv:  # the norms, RoPE and the KV writes as one kernel
+        proj = _dot(x, p.qkv_proj)
+        fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
+                                    k_pages, v_pages, cfg)
+        if fused is not None:
+            q, k_pages, v_pages = fused
+            core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
+            return _attn_out(p, core, _attn_split(proj, cfg)[3], x.dtype), k_pages, v_pages
     q, k, v, gate = _attn_qkv(p, x, positions, cfg)
     page_ids = tables[jnp.arange(x.shape[0]), positions // PAGE]
     page_ids = jnp.where(active, page_ids, k_pages.shape[0])

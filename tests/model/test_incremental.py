@@ -130,7 +130,8 @@ def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes, fus
     positions = np.array([40 + 23 * lane for lane in range(lanes)], np.int32)
     states = {"reference": state, "pallas": state}
     kernels = {"reference": REFERENCE, "pallas": KernelConfig("pallas", interpret=True, fuse_gdn_decode=fused,
-                                                          fuse_add_norm=fused, fuse_moe_route=fused)}
+                                                          fuse_add_norm=fused, fuse_moe_route=fused,
+                                                          fuse_attn_qkv=fused)}
     for _ in range(3):
         out = {}
         for name, kc in kernels.items():
