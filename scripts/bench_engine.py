@@ -95,14 +95,16 @@ def bench_ours(name: str, args) -> dict:
     opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=args.prefill_chunk,
                          max_model_len=33 * 1024, kernels=args.kernels, no_prefix_reuse=True)
     engine = Engine(cfg, params, opts, model_name=name, warmup=False)
+    chunk = engine.options.prefill_chunk  # --prefill-chunk, or the engine's default for this model
     rng = __import__("numpy").random.default_rng(0)
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     # First requests compile the steps they use; they are not timed.
     t = time.perf_counter()
-    engine.generate(rng.integers(0, cfg.vocab_size, args.prefill_chunk).tolist(),
+    engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(),
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     compile_s = time.perf_counter() - t
-    result = {"model": name, "init_s": init_s, "compile_s": compile_s, "matmul_tflops": tflops,
+    result = {"model": name, "prefill_chunk": chunk, "init_s": init_s, "compile_s": compile_s,
+              "matmul_tflops": tflops,
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
               "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
               "decode_roofline_tok_s_1lane": tbps * 1e12 / decode_bytes}
@@ -143,7 +145,7 @@ def bench_ours(name: str, args) -> dict:
 
     for impl in [v for v in args.prefill_attention_variants.split(",") if v]:
         engine.runner.kernels = dataclasses.replace(engine.runner.kernels, prefill_attention=PrefillConfig(impl=impl))
-        engine.generate(rng.integers(0, cfg.vocab_size, args.prefill_chunk).tolist(), greedy)
+        engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(), greedy)
         time_prefill(f"_{impl}")
     engine.stop()
     return result
@@ -230,7 +232,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="27b,35b-a3b")
     p.add_argument("--kernels", default="pallas")
-    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill pass (default: the engine's, 2048 for a dense model and 8192 for MoE)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--peer-decode-tokens", type=int, default=16)
     p.add_argument("--part", choices=["ours", "peer", "all"], default="all")
@@ -250,7 +253,8 @@ def main() -> int:
         for part in ("ours", "peer"):
             # One process per part: jax and torch each take the GPU's memory for themselves.
             cmd = [sys.executable, __file__, "--part", part, "--models", name, "--kernels", args.kernels,
-                   "--prefill-chunk", str(args.prefill_chunk), "--decode-tokens", str(args.decode_tokens),
+                   *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+                   "--decode-tokens", str(args.decode_tokens),
                    "--peer-decode-tokens", str(args.peer_decode_tokens),
                    "--prefill-attention-variants", args.prefill_attention_variants]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

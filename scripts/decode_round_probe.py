@@ -8,8 +8,8 @@
   gdn_unfused    the GDN decode as XLA kernels around the delta-rule kernel (KernelConfig.fuse_gdn_decode off, the
                  engine before session 11; session 11's reports call the fused form, then the variant, gdn_fused)
   norm_unfused   each residual add + RMSNorm as XLA's kernels (KernelConfig.fuse_add_norm off; before session 11)
-  attn_qkv_fused the attention decode's q/k norms, RoPE and KV writes as one kernel (KernelConfig.fuse_attn_qkv;
-                 built in session 12, off until this variant times it)
+  attn_qkv_unfused the attention decode's q/k norms, RoPE and KV writes as XLA's kernels (KernelConfig.fuse_attn_qkv
+                 off; before session 13. Session 13's run timed the other way round, as attn_qkv_fused)
   route_unfused  the MoE router after its logits as XLA's kernels, a sort for its top-k (KernelConfig.fuse_moe_route
                  off; before session 12. Session 12's first run timed the other way round, as route_fused)
   shared_gate_apart  the MoE shared expert's gate as XLA's kernels (before session 12), not inside the router kernel
@@ -83,7 +83,7 @@ ROUTE_WARPS = {"route_warps1": 1, "route_warps2": 2, "route_warps8": 8}  # moe_r
 NORM_WARPS = {"norm_warps1": 1, "norm_warps2": 2, "norm_warps8": 8}  # rms_norm.AddNormConfig.num_warps
 ATTN_MIN_PAGES = {f"attn_min_pages{n}": n for n in (1, 2, 4, 8, 16, 32)}  # DecodeConfig.min_pages_per_split
 # "a+b" combines two
-VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_heads", "norm_unfused", "attn_qkv_fused",
+VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_heads", "norm_unfused", "attn_qkv_unfused",
             "route_unfused",
             "shared_gate_apart", "router_logits_f32", "two_rows_cut", *MOE_GEMV, *GDN_LAYER, *ROUTE_WARPS,
             *NORM_WARPS, *ATTN_MIN_PAGES)
@@ -306,7 +306,7 @@ def probe(name: str, args) -> dict:
         kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
                                          fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts,
                                          fuse_moe_route=kc.fuse_moe_route and "route_unfused" not in parts,
-                                         fuse_attn_qkv=kc.fuse_attn_qkv or "attn_qkv_fused" in parts)
+                                         fuse_attn_qkv=kc.fuse_attn_qkv and "attn_qkv_unfused" not in parts)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
         with _patch(v):
             for lanes in lanes_list:

@@ -3,8 +3,9 @@
 For each model shape: the engine's TTFT of a cold prompt (default 32k tokens) with the default kernels; a jax
 profiler trace of one such prefill, its device kernels summed by name and by kind (GEMM, attention, GDN, MoE,
 the rest); then the same prompt with each prefill-attention variant (`--attention`, swapped into the runner's
-static `KernelConfig`, so each compiles once, untimed) and with each other prefill chunk (`--chunks`: a new
-engine on the same weights). Every variant is timed in this one process, so the ratios are side by side.
+static `KernelConfig`, so each compiles once, untimed), each other kernel choice (`--variants`, the same way, each
+timed beside a second run of the default) and each other prefill chunk (`--chunks`: a new engine on the same
+weights). Every variant is timed in this one process, so the ratios are side by side.
 
     python scripts/profile_prefill.py --models 27b --out $OUT
 """
@@ -50,6 +51,12 @@ def attention_variants(names: list[str]):
     table = {"default": None, "pallas_q64_w4": PrefillConfig(block_q=64, num_warps=4),
              "pallas_q128_w8": PrefillConfig(block_q=128, num_warps=8), "cudnn": PrefillConfig(impl="cudnn")}
     return [(n, table[n]) for n in names]
+
+
+# Other KernelConfig variants, each a change to the engine's: name -> fields replaced
+KERNEL_VARIANTS = {
+    "gdn_conv_unfused": dict(fuse_gdn_conv=False),  # the GDN prefill's conv as XLA's fusions (before session 13)
+}
 
 
 def check_attention(cfg, variants) -> list[dict]:
@@ -145,6 +152,12 @@ def profile(name: str, args) -> dict:
         engine.runner.kernels = dataclasses.replace(base_kc, prefill_attention=config)
         ttft(engine, prompt[: chunks[0] + 64], 1)  # compiles this variant's prefill step, untimed
         record(label, engine, chunks[0])
+    for label in [v for v in args.variants.split(",") if v]:
+        engine.runner.kernels = dataclasses.replace(base_kc, **KERNEL_VARIANTS[label])
+        ttft(engine, prompt[: chunks[0] + 64], 1)  # compiles this variant's prefill step, untimed
+        record(label, engine, chunks[0])
+        engine.runner.kernels = base_kc
+        record("default", engine, chunks[0])  # again, after it: the pair side by side
     engine.runner.kernels = base_kc
     for chunk in chunks[1:]:
         engine.stop()
@@ -164,6 +177,7 @@ def main() -> int:
     p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
     p.add_argument("--attention", default="default,cudnn",
                    help="prefill attentions: default, pallas_q64_w4, pallas_q128_w8, cudnn")
+    p.add_argument("--variants", default="", help=f"other kernel choices on the first chunk: {', '.join(KERNEL_VARIANTS)}")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="(GPU) check each attention variant against the jnp reference first")

@@ -41,14 +41,17 @@ class KernelConfig:
     # (pallas_kernels/moe_route.py); the engine turns it on with the pallas backend
     fuse_moe_route: bool = False
     # The attention mixer's decode between its qkv projection and the attention kernel (q/k norms, RoPE, the KV
-    # writes) as one kernel (pallas_kernels/attn_decode_qkv.py); built in session 12 after its device time ran out,
-    # so off until timed
+    # writes) as one kernel (pallas_kernels/attn_decode_qkv.py); the engine turns it on with the pallas backend
     fuse_attn_qkv: bool = False
+    # The GDN mixer's prefill between its in-projection and the chunked delta rule (the causal conv, the key heads'
+    # norms, the padding's zeros) as one kernel (pallas_kernels/gdn_conv.py); the engine turns it on with the pallas
+    # backend
+    fuse_gdn_conv: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -152,6 +155,21 @@ def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions,
                                   k_pages, v_pages, num_heads=cfg.num_attention_heads,
                                   num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
                                   eps=cfg.rms_norm_eps, interpret=kc.interpret)
+
+
+def gdn_conv_prefill(kc: KernelConfig, proj, history, conv_w, n_valid, cfg):
+    """The fused GDN prefill step up to the delta rule (kc.fuse_gdn_conv): the in-projection's output [T, P] and the
+    conv history [K-1, C] -> (q, k [T, Hk, Dk] float32 normalised, v [T, Hv, Dv]), rows at or past n_valid zero; None
+    when off or the kernel does not take the head shapes."""
+    if not kc.fuse_gdn_conv:
+        return None
+    from pallas_kernels import gdn_conv as kernel
+
+    if not kernel.supported(cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+        return None
+    return kernel.gdn_conv_prefill(proj, history, conv_w, n_valid, num_key_heads=cfg.linear_num_key_heads,
+                                   key_head_dim=cfg.linear_key_head_dim, num_value_heads=cfg.linear_num_value_heads,
+                                   value_head_dim=cfg.linear_value_head_dim, interpret=kc.interpret)
 
 
 # The small-row kernels (add + norm, router) take up to this many rows: decode rounds. A prefill chunk's rows stay

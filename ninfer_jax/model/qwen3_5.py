@@ -119,29 +119,34 @@ def ffn(p, x, cfg, kc):
 
 
 # --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
-def _gdn_in(p: GDNParams, x, cfg: ModelConfig):
-    """x [N, H] -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv], a [N, Hv], b [N, Hv])."""
-    return _gdn_split(_dot(x, p.in_proj), cfg)
-
-
 def _gdn_split(proj, cfg: ModelConfig):
-    """The in-projection's output [N, conv_dim + Hv Dv + 2 Hv] -> its four parts, as `_gdn_in` returns them."""
+    """The in-projection's output [N, conv_dim + Hv Dv + 2 Hv] -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv],
+    a [N, Hv], b [N, Hv])."""
     cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
     qkv, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
     return qkv, z.reshape(-1, hv, cfg.linear_value_head_dim), a, b
 
 
-def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
-    """Post-conv activations -> kernel inputs q, k [N, Hk, Dk] (normalised, q scaled), v, g, beta."""
+def _gdn_qkv(conv_out, cfg: ModelConfig):
+    """Post-conv activations -> the delta rule's q, k [N, Hk, Dk] (normalised, q scaled) and v [N, Hv, Dv]."""
     kd = cfg.key_dim
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     q = l2_normalize(conv_out[:, :kd].reshape(-1, hk, dk)) * (dk**-0.5)
     k = l2_normalize(conv_out[:, kd : 2 * kd].reshape(-1, hk, dk))
     v = conv_out[:, 2 * kd :].reshape(-1, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    return q, k, v
+
+
+def _gdn_gb(p: GDNParams, a, b):
+    """The in-projection's a, b [N, Hv] -> the delta rule's log decay g and write strength beta (float32)."""
     g = -jnp.exp(p.a_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + p.dt_bias.astype(F32))
-    beta = jax.nn.sigmoid(b.astype(F32))
-    return q, k, v, g, beta
+    return g, jax.nn.sigmoid(b.astype(F32))
+
+
+def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
+    """Post-conv activations -> kernel inputs q, k [N, Hk, Dk] (normalised, q scaled), v, g, beta."""
+    return *_gdn_qkv(conv_out, cfg), *_gdn_gb(p, a, b)
 
 
 def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
@@ -161,15 +166,22 @@ def _conv(window, conv_w):
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     t = x.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
-    qkv, z, a, b = _gdn_in(p, x, cfg)
+    proj = _dot(x, p.in_proj)
+    qkv, z, a, b = _gdn_split(proj, cfg)
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
     history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
     window = jnp.concatenate([history, qkv], axis=0)  # row r holds position base - (K-1) + r
-    q, k, v, g, beta = _gdn_qkvgb(p, _conv(window, p.conv_w), a, b, cfg)
     # Bucket padding becomes identity tokens, which leave the recurrent state bit-for-bit unchanged.
     m = valid[:, None]
-    q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    g, beta = _gdn_gb(p, a, b)
     g, beta = g * m, beta * m
+    # With kc.fuse_gdn_conv the conv, the norms and the padding's zeros are one kernel reading proj
+    fused = ops.gdn_conv_prefill(kc, proj, history, p.conv_w, n_valid, cfg)
+    if fused is not None:
+        q, k, v = fused
+    else:
+        q, k, v = _gdn_qkv(_conv(window, p.conv_w), cfg)
+        q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
     ssm = ssm.at[slot].set(jnp.where(fresh, 0.0, ssm[slot]))
     core, ssm = ops.gdn_prefill(kc, q, k, v, g, beta, ssm, slot, base, ctx["tap_positions"], ctx["tap_slots"])
     # Conv history after the chunk: the K-1 rows before position base + n_valid.

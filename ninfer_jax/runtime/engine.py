@@ -72,7 +72,7 @@ class Engine:
         used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
         """
         self.config, self.model_name = config, model_name
-        self.options = options.resolve(config.max_position_embeddings, jax.default_backend())
+        self.options = options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe)
         o = self.options
         if o.prefix_cache_file is not None and weights_identity is None:
             raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
@@ -91,12 +91,15 @@ class Engine:
             raise ValueError(f"kv_capacity {kv_tokens} tokens gives {num_pages} pages, fewer than "
                              f"max_concurrency {o.max_concurrency}")
         self.runner = ModelRunner(
-            # With Pallas the GDN decode, each residual add + norm and the MoE router run as one kernel each
-            # (decode_round_probe.md)
+            # With Pallas the GDN decode, each residual add + norm, the MoE router and the attention decode up to
+            # its kernel run as one kernel each (decode_round_probe.md), and so does the GDN prefill's conv
+            # (prefill_profile.md)
             self.config, params, KernelConfig(o.kernels, o.interpret, PrefillConfig(impl=o.prefill_attention),
                                               fuse_gdn_decode=o.kernels == "pallas",
                                               fuse_add_norm=o.kernels == "pallas",
-                                              fuse_moe_route=o.kernels == "pallas"),
+                                              fuse_moe_route=o.kernels == "pallas",
+                                              fuse_attn_qkv=o.kernels == "pallas",
+                                              fuse_gdn_conv=o.kernels == "pallas"),
             num_pages=num_pages, num_slots=num_slots,
             max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
             max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype, batch_invariant=o.batch_invariant,
@@ -162,7 +165,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", max_concurrency: int = 4,
-                        prefill_chunk: int = 2048, kv_capacity: int | str = "auto",
+                        prefill_chunk: int | None = None, kv_capacity: int | str = "auto",
                         no_prefix_reuse: bool = False, warmup: bool = True, **other_options) -> "Engine":
         """Load a checkpoint directory (None: the built-in tiny default) and start the engine.
 

@@ -20,13 +20,25 @@ def default_max_new_taps(host_tier: bool) -> int:
     return 8 if host_tier else 2
 
 
+# A dense model's projections reach the matmul rate at 2048 rows (a 27B 32k prefill was no faster at 8192,
+# docs/benchmarks/prefill_profile.md). An MoE layer reads every expert's weights once per pass: at 2048 tokens the
+# 35B-A3B routes 64 rows to each of 256 experts and its expert kernels are bound by those reads (1.6 GB per
+# layer); 8192 tokens route 256 rows each. A cold 32k prefill of the 35B-A3B: 32058 tok/s at 2048, 38793 at 4096,
+# 42162 at 8192 (docs/benchmarks/prefill_profile.md, session 13).
+DENSE_PREFILL_CHUNK = 2048
+MOE_PREFILL_CHUNK = 8192
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Engine settings. `resolve()` returns a copy with every derived value filled in."""
 
     dtype: str = "bfloat16"
     max_concurrency: int = 4  # C: lanes, each with an active state slot
-    prefill_chunk: int = 2048
+    # Tokens per prefill pass; None: DENSE_PREFILL_CHUNK, or MOE_PREFILL_CHUNK for a model with routed experts.
+    # A longer pass keeps the running lanes' decode waiting longer (one 8192-token pass of the 35B-A3B takes
+    # about 0.2 s on an H200, one of 2048 about 0.065 s).
+    prefill_chunk: int | None = None
     kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
     max_model_len: int | None = None  # default: min(config max positions, 32768)
     kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
@@ -56,14 +68,18 @@ class EngineOptions:
         "prefix_cache_file", "concurrent_prefill",
     )
 
-    def resolve(self, config_max_positions: int, backend: str = "cpu") -> "EngineOptions":
-        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, is an argument)."""
+    def resolve(self, config_max_positions: int, backend: str = "cpu", *, moe: bool = False) -> "EngineOptions":
+        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, and whether the
+        model routes to experts are arguments)."""
         if self.dtype not in ("bfloat16", "float32"):
             raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if not 1 <= self.max_concurrency <= 64:
             raise OptionsError(f"max_concurrency must be in 1..64, got {self.max_concurrency}")
-        if self.prefill_chunk < 64 or self.prefill_chunk % 64:
-            raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {self.prefill_chunk}")
+        chunk = self.prefill_chunk
+        if chunk is None:
+            chunk = MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK
+        elif not isinstance(chunk, int) or chunk < 64 or chunk % 64:
+            raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {chunk!r}")
         if self.kernels not in ("auto", "reference", "pallas"):
             raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
         if self.prefill_attention not in ("pallas", "cudnn"):
@@ -104,12 +120,12 @@ class EngineOptions:
             self,
             kernels=kernels,
             max_model_len=max_len,
-            prefill_chunk=min(self.prefill_chunk, -(-max_len // 64) * 64),
+            prefill_chunk=min(chunk, -(-max_len // 64) * 64),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
             else default_snapshot_slots(c, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
-            tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * self.prefill_chunk),
-            tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, self.prefill_chunk),
+            tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * chunk),
+            tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, chunk),
         )
 
     def summary(self) -> str:

@@ -95,6 +95,22 @@ def test_prefill_default_tiles(t, routing, dtype):
     _check(dataclasses.replace(moe.DEFAULT_CONFIG, decode_max_rows=0, gemv_max_rows=0), t, dtype, routing)
 
 
+@pytest.mark.parametrize("t,routing,dtype", [(40, "router", jnp.bfloat16), (40, "one_expert", jnp.float32)])
+def test_prefill_mid_tiles(t, routing, dtype):
+    """MID_PREFILL_CONFIG's 64-row tiles on 4 warps (64-127 rows per expert)."""
+    _check(dataclasses.replace(moe.MID_PREFILL_CONFIG, decode_max_rows=0, gemv_max_rows=0), t, dtype, routing)
+
+
+def test_default_config_follows_the_rows_per_expert():
+    e = 256
+    assert moe.default_config(8, e) == moe.DEFAULT_CONFIG  # one lane: the split-K path (gemv_max_rows)
+    assert moe.default_config(64, e) is moe.WIDE_DECODE_CONFIG
+    assert moe.default_config(512 * 8, e) is moe.SPARSE_PREFILL_CONFIG  # 16 rows per expert
+    assert moe.default_config(2048 * 8, e) is moe.MID_PREFILL_CONFIG  # 64
+    assert moe.default_config(4096 * 8, e) is moe.DEFAULT_CONFIG  # 128
+    assert moe.default_config(8192 * 8, e) is moe.DEFAULT_CONFIG  # 256
+
+
 @pytest.mark.parametrize("routing", ["router", "one_expert"])
 def test_wide_decode_config(routing):
     _check(moe.WIDE_DECODE_CONFIG, 8, jnp.bfloat16, routing)

@@ -18,10 +18,10 @@ PROMPT_LEN = 203
 MAX_PAGES = 8
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def _prefill_logits(params, cfg, tokens, n_valid, base, page_table, slot, state):
+@functools.partial(jax.jit, static_argnames=("cfg", "kc"), donate_argnames=("state",))
+def _prefill_logits(params, cfg, tokens, n_valid, base, page_table, slot, state, kc=REFERENCE):
     no_taps = jnp.full((1,), -1, jnp.int32)
-    hidden, state = prefill(params, cfg, REFERENCE, tokens, n_valid, base, page_table, slot, state, no_taps, no_taps)
+    hidden, state = prefill(params, cfg, kc, tokens, n_valid, base, page_table, slot, state, no_taps, no_taps)
     return logits(params, hidden), state
 
 
@@ -37,7 +37,7 @@ def _decode_logits_with(params, cfg, kc, tokens, positions, page_tables, slots, 
     return logits(params, hidden), state
 
 
-def _chunked_prefill(params, cfg, tokens, chunk, state, slot, page_table):
+def _chunked_prefill(params, cfg, tokens, chunk, state, slot, page_table, kc=REFERENCE):
     """Prefill `tokens` in chunks of `chunk` (the last padded to the same shape); all logits."""
     out = []
     for base in range(0, len(tokens), chunk):
@@ -46,7 +46,7 @@ def _chunked_prefill(params, cfg, tokens, chunk, state, slot, page_table):
         padded[: len(piece)] = piece
         lg, state = _prefill_logits(
             params, cfg, jnp.asarray(padded), jnp.int32(len(piece)), jnp.int32(base), page_table,
-            jnp.int32(slot), state,
+            jnp.int32(slot), state, kc=kc,
         )
         out.append(np.asarray(lg)[: len(piece)])
     return np.concatenate(out), state
@@ -70,6 +70,24 @@ def test_chunked_prefill_equals_one_pass(model, chunk):
     page_table = jnp.asarray(np.random.default_rng(0).permutation(MAX_PAGES + 2)[:MAX_PAGES], jnp.int32)
     pieces, _ = _chunked_prefill(params, cfg, tokens, chunk, state, slot=1, page_table=page_table)
     chex.assert_trees_all_close(pieces, whole, atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_with_the_fused_gdn_conv_matches_the_references(model):
+    """The Pallas kernels (interpret mode) with the GDN conv kernel: chunks of 100 carry the conv history across
+    their boundary and the last one is mostly padding; logits equal the references', and so does the state each path
+    leaves (conv history, recurrent state, KV pages)."""
+    _, cfg, params = model
+    tokens = np.random.default_rng(3).integers(0, ORACLE_VOCAB, PROMPT_LEN).astype(np.int32)
+    def fresh():  # each path donates its own
+        return init_device_state(cfg, num_pages=MAX_PAGES + 2, num_slots=2, kv_dtype=jnp.float32,
+                                 conv_dtype=jnp.float32)
+
+    page_table = jnp.asarray(np.arange(MAX_PAGES), jnp.int32)
+    fused = KernelConfig("pallas", interpret=True, fuse_gdn_conv=True)
+    want, want_state = _chunked_prefill(params, cfg, tokens, 100, fresh(), slot=1, page_table=page_table)
+    got, got_state = _chunked_prefill(params, cfg, tokens, 100, fresh(), slot=1, page_table=page_table, kc=fused)
+    chex.assert_trees_all_close(got, want, atol=2e-4, rtol=0)
+    chex.assert_trees_all_close(got_state, want_state, atol=2e-4, rtol=0)
 
 
 def test_greedy_decode_matches_transformers_generate(model):

@@ -1,4 +1,5 @@
-"""EngineOptions.resolve: the kernels follow the device unless named, and conflicting kernel options are refused."""
+"""EngineOptions.resolve: the kernels follow the device unless named, the prefill chunk follows the model unless
+named, and conflicting or invalid options are refused."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def test_cudnn_prefill_attention_is_accepted_on_a_gpu_with_the_pallas_kernels():
 def test_conflicting_kernel_options_are_refused_by_name(options, backend, message):
     with pytest.raises(OptionsError, match=message):
         EngineOptions(**options).resolve(4096, backend)
+
+
+def test_the_default_prefill_chunk_is_longer_for_a_model_with_routed_experts():
+    dense, moe = EngineOptions().resolve(65536, "gpu"), EngineOptions().resolve(65536, "gpu", moe=True)
+    assert (dense.prefill_chunk, moe.prefill_chunk) == (2048, 8192)
+    # the tap ladder follows the resolved chunk (spec §14.2: max(4096, 2 chunk), gap max(1024, chunk))
+    assert (dense.tap_ladder_tokens, dense.tap_min_gap_tokens) == (4096, 2048)
+    assert (moe.tap_ladder_tokens, moe.tap_min_gap_tokens) == (16384, 8192)
+    # a named chunk wins, and no chunk outgrows the context
+    assert EngineOptions(prefill_chunk=1024).resolve(65536, "gpu", moe=True).prefill_chunk == 1024
+    assert EngineOptions(max_model_len=3000).resolve(65536, "gpu", moe=True).prefill_chunk == 3008
+
+
+@pytest.mark.parametrize("chunk", [0, 100, -64, 64.0])
+def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk):
+    with pytest.raises(OptionsError, match="prefill_chunk must be a positive multiple of 64"):
+        EngineOptions(prefill_chunk=chunk).resolve(4096, "gpu")
