@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import PAGE
 
 _F32 = jnp.float32
@@ -91,7 +92,7 @@ def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_
 def supported(head_dim: int, rotary_dim: int) -> bool:
     """Whether the kernel takes these head shapes: the rotated halves a power of two (each is one block)."""
     half = rotary_dim // 2
-    return rotary_dim % 2 == 0 and half >= 1 and half & (half - 1) == 0 and rotary_dim <= head_dim
+    return rotary_dim % 2 == 0 and is_pow2(half) and rotary_dim <= head_dim
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "rotary_dim", "eps", "interpret"))

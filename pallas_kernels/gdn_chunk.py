@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import PAGE
 
 CHUNK = PAGE  # the GDN chunk is the KV page: taps land on page boundaries
@@ -341,7 +342,7 @@ class GdnChunkConfig:
     def __post_init__(self):
         for name in ("block_v", "num_warps", "solve_num_warps", "wu_num_warps", "out_block_v", "out_num_warps"):
             x = getattr(self, name)
-            if x < 1 or x & (x - 1):
+            if not is_pow2(x):
                 raise ValueError(f"GdnChunkConfig.{name} must be a power of 2, got {x}")
         if self.block_v < 16 or self.out_block_v < 16:
             raise ValueError("GdnChunkConfig block_v and out_block_v must be >= 16 (Triton dots)")
@@ -484,7 +485,7 @@ def check_gdn_inputs(q, k, v, g, beta, state_pool):
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
     for name, d in (("Dk", dk), ("Dv", dv)):
-        if d < 16 or d & (d - 1):
+        if not is_pow2(d, 16):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {d}")
     if state_pool.shape[1:] != (hv, dk, dv) or state_pool.dtype != jnp.float32:
         raise ValueError(f"state_pool must be float32 [S, {hv}, {dk}, {dv}], got {state_pool.dtype}{state_pool.shape}")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import l2_normalize
 
 _F32 = jnp.float32
@@ -99,7 +100,7 @@ class GdnConvConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if self.block_t < 16 or self.block_t & (self.block_t - 1):
+        if not is_pow2(self.block_t, 16):
             raise ValueError(f"GdnConvConfig.block_t must be a power of two >= 16, got {self.block_t}")
 
 
@@ -108,7 +109,7 @@ DEFAULT_CONFIG = GdnConvConfig()
 
 def supported(key_head_dim: int, value_head_dim: int) -> bool:
     """Triton blocks are powers of two: one head's channels must be one block."""
-    return all(d >= 16 and d & (d - 1) == 0 for d in (key_head_dim, value_head_dim))
+    return is_pow2(key_head_dim, 16) and is_pow2(value_head_dim, 16)
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "key_head_dim", "num_value_heads", "value_head_dim",

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.gdn_chunk import check_gdn_inputs
 
 _F32 = jnp.float32
@@ -77,7 +78,7 @@ class GdnDecodeConfig:
     def __post_init__(self):
         for name in ("block_v", "num_warps"):
             x = getattr(self, name)
-            if x < 1 or x & (x - 1):
+            if not is_pow2(x):
                 raise ValueError(f"GdnDecodeConfig.{name} must be a power of 2, got {x}")
         if self.num_stages < 1 or self.min_programs < 0:
             raise ValueError("GdnDecodeConfig.num_stages must be >= 1 and min_programs >= 0")

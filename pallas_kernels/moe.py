@@ -57,11 +57,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels import reference as ref
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +103,11 @@ class MoeConfig:
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"MoeConfig.{f.name} must be a non-negative int, got {v!r}")
-            if "block" in f.name and (v < 16 or not _is_pow2(v)):
+            if "block" in f.name and not is_pow2(v, 16):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two >= 16, got {v}")
-            if f.name.endswith("num_warps") and not _is_pow2(v):
+            if f.name.endswith("num_warps") and not is_pow2(v):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two, got {v}")
-            if f.name.endswith("splits") and not _is_pow2(v):
+            if f.name.endswith("splits") and not is_pow2(v):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two, got {v}")
             if f.name.endswith("num_stages") and v < 1:
                 raise ValueError(f"MoeConfig.{f.name} must be >= 1, got {v}")

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 
 _F32 = jnp.float32
 
@@ -67,10 +68,10 @@ def supported(logits: jax.Array, top_k: int, x: jax.Array | None = None) -> bool
     """Whether `route` takes logits [T, E] and K (E and K powers of two, K <= E), and with a shared gate x [T, H]
     (H a power of two: the row is read whole)."""
     e = logits.shape[-1]
-    ok = logits.ndim == 2 and e & (e - 1) == 0 and top_k & (top_k - 1) == 0 and 0 < top_k <= e
+    ok = logits.ndim == 2 and is_pow2(e) and is_pow2(top_k) and top_k <= e
     if x is not None:
         h = x.shape[-1]
-        ok = ok and x.shape[0] == logits.shape[0] and h >= 16 and h & (h - 1) == 0
+        ok = ok and x.shape[0] == logits.shape[0] and is_pow2(h, 16)
     return ok
 
 

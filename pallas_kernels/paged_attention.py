@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import PAGE
 
 _F32 = jnp.float32
@@ -162,7 +163,7 @@ class DecodeConfig:
     def __post_init__(self):
         for name in ("pages_per_block", "num_warps"):
             x = getattr(self, name)
-            if x < 1 or x & (x - 1):
+            if not is_pow2(x):
                 raise ValueError(f"DecodeConfig.{name} must be a power of 2, got {x}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError("DecodeConfig.num_splits must be >= 1")
@@ -231,7 +232,7 @@ def _check_pool(q, k_pages, v_pages):
     hkv = k_pages.shape[2]
     if k_pages.shape[3] != d or hq % hkv:
         raise ValueError(f"q heads/dim {q.shape[-2:]} do not fit the pool's {k_pages.shape[2:]}")
-    if d < 16 or d & (d - 1):
+    if not is_pow2(d, 16):
         raise ValueError(f"head dim must be a power of 2 >= 16, got {d}")
 
 
@@ -341,7 +342,7 @@ class PrefillConfig:
             raise ValueError(f"PrefillConfig.impl must be 'pallas' or 'cudnn', got {self.impl!r}")
         for name in ("block_q", "pages_per_block", "num_warps", "cudnn_segment_pages"):
             x = getattr(self, name)
-            if x < 1 or x & (x - 1):
+            if not is_pow2(x):
                 raise ValueError(f"PrefillConfig.{name} must be a power of 2, got {x}")
         if self.block_q < _MIN_ROWS:
             raise ValueError(f"PrefillConfig.block_q must be >= {_MIN_ROWS}, got {self.block_q}")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import rms_norm
 
 _F32 = jnp.float32
@@ -50,7 +51,7 @@ DEFAULT_CONFIG = AddNormConfig()
 def supported(x: jax.Array) -> bool:
     """Whether `add_rms_norm` takes x [R, H]: H a power of two of at least 16."""
     h = x.shape[-1]
-    return x.ndim == 2 and h >= 16 and h & (h - 1) == 0
+    return x.ndim == 2 and is_pow2(h, 16)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

@@ -242,13 +242,15 @@ def test_stop_answers_queued_requests_as_unavailable(checkpoint):
 
 
 def test_pallas_engine_with_its_fused_decode_kernels_matches_transformers(checkpoint, hf_greedy):
-    """The engine on the Pallas kernels (interpret mode) turns on the fused GDN decode layer and the add + norm kernel,
-    as it does on a GPU; two concurrent greedy requests still decode exactly what transformers' generate does."""
+    """The engine on the Pallas kernels (interpret mode) turns on its fused kernels (the GDN decode layer, the add +
+    norm, the MoE router, the attention decode's norms and KV writes, the GDN prefill's conv), as it does on a GPU;
+    two concurrent greedy requests still decode exactly what transformers' generate does."""
     prompts = _prompts(2, seed=23)
     with Engine.from_pretrained(checkpoint, kernels="pallas", interpret=True, max_concurrency=2, prefill_chunk=64,
                                 max_model_len=512, warmup=False) as engine:
         kernels = engine.runner.kernels
-        assert kernels.fuse_gdn_decode and kernels.fuse_add_norm
+        assert kernels.fuse_gdn_decode and kernels.fuse_add_norm and kernels.fuse_moe_route
+        assert kernels.fuse_attn_qkv and kernels.fuse_gdn_conv
         outs = engine.generate_many(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert tuple(out.token_ids) == hf_greedy(prompt, 6)
