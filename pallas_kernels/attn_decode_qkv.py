@@ -116,7 +116,8 @@ def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, acti
         raise ValueError(f"attn_decode_qkv: proj {proj.shape}, pools {k_pages.shape}, norms {q_norm.shape} / "
                          f"{k_norm.shape}, inv_freq {inv_freq.shape} do not hold {num_heads} query heads and "
                          f"{num_kv_heads} KV heads of {d} with a rotary dim {rotary_dim} of power-of-two halves")
-    if positions.shape != (lanes,) or active.shape != (lanes,) or page_tables.ndim != 2 or page_tables.shape[0] != lanes:
+    if (positions.shape != (lanes,) or active.shape != (lanes,) or page_tables.ndim != 2
+            or page_tables.shape[0] != lanes):
         raise ValueError(f"attn_decode_qkv: positions {positions.shape}, active {active.shape}, page_tables "
                          f"{page_tables.shape} must be per lane ({lanes})")
     q, k_pages, v_pages = pl.pallas_call(

@@ -1,9 +1,9 @@
 """Time the GDN prefill conv kernel (`pallas_kernels/gdn_conv.py`) under tile configs against the model's XLA
 composition, at a model's shapes, each config's outputs checked against that composition first.
 
-For each token count: the composition (`qwen3_5._conv`, `_gdn_qkv` and the padding mask, jitted) and the kernel
-at each `--configs` entry (block_t x num_warps), 30 calls back to back after a warm call, on the same random inputs
-(the last 5 rows padding). Reports microseconds per call, the ratio to the composition and the rate over the bytes
+For each token count: the composition (`qwen3_5._gdn_conv_qkv`, jitted) and the kernel at each `--configs` entry
+(block_t x num_warps), 30 calls back to back after a warm call, on the same random inputs (the last 5 rows
+padding). Reports microseconds per call, the ratio to the composition and the rate over the bytes
 the step must move (the pre-conv channels in, q and k in float32 and v out).
 
     python3 scripts/bench_gdn_conv.py --out $OUT/gdn_conv.json            # H200, 35B-A3B shapes
@@ -64,9 +64,7 @@ def main() -> int:
 
     def compose(proj, history, conv_w, n_valid):
         window = jnp.concatenate([history, proj[:, :c]], axis=0)
-        q, k, v = qwen3_5._gdn_qkv(qwen3_5._conv(window, conv_w), cfg)
-        m = (jnp.arange(proj.shape[0]) < n_valid)[:, None]
-        return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+        return qwen3_5._gdn_conv_qkv(window, conv_w, (jnp.arange(proj.shape[0]) < n_valid)[:, None], cfg)
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": getattr(jax.devices()[0], "device_kind", str(jax.devices()[0])), "jax": jax.__version__,

@@ -177,7 +177,8 @@ def main() -> int:
     p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
     p.add_argument("--attention", default="default,cudnn",
                    help="prefill attentions: default, pallas_q64_w4, pallas_q128_w8, cudnn")
-    p.add_argument("--variants", default="", help=f"other kernel choices on the first chunk: {', '.join(KERNEL_VARIANTS)}")
+    p.add_argument("--variants", default="",
+                   help=f"other kernel choices on the first chunk: {', '.join(KERNEL_VARIANTS)}")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="(GPU) check each attention variant against the jnp reference first")

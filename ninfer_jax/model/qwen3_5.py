@@ -149,6 +149,13 @@ def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
     return *_gdn_qkv(conv_out, cfg), *_gdn_gb(p, a, b)
 
 
+def _gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
+    """What `ops.gdn_conv_prefill` computes as one kernel: the window [T + K - 1, C] of pre-conv rows -> the delta
+    rule's q, k, v (as `_gdn_qkv`), zero in the rows whose m [T, 1] is False (bucket padding)."""
+    q, k, v = _gdn_qkv(_conv(window, conv_w), cfg)
+    return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+
+
 def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
     y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
     return _dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
@@ -180,8 +187,7 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     if fused is not None:
         q, k, v = fused
     else:
-        q, k, v = _gdn_qkv(_conv(window, p.conv_w), cfg)
-        q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+        q, k, v = _gdn_conv_qkv(window, p.conv_w, m, cfg)
     ssm = ssm.at[slot].set(jnp.where(fresh, 0.0, ssm[slot]))
     core, ssm = ops.gdn_prefill(kc, q, k, v, g, beta, ssm, slot, base, ctx["tap_positions"], ctx["tap_slots"])
     # Conv history after the chunk: the K-1 rows before position base + n_valid.

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="weights and KV (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--max-concurrency", type=int, default=4, help=f"lanes, 1..{MAX_CONCURRENCY} (default 4)")
-    engine.add_argument("--prefill-chunk", type=_positive, help="tokens per prefill pass (default 2048, or 8192 for an MoE model)")
+    engine.add_argument("--prefill-chunk", type=_positive,
+                        help="tokens per prefill pass (default 2048, or 8192 for an MoE model)")
     engine.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                         help="KV pool in tokens, or auto: the device memory left (default auto)")
     engine.add_argument("--max-model-len", type=_positive, help="context length (default min(config, 32768))")

@@ -1,6 +1,6 @@
 """The fused GDN prefill step up to the delta rule (`pallas_kernels/gdn_conv.py`, interpret mode on CPU) against the
-model's own composition (`qwen3_5._conv`, `_gdn_qkv` and the padding mask), and its Triton lowering at the 35B-A3B's
-and the 27B's head shapes."""
+model's own composition (`qwen3_5._gdn_conv_qkv`), and its Triton lowering at the 35B-A3B's and the 27B's head
+shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +27,7 @@ def _case(t, n_valid, dtype, seed, extra_cols=70):
 def _composition(proj, history, conv_w, n_valid):
     """As `qwen3_5._gdn_prefill` composes it without the kernel."""
     window = jnp.concatenate([history, proj[:, : TINY.conv_dim]], axis=0)
-    q, k, v = qwen3_5._gdn_qkv(qwen3_5._conv(window, conv_w), TINY)
-    m = (jnp.arange(proj.shape[0]) < n_valid)[:, None]
-    return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    return qwen3_5._gdn_conv_qkv(window, conv_w, (jnp.arange(proj.shape[0]) < n_valid)[:, None], TINY)
 
 
 def _fused(proj, history, conv_w, n_valid, **kw):
