@@ -119,25 +119,36 @@ def bench_ours(name: str, args) -> dict:
             print(f"[{name}] prefill {n}{suffix}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
 
     time_prefill()
-    decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-    for lanes in (1, 8):
+
+    def time_decode(lanes: int, sampling: SamplingParams, suffix: str = "") -> None:
         prompts = [rng.integers(0, cfg.vocab_size, 1024).tolist() for _ in range(lanes)]
         before = engine.stats()["scheduler"]
-        outs = engine.generate_many(prompts, decode)
+        outs = engine.generate_many(prompts, sampling)
         # The worker's seconds by phase over these requests, per decode round: round_dispatch and round_read are
         # the decode's host time (the read includes waiting for the device); the prefill phases are the prompts'.
         after = engine.stats()["scheduler"]
         rounds = max(1, after.get("decode_rounds", 0) - before.get("decode_rounds", 0))
         phases = {k.removeprefix("seconds_"): (v - before.get(k, 0)) / rounds * 1e3
                   for k, v in after.items() if k.startswith("seconds_")}
-        result[f"decode_{lanes}lane_worker_ms_per_round"] = phases
-        print(f"[{name}] decode {lanes} lanes, worker ms per round: "
+        result[f"decode_{lanes}lane_worker_ms_per_round{suffix}"] = phases
+        print(f"[{name}] decode {lanes} lanes{suffix}, worker ms per round: "
               + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         # decode time: after the last first token until the last finish
         span = max(o.metrics.latency_s for o in outs) - max(o.metrics.ttft_s for o in outs)
         tokens = sum(o.usage.completion_tokens - 1 for o in outs)
-        result[f"decode_{lanes}lane_tok_s"] = tokens / span
-        print(f"[{name}] decode {lanes} lanes: {tokens / span:.1f} tok/s", flush=True)
+        result[f"decode_{lanes}lane_tok_s{suffix}"] = tokens / span
+        print(f"[{name}] decode {lanes} lanes{suffix}: {tokens / span:.1f} tok/s", flush=True)
+
+    decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+    for lanes in (1, 8):
+        time_decode(lanes, decode)
+    if args.decode_logprobs:  # the same rounds with the top-20 logprobs asked for (a program of its own per round)
+        with_logprobs = dataclasses.replace(decode, logprobs=20)
+        for lanes in (1, 8):  # untimed: compiles the logprobs programs (this engine skipped the warmup)
+            engine.generate_many([rng.integers(0, cfg.vocab_size, 64).tolist() for _ in range(lanes)],
+                                 dataclasses.replace(with_logprobs, max_tokens=4))
+        for lanes in (1, 8):
+            time_decode(lanes, with_logprobs, "_logprobs20")
     result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
     # Other prefill attentions on the same engine (the runner's static KernelConfig swapped; each compiles in an
     # untimed first request), so their ratios to the default are side by side.
@@ -237,8 +248,10 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--peer-decode-tokens", type=int, default=16)
     p.add_argument("--part", choices=["ours", "peer", "all"], default="all")
-    p.add_argument("--prefill-attention-variants", default="cudnn",
-                   help="prefill attentions timed after the default on the same engine ('' for none)")
+    p.add_argument("--prefill-attention-variants", default="pallas",
+                   help="prefill attentions timed after the default (cuDNN on a GPU) on the same engine ('' for none)")
+    p.add_argument("--decode-logprobs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time decode with the top-20 logprobs asked for")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
     names = args.models.split(",")
@@ -256,7 +269,8 @@ def main() -> int:
                    *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--decode-tokens", str(args.decode_tokens),
                    "--peer-decode-tokens", str(args.peer_decode_tokens),
-                   "--prefill-attention-variants", args.prefill_attention_variants]
+                   "--prefill-attention-variants", args.prefill_attention_variants,
+                   "--decode-logprobs" if args.decode_logprobs else "--no-decode-logprobs"]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             sys.stdout.write(proc.stdout[-4000:])
             sys.stderr.write(proc.stderr[-4000:])

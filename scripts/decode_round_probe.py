@@ -237,7 +237,7 @@ def agreement(engine, variants, steps, kernels, lanes: int) -> dict:
     for v in variants:
         runner.state = jax.tree.map(jnp.copy, start)
         runner._steps["decode"], runner.kernels = steps[v], kernels[v]
-        tokens, chosen, (_, top) = runner.decode(*_decode_inputs(engine, lanes, 1024))
+        tokens, chosen, (_, top) = runner.decode(*_decode_inputs(engine, lanes, 1024), logprobs=True)
         outs[v] = np.asarray(tokens)[:lanes], np.asarray(chosen)[:lanes], np.asarray(top)[:lanes]
     runner.state = start
     base_tokens, base_logprobs, base_top = outs[variants[0]]
@@ -299,8 +299,7 @@ def probe(name: str, args) -> dict:
     steps, kernels = {}, {}
     engine_kernels = runner.kernels  # the loop below swaps runner.kernels: each variant starts from the engine's
     for v in variants:  # each variant traces and compiles its own decode programs, untimed
-        steps[v] = jax.jit(runner_module._own(runner_module._decode_step),
-                           static_argnames=("cfg", "kc", "full", "top_k_groups"), donate_argnames=("state",))
+        steps[v] = runner_module.jit_decode_step()
         kc, parts = engine_kernels, v.split("+")
         kernels[v] = dataclasses.replace(kc, fuse_gdn_decode=kc.fuse_gdn_decode and "gdn_unfused" not in parts,
                                          fuse_add_norm=kc.fuse_add_norm and "norm_unfused" not in parts,

@@ -55,7 +55,8 @@ def main(argv=None) -> int:
         runner = engine.runner
         defaults = (runner.decode_sizes, runner.top_k_groups)
         rng = np.random.default_rng(0)
-        decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+        # Logprobs asked for: since session 14 only such rounds run the top-20 these variants are about
+        decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True, logprobs=20)
 
         def use(variant):
             sizes, groups = VARIANTS[variant]

@@ -48,7 +48,7 @@ def ttft(engine, prompt, reps: int) -> float:
 def attention_variants(names: list[str]):
     from pallas_kernels.paged_attention import PrefillConfig
 
-    table = {"default": None, "pallas_q64_w4": PrefillConfig(block_q=64, num_warps=4),
+    table = {"default": None, "pallas": PrefillConfig(), "pallas_q64_w4": PrefillConfig(block_q=64, num_warps=4),
              "pallas_q128_w8": PrefillConfig(block_q=128, num_warps=8), "cudnn": PrefillConfig(impl="cudnn")}
     return [(n, table[n]) for n in names]
 
@@ -67,7 +67,11 @@ def check_attention(cfg, variants) -> list[dict]:
     import numpy as np
 
     from ninfer_jax.model import ops
+    from ninfer_jax.runtime.options import EngineOptions
+    from pallas_kernels.paged_attention import PrefillConfig
 
+    # "default" is the engine's: cuDNN on a GPU since session 14
+    engine_default = PrefillConfig(impl=EngineOptions().resolve(65536, jax.default_backend()).prefill_attention)
     rows = []
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for t, base in ((512, 0), (512, 9000)):
@@ -79,7 +83,7 @@ def check_attention(cfg, variants) -> list[dict]:
         table = jnp.asarray(np.random.default_rng(base).permutation(pages), jnp.int32)
         want = np.asarray(ops.attention_prefill(ops.REFERENCE, q, k, v, table, jnp.int32(base)), np.float64)
         for label, config in variants:
-            kc = ops.KernelConfig("pallas", prefill_attention=config)
+            kc = ops.KernelConfig("pallas", prefill_attention=config or engine_default)
             got = np.asarray(ops.attention_prefill(kc, q, k, v, table, jnp.int32(base)), np.float64)
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             rows.append({"variant": label, "T": t, "base": base, "rel_err": err, "ok": err < 1e-2})
@@ -176,7 +180,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
     p.add_argument("--attention", default="default,cudnn",
-                   help="prefill attentions: default, pallas_q64_w4, pallas_q128_w8, cudnn")
+                   help="prefill attentions: default, pallas, pallas_q64_w4, pallas_q128_w8, cudnn")
     p.add_argument("--variants", default="",
                    help=f"other kernel choices on the first chunk: {', '.join(KERNEL_VARIANTS)}")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)

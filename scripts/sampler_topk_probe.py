@@ -6,8 +6,9 @@ the whole row. The 35B-A3B decode profile showed sort kernels for this (docs/ben
 This probe times, at the top level of one jit each (a top-k inside a loop can force a full sort and
 mislead), for B = 1 and 8 rows of float32 logits:
 
-  sample_greedy   sampling.sample(full=False, num_logprobs=20), what a greedy round ran (lax.top_k)
-  sample_full     sampling.sample(full=True, num_logprobs=20), with any sampled lane (lax.top_k)
+  sample_greedy   sampling.sample(full=False) + token_logprobs (lax.top_k): what a greedy round ran when this
+                  probe was written (every round computed the top-20; since session 14 only rounds that ask do)
+  sample_full     sampling.sample(full=True) + token_logprobs (lax.top_k), with any sampled lane
   top_k           lax.top_k(logp, 20) alone
   top_k_2stage    sampling.grouped_top_k with G groups: top-20 of each group, then of the G*20 candidates (same
                   values and ids; what the GPU runs since this probe)
@@ -33,7 +34,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ninfer_jax.runtime.sampling import MAX_LOGPROBS, grouped_top_k, sample  # noqa: E402
+from ninfer_jax.runtime.sampling import MAX_LOGPROBS, grouped_top_k, sample, token_logprobs  # noqa: E402
+
+
+def sample_with_logprobs(logits, inputs, full: bool, k: int):
+    tokens = sample(logits, inputs, full=full)
+    return tokens, token_logprobs(logits, tokens, num_logprobs=k)
 
 
 def timed(fn, args, reps: int) -> float:
@@ -67,8 +73,8 @@ def main(argv=None) -> int:
         inputs = (jnp.full((b,), 0.7, jnp.float32), jnp.full((b,), 40, jnp.int32), jnp.full((b,), 0.9, jnp.float32),
                   jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), jnp.int32))
         fns = {
-            "sample_greedy": (jax.jit(lambda x, i: sample(x, i, full=False, num_logprobs=k)), (logits, inputs)),
-            "sample_full": (jax.jit(lambda x, i: sample(x, i, full=True, num_logprobs=k)), (logits, inputs)),
+            "sample_greedy": (jax.jit(lambda x, i: sample_with_logprobs(x, i, False, k)), (logits, inputs)),
+            "sample_full": (jax.jit(lambda x, i: sample_with_logprobs(x, i, True, k)), (logits, inputs)),
             "argmax_lsm": (jax.jit(lambda x: (jnp.argmax(x, -1), jax.nn.log_softmax(x, -1))), (logits,)),
             "top_k": (jax.jit(lambda x: jax.lax.top_k(x, k)), (logp,)),
         }

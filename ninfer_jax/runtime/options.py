@@ -42,9 +42,10 @@ class EngineOptions:
     kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
     max_model_len: int | None = None  # default: min(config max positions, 32768)
     kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
-    # Prefill attention with kernels "pallas": "pallas" (the paged kernel) or "cudnn" (gathered keys through cuDNN
-    # flash attention, GPU only; 4% faster on a 32k prefill of the 27B, docs/benchmarks/prefill_profile.md)
-    prefill_attention: str = "pallas"
+    # Prefill attention with kernels "pallas": "pallas" (the paged Pallas kernel), "cudnn" (gathered keys through
+    # cuDNN flash attention; GPU, bf16) or "auto": cudnn where it can run, else pallas. On the H200 cuDNN made a cold
+    # 32k prefill 11% faster on the 35B-A3B (chunk 8192) and 4-6% on the 27B (docs/benchmarks/prefill_profile.md).
+    prefill_attention: str = "auto"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
     memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
@@ -82,13 +83,15 @@ class EngineOptions:
             raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {chunk!r}")
         if self.kernels not in ("auto", "reference", "pallas"):
             raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
-        if self.prefill_attention not in ("pallas", "cudnn"):
-            raise OptionsError(f"prefill_attention must be 'pallas' or 'cudnn', got {self.prefill_attention!r}")
+        if self.prefill_attention not in ("auto", "pallas", "cudnn"):
+            raise OptionsError(f"prefill_attention must be 'auto', 'pallas' or 'cudnn', got {self.prefill_attention!r}")
         if self.prefill_attention == "cudnn" and (self.kernels == "reference" or self.interpret):
             raise OptionsError("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
                                + ("interpret" if self.interpret else "kernels 'reference'"))
         if self.prefill_attention == "cudnn" and backend != "gpu":
             raise OptionsError(f"prefill_attention 'cudnn' needs a GPU (backend {backend})")
+        if self.prefill_attention == "cudnn" and self.dtype != "bfloat16":
+            raise OptionsError(f"prefill_attention 'cudnn' runs bf16 attention; it conflicts with dtype {self.dtype!r}")
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
         if self.host_cache_mib < 0:
@@ -116,9 +119,14 @@ class EngineOptions:
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
         c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
+        attention = self.prefill_attention
+        if attention == "auto":
+            cudnn = kernels == "pallas" and backend == "gpu" and not self.interpret and self.dtype == "bfloat16"
+            attention = "cudnn" if cudnn else "pallas"
         return dataclasses.replace(
             self,
             kernels=kernels,
+            prefill_attention=attention,
             max_model_len=max_len,
             prefill_chunk=min(chunk, -(-max_len // 64) * 64),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None

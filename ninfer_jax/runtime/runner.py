@@ -2,9 +2,10 @@
 
 Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
 that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
-decode rounds of 1, 2, 4, ... C lanes, a greedy and a full sampler; logprobs are always computed, a top-20 per row),
-all compiled by `warmup()`; `compile_count()` lets tests prove that serving never compiles again. Each
-step's host inputs arrive packed in one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
+decode rounds of 1, 2, 4, ... C lanes, a greedy and a full sampler), all compiled by `warmup()`, with the
+log-probabilities' program for each round size (`_logprobs_step`, dispatched only when a request asks);
+`compile_count()` lets tests prove that serving never compiles again. Each step's host inputs arrive packed in
+one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
 Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
 bytes in the Host slab layout of `runtime/host_tier.py`, carried as uint32 words (the host views them as
@@ -30,7 +31,7 @@ from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-from ninfer_jax.runtime.sampling import MAX_LOGPROBS, TOP_K_GROUPS, sample
+from ninfer_jax.runtime.sampling import TOP_K_GROUPS, sample, token_logprobs
 
 log = logging.getLogger("ninfer_jax.runner")
 
@@ -96,7 +97,8 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     return packed
 
 
-def _prefill_step(params, cfg, kc, full, top_k_groups, layout, state, packed):
+def _prefill_step(params, cfg, kc, full, layout, state, packed):
+    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state)."""
     size, taps = layout  # static: the bucket's token count and the tap capacity
     tokens, scalars = packed[:size], packed[size:size + PREFILL_SCALARS]
     tap_positions = packed[size + PREFILL_SCALARS:size + PREFILL_SCALARS + taps]
@@ -108,9 +110,8 @@ def _prefill_step(params, cfg, kc, full, top_k_groups, layout, state, packed):
         params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions, tap_slots
     )
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
-    out = sample(qwen3_5.logits(params, last), sampler, full=full, num_logprobs=MAX_LOGPROBS,
-                 top_k_groups=top_k_groups)
-    return out, state
+    logits = qwen3_5.logits(params, last)
+    return (sample(logits, sampler, full=full), logits), state
 
 
 # tokens, positions, slots, active, use_prev, lane, then the five sampler columns
@@ -141,17 +142,29 @@ def _unpack_decode_inputs(packed):
     return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables
 
 
-def _decode_step(params, cfg, kc, full, top_k_groups, state, packed, prev_tokens):
-    """One decode round over a bucket of rows (active lanes first, then padding); outputs come back indexed
-    by lane ([C] like prev_tokens, zero for lanes not in the round)."""
+def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
+    """One decode round over a bucket of rows (active lanes first, then padding) -> ((tokens indexed by lane [C]
+    like prev_tokens, zero for lanes not in the round; logits by row [rows, V]), state)."""
     tokens, positions, slots, active, use_prev, lanes, sampler, page_tables = _unpack_decode_inputs(packed)
     # A lane whose previous round is still in flight takes its token from that round's output on the device.
     tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
     hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
-    out = sample(qwen3_5.logits(params, hidden), sampler, full=full, num_logprobs=MAX_LOGPROBS,
-                 top_k_groups=top_k_groups)
-    c = prev_tokens.shape[0]
-    return jax.tree.map(lambda x: jnp.zeros((c,) + x.shape[1:], x.dtype).at[lanes].set(x, mode="drop"), out), state
+    logits = qwen3_5.logits(params, hidden)
+    tokens = sample(logits, sampler, full=full)
+    return (jnp.zeros_like(prev_tokens).at[lanes].set(tokens, mode="drop"), logits), state
+
+
+def _logprobs_step(logits, tokens, rows, top_k_groups):
+    """`token_logprobs` of a step's rows, indexed like `tokens` ([W]): row i of logits chose tokens[rows[i]];
+    rows at W or past it are padding, dropped. Entries no row names are zero."""
+    out = token_logprobs(logits, tokens.at[rows].get(mode="fill", fill_value=0), top_k_groups=top_k_groups)
+    width = tokens.shape[0]
+    return jax.tree.map(lambda x: jnp.zeros((width,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop"), out)
+
+
+def jit_decode_step():
+    """The decode step jitted as the runner jits it (a probe builds variants of it the same way)."""
+    return jax.jit(_own(_decode_step), static_argnames=("cfg", "kc", "full"), donate_argnames=("state",))
 
 
 # The cache's copies and transfers take and donate only the pools they write (the KV pools, or the GDN
@@ -307,11 +320,12 @@ class ModelRunner:
         self._layout_checked: set = set()
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
-        static = ("cfg", "kc", "full", "top_k_groups")
+        self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
         self._steps = {
-            "prefill": jax.jit(_own(_prefill_step), static_argnames=static + ("layout",),
+            "prefill": jax.jit(_own(_prefill_step), static_argnames=("cfg", "kc", "full", "layout"),
                                donate_argnames=("state",)),
-            "decode": jax.jit(_own(_decode_step), static_argnames=static, donate_argnames=("state",)),
+            "decode": jit_decode_step(),
+            "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
@@ -355,8 +369,9 @@ class ModelRunner:
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
-                tap_positions=None, tap_slots=None, *, full: bool = False):
-        """Prefill len(tokens) <= largest bucket tokens of one lane; returns the sampler's output.
+                tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False):
+        """Prefill len(tokens) <= largest bucket tokens of one lane; returns (next token [1], chosen logprob [1],
+        (top ids [1, 20], top logprobs [1, 20])), the last two None unless `logprobs`.
 
         page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
         64-aligned positions whose state is also written to snapshot slots (in-kernel taps).
@@ -365,16 +380,28 @@ class ModelRunner:
         no_taps = tap_positions is None
         packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
                                      () if no_taps else tap_slots, page_table, self.max_taps)
-        return self._prefill_packed(packed, size, full)
+        return self._prefill_packed(packed, size, full, logprobs)
 
     # The packed arrays go to the steps as numpy: jit's own transfer of them is cheaper than an eager
     # jnp.asarray (0.34 ms per 35B-A3B round in the worker's cProfile; with the layout check below, the worker's
     # dispatch fell from 3.76 to 2.64 ms per round, decode_round_probe.md). Each is new and never written
     # again, so the step may read it later (on CPU jax can alias a numpy buffer).
-    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool):
-        out, state = self._steps["prefill"](self.params, self.cfg, self.kernels, full, self.top_k_groups,
-                                            (size, self.max_taps), self.state, packed)
+    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool):
+        (tokens, logits), state = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
+                                                         (size, self.max_taps), self.state, packed)
         self._swap(state, ("prefill", size, full))
+        return self._with_logprobs(tokens, logits, self._prefill_rows, logprobs)
+
+    def _with_logprobs(self, tokens, logits, rows: np.ndarray, logprobs: bool):
+        """(tokens, chosen, top) of a step: the logprobs' program dispatched behind it only when asked for (a
+        log-softmax and a top-20 over the vocabulary per row, about 45 us of a one-lane 35B-A3B round)."""
+        out = (tokens, None, None) if not logprobs else \
+            (tokens, *self._steps["logprobs"](logits, tokens, rows, self.top_k_groups))
+        # The worker reads these back a round later: each copy starts as soon as its program ends, so the read
+        # finds it landed (one synchronous transfer per array had held a one-lane 35B-A3B engine asking for
+        # logprobs at 266 tok/s; 313 with this, docs/benchmarks/engine.md)
+        for x in jax.tree.leaves(out):
+            x.copy_to_host_async()
         return out
 
     def decode_size(self, lanes: int) -> int:
@@ -382,25 +409,25 @@ class ModelRunner:
         return _fit(lanes, self.decode_sizes, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
-               use_prev=None):
+               use_prev=None, logprobs=False):
         """One decode round over the active lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
         inactive lanes untouched), run as a batch of the next compiled size: one active lane computes one row,
         not C (at 35B-A3B every padding row also routed to experts whose weights the round then read). A lane
         with use_prev set feeds prev_tokens[lane] (the previous round's token output, still on the device)
-        instead of tokens[lane], so a round can be dispatched before the previous one is read back. Outputs are
-        indexed by lane."""
+        instead of tokens[lane], so a round can be dispatched before the previous one is read back. Returns
+        (tokens, chosen logprobs, top) indexed by lane, the last two None unless `logprobs`."""
         if prev_tokens is None:
             prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
         lanes = np.flatnonzero(active)
         packed = pack_decode_inputs(lanes, self.decode_size(len(lanes)), tokens, positions, page_tables, slots,
                                     use_prev, sampler)
-        return self._decode_packed(packed, full, prev_tokens)
+        return self._decode_packed(packed, full, prev_tokens, logprobs)
 
-    def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens):
-        out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.top_k_groups, self.state,
-                                           packed, prev_tokens)
+    def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens, logprobs: bool):
+        (tokens, logits), state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
+                                                        packed, prev_tokens)
         self._swap(state, ("decode", packed.shape[0], full))
-        return out
+        return self._with_logprobs(tokens, logits, packed[:, 5], logprobs)  # column 5: each row's lane
 
     def _swap_kv(self, kv) -> None:
         self._swap(DeviceState(*kv, self.state.ssm, self.state.conv))
@@ -459,14 +486,14 @@ class ModelRunner:
             for size in self.buckets:
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
-                out = self._prefill_packed(packed, size, full)
+                out = self._prefill_packed(packed, size, full, logprobs=True)
                 done += 1
                 log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)
             for size in self.decode_sizes:  # rounds of padding rows only: nothing is written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
-                out = self._decode_packed(packed, full, self._no_prev)
+                out = self._decode_packed(packed, full, self._no_prev, logprobs=True)
                 done += 1
                 log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
                          size, "full" if full else "greedy", done, total, time.perf_counter() - start)

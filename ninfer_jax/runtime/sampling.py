@@ -1,8 +1,11 @@
-"""SamplingParams (vLLM's field names) and the on-device sampler the jitted steps end with.
+"""SamplingParams (vLLM's field names), the on-device sampler the jitted steps end with, and the log-probabilities
+a round computes only when a request asks for them.
 
-Sampling runs inside the step so only token ids (and optional logprobs) leave the device, never the
-[B, vocab] logits. Per-lane parameters arrive as arrays; the sampler's variant (greedy only, or full
-temperature / top-k / top-p) and the logprobs width are static, so each is one compiled program.
+Sampling runs inside the step so only token ids leave the device, never the [B, vocab] logits. Per-lane
+parameters arrive as arrays; the sampler's variant (greedy only, or full temperature / top-k / top-p) is static,
+so each is one compiled program. `token_logprobs` is a program of its own over the logits a step leaves on the
+device: a round whose requests ask for no logprobs does not pay for a log-softmax and a top-20 over the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -110,43 +113,44 @@ def grouped_top_k(x, k: int, groups: int = 0):
     return top, jnp.take_along_axis(ids.reshape(b, groups * k), pos, axis=1)
 
 
-def sample(logits, inputs, *, full: bool, num_logprobs: int, top_k_groups: int = 0):
+def sample(logits, inputs, *, full: bool):
     """Pick one token per row.
 
     Args:
       logits: [B, V] float32. inputs: (temperature, top_k, top_p, seed, step), each [B].
       full: static; False compiles greedy argmax only (every lane must be greedy).
-      num_logprobs: static; 0 returns no logprobs.
-      top_k_groups: static; the logprobs' top-k runs in two stages over this many groups (0: lax.top_k).
     Returns:
-      (tokens [B] int32, chosen logprob [B] or None, (top ids [B, n], top logprobs [B, n]) or None).
+      tokens [B] int32.
     """
     temperature, top_k, top_p, seed, step = inputs
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if full:
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = logits / t
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        rank = jnp.arange(logits.shape[-1])[None, :]
-        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
-        keep = keep & (before < top_p[:, None])  # the top token always survives
-        masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    if not full:
+        return greedy
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
+    keep = keep & (before < top_p[:, None])  # the top token always survives
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
-        def draw(row, s, n):
-            key = jax.random.fold_in(jax.random.PRNGKey(s), n)
-            return jax.random.categorical(key, row)
+    def draw(row, s, n):
+        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
+        return jax.random.categorical(key, row)
 
-        picked = jax.vmap(draw)(masked, seed, step)
-        sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        tokens = jnp.where(temperature > 0, sampled, greedy)
-    else:
-        tokens = greedy
-    if num_logprobs == 0:
-        return tokens, None, None
+    picked = jax.vmap(draw)(masked, seed, step)
+    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def token_logprobs(logits, tokens, *, num_logprobs: int = MAX_LOGPROBS, top_k_groups: int = 0):
+    """The log-probabilities (of the unscaled distribution, as vLLM reports them) of the chosen tokens and the top
+    `num_logprobs` alternatives: logits [B, V] float32, tokens [B] -> (chosen [B], (top ids [B, n] int32, top
+    logprobs [B, n])). top_k_groups: static; the top-k runs in two stages over this many groups (0: lax.top_k)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_lp, top_ids = grouped_top_k(logp, num_logprobs, top_k_groups)
-    return tokens, chosen, (top_ids.astype(jnp.int32), top_lp)
+    return chosen, (top_ids.astype(jnp.int32), top_lp)

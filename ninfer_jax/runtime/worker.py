@@ -190,7 +190,7 @@ class Worker:
             req.scheduled_at = time.perf_counter()
         tokens_out, chosen, top = self.runner.prefill(
             tokens, base, self.page_tables[req.lane], self.cache.lane_slot(req.lane), self._lane_sampler(req.lane),
-            tap_positions, tap_slots, full=full,
+            tap_positions, tap_slots, full=full, logprobs=last and req.sampling.logprobs is not None,
         )
         req.computed = end
         self.cache.after_compute(req)
@@ -244,7 +244,7 @@ class Worker:
         out = self.runner.decode(
             tokens, positions, self.page_tables, self.cache.lane_slots, active, self.sampler.arrays(),
             full=full, prev_tokens=previous.out[0] if previous is not None else None,
-            use_prev=ahead & active,
+            use_prev=ahead & active, logprobs=any(r.sampling.logprobs is not None for r in live),
         )
         self.cache.dispatch_writes()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1

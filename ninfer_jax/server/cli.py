@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(slower at low concurrency)")
     engine.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference"],
                         help="hot operations: Pallas kernels or the jnp references (auto: pallas on a GPU)")
-    engine.add_argument("--prefill-attention", default="pallas", choices=["pallas", "cudnn"],
-                        help="prefill attention with the Pallas kernels: the paged kernel, or gathered keys through "
-                             "cuDNN flash attention (GPU only)")
+    engine.add_argument("--prefill-attention", default="auto", choices=["auto", "pallas", "cudnn"],
+                        help="prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys "
+                             "through cuDNN flash attention (GPU, bf16); auto: cudnn where it can run")
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
     add_compile_cache_argument(engine)
@@ -130,7 +130,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         raise UsageError("--prefill-attention cudnn runs with the Pallas kernels; it conflicts with --kernels reference")
     if args.kernels != "auto":
         engine["kernels"] = args.kernels
-    if args.prefill_attention != "pallas":
+    if args.prefill_attention != "auto":
         engine["prefill_attention"] = args.prefill_attention
     for flag, value in given.items():
         engine[CACHE_FLAGS[flag]] = value

@@ -144,6 +144,39 @@ def test_logprobs_are_log_probabilities_of_chosen_tokens(engine8):
         assert entry["top"][0][1] == pytest.approx(entry["logprob"], abs=1e-6)
 
 
+def test_logprobs_run_only_for_rounds_that_ask_and_equal_the_full_forwards(engine8, monkeypatch):
+    import jax
+
+    from ninfer_jax.model import qwen3_5
+
+    asked = []
+    with_logprobs = engine8.runner._with_logprobs
+
+    def spy(tokens, logits, rows, logprobs):
+        asked.append(logprobs)
+        return with_logprobs(tokens, logits, rows, logprobs)
+
+    monkeypatch.setattr(engine8.runner, "_with_logprobs", spy)
+    plain_prompt, lp_prompt = _prompts(2, seed=12)
+    plain = engine8.generate(plain_prompt, GREEDY)
+    assert plain.logprobs is None and asked and not any(asked)  # no prefill or round computed them
+    asked.clear()
+    lp_sampling = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=4)
+    lp, again = engine8.generate_many([lp_prompt, plain_prompt], [lp_sampling, GREEDY])
+    assert again.token_ids == plain.token_ids and again.logprobs is None  # its rows' logprobs are not reported
+    assert any(asked)
+    # Each reported value against the log-softmax of the whole-sequence forward at that position
+    ids = lp_prompt + list(lp.token_ids)
+    logp = np.asarray(jax.nn.log_softmax(qwen3_5.forward(engine8.runner.params, engine8.config, ids), axis=-1))
+    assert len(lp.logprobs) == 12
+    for i, (token, entry) in enumerate(zip(lp.token_ids, lp.logprobs)):
+        row = logp[len(lp_prompt) - 1 + i]
+        assert entry["token_id"] == token and entry["logprob"] == pytest.approx(row[token], abs=2e-4)
+        want = np.argsort(-row, kind="stable")[:4]
+        assert [t for t, _ in entry["top"]] == want.tolist()
+        np.testing.assert_allclose([v for _, v in entry["top"]], row[want], atol=2e-4)
+
+
 def test_stream_delivers_every_token_then_finishes(engine8):
     prompt = _prompts(1, seed=8)[0]
     events = list(engine8.stream(prompt, GREEDY))

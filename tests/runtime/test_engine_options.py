@@ -20,8 +20,18 @@ def test_cudnn_prefill_attention_is_accepted_on_a_gpu_with_the_pallas_kernels():
     assert (resolved.kernels, resolved.prefill_attention) == ("pallas", "cudnn")
 
 
+def test_auto_prefill_attention_is_cudnn_only_where_cudnn_can_run():
+    assert EngineOptions().resolve(4096, "gpu").prefill_attention == "cudnn"
+    assert EngineOptions().resolve(4096, "cpu").prefill_attention == "pallas"
+    assert EngineOptions(kernels="reference").resolve(4096, "gpu").prefill_attention == "pallas"
+    assert EngineOptions(dtype="float32").resolve(4096, "gpu").prefill_attention == "pallas"
+    assert EngineOptions(kernels="pallas", interpret=True).resolve(4096, "cpu").prefill_attention == "pallas"
+    assert EngineOptions(prefill_attention="pallas").resolve(4096, "gpu").prefill_attention == "pallas"
+
+
 @pytest.mark.parametrize("options, backend, message", [
     (dict(prefill_attention="cudnn"), "cpu", "needs a GPU"),
+    (dict(prefill_attention="cudnn", dtype="float32"), "gpu", "conflicts with dtype 'float32'"),
     (dict(prefill_attention="cudnn", kernels="reference"), "gpu", "conflicts with kernels 'reference'"),
     (dict(prefill_attention="cudnn", kernels="pallas", interpret=True), "cpu", "conflicts with interpret"),
     (dict(prefill_attention="flash"), "gpu", "prefill_attention must be"),
