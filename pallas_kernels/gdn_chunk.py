@@ -528,6 +528,7 @@ def chunk_gated_delta_rule(
     t_len = q.shape[0]
     n_taps = tap_positions.shape[0]
     if tap_positions.ndim != 1 or tap_slots.shape != tap_positions.shape or n_taps > MAX_TAPS:
-        raise ValueError(f"tap_positions and tap_slots must be [M <= {MAX_TAPS}], got {tap_positions.shape}, {tap_slots.shape}")
+        raise ValueError(f"tap_positions and tap_slots must be [M <= {MAX_TAPS}], "
+                         f"got {tap_positions.shape}, {tap_slots.shape}")
     meta = make_meta(slot, base, t_len, tap_positions, tap_slots)
     return _gdn_chunk_call(q, k, v, g, beta, state_pool, meta, n_taps=n_taps, config=config, interpret=interpret)

@@ -84,8 +84,8 @@ NORM_WARPS = {"norm_warps1": 1, "norm_warps2": 2, "norm_warps8": 8}  # rms_norm.
 ATTN_MIN_PAGES = {f"attn_min_pages{n}": n for n in (1, 2, 4, 8, 16, 32)}  # DecodeConfig.min_pages_per_split
 # "a+b" combines two
 VARIANTS = ("default", "one_row_dot", "shared_apart", "gdn_unfused", "gdn_whole_heads", "norm_unfused",
-            "attn_qkv_unfused", "route_unfused", "shared_gate_apart", "router_logits_f32", "two_rows_cut", *MOE_GEMV, *GDN_LAYER, *ROUTE_WARPS,
-            *NORM_WARPS, *ATTN_MIN_PAGES)
+            "attn_qkv_unfused", "route_unfused", "shared_gate_apart", "router_logits_f32", "two_rows_cut", *MOE_GEMV,
+            *GDN_LAYER, *ROUTE_WARPS, *NORM_WARPS, *ATTN_MIN_PAGES)
 
 
 def _one_row_dot(x, w, *, to_norm=False):  # qwen3_5._dot's signature: one row is one row whoever takes it

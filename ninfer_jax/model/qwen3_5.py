@@ -213,12 +213,20 @@ def _attn_split(proj, cfg: ModelConfig):
     return q, k, v, gate
 
 
-def _attn_qkv(p: AttnParams, proj, positions, cfg: ModelConfig):
+def _attn_qkv(q_norm, k_norm, proj, positions, cfg: ModelConfig):
     """The qkv projection's output -> q, k normalised and rotated, v, gate (as `_attn_split`)."""
     q, k, v, gate = _attn_split(proj, cfg)
-    q = rope(rms_norm(q, p.q_norm, cfg.rms_norm_eps), positions, cfg)
-    k = rope(rms_norm(k, p.k_norm, cfg.rms_norm_eps), positions, cfg)
+    q = rope(rms_norm(q, q_norm, cfg.rms_norm_eps), positions, cfg)
+    k = rope(rms_norm(k, k_norm, cfg.rms_norm_eps), positions, cfg)
     return q, k, v, gate
+
+
+def _attn_decode_qkv(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg: ModelConfig):
+    """One decode token per lane up to the attention kernel, composed (`ops.attn_decode_qkv` is it as one kernel):
+    -> (q normalised and rotated, the pools with each active lane's key and value at its position)."""
+    q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions, cfg)
+    page_ids = jnp.where(active, tables[jnp.arange(proj.shape[0]), positions // PAGE], k_pages.shape[0])
+    return q, _write_kv(k_pages, k, page_ids, positions % PAGE), _write_kv(v_pages, v, page_ids, positions % PAGE)
 
 
 def _attn_out(p: AttnParams, core, gate, dtype):
@@ -234,7 +242,7 @@ def _write_kv(pages, rows, page_ids, offsets):
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     t = x.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, gate = _attn_qkv(p, _dot(x, p.qkv_proj), positions, cfg)
+    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, _dot(x, p.qkv_proj), positions, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
@@ -333,14 +341,10 @@ def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
     fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
                                 k_pages, v_pages, cfg)
-    if fused is not None:
-        (q, k_pages, v_pages), gate = fused, _attn_split(proj, cfg)[3]
-    else:
-        q, k, v, gate = _attn_qkv(p, proj, positions, cfg)
-        page_ids = tables[jnp.arange(x.shape[0]), positions // PAGE]
-        page_ids = jnp.where(active, page_ids, k_pages.shape[0])
-        k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
-        v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
+    if fused is None:
+        fused = _attn_decode_qkv(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
+    q, k_pages, v_pages = fused
+    gate = _attn_split(proj, cfg)[3]
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
     return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
 

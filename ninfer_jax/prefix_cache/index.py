@@ -290,7 +290,8 @@ class PrefixIndex:
         for node in path:
             if node.active_refs <= 0:
                 raise ValueError(f"{node} is not held by a lane")
-        pending = [n for n in path if n.host_state is ABSENT and n.device_state is RESIDENT] if self.slabs.enabled else []
+        pending = ([n for n in path if n.host_state is ABSENT and n.device_state is RESIDENT]
+                   if self.slabs.enabled else [])
         if pending:
             self.lists.pin_nodes(path, 1)
         for node in reversed(path):

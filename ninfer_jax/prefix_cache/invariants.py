@@ -170,7 +170,8 @@ def _check_lists(index, nodes) -> None:
         if s.tail_len and s.tail_device is RESIDENT and s.pins == 0:
             (backed if s.tail_host is RESIDENT else unbacked).add(s)
     assert set(lists.backed) == backed, f"backed LRU {sorted(map(repr, set(lists.backed) ^ backed))} mismatched"
-    assert set(lists.unbacked) == unbacked, f"unbacked LRU {sorted(map(repr, set(lists.unbacked) ^ unbacked))} mismatched"
+    assert set(lists.unbacked) == unbacked, \
+        f"unbacked LRU {sorted(map(repr, set(lists.unbacked) ^ unbacked))} mismatched"
     for entry in backed:
         assert entry.lru is lists.backed, f"{entry}.lru flag wrong"
     for entry in unbacked:

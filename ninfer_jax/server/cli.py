@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="new taps kept per request (default 8 with a Host tier, 2 without)")
     cache.add_argument("--cache-tap-ladder", type=_positive, help="ladder spacing G (default max(4096, 2*chunk))")
     cache.add_argument("--cache-tap-min-gap", type=_positive, help="ladder minimum gap (default max(1024, chunk))")
-    cache.add_argument("--prefix-cache-file", help="save the Host tier here at an orderly stop and load it at the next start (spec §5.5)")
+    cache.add_argument("--prefix-cache-file",
+                       help="save the Host tier here at an orderly stop and load it at the next start (spec §5.5)")
     return parser
 
 
@@ -127,7 +128,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     if args.batch_invariant:
         engine["batch_invariant"] = True
     if args.prefill_attention == "cudnn" and args.kernels == "reference":
-        raise UsageError("--prefill-attention cudnn runs with the Pallas kernels; it conflicts with --kernels reference")
+        raise UsageError("--prefill-attention cudnn runs with the Pallas kernels; "
+                         "it conflicts with --kernels reference")
     if args.kernels != "auto":
         engine["kernels"] = args.kernels
     if args.prefill_attention != "auto":

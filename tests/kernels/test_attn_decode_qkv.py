@@ -36,13 +36,7 @@ def _case(cfg, dtype, seed):
 
 
 def _composition(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):
-    q, k, v, _ = qwen3_5._attn_split(proj, cfg)
-    q = qwen3_5.rope(qwen3_5.rms_norm(q, q_norm, cfg.rms_norm_eps), positions, cfg)
-    k = qwen3_5.rope(qwen3_5.rms_norm(k, k_norm, cfg.rms_norm_eps), positions, cfg)
-    page_ids = jnp.where(active, tables[jnp.arange(proj.shape[0]), positions // PAGE], k_pages.shape[0])
-    k_pages = qwen3_5._write_kv(k_pages, k, page_ids, positions % PAGE)
-    v_pages = qwen3_5._write_kv(v_pages, v, page_ids, positions % PAGE)
-    return q, k_pages, v_pages
+    return qwen3_5._attn_decode_qkv(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
 
 
 def _fused(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):

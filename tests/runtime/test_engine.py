@@ -88,7 +88,8 @@ def test_outputs_do_not_depend_on_prefill_chunk_or_concurrency(engine8, checkpoi
 def test_a_decode_round_runs_its_active_lanes_padded_to_a_power_of_two(engine8, hf_greedy, monkeypatch):
     sizes = []
     run = engine8.runner._decode_packed
-    monkeypatch.setattr(engine8.runner, "_decode_packed", lambda packed, *a: (sizes.append(len(packed)), run(packed, *a))[1])
+    monkeypatch.setattr(engine8.runner, "_decode_packed",
+                        lambda packed, *a: (sizes.append(len(packed)), run(packed, *a))[1])
     prompt = _prompts(1, seed=11)[0]
     assert engine8.generate(prompt, GREEDY).token_ids == hf_greedy(prompt, 12)
     assert set(sizes) == {1}  # one lane: one row, not eight
