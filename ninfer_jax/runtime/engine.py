@@ -60,6 +60,12 @@ def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: in
     return max(PAGE, usable // bytes_per_page * PAGE)
 
 
+def _is_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (where the cuDNN prefill attention was measured faster)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return device.platform == "gpu" and capability.split(".")[0] == "9"
+
+
 class Engine:
     """A Qwen3.5 inference engine over one device. Construct with `Engine.from_pretrained`."""
 
@@ -72,7 +78,8 @@ class Engine:
         used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
         """
         self.config, self.model_name = config, model_name
-        self.options = options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe)
+        self.options = options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe,
+                                       hopper=_is_hopper(jax.devices()[0]))
         o = self.options
         if o.prefix_cache_file is not None and weights_identity is None:
             raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "

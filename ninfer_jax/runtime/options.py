@@ -43,8 +43,9 @@ class EngineOptions:
     max_model_len: int | None = None  # default: min(config max positions, 32768)
     kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
     # Prefill attention with kernels "pallas": "pallas" (the paged Pallas kernel), "cudnn" (gathered keys through
-    # cuDNN flash attention; GPU, bf16) or "auto": cudnn where it can run, else pallas. On the H200 cuDNN made a cold
-    # 32k prefill 11% faster on the 35B-A3B (chunk 8192) and 4-6% on the 27B (docs/benchmarks/prefill_profile.md).
+    # cuDNN flash attention; GPU, bf16) or "auto": cudnn on a Hopper GPU with bf16, else pallas. On the H200 cuDNN
+    # made a cold 32k prefill 11% faster on the 35B-A3B (chunk 8192) and 4-6% on the 27B
+    # (docs/benchmarks/prefill_profile.md); other GPUs were not measured, so they keep the Pallas kernel.
     prefill_attention: str = "auto"
     interpret: bool = False  # Pallas interpret mode (CPU tests)
     output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
@@ -69,9 +70,10 @@ class EngineOptions:
         "prefix_cache_file", "concurrent_prefill",
     )
 
-    def resolve(self, config_max_positions: int, backend: str = "cpu", *, moe: bool = False) -> "EngineOptions":
-        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, and whether the
-        model routes to experts are arguments)."""
+    def resolve(self, config_max_positions: int, backend: str = "cpu", *, moe: bool = False,
+                hopper: bool | None = None) -> "EngineOptions":
+        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, whether the model
+        routes to experts and whether the GPU is a Hopper (None: any GPU counts as one) are arguments)."""
         if self.dtype not in ("bfloat16", "float32"):
             raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if not 1 <= self.max_concurrency <= 64:
@@ -121,7 +123,8 @@ class EngineOptions:
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
         attention = self.prefill_attention
         if attention == "auto":
-            cudnn = kernels == "pallas" and backend == "gpu" and not self.interpret and self.dtype == "bfloat16"
+            on_hopper = backend == "gpu" and (hopper is None or hopper)
+            cudnn = kernels == "pallas" and on_hopper and not self.interpret and self.dtype == "bfloat16"
             attention = "cudnn" if cudnn else "pallas"
         return dataclasses.replace(
             self,

@@ -27,6 +27,10 @@ def test_auto_prefill_attention_is_cudnn_only_where_cudnn_can_run():
     assert EngineOptions(dtype="float32").resolve(4096, "gpu").prefill_attention == "pallas"
     assert EngineOptions(kernels="pallas", interpret=True).resolve(4096, "cpu").prefill_attention == "pallas"
     assert EngineOptions(prefill_attention="pallas").resolve(4096, "gpu").prefill_attention == "pallas"
+    # measured faster on a Hopper only: other GPUs keep the Pallas kernel unless told
+    assert EngineOptions().resolve(4096, "gpu", hopper=True).prefill_attention == "cudnn"
+    assert EngineOptions().resolve(4096, "gpu", hopper=False).prefill_attention == "pallas"
+    assert EngineOptions(prefill_attention="cudnn").resolve(4096, "gpu", hopper=False).prefill_attention == "cudnn"
 
 
 @pytest.mark.parametrize("options, backend, message", [
