@@ -14,6 +14,7 @@ import time
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
+from ninfer_jax.runtime.options import PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
 
@@ -30,11 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-concurrency", type=int, default=4)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
     p.add_argument("--kernels", default="auto", choices=["auto", "reference", "pallas"],
                    help="Pallas kernels or the jnp references (auto: pallas on a GPU)")
+    p.add_argument("--prefill-attention", default="auto", choices=["auto", "pallas", "cudnn"],
+                   help=PREFILL_ATTENTION_HELP)
     add_compile_cache_argument(p)
     return p
 
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
         kv_capacity=kv, max_model_len=args.max_model_len, kernels=args.kernels,
+        prefill_attention=args.prefill_attention,
     )
     try:
         prompts = args.prompts or DEFAULT_PROMPTS

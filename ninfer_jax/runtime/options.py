@@ -28,6 +28,13 @@ def default_max_new_taps(host_tier: bool) -> int:
 DENSE_PREFILL_CHUNK = 2048
 MOE_PREFILL_CHUNK = 8192
 
+# The command lines' help for the options they share (ninfer-serve, ninfer-generate)
+PREFILL_CHUNK_HELP = (f"tokens per prefill pass (default {DENSE_PREFILL_CHUNK}, "
+                      f"or {MOE_PREFILL_CHUNK} for an MoE model)")
+PREFILL_ATTENTION_HELP = ("prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys "
+                          "through cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was "
+                          "measured faster")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
+from ninfer_jax.runtime.options import PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
 
 MAX_CONCURRENCY = 8  # spec scope: max_concurrency 1..8
 
@@ -61,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="weights and KV (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--max-concurrency", type=int, default=4, help=f"lanes, 1..{MAX_CONCURRENCY} (default 4)")
-    engine.add_argument("--prefill-chunk", type=_positive,
-                        help="tokens per prefill pass (default 2048, or 8192 for an MoE model)")
+    engine.add_argument("--prefill-chunk", type=_positive, help=PREFILL_CHUNK_HELP)
     engine.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                         help="KV pool in tokens, or auto: the device memory left (default auto)")
     engine.add_argument("--max-model-len", type=_positive, help="context length (default min(config, 32768))")
@@ -74,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference"],
                         help="hot operations: Pallas kernels or the jnp references (auto: pallas on a GPU)")
     engine.add_argument("--prefill-attention", default="auto", choices=["auto", "pallas", "cudnn"],
-                        help="prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys "
-                             "through cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was "
-                             "measured faster")
+                        help=PREFILL_ATTENTION_HELP)
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
     add_compile_cache_argument(engine)
