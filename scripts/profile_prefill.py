@@ -67,11 +67,13 @@ def check_attention(cfg, variants) -> list[dict]:
     import numpy as np
 
     from ninfer_jax.model import ops
+    from ninfer_jax.runtime.engine import is_hopper
     from ninfer_jax.runtime.options import EngineOptions
     from pallas_kernels.paged_attention import PrefillConfig
 
-    # "default" is the engine's: cuDNN on a GPU since session 14
-    engine_default = PrefillConfig(impl=EngineOptions().resolve(65536, jax.default_backend()).prefill_attention)
+    # "default" is the engine's: cuDNN on a Hopper GPU since session 14
+    resolved = EngineOptions().resolve(65536, jax.default_backend(), hopper=is_hopper(jax.devices()[0]))
+    engine_default = PrefillConfig(impl=resolved.prefill_attention)
     rows = []
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for t, base in ((512, 0), (512, 9000)):

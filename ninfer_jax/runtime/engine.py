@@ -60,7 +60,7 @@ def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: in
     return max(PAGE, usable // bytes_per_page * PAGE)
 
 
-def _is_hopper(device) -> bool:
+def is_hopper(device) -> bool:
     """A CUDA device of compute capability 9.x (where the cuDNN prefill attention was measured faster)."""
     capability = str(getattr(device, "compute_capability", "") or "")
     return device.platform == "gpu" and capability.split(".")[0] == "9"
@@ -79,7 +79,7 @@ class Engine:
         """
         self.config, self.model_name = config, model_name
         self.options = options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe,
-                                       hopper=_is_hopper(jax.devices()[0]))
+                                       hopper=is_hopper(jax.devices()[0]))
         o = self.options
         if o.prefix_cache_file is not None and weights_identity is None:
             raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
