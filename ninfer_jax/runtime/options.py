@@ -78,9 +78,9 @@ class EngineOptions:
     )
 
     def resolve(self, config_max_positions: int, backend: str = "cpu", *, moe: bool = False,
-                hopper: bool | None = None) -> "EngineOptions":
+                hopper: bool = True) -> "EngineOptions":
         """Validates and fills every derived value (pure: the device's backend, "gpu" or other, whether the model
-        routes to experts and whether the GPU is a Hopper (None: any GPU counts as one) are arguments)."""
+        routes to experts and whether a GPU is a Hopper are arguments)."""
         if self.dtype not in ("bfloat16", "float32"):
             raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if not 1 <= self.max_concurrency <= 64:
@@ -94,13 +94,9 @@ class EngineOptions:
             raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
         if self.prefill_attention not in ("auto", "pallas", "cudnn"):
             raise OptionsError(f"prefill_attention must be 'auto', 'pallas' or 'cudnn', got {self.prefill_attention!r}")
-        if self.prefill_attention == "cudnn" and (self.kernels == "reference" or self.interpret):
-            raise OptionsError("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
-                               + ("interpret" if self.interpret else "kernels 'reference'"))
-        if self.prefill_attention == "cudnn" and backend != "gpu":
-            raise OptionsError(f"prefill_attention 'cudnn' needs a GPU (backend {backend})")
-        if self.prefill_attention == "cudnn" and self.dtype != "bfloat16":
-            raise OptionsError(f"prefill_attention 'cudnn' runs bf16 attention; it conflicts with dtype {self.dtype!r}")
+        cudnn_conflict = self._cudnn_conflict(backend)
+        if self.prefill_attention == "cudnn" and cudnn_conflict:
+            raise OptionsError(cudnn_conflict)
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
         if self.host_cache_mib < 0:
@@ -130,9 +126,7 @@ class EngineOptions:
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
         attention = self.prefill_attention
         if attention == "auto":
-            on_hopper = backend == "gpu" and (hopper is None or hopper)
-            cudnn = kernels == "pallas" and on_hopper and not self.interpret and self.dtype == "bfloat16"
-            attention = "cudnn" if cudnn else "pallas"
+            attention = "cudnn" if hopper and cudnn_conflict is None else "pallas"
         return dataclasses.replace(
             self,
             kernels=kernels,
@@ -145,6 +139,18 @@ class EngineOptions:
             tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * chunk),
             tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, chunk),
         )
+
+    def _cudnn_conflict(self, backend: str) -> str | None:
+        """Why the cuDNN prefill attention cannot run with these options on `backend` (None: it can): it needs the
+        Pallas kernels (not the references, not interpret mode), a GPU and bf16."""
+        if self.kernels == "reference" or self.interpret:
+            return ("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
+                    + ("interpret" if self.interpret else "kernels 'reference'"))
+        if backend != "gpu":
+            return f"prefill_attention 'cudnn' needs a GPU (backend {backend})"
+        if self.dtype != "bfloat16":
+            return f"prefill_attention 'cudnn' runs bf16 attention; it conflicts with dtype {self.dtype!r}"
+        return None
 
     def summary(self) -> str:
         """One line with every effective value, for the startup log."""

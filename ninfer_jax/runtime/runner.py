@@ -142,6 +142,12 @@ def _unpack_decode_inputs(packed):
     return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables
 
 
+def _rows_to_lanes(x, rows, width: int):
+    """A step's per-row output x [R, ...] indexed by lane instead: [width, ...], row i at rows[i]; rows at width or
+    past it (padding) are dropped, lanes no row names are zero."""
+    return jnp.zeros((width,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop")
+
+
 def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     """One decode round over a bucket of rows (active lanes first, then padding) -> ((tokens indexed by lane [C]
     like prev_tokens, zero for lanes not in the round; logits by row [rows, V]), state)."""
@@ -151,15 +157,14 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
     logits = qwen3_5.logits(params, hidden)
     tokens = sample(logits, sampler, full=full)
-    return (jnp.zeros_like(prev_tokens).at[lanes].set(tokens, mode="drop"), logits), state
+    return (_rows_to_lanes(tokens, lanes, prev_tokens.shape[0]), logits), state
 
 
 def _logprobs_step(logits, tokens, rows, top_k_groups):
     """`token_logprobs` of a step's rows, indexed like `tokens` ([W]): row i of logits chose tokens[rows[i]];
     rows at W or past it are padding, dropped. Entries no row names are zero."""
     out = token_logprobs(logits, tokens.at[rows].get(mode="fill", fill_value=0), top_k_groups=top_k_groups)
-    width = tokens.shape[0]
-    return jax.tree.map(lambda x: jnp.zeros((width,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop"), out)
+    return jax.tree.map(lambda x: _rows_to_lanes(x, rows, tokens.shape[0]), out)
 
 
 def jit_decode_step():
