@@ -14,7 +14,7 @@ import time
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
-from ninfer_jax.runtime.options import PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
+from ninfer_jax.runtime.options import IDLE_PREFILL_CHUNK_HELP, PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP)
+    p.add_argument("--idle-prefill-chunk", type=int, default=None, help=IDLE_PREFILL_CHUNK_HELP)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
     p.add_argument("--kernels", default="auto", choices=["auto", "reference", "pallas"],
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
         kv_capacity=kv, max_model_len=args.max_model_len, kernels=args.kernels,
-        prefill_attention=args.prefill_attention,
+        prefill_attention=args.prefill_attention, idle_prefill_chunk=args.idle_prefill_chunk,
     )
     try:
         prompts = args.prompts or DEFAULT_PROMPTS

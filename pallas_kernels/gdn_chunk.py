@@ -328,13 +328,16 @@ def _output_kernel(
 class GdnChunkConfig:
     """Tuning knobs of the chunked kernels (hashable: a static argument)."""
 
-    # H200, 27B shapes, T=16k: fused 1.58 ms (block_v 32 or 64), split 1.93-1.95 ms (docs/kernels_notes.md).
+    # H200, 27B shapes, T=16k: fused 1.58 ms (block_v 32 or 64), split 1.93-1.95 ms (docs/kernels_notes.md). 8 warps
+    # for w/u: 0.62 -> 0.52 ms at the 35B-A3B's heads in one 32k pass (session 15).
     fuse_output: bool = True  # output inside the recurrence (no per-chunk states in HBM) or a 4th kernel
     block_v: int = 32  # Dv columns per recurrent program (grid Hv x Dv / block_v; 32 fills the GPU at Hv32)
     num_warps: int = 4  # recurrent kernel
-    num_stages: int = 2  # recurrent kernel's load pipelining
+    # Recurrent kernel's load pipelining. 3 stages ran the recurrence 1.5x faster in session 15's sweep (no taps), but
+    # with the engine's tap operands the kernel asks for 234504 B of shared memory, over the H200's 232448.
+    num_stages: int = 2
     solve_num_warps: int = 1  # (I + A)^-1 kernel: row reductions stay inside one warp
-    wu_num_warps: int = 4
+    wu_num_warps: int = 8
     out_block_v: int = 64  # output kernel (split variant)
     out_num_warps: int = 4
     mm_dtype: str | None = None  # matmul operand dtype; None: v's dtype

@@ -79,10 +79,12 @@ def bench_ours(name: str, args) -> dict:
     import dataclasses
 
     import jax
+    import jax.numpy as jnp
 
     from ninfer_jax import Engine, SamplingParams
     from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.model.state import prefill_activation_bytes
     from ninfer_jax.runtime.options import EngineOptions
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
@@ -103,7 +105,8 @@ def bench_ours(name: str, args) -> dict:
     engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(),
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     compile_s = time.perf_counter() - t
-    result = {"model": name, "prefill_chunk": chunk, "init_s": init_s, "compile_s": compile_s,
+    result = {"model": name, "prefill_chunk": chunk, "idle_prefill_chunk": engine.options.idle_prefill_chunk,
+              "init_s": init_s, "compile_s": compile_s,
               "matmul_tflops": tflops,
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
               "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
@@ -117,6 +120,11 @@ def bench_ours(name: str, args) -> dict:
                 best = out.metrics.ttft_s if best is None else min(best, out.metrics.ttft_s)
             result[f"prefill_{n // 1024}k_tok_s{suffix}"] = n / best
             print(f"[{name}] prefill {n}{suffix}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
+            # The device's peak so far against the activation bound "auto" KV capacity reserves for the longest pass
+            peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+            longest = max(chunk, min(n, engine.options.idle_prefill_chunk))
+            result[f"peak_gib_after_{n // 1024}k{suffix}"] = peak / 2**30
+            result[f"activation_bound_gib_{longest}"] = prefill_activation_bytes(cfg, longest, jnp.bfloat16) / 2**30
 
     time_prefill()
 

@@ -5,7 +5,8 @@ profiler trace of one such prefill, its device kernels summed by name and by kin
 the rest); then the same prompt with each prefill-attention variant (`--attention`, swapped into the runner's
 static `KernelConfig`, so each compiles once, untimed), each other kernel choice (`--variants`, the same way, each
 timed beside a second run of the default) and each other prefill chunk (`--chunks`: a new engine on the same
-weights). Every variant is timed in this one process, so the ratios are side by side.
+weights, whose idle passes are that chunk too, so every pass is as long as named). Every variant is timed in this
+one process, so the ratios are side by side.
 
     python scripts/profile_prefill.py --models 27b --out $OUT
 """
@@ -115,7 +116,7 @@ def profile(name: str, args) -> dict:
         result["checks"] = check_attention(cfg, attention_variants(args.attention.split(",")))
 
     def engine_for(chunk: int):
-        opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=chunk,
+        opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=chunk, idle_prefill_chunk=chunk,
                              max_model_len=args.tokens + 1024, kv_capacity=args.tokens + 4096,
                              kernels="pallas", no_prefix_reuse=True,
                              interpret=jax.default_backend() == "cpu")  # CPU: a smoke run

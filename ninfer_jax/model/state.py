@@ -49,6 +49,24 @@ def slot_bytes(cfg: ModelConfig, conv_dtype) -> int:
     return (ssm + conv) * len(cfg.gdn_layers)
 
 
+def prefill_activation_bytes(cfg: ModelConfig, tokens: int, act_dtype) -> int:
+    """A generous bound on a prefill pass's live activations: twice the larger of one layer's mixer and FFN
+    temporaries, plus the residual stream, per token. It sizes the memory "auto" KV capacity leaves to the
+    longest compiled pass."""
+    act = jnp.dtype(act_dtype).itemsize
+    gdn = ((2 * cfg.key_dim + 2 * cfg.value_dim + 2 * cfg.linear_num_value_heads) * act  # in-projection
+           + 2 * cfg.key_dim * 4 + cfg.value_dim * act  # the conv's q, k (f32) and v
+           + cfg.linear_num_value_heads * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 64) * act  # w, u, P
+           + cfg.value_dim * 4)  # the output (f32)
+    attn = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads + cfg.num_attention_heads) * cfg.head_dim * act
+    if cfg.is_moe:  # routed rows' act and f32 outputs, router logits, the shared expert
+        ffn = (cfg.num_experts_per_tok * (cfg.moe_intermediate_size * act + cfg.hidden_size * 4)
+               + cfg.num_experts * 4 + 3 * cfg.shared_expert_intermediate_size * act)
+    else:
+        ffn = 3 * cfg.intermediate_size * act
+    return tokens * (2 * max(gdn, attn, ffn) + 3 * cfg.hidden_size * 4)
+
+
 def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype) -> DeviceState:
     """Zero-filled pools. Zeros are only a start value: every reader masks what it has not written."""
     kv_shape = (num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim)

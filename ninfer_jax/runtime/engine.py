@@ -30,7 +30,7 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import load_checkpoint
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.ops import KernelConfig
-from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
+from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
 from ninfer_jax.model.tiny import default_checkpoint
 from ninfer_jax.runtime.cache_file import FORMAT, PrefixCacheFile, checkpoint_identity, source_identity
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
@@ -47,15 +47,15 @@ from pallas_kernels.paged_attention import PrefillConfig
 log = logging.getLogger("ninfer_jax.engine")
 
 
-def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int) -> int:
-    """KV capacity for kv_capacity="auto": the device memory left after weights and state, or (on a
-    backend that reports no memory) enough for every lane to reach max_model_len."""
+def _auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int, activation_bytes: int) -> int:
+    """KV capacity for kv_capacity="auto": the device memory left after weights, state and the longest prefill
+    pass's activations, or (on a backend that reports no memory) enough for every lane to reach max_model_len."""
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:
         return options.max_concurrency * options.max_model_len
     free = limit - stats.get("bytes_in_use", 0) - fixed_bytes
-    reserve = max(2 << 30, int(0.05 * limit))  # activations of the largest prefill bucket, compiler scratch
+    reserve = max(2 << 30, int(0.05 * limit), activation_bytes)  # activations, compiler scratch
     usable = int((free - reserve) * options.memory_fraction)
     return max(PAGE, usable // bytes_per_page * PAGE)
 
@@ -92,7 +92,9 @@ class Engine:
         num_slots = o.max_concurrency + o.device_snapshot_slots
         state_bytes = num_slots * slot_bytes(self.config, kv_dtype)
         per_page = max(1, page_bytes(self.config, kv_dtype))
-        kv_tokens = o.kv_capacity if o.kv_capacity != "auto" else _auto_kv_tokens(o, per_page, state_bytes)
+        longest_pass = prefill_activation_bytes(config, max(o.prefill_chunk, o.idle_prefill_chunk), kv_dtype)
+        kv_tokens = o.kv_capacity if o.kv_capacity != "auto" else _auto_kv_tokens(o, per_page, state_bytes,
+                                                                                  longest_pass)
         num_pages = pages_for(kv_tokens)
         if num_pages < o.max_concurrency:
             raise ValueError(f"kv_capacity {kv_tokens} tokens gives {num_pages} pages, fewer than "
@@ -110,6 +112,7 @@ class Engine:
             num_pages=num_pages, num_slots=num_slots,
             max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
             max_taps=o.max_new_taps, kv_dtype=kv_dtype, conv_dtype=kv_dtype, batch_invariant=o.batch_invariant,
+            idle_prefill_chunk=o.idle_prefill_chunk,
         )
         log.info("engine options | %s", o.summary())
         log.info(
@@ -150,7 +153,7 @@ class Engine:
                 self.cache_file = PrefixCacheFile(o.prefix_cache_file, {
                     "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
                     "dtype": o.dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
-                    "prefill_chunk": o.prefill_chunk,
+                    "prefill_chunk": o.prefill_chunk, "idle_prefill_chunk": o.idle_prefill_chunk,
                     "source": source_identity()})
                 self.cache_load = self.cache_file.load(self.cache.index, self.cache.host.buffer)
             seconds = self.runner.warmup() if warmup else self.runner.warmup_copies()

@@ -27,10 +27,18 @@ def default_max_new_taps(host_tier: bool) -> int:
 # 42162 at 8192 (docs/benchmarks/prefill_profile.md, session 13).
 DENSE_PREFILL_CHUNK = 2048
 MOE_PREFILL_CHUNK = 8192
+# While no lane decodes, nobody waits on a prefill pass, and an MoE model's longer passes read each expert's weights
+# fewer times: a lone cold 32k prompt of the 35B-A3B ran 49033 tok/s in passes of 8192, 52153 in 16384 and 54114 in
+# one of 32768 (docs/benchmarks/prefill_profile.md, session 15). A dense model gained 1-3% from 2048 to 8192, less
+# than two more compiled programs cost, so its idle pass stays its prefill_chunk.
+MOE_IDLE_PREFILL_CHUNK = 32768
 
 # The command lines' help for the options they share (ninfer-serve, ninfer-generate)
 PREFILL_CHUNK_HELP = (f"tokens per prefill pass (default {DENSE_PREFILL_CHUNK}, "
                       f"or {MOE_PREFILL_CHUNK} for an MoE model)")
+IDLE_PREFILL_CHUNK_HELP = (f"tokens per prefill pass while no lane decodes, a multiple of 64 and at least the "
+                           f"prefill chunk (default {MOE_IDLE_PREFILL_CHUNK} for an MoE model, else the prefill "
+                           f"chunk: no longer passes)")
 PREFILL_ATTENTION_HELP = ("prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys "
                           "through cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was "
                           "measured faster")
@@ -46,6 +54,10 @@ class EngineOptions:
     # A longer pass keeps the running lanes' decode waiting longer (one 8192-token pass of the 35B-A3B takes
     # about 0.2 s on an H200, one of 2048 about 0.065 s).
     prefill_chunk: int | None = None
+    # Tokens per prefill pass while no lane decodes (no decode waits on it); chunks between prefill_chunk and this
+    # run in doubling sizes from 2 x prefill_chunk. None: MOE_IDLE_PREFILL_CHUNK for a model with routed experts,
+    # prefill_chunk (off) otherwise.
+    idle_prefill_chunk: int | None = None
     kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
     max_model_len: int | None = None  # default: min(config max positions, 32768)
     kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
@@ -90,6 +102,12 @@ class EngineOptions:
             chunk = MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK
         elif not isinstance(chunk, int) or chunk < 64 or chunk % 64:
             raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {chunk!r}")
+        idle = self.idle_prefill_chunk
+        if idle is None:
+            idle = max(chunk, MOE_IDLE_PREFILL_CHUNK) if moe else chunk
+        elif not isinstance(idle, int) or idle % 64 or idle < chunk:
+            raise OptionsError(f"idle_prefill_chunk must be a multiple of 64 and at least prefill_chunk ({chunk}), "
+                               f"got {idle!r}")
         if self.kernels not in ("auto", "reference", "pallas"):
             raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
         if self.prefill_attention not in ("auto", "pallas", "cudnn"):
@@ -133,6 +151,7 @@ class EngineOptions:
             prefill_attention=attention,
             max_model_len=max_len,
             prefill_chunk=min(chunk, -(-max_len // 64) * 64),
+            idle_prefill_chunk=min(idle, -(-max_len // 64) * 64),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
             else default_snapshot_slots(c, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),

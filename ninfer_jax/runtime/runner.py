@@ -56,6 +56,16 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step
     return tuple(sorted(set(sizes))) + (prefill_chunk,)
 
 
+def idle_chunk_sizes(prefill_chunk: int, idle_prefill_chunk: int) -> tuple[int, ...]:
+    """Pass lengths past prefill_chunk for a prompt no decode waits on: doubling from 2 x prefill_chunk, then
+    idle_prefill_chunk itself; empty when that is prefill_chunk."""
+    sizes, n = [], 2 * prefill_chunk
+    while n < idle_prefill_chunk:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes) + ((idle_prefill_chunk,) if idle_prefill_chunk > prefill_chunk else ())
+
+
 # A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step
 # instead of a dozen. Each copy costs host time and a trip through the GIL, and a decode round at 35B-A3B
 # computes for only 7 ms.
@@ -310,10 +320,13 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
-                 kv_dtype, conv_dtype, batch_invariant: bool = False):
+                 kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
+        # Longer passes for a prompt no decode waits on, compiled for the greedy sampler only (the worker gives
+        # them a prompt's last tokens only when its request samples greedily): two programs, not four.
+        self.idle_sizes = idle_chunk_sizes(prefill_chunk, idle_prefill_chunk or prefill_chunk)
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
@@ -370,7 +383,7 @@ class ModelRunner:
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
-        return _fit(n, self.buckets, "prefill chunk of {} tokens")
+        return _fit(n, self.buckets + self.idle_sizes, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
@@ -485,10 +498,10 @@ class ModelRunner:
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         variants = (False, True)
-        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants)
+        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants) + len(self.idle_sizes)
         done = 0
         for full in variants:
-            for size in self.buckets:
+            for size in self.buckets + (() if full else self.idle_sizes):
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
                 out = self._prefill_packed(packed, size, full, logprobs=True)

@@ -180,7 +180,7 @@ class Worker:
         """Dispatches the oldest prefilling lane's next chunk; returns (req, outputs) when it ends the prompt,
         for `_first_token` to read once the decode round is dispatched too."""
         base = req.computed
-        end = min(req.num_prompt, base + self.options.prefill_chunk)
+        end = self._chunk_end(req)
         tokens = req.prompt_ids[base:end]
         last = end == req.num_prompt
         full = last and not req.sampling.greedy
@@ -198,6 +198,20 @@ class Worker:
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
         return (req, tokens_out, chosen, top) if last else None
+
+    def _chunk_end(self, req: Request) -> int:
+        """Where the lane's next pass ends: prefill_chunk tokens on; or, while no lane decodes (no round waits on the
+        pass), the longest idle size that fits the prompt. An idle size ends the prompt only for a greedy request:
+        those sizes are compiled for the greedy sampler alone."""
+        base, n = req.computed, req.num_prompt
+        end = min(n, base + self.options.prefill_chunk)
+        if end == n or any(r is not None and not r.prefilling for r in self.lanes):
+            return end
+        for size in reversed(self.runner.idle_sizes):
+            if base + size < n or (base + size == n and req.sampling.greedy):
+                self.counters["idle_prefill_chunks"] += 1
+                return base + size
+        return end
 
     def _first_token(self, req: Request, tokens_out, chosen, top) -> None:
         self._accept(req, int(np.asarray(tokens_out)[0]), chosen, top, 0)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
-from ninfer_jax.runtime.options import PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
+from ninfer_jax.runtime.options import IDLE_PREFILL_CHUNK_HELP, PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
 
 MAX_CONCURRENCY = 8  # spec scope: max_concurrency 1..8
 
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights and KV (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--max-concurrency", type=int, default=4, help=f"lanes, 1..{MAX_CONCURRENCY} (default 4)")
     engine.add_argument("--prefill-chunk", type=_positive, help=PREFILL_CHUNK_HELP)
+    engine.add_argument("--idle-prefill-chunk", type=_positive, help=IDLE_PREFILL_CHUNK_HELP)
     engine.add_argument("--kv-capacity", default="auto", type=_kv_capacity,
                         help="KV pool in tokens, or auto: the device memory left (default auto)")
     engine.add_argument("--max-model-len", type=_positive, help="context length (default min(config, 32768))")
@@ -119,7 +120,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     engine: dict[str, Any] = {"path": model, "dtype": args.dtype, "max_concurrency": args.max_concurrency,
                               "kv_capacity": args.kv_capacity, "no_prefix_reuse": args.no_prefix_reuse,
                               "warmup": args.warmup}
-    for key, value in (("prefill_chunk", args.prefill_chunk), ("max_model_len", args.max_model_len)):
+    for key, value in (("prefill_chunk", args.prefill_chunk), ("idle_prefill_chunk", args.idle_prefill_chunk),
+                       ("max_model_len", args.max_model_len)):
         if value is not None:
             engine[key] = value
     if args.concurrent_prefill:

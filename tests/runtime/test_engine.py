@@ -46,6 +46,20 @@ def hf_greedy(checkpoint):
     return run
 
 
+@pytest.fixture(scope="module")
+def hf_forward_greedy(checkpoint):
+    """The greedy choice at each generated position of one forward over prompt + tokens (transformers' generate
+    can flip a near-tie on a long random prompt, where this oracle does not depend on its cache path)."""
+    model = hf_model(checkpoint)
+
+    def run(prompt, tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor(list(prompt) + list(tokens))[None]).logits[0]
+        return tuple(int(logits[len(prompt) - 1 + i].argmax()) for i in range(len(tokens)))
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks(request):
     yield
@@ -109,6 +123,36 @@ def test_batch_invariant_rounds_run_every_lane_and_match_transformers(checkpoint
         engine.check_ledger()
         assert engine.stats()["compiles_since_warmup"] == 0
     assert [o.token_ids for o in outs] == [hf_greedy(p, 12) for p in prompts]
+
+
+def test_a_prompt_no_decode_waits_on_runs_in_idle_passes_and_others_keep_the_prefill_chunk(
+        checkpoint, hf_forward_greedy, monkeypatch):
+    rng = np.random.default_rng(21)
+    long_a, long_b, long_c = (rng.integers(0, ORACLE_VOCAB, n).tolist() for n in (300, 256, 300))
+    short = rng.integers(0, ORACLE_VOCAB, 10).tolist()
+    with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=64, idle_prefill_chunk=256,
+                                max_model_len=512, kv_capacity=32 * 64, output_window=64) as engine:
+        assert engine.runner.idle_sizes == (128, 256)
+        passes = []
+        prefill = engine.runner.prefill
+        monkeypatch.setattr(engine.runner, "prefill", lambda tokens, *a, **k: (passes.append(len(tokens)),
+                                                                              prefill(tokens, *a, **k))[1])
+        # Alone: the longest idle pass that fits, then the rest in prefill chunks; transformers' greedy tokens.
+        alone = engine.generate(long_a, GREEDY).token_ids
+        assert alone == hf_forward_greedy(long_a, alone)
+        assert passes == [256, 44]
+        # An idle pass ends a prompt only for the greedy sampler (the only one compiled at those lengths).
+        passes.clear()
+        engine.generate(long_b, SamplingParams(max_tokens=2, temperature=0.8, seed=3))
+        assert passes == [128, 64, 64]
+        # While another lane decodes, a long prompt keeps to prefill_chunk, so that lane's rounds wait less.
+        passes.clear()
+        outs = engine.generate_many([short, long_c], [SamplingParams(max_tokens=40, ignore_eos=True), GREEDY])
+        assert passes == [10, 64, 64, 64, 64, 44]
+        assert outs[1].token_ids == hf_forward_greedy(long_c, outs[1].token_ids)
+        stats = engine.stats()
+        assert stats["scheduler"]["idle_prefill_chunks"] == 2 and stats["compiles_since_warmup"] == 0
+        engine.check_ledger()
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engine8):

@@ -57,6 +57,22 @@ def test_the_default_prefill_chunk_is_longer_for_a_model_with_routed_experts():
     assert EngineOptions(max_model_len=3000).resolve(65536, "gpu", moe=True).prefill_chunk == 3008
 
 
+def test_the_idle_prefill_chunk_is_longer_for_a_model_with_routed_experts_only():
+    dense, moe = EngineOptions().resolve(65536, "gpu"), EngineOptions().resolve(65536, "gpu", moe=True)
+    assert (dense.idle_prefill_chunk, moe.idle_prefill_chunk) == (2048, 32768)  # dense: no longer passes
+    # a named one wins (also for a dense model); none outgrows the context or falls below a named prefill_chunk
+    assert EngineOptions(idle_prefill_chunk=8192).resolve(65536, "gpu").idle_prefill_chunk == 8192
+    assert EngineOptions(max_model_len=20000).resolve(65536, "gpu", moe=True).idle_prefill_chunk == 20032
+    assert EngineOptions(prefill_chunk=65536, max_model_len=65536).resolve(
+        65536, "gpu", moe=True).idle_prefill_chunk == 65536
+
+
+@pytest.mark.parametrize("idle", [100, 1024, 8192.0])
+def test_an_idle_prefill_chunk_below_prefill_chunk_or_off_the_64_grid_is_refused(idle):
+    with pytest.raises(OptionsError, match="idle_prefill_chunk must be a multiple of 64 and at least prefill_chunk"):
+        EngineOptions(prefill_chunk=2048, idle_prefill_chunk=idle).resolve(65536, "gpu", moe=True)
+
+
 @pytest.mark.parametrize("chunk", [0, 100, -64, 64.0])
 def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk):
     with pytest.raises(OptionsError, match="prefill_chunk must be a positive multiple of 64"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ninfer_jax.runtime.runner import prefill_buckets
+from ninfer_jax.runtime.runner import idle_chunk_sizes, prefill_buckets
 
 
 @pytest.mark.parametrize("chunk, expected", [
@@ -24,3 +24,14 @@ def test_a_compute_bound_chunk_pads_by_less_than_a_quarter_of_the_chunk(chunk):
         padded = next(b for b in buckets if n <= b)
         assert padded - n < quarter, (n, padded)
     assert buckets[-1] == chunk and list(buckets) == sorted(set(buckets))
+
+
+@pytest.mark.parametrize("chunk, idle, expected", [
+    (8192, 8192, ()),
+    (8192, 32768, (16384, 32768)),
+    (8192, 20032, (16384, 20032)),
+    (64, 256, (128, 256)),
+    (2048, 2112, (2112,)),
+])
+def test_idle_passes_double_from_the_prefill_chunk_up_to_the_idle_chunk(chunk, idle, expected):
+    assert idle_chunk_sizes(chunk, idle) == expected
