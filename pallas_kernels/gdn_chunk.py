@@ -333,8 +333,9 @@ class GdnChunkConfig:
     fuse_output: bool = True  # output inside the recurrence (no per-chunk states in HBM) or a 4th kernel
     block_v: int = 32  # Dv columns per recurrent program (grid Hv x Dv / block_v; 32 fills the GPU at Hv32)
     num_warps: int = 4  # recurrent kernel
-    # Recurrent kernel's load pipelining. 3 stages ran the recurrence 1.5x faster in session 15's sweep (no taps), but
-    # with the engine's tap operands the kernel asks for 234504 B of shared memory, over the H200's 232448.
+    # Recurrent kernel's load pipelining. 3 stages took a 35B-A3B 32k call from 2.40 to 1.98 ms with bf16 q and k, but
+    # the engine's q and k are float32 (the conv kernel's output) and then the kernel asks for 234504 B of shared
+    # memory, over the H200's 232448 (session 15, docs/kernels_notes.md).
     num_stages: int = 2
     solve_num_warps: int = 1  # (I + A)^-1 kernel: row reductions stay inside one warp
     wu_num_warps: int = 8

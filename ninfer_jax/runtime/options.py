@@ -54,9 +54,8 @@ class EngineOptions:
     # A longer pass keeps the running lanes' decode waiting longer (one 8192-token pass of the 35B-A3B takes
     # about 0.2 s on an H200, one of 2048 about 0.065 s).
     prefill_chunk: int | None = None
-    # Tokens per prefill pass while no lane decodes (no decode waits on it); chunks between prefill_chunk and this
-    # run in doubling sizes from 2 x prefill_chunk. None: MOE_IDLE_PREFILL_CHUNK for a model with routed experts,
-    # prefill_chunk (off) otherwise.
+    # Tokens per prefill pass while no lane decodes (no decode waits on it); a prompt takes this or its half where
+    # either fits. None: MOE_IDLE_PREFILL_CHUNK for a model with routed experts, prefill_chunk (off) otherwise.
     idle_prefill_chunk: int | None = None
     kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
     max_model_len: int | None = None  # default: min(config max positions, 32768)

@@ -57,13 +57,13 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step
 
 
 def idle_chunk_sizes(prefill_chunk: int, idle_prefill_chunk: int) -> tuple[int, ...]:
-    """Pass lengths past prefill_chunk for a prompt no decode waits on: doubling from 2 x prefill_chunk, then
-    idle_prefill_chunk itself; empty when that is prefill_chunk."""
-    sizes, n = [], 2 * prefill_chunk
-    while n < idle_prefill_chunk:
-        sizes.append(n)
-        n *= 2
-    return tuple(sizes) + ((idle_prefill_chunk,) if idle_prefill_chunk > prefill_chunk else ())
+    """Pass lengths past prefill_chunk for a prompt no decode waits on: idle_prefill_chunk and its half (64-aligned)
+    where each is longer than prefill_chunk. Two programs at most, whatever the ratio: a small prefill_chunk (chosen
+    for the decode's sake) adds no more compiles."""
+    if idle_prefill_chunk <= prefill_chunk:
+        return ()
+    half = idle_prefill_chunk // 2 // 64 * 64
+    return ((half,) if half > prefill_chunk else ()) + (idle_prefill_chunk,)
 
 
 # A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step

@@ -77,3 +77,32 @@ def test_an_idle_prefill_chunk_below_prefill_chunk_or_off_the_64_grid_is_refused
 def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk):
     with pytest.raises(OptionsError, match="prefill_chunk must be a positive multiple of 64"):
         EngineOptions(prefill_chunk=chunk).resolve(4096, "gpu")
+
+
+def test_auto_kv_capacity_leaves_room_for_the_longest_prefill_pass(monkeypatch):
+    """KV capacity "auto" reserves the longest pass's activation bound where it is above max(2 GiB, 5%): the
+    35B-A3B's 32768-token idle pass on an 80 GiB GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.state import prefill_activation_bytes
+    from ninfer_jax.runtime import engine
+
+    cfg = ModelConfig.from_file("configs/qwen3.5-35b-a3b.json")
+    bound = prefill_activation_bytes(cfg, 32768, jnp.bfloat16)
+    # it covers the pass's largest single activation, the routed rows' float32 outputs [T, top-k, H]
+    assert bound >= 32768 * cfg.num_experts_per_tok * cfg.hidden_size * 4
+    assert bound == 4 * prefill_activation_bytes(cfg, 8192, jnp.bfloat16)
+    gib = 2**30
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 80 * gib, "bytes_in_use": 66 * gib}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    options = EngineOptions(memory_fraction=1.0).resolve(65536, "gpu", moe=True)
+    page = 1 << 20
+    tokens = engine._auto_kv_tokens(options, page, 0, bound)
+    assert tokens == (14 * gib - bound) // page * 64  # not 14 GiB less the 4 GiB (5%) floor
+    assert engine._auto_kv_tokens(options, page, 0, 1 * gib) == 10 * gib // page * 64  # a small pass: the floor

@@ -29,9 +29,10 @@ def test_a_compute_bound_chunk_pads_by_less_than_a_quarter_of_the_chunk(chunk):
 @pytest.mark.parametrize("chunk, idle, expected", [
     (8192, 8192, ()),
     (8192, 32768, (16384, 32768)),
-    (8192, 20032, (16384, 20032)),
+    (2048, 32768, (16384, 32768)),  # a short chunk adds no more programs
+    (8192, 20032, (9984, 20032)),
     (64, 256, (128, 256)),
     (2048, 2112, (2112,)),
 ])
-def test_idle_passes_double_from_the_prefill_chunk_up_to_the_idle_chunk(chunk, idle, expected):
+def test_idle_passes_are_the_idle_chunk_and_its_half_where_longer_than_the_prefill_chunk(chunk, idle, expected):
     assert idle_chunk_sizes(chunk, idle) == expected
