@@ -95,15 +95,17 @@ def test_a_damaged_file_loads_nothing_and_the_next_save_replaces_it(checkpoint, 
     restarted.stop()
 
 
-@pytest.mark.parametrize("change", ["weights", "prefill_chunk"])
+@pytest.mark.parametrize("change", ["weights", "prefill_chunk", "idle_prefill_chunk"])
 def test_a_file_saved_for_other_weights_or_another_prefill_is_not_used(checkpoint, checkpoint_factory, saved, change):
     path, prompt, _, _ = saved
     if change == "weights":
         other = start(checkpoint_factory("tiny-dense", "text", seed=44), path)
+    elif change == "prefill_chunk":  # the saving engine's idle passes were its chunk, 128
+        other = start(checkpoint, path, prefill_chunk=64, idle_prefill_chunk=128)
     else:
-        other = start(checkpoint, path, prefill_chunk=64)
+        other = start(checkpoint, path, idle_prefill_chunk=256)
     report = loaded(other)
-    assert report["outcome"] == "not restored" and f"differs in {change}" in report["reason"]
+    assert report["outcome"] == "not restored" and report["reason"].endswith(f"(differs in {change})")
     assert other.generate(prompt, GREEDY).usage.cached_tokens == 0
     settle(other, warmed=False)
     other.stop()
