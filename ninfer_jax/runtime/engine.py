@@ -92,7 +92,7 @@ class Engine:
         num_slots = o.max_concurrency + o.device_snapshot_slots
         state_bytes = num_slots * slot_bytes(self.config, kv_dtype)
         per_page = max(1, page_bytes(self.config, kv_dtype))
-        longest_pass = prefill_activation_bytes(config, max(o.prefill_chunk, o.idle_prefill_chunk), kv_dtype)
+        longest_pass = prefill_activation_bytes(config, o.idle_prefill_chunk, kv_dtype)  # resolved: >= prefill_chunk
         kv_tokens = o.kv_capacity if o.kv_capacity != "auto" else _auto_kv_tokens(o, per_page, state_bytes,
                                                                                   longest_pass)
         num_pages = pages_for(kv_tokens)

@@ -141,6 +141,7 @@ class EngineOptions:
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
         c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
+        longest = -(-max_len // 64) * 64  # no pass outgrows the context (the idle one stays >= prefill_chunk)
         attention = self.prefill_attention
         if attention == "auto":
             attention = "cudnn" if hopper and cudnn_conflict is None else "pallas"
@@ -149,8 +150,8 @@ class EngineOptions:
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,
-            prefill_chunk=min(chunk, -(-max_len // 64) * 64),
-            idle_prefill_chunk=min(idle, -(-max_len // 64) * 64),
+            prefill_chunk=min(chunk, longest),
+            idle_prefill_chunk=min(idle, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
             else default_snapshot_slots(c, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),

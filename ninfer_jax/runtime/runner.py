@@ -327,6 +327,7 @@ class ModelRunner:
         # Longer passes for a prompt no decode waits on, compiled for the greedy sampler only (the worker gives
         # them a prompt's last tokens only when its request samples greedily): two programs, not four.
         self.idle_sizes = idle_chunk_sizes(prefill_chunk, idle_prefill_chunk or prefill_chunk)
+        self._pass_sizes = self.buckets + self.idle_sizes  # every compiled prefill length, ascending
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
@@ -383,7 +384,7 @@ class ModelRunner:
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
-        return _fit(n, self.buckets + self.idle_sizes, "prefill chunk of {} tokens")
+        return _fit(n, self._pass_sizes, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
