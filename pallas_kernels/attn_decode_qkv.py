@@ -16,9 +16,8 @@ model rounds them; norms are computed in float32 and rounded to the activations'
 One program per (lane, head): query heads first, then KV heads. A head's D values are read in power-of-two pieces
 (the rotated halves, then the rest) since Triton's blocks are powers of two. The pools are updated in place (alias
 them through a donated jit argument, as the engine's decode step does); an inactive lane writes nothing. The output
-gate stays in proj for the caller. The engine runs it with the Pallas kernels (`KernelConfig.fuse_attn_qkv`): a
-35B-A3B decode round at one lane went from 3.003 to 2.925 ms and from 722 to 652 kernels
-(docs/benchmarks/decode_round_probe.md, session 13).
+gate stays in proj for the caller. The engine runs it with the Pallas kernels (`KernelConfig.fuse_attn_qkv`): it
+makes a one-lane decode round shorter, in fewer kernels (docs/kernels_notes.md).
 """
 
 from __future__ import annotations

@@ -328,14 +328,13 @@ def _output_kernel(
 class GdnChunkConfig:
     """Tuning knobs of the chunked kernels (hashable: a static argument)."""
 
-    # H200, 27B shapes, T=16k: fused 1.58 ms (block_v 32 or 64), split 1.93-1.95 ms (docs/kernels_notes.md). 8 warps
-    # for w/u: 0.62 -> 0.52 ms at the 35B-A3B's heads in one 32k pass (session 15).
+    # The fused output beats the split variant's per-chunk state traffic, and the w/u kernel is fastest on 8 warps
+    # at the 35B-A3B's heads (docs/kernels_notes.md, docs/benchmarks/kernels.md).
     fuse_output: bool = True  # output inside the recurrence (no per-chunk states in HBM) or a 4th kernel
     block_v: int = 32  # Dv columns per recurrent program (grid Hv x Dv / block_v; 32 fills the GPU at Hv32)
     num_warps: int = 4  # recurrent kernel
-    # Recurrent kernel's load pipelining. 3 stages took a 35B-A3B 32k call from 2.40 to 1.98 ms with bf16 q and k, but
-    # the engine's q and k are float32 (the conv kernel's output) and then the kernel asks for 234504 B of shared
-    # memory, over the H200's 232448 (session 15, docs/kernels_notes.md).
+    # Recurrent kernel's load pipelining. 3 stages are faster with bf16 q and k, but the engine's q and k are float32
+    # (the conv kernel's output) and then 3 stages need more shared memory than the H200 has (docs/kernels_notes.md).
     num_stages: int = 2
     solve_num_warps: int = 1  # (I + A)^-1 kernel: row reductions stay inside one warp
     wu_num_warps: int = 8

@@ -11,9 +11,8 @@ value head's v channels: the in-projection's first C columns) and K conv taps:
     rows t >= n_valid are zero (bucket padding: identity tokens for the delta rule)
 
 which `ninfer_jax.model.qwen3_5._gdn_prefill` otherwise composes from XLA fusions that each recompute the conv from
-the in-projection's output for their own outputs (session 13's HLO map of a 35B-A3B prefill: about 0.35 ms per GDN
-layer at 8192 tokens, moving those bytes at about 1 TB/s). That composition is the reference
-(tests/kernels/test_gdn_conv.py).
+the in-projection's output for their own outputs, well below the copy rate (docs/kernels_notes.md). That
+composition is the reference (tests/kernels/test_gdn_conv.py).
 
 One program per (block of `block_t` tokens, head): key heads' q, then their k, then the value heads. A program reads
 its channels' K shifted row blocks straight from the in-projection's output (rows before the chunk from the
@@ -92,9 +91,8 @@ def _kernel(
 class GdnConvConfig:
     """Tuning knobs (hashable: a static argument)."""
 
-    # 32 tokens on 8 warps: 202 us at the 35B-A3B's shapes and 8192 tokens, against 278 us for XLA's composition;
-    # 64 on 4 warps 297 us, 128 on 8 warps 307 us, wider tiles on fewer warps far slower (session 13's sweep,
-    # docs/benchmarks/prefill_profile.md)
+    # 32 tokens on 8 warps: the fastest tile of the sweep at the 35B-A3B's shapes, and the only one faster than
+    # XLA's composition (docs/kernels_notes.md)
     block_t: int = 32  # tokens per program
     num_warps: int = 8
     num_stages: int = 1

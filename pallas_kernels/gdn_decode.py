@@ -69,7 +69,7 @@ def _decode_kernel(
 class GdnDecodeConfig:
     """Tuning knobs (hashable: a static argument)."""
 
-    block_v: int = 128  # widest Dv columns per program (H200: 13.0 us at 8 lanes x Hv48 vs 20.0 at 32)
+    block_v: int = 128  # widest Dv columns per program: whole 512-byte rows read faster (docs/kernels_notes.md)
     # Narrower blocks until the grid has this many programs: one lane's 32 heads would leave most SMs idle
     min_programs: int = 128
     num_warps: int = 8

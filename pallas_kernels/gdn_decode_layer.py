@@ -24,9 +24,8 @@ the gated norm over Dv stays inside it; one lane has only Hv such programs, too 
 and the norm runs after it as one XLA fusion. The key head's conv is recomputed by each of its programs (2 x Dk
 channels x K taps, small); the first of them writes that key head's history rows.
 
-Checked on the H200 (tests/model/test_gdn_decode_layer.py) and timed against the unfused path: a 35B-A3B one-lane
-round 3.6% shorter (docs/benchmarks/decode_round_probe.md, session 11), so the engine runs it with the Pallas kernels
-(`KernelConfig.fuse_gdn_decode`).
+Checked on the H200 (tests/model/test_gdn_decode_layer.py); it makes a one-lane decode round shorter than the
+unfused path (docs/kernels_notes.md), so the engine runs it with the Pallas kernels (`KernelConfig.fuse_gdn_decode`).
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ class MoeConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 4
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
-    # Many small programs: 16 and 4 splits on 2 warps made a 35B-A3B one-lane round 6% shorter than 8 and 2 on 4
-    # (decode_round_probe.md, session 11); one split per kernel (fused epilogues, fewer programs) was 40% longer
+    # Many small programs: 16 and 4 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep; one split
+    # per kernel (fused epilogues, fewer programs) was far slower (docs/kernels_notes.md)
     gemv_block_n: int = 128
     gemv_block_k: int = 64
     gemv_splits: int = 16  # pieces of the H contraction in gate_up
@@ -119,7 +119,7 @@ DEFAULT_CONFIG = MoeConfig()
 # waste less padding, and the step is bound by reading every used expert's weights once.
 SPARSE_PREFILL_CONFIG = MoeConfig(block_m=32, num_warps=4, num_stages=4)
 # Prefill with 64-127 rows per expert (2048 tokens of 35B-A3B route 64 to each): 128-row tiles would be about
-# half padding; 64-row tiles on 4 warps took the MoE layer from 0.732 to 0.685 ms (docs/benchmarks/moe.md).
+# half padding; 64-row tiles on 4 warps are faster there (docs/benchmarks/moe.md).
 MID_PREFILL_CONFIG = MoeConfig(block_m=64, num_warps=4, num_stages=4)
 # Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
 WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,

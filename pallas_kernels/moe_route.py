@@ -3,7 +3,7 @@
 Computes `reference.moe_route_logits_ref`, what the router does after its logits matmul:
     p = softmax(logits);   ids = the K largest p (ties: the lower expert first, as lax.top_k);
     weights = p[ids] / sum(p[ids])
-XLA runs this as a softmax kernel, a sort for `lax.top_k` (4 us per layer on the H200 at 256 experts) and the
+XLA runs this as a softmax kernel, a sort for `lax.top_k` (the slowest of them at 256 experts) and the
 renormalisation, a few kernels per MoE layer of a decode round. One program per row does it all: K rounds of
 max, first index of the max, and masking it out, over the row's E probabilities in registers. Given the row and
 the shared expert's gate, it also computes that gate (a dot product over H and a sigmoid, two more XLA kernels

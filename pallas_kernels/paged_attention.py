@@ -157,7 +157,7 @@ class DecodeConfig:
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
-    # splits, 8 MB of partials per layer for a lane of a thousand keys (decode_round_probe.md, session 12)
+    # splits, 8 MB of partials per layer for a lane of a thousand keys (docs/kernels_notes.md)
     min_pages_per_split: int = 4
 
     def __post_init__(self):
@@ -329,8 +329,8 @@ class PrefillConfig:
 
     # "pallas", or "cudnn": gathered pages through cuDNN flash attention (GPU only)
     impl: str = "pallas"
-    # 128 queries on 8 warps: the fastest of the H200 sweep (docs/benchmarks/kernels.md), 1.09x 64 on 4 warps
-    # in a 32k prefill of the 27B (docs/benchmarks/prefill_profile.md)
+    # 128 queries on 8 warps: the fastest tile of the H200 sweep (docs/benchmarks/kernels.md), also in the engine's
+    # prefill (docs/kernels_notes.md)
     block_q: int = 128
     pages_per_block: int = 1  # pages per key block (64 keys each)
     num_warps: int = 8

@@ -54,13 +54,13 @@ def _dot(x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
-    # cost a separate pass over every output, 181 of 3956 ms in a 32k prefill of the 27B (prefill_profile.md).
+    # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
     one_row = x.ndim == 2 and x.shape[0] == 1
     if one_row and (w.shape[1] + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
-        # The rewritten form wrote the [K, N] product out before reducing it: 1.0 of 4.9 ms of a 35B-A3B one-lane
-        # round (decode_round_probe.md). Two rows make it a matmul again; the barrier keeps the simplifier from
-        # folding the copy back. The second row reads no extra weight bytes. Cutting it off is a copy kernel when
-        # the product goes to a custom call (the add + norm kernel), which ignores it instead.
+        # XLA rewrites a one-row dot into a form that writes the [K, N] product out before reducing it, a large part
+        # of a one-lane decode round (docs/kernels_notes.md). Two rows make it a matmul again; the barrier keeps the
+        # simplifier from folding the copy back. The second row reads no extra weight bytes. Cutting it off is a
+        # copy kernel when the product goes to a custom call (the add + norm kernel), which ignores it instead.
         two = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
         out = jnp.dot(two, w, preferred_element_type=x.dtype)
         return out if to_norm else out[:1]
@@ -109,7 +109,7 @@ def mlp(p: MLPParams, x):
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
     ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
     # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
-    # kernels (decode_round_probe.md).
+    # kernels (docs/kernels_notes.md).
     shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
     return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared).astype(x.dtype)
 

@@ -11,7 +11,7 @@ validity checks never depend on it (§10 invariant 10).
 
 The defaults are generic H200 figures for the 27B shape (about 10k prefill tok/s without
 attention, cuDNN-class attention at ~600 TFLOP/s over 16 layers x 24 heads x 256 dims, pinned
-H2D at 50 GB/s); the runtime replaces them with calibrated values via :meth:`replace`.
+H2D at 50 GB/s). The engine uses these defaults; calibrated values would go in through :meth:`replace`.
 """
 
 from __future__ import annotations

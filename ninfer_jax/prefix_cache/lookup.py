@@ -9,8 +9,8 @@
 3. ``s*`` is the deepest candidate; ``s_dev`` the deepest whose image, tail and every path
    node are Device resident.
 
-Read-only, O(k + snapshots on the path); the walk compares 256-byte token slices, so a
-240k-token prompt (3,750 blocks) matches in well under 2 ms (scripts/bench_prefix_index.py).
+Read-only, O(k + snapshots on the path); the walk compares 256-byte token slices
+(timings: docs/benchmarks/prefix_index.md).
 """
 
 from __future__ import annotations
