@@ -285,7 +285,7 @@ def probe(name: str, args) -> dict:
     from ninfer_jax import Engine
     from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.random_init import random_params
-    from ninfer_jax.runtime import runner as runner_module
+    from ninfer_jax.runtime.device import runner as runner_module
     from ninfer_jax.runtime.options import EngineOptions
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")

@@ -91,7 +91,7 @@ def worker_profile(engine, name: str, tokens: int, clock, top: int) -> dict:
     import pstats
 
     from ninfer_jax import SamplingParams
-    from ninfer_jax.runtime import worker as worker_module
+    from ninfer_jax.runtime import scheduler as worker_module
 
     prof = cProfile.Profile(clock)
     step = worker_module.Worker.step

@@ -39,8 +39,8 @@ def probe(model: str, reps: int = 3) -> dict:
     from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.state import init_device_state, page_bytes, slot_bytes
     from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
-    from ninfer_jax.runtime.host_tier import HostSlabBuffer
-    from ninfer_jax.runtime.runner import _scatter_pages
+    from ninfer_jax.runtime.device.host_tier import HostSlabBuffer
+    from ninfer_jax.runtime.device.runner import _scatter_pages
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS.get(model, model)}.json")
     blocks = BATCH * BATCHES

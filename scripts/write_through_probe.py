@@ -55,8 +55,8 @@ def probe(model: str, pages_per_lane: int, kinds: tuple[str, ...] = KINDS, matmu
     from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.state import init_device_state, page_bytes, slot_bytes
     from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
-    from ninfer_jax.runtime.host_tier import HostSlabBuffer
-    from ninfer_jax.runtime.runner import _gather_pages, _gather_slot
+    from ninfer_jax.runtime.device.host_tier import HostSlabBuffer
+    from ninfer_jax.runtime.device.runner import _gather_pages, _gather_slot
 
     cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS.get(model, model)}.json")
     bundle, image = page_bytes(cfg, jnp.bfloat16), slot_bytes(cfg, jnp.bfloat16)

@@ -32,16 +32,16 @@ from ninfer_jax.model.params import Params
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
 from ninfer_jax.model.tiny import default_checkpoint
-from ninfer_jax.runtime.cache_file import FORMAT, PrefixCacheFile, checkpoint_identity, source_identity
+from ninfer_jax.runtime.device.cache_file import FORMAT, PrefixCacheFile, checkpoint_identity, source_identity
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
-from ninfer_jax.runtime.prefix_binding import PrefixCacheBinding
+from ninfer_jax.runtime.prefix.manager import PrefixCacheBinding
 from ninfer_jax.runtime.request import (
     EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent,
     Usage,
 )
-from ninfer_jax.runtime.runner import ModelRunner
+from ninfer_jax.runtime.device.runner import ModelRunner
 from ninfer_jax.runtime.sampling import SamplingParams
-from ninfer_jax.runtime.worker import Worker, pages_for
+from ninfer_jax.runtime.scheduler import Worker, pages_for
 from pallas_kernels.paged_attention import PrefillConfig
 
 log = logging.getLogger("ninfer_jax.engine")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ninfer_jax.runtime.runner import idle_chunk_sizes, prefill_buckets
+from ninfer_jax.runtime.device.buckets import idle_chunk_sizes, prefill_buckets
 
 
 @pytest.mark.parametrize("chunk, expected", [

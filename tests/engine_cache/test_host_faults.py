@@ -9,8 +9,8 @@ import pytest
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.prefix_cache import HostSlabPool
-from ninfer_jax.runtime import host_tier
-from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTierError, physical_memory_bytes
+from ninfer_jax.runtime.device import host_buffer
+from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer, HostTierError, physical_memory_bytes
 from ninfer_jax.runtime.request import EngineStoppedError
 from test_cache_scenarios import tokens
 
@@ -68,7 +68,7 @@ def test_a_failed_host_allocation_is_a_startup_error(checkpoint, monkeypatch):
     def refuse(nbytes):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(host_tier, "_allocate_chunk", refuse)
+    monkeypatch.setattr(host_buffer, "_allocate_chunk", refuse)
     with pytest.raises(HostTierError, match="cannot allocate Host tier chunk 0"):
         Engine.from_pretrained(checkpoint, **SMALL)
 

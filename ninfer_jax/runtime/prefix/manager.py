@@ -53,7 +53,8 @@ from ninfer_jax.prefix_cache import (
 from ninfer_jax.prefix_cache.host_slabs import SlabState
 from ninfer_jax.prefix_cache.results import HostWrite, Staging
 from ninfer_jax.prefix_cache.tree import RESIDENT, BlockNode, Snapshot
-from ninfer_jax.runtime.host_tier import HostTier, HostTransferError
+from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
+from ninfer_jax.runtime.device.host_tier import HostTier, HostTransferError
 from ninfer_jax.runtime.request import Request
 
 log = logging.getLogger("ninfer_jax.prefix_cache")
@@ -116,8 +117,10 @@ class PrefixCacheBinding:
             max_new_taps=max_new_taps, tap_ladder_tokens=tap_ladder_tokens, tap_min_gap_tokens=tap_min_gap_tokens,
         )
         self.index = PrefixIndex(CacheGeometry(num_pages, page_bytes, image_bytes), self.options)
-        self.host: HostTier | None = HostTier(runner, self.index.slabs, pin=pin_host) \
-            if self.index.slabs.enabled else None
+        self.host: HostTier | None = None
+        if self.index.slabs.enabled:
+            runner.enable_host_transfers(self.index.slabs.slab_bytes, self.index.slabs.image_slabs)
+            self.host = HostTier(runner, HostSlabBuffer(self.index.slabs, pin=pin_host))
         self.failed = False  # a copy failed (or the engine did): no copy runs any more
         self.write_failure: HostTransferError | None = None  # a writer/watcher failure the worker has not raised yet
         self._deferred_writes: list[HostWrite] = []  # taken, their copies not started yet (dispatch_writes)

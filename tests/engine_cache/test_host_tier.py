@@ -16,9 +16,10 @@ from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.prefix_cache import HostSlabPool
 from ninfer_jax.prefix_cache.tree import ABSENT, RESIDENT
 from ninfer_jax.model.state import DeviceState
-from ninfer_jax.runtime.host_tier import HostSlabBuffer, HostTier
-from ninfer_jax.runtime.runner import (_gather_pages, _gather_slot, _scatter_pages, _scatter_slot, split_transfer,
-                                       pow2_buckets)
+from ninfer_jax.runtime.device.buckets import pow2_buckets, split_transfer
+from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
+from ninfer_jax.runtime.device.host_tier import HostTier
+from ninfer_jax.runtime.device.transfer import gather_pages, gather_slot, scatter_pages, scatter_slot
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from test_cache_scenarios import assert_same_output, tokens
 from test_host_faults import io_error
@@ -116,8 +117,9 @@ class _NumpyPoolRunner:
     """The runner surface HostTier uses, over numpy pools: page p's bundle is `pages[p]`, slot s's image
     `slots[s]` (rows of one slab each)."""
 
-    def __init__(self, num_pages: int, image_slots: int):
+    def __init__(self, num_pages: int, image_slots: int, row_bytes: int, image_rows: int):
         self.num_pages, self.image_slots = num_pages, image_slots
+        self.enable_host_transfers(row_bytes, image_rows)
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int) -> None:
         self.transfer_sizes = (1, 2, 4, 8)
@@ -142,7 +144,8 @@ class _NumpyPoolRunner:
 def _gated_host_tier():
     """A HostTier over numpy pools whose restores land only once the returned event is set."""
     pool = HostSlabPool(16 * 8192, 8000, 16000)
-    host = HostTier(_NumpyPoolRunner(num_pages=8, image_slots=2), pool, pin=False)
+    runner = _NumpyPoolRunner(num_pages=8, image_slots=2, row_bytes=pool.slab_bytes, image_rows=pool.image_slabs)
+    host = HostTier(runner, HostSlabBuffer(pool, pin=False))
     gate, landed = threading.Event(), host._await_copies
     host._await_copies = lambda staged: (gate.wait(30), landed(staged))
     return host, gate
@@ -244,21 +247,21 @@ def test_transfer_ops_move_pages_and_slots_bit_exactly(kv_dtype):
                         (jnp.asarray(rng.standard_normal((4, 3, 16)), kv_dtype),) * 2)
     row_bytes = 4 * 64 * 2 * 8 * jnp.dtype(kv_dtype).itemsize + 128  # a bundle, then slab padding
     rows = np.zeros((2, row_bytes // 4), np.uint32)
-    gathered = np.asarray(_gather_pages(state.k_pages, state.v_pages, jnp.asarray([1, 4])))
+    gathered = np.asarray(gather_pages(state.k_pages, state.v_pages, jnp.asarray([1, 4])))
     assert gathered.dtype == np.uint32
     layout = [np.asarray(pool[p]).view(np.uint8).reshape(-1) for p in (1, 4)
               for k, v in zip(state.k_pages, state.v_pages) for pool in (k, v)]
     np.testing.assert_array_equal(gathered.view(np.uint8).reshape(-1), np.concatenate(layout))
     rows[:, :gathered.shape[1]] = gathered
-    moved_k, moved_v = _scatter_pages(state.k_pages, state.v_pages, jnp.asarray([3, 6]), jnp.asarray(rows))
+    moved_k, moved_v = scatter_pages(state.k_pages, state.v_pages, jnp.asarray([3, 6]), jnp.asarray(rows))
     for before, after in zip(state.k_pages + state.v_pages, moved_k + moved_v):  # page 6 is out of range: dropped
         np.testing.assert_array_equal(np.asarray(after[3]).view(np.uint8), np.asarray(before[1]).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(after[:3]), np.asarray(before[:3]))
-    image = _gather_slot(state.ssm, state.conv, 2, rows=3, row_words=64)
+    image = gather_slot(state.ssm, state.conv, 2, rows=3, row_words=64)
     packed = np.concatenate([np.asarray(pool[2]).view(np.uint8).reshape(-1)
                              for s, c in zip(state.ssm, state.conv) for pool in (s, c)])
     np.testing.assert_array_equal(np.asarray(image).view(np.uint8).reshape(-1)[:packed.size], packed)
-    ssm, conv = _scatter_slot(state.ssm, state.conv, 0, image)
+    ssm, conv = scatter_slot(state.ssm, state.conv, 0, image)
     for before, after in zip(state.ssm + state.conv, ssm + conv):
         np.testing.assert_array_equal(np.asarray(after[0]).view(np.uint8), np.asarray(before[2]).view(np.uint8))
 

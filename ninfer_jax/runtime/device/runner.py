@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 
 import jax
@@ -31,39 +30,12 @@ from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
+from ninfer_jax.runtime.device import transfer
+from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
+from ninfer_jax.runtime.device.transfer import WORD_BYTES
 from ninfer_jax.runtime.sampling import TOP_K_GROUPS, sample, token_logprobs
 
 log = logging.getLogger("ninfer_jax.runner")
-
-
-def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step_floor: int = 512) -> tuple[int, ...]:
-    """Chunk lengths compiled for prefill: smallest * ratio^k below the linear step, then every multiple of
-    the step (a quarter of prefill_chunk, at least step_floor, 64-aligned) up to prefill_chunk.
-
-    Short chunks are latency-bound, so a coarse geometric ladder costs little there; from step_floor tokens
-    on a chunk is compute-bound and its padding is paid in full, so the ladder turns linear and pads by less
-    than a quarter of the chunk (a resumed turn of 1.1k tokens runs as 1536, not 2048).
-    """
-    step = max(step_floor, prefill_chunk // 4 // smallest * smallest)
-    sizes, n = [], smallest
-    while n < min(step, prefill_chunk):
-        sizes.append(n)
-        n *= ratio
-    n = step
-    while n < prefill_chunk:
-        sizes.append(n)
-        n += step
-    return tuple(sorted(set(sizes))) + (prefill_chunk,)
-
-
-def idle_chunk_sizes(prefill_chunk: int, idle_prefill_chunk: int) -> tuple[int, ...]:
-    """Pass lengths past prefill_chunk for a prompt no decode waits on: idle_prefill_chunk and its half (64-aligned)
-    where each is longer than prefill_chunk. Two programs at most, whatever the ratio: a small prefill_chunk (chosen
-    for the decode's sake) adds no more compiles."""
-    if idle_prefill_chunk <= prefill_chunk:
-        return ()
-    half = idle_prefill_chunk // 2 // 64 * 64
-    return ((half,) if half > prefill_chunk else ()) + (idle_prefill_chunk,)
 
 
 # A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step
@@ -201,109 +173,6 @@ def _copy_page(k_pages, v_pages, src, dst, length):
     return tuple(map(one, k_pages)), tuple(map(one, v_pages))
 
 
-WORD_BYTES = 4  # transfer rows travel as uint32 words; on the H200, uint8 fusions moved them at a fraction of HBM rate
-
-
-def _as_words(x):
-    """[n, ...] of any dtype -> its raw bytes as uint32 words [n, words per row] (a bitcast, no conversion; the
-    bytes in memory order, so a host view of the words as uint8 is the rows' bytes). A row's bytes must be a
-    whole number of words."""
-    n, itemsize = x.shape[0], jnp.dtype(x.dtype).itemsize
-    flat = x.reshape(n, -1)
-    if flat.shape[1] * itemsize % WORD_BYTES:
-        raise ValueError(f"a row of {flat.shape[1] * itemsize} B is not a whole number of {WORD_BYTES}-byte words")
-    if x.dtype == jnp.uint32:
-        return flat
-    if itemsize < WORD_BYTES:  # bitcast takes a trailing axis of the narrower items
-        flat = flat.reshape(n, -1, WORD_BYTES // itemsize)
-    return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(n, -1)
-
-
-def _from_words(w, like):
-    """uint32 [n, words per row] -> [n, *like.shape[1:]] of like.dtype (the inverse of _as_words)."""
-    shape = (w.shape[0],) + tuple(like.shape[1:])
-    itemsize = jnp.dtype(like.dtype).itemsize
-    if itemsize > WORD_BYTES:
-        w = w.reshape(w.shape[0], -1, itemsize // WORD_BYTES)
-    return jax.lax.bitcast_convert_type(w, like.dtype).reshape(shape)
-
-
-def _row_words(pool) -> int:
-    """Words of one row (one page, or one slot) of a pool."""
-    return math.prod(pool.shape[1:]) * jnp.dtype(pool.dtype).itemsize // WORD_BYTES
-
-
-def _gather_pages(k_pages, v_pages, pages):
-    """Page bundles of `pages` [B]: per attention layer in order, its K page then its V page, as words."""
-    parts = []
-    for k, v in zip(k_pages, v_pages):
-        parts += [_as_words(k[pages]), _as_words(v[pages])]
-    return jnp.concatenate(parts, axis=1)  # [B, bundle words]
-
-
-def _scatter_pages(k_pages, v_pages, pages, rows):
-    """Host rows [B, >= bundle words] (the _gather_pages layout) into `pages`; out-of-range pages are dropped."""
-    offset, ks, vs = 0, [], []
-    for k, v in zip(k_pages, v_pages):
-        for pool, out in ((k, ks), (v, vs)):
-            width = _row_words(pool)
-            out.append(pool.at[pages].set(_from_words(rows[:, offset:offset + width], pool), mode="drop"))
-            offset += width
-    return tuple(ks), tuple(vs)
-
-
-def _gather_slot(ssm, conv, slot, *, rows: int, row_words: int):
-    """State slot `slot` as words: per GDN layer in order, its ssm row then its conv row, padded and cut into
-    `rows` rows of `row_words` (the image's packed byte o lands in row o // (4 * row_words))."""
-    parts = []
-    for s, c in zip(ssm, conv):
-        parts += [_as_words(s[slot][None])[0], _as_words(c[slot][None])[0]]
-    flat = jnp.concatenate(parts)
-    return jnp.pad(flat, (0, rows * row_words - flat.shape[0])).reshape(rows, row_words)
-
-
-def _scatter_slot(ssm_pools, conv_pools, slot, rows):
-    """Host rows (the _gather_slot layout) into state slot `slot`; an out-of-range slot is dropped."""
-    flat, offset = rows.reshape(-1), 0
-    ssm, conv = [], []
-    for s, c in zip(ssm_pools, conv_pools):
-        for pool, out in ((s, ssm), (c, conv)):
-            width = _row_words(pool)
-            out.append(pool.at[slot].set(_from_words(flat[None, offset:offset + width], pool)[0], mode="drop"))
-            offset += width
-    return tuple(ssm), tuple(conv)
-
-
-def pow2_buckets(largest: int) -> tuple[int, ...]:
-    """The powers of two below `largest`, then `largest`: the compiled sizes of decode rounds (lanes) and of page
-    transfers. Any count is a sum of them (split_transfer), so no transfer moves a padding row (padding a 16-page
-    write to a 64-page bucket moved 4x its bytes across PCIe), and a round pads to less than twice its lanes."""
-    sizes, n = [], 1
-    while n < largest:
-        sizes.append(n)
-        n *= 2
-    return tuple(sizes) + (largest,)
-
-
-def _fit(n: int, sizes: tuple[int, ...], what: str) -> int:
-    """The smallest of the ascending compiled `sizes` that holds n; `what` names n in the error."""
-    for size in sizes:
-        if n <= size:
-            return size
-    raise ValueError(f"{what.format(n)} exceeds the largest compiled size {sizes[-1]}")
-
-
-def split_transfer(count: int, sizes: tuple[int, ...]) -> list[int]:
-    """`count` pages as transfer batches of `sizes` (ascending, starting at 1), largest first, summing exactly
-    to `count`: at most one batch of each size below the largest."""
-    out = []
-    for size in reversed(sizes):
-        while count >= size:
-            out.append(size)
-            count -= size
-    return out
-
-
 def _own(fn):
     """A new function object wrapping fn: jax keys its compile cache on the function, so each runner
     wrapping its own copy gets compile counts of its own."""
@@ -363,12 +232,12 @@ class ModelRunner:
         # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md: 51 GB/s D2H).
         host = {"out_shardings": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")} \
             if "pinned_host" in kinds else {}
-        gather_slot = functools.partial(_gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
+        gather_slot = functools.partial(transfer.gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
         self._steps.update({
-            "gather_pages": jax.jit(_own(_gather_pages), **host),
-            "scatter_pages": jax.jit(_own(_scatter_pages), donate_argnames=("k_pages", "v_pages")),
+            "gather_pages": jax.jit(_own(transfer.gather_pages), **host),
+            "scatter_pages": jax.jit(_own(transfer.scatter_pages), donate_argnames=("k_pages", "v_pages")),
             "gather_slot": jax.jit(gather_slot, **host),
-            "scatter_slot": jax.jit(_own(_scatter_slot), donate_argnames=("ssm_pools", "conv_pools")),
+            "scatter_slot": jax.jit(_own(transfer.scatter_slot), donate_argnames=("ssm_pools", "conv_pools")),
         })
 
     # --- the one place the donated state is written back ----------------------------------------
@@ -384,7 +253,7 @@ class ModelRunner:
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
-        return _fit(n, self._pass_sizes, "prefill chunk of {} tokens")
+        return fit(n, self._pass_sizes, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
@@ -425,7 +294,7 @@ class ModelRunner:
 
     def decode_size(self, lanes: int) -> int:
         """The compiled round size for `lanes` active lanes."""
-        return _fit(lanes, self.decode_sizes, "decode round of {} lanes")
+        return fit(lanes, self.decode_sizes, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
                use_prev=None, logprobs=False):

@@ -1,239 +1,59 @@
-"""The Host tier's bytes and copies: the slab pool buffer, write-through and restores (spec §5.4, §6.5, §7.6).
+"""HostTier: the copies between the Host slab buffer and the device pools (spec §6.5, §7.6).
 
-The index (`prefix_cache/`) decides which slab holds what and which copies run; this module moves the bytes.
+The index (`prefix_cache/`) decides which slab holds what and which copies run; this module moves the bytes, in
+the slab layout of `device/transfer.py`, in batches of the runner's compiled transfer sizes:
+  write-through  a device-side gather of the listed pages (and one state slot) lands in pinned host memory; a
+                 writer thread waits for it and copies it into the slabs, and `landed()` hands the write back
+                 (§7.6: the scheduler never waits for a host copy);
+  restore        each run of consecutive slabs moves straight from the page-locked chunk and is scattered into
+                 the donated pools. The caller only dispatches: JAX orders the scatters before any later step
+                 that reads the pages or slot. A watcher thread waits for the copies and times them; the writer
+                 holds every Host write queued after a restore until that restore has landed, so a slab being
+                 read is never rewritten.
+NOTE: the layer-pipelined restore of §6.5/§12.1 is not built: the copy overlaps the device work queued before
+the lane's first step, not that step (docs/STATUS.md).
 
-`HostSlabBuffer` is the pool's memory: host_cache_bytes in chunks of at most 4 GiB of whole slabs (the index's
-`HostSlabPool` geometry, so no slab crosses a chunk), each an anonymous mapping viewed as a numpy uint8
-[slabs, slab_bytes] array. On a GPU every chunk is page-locked with cudaHostRegister, called through ctypes on
-the CUDA runtime library the jax CUDA plugin installs (DESIGN.md "Host tier"); elsewhere it is plain memory,
-committed page by page as slabs are first written. A budget the machine cannot hold, an allocation or a
-registration that fails, is a `HostTierError` at startup.
-
-Slab layout, one for both directions (the runner's gathers produce it and its scatters read it):
-  page bundle, one slab:  for every attention layer in forward order, its K page then its V page
-                          ([64, Hkv, D] each, raw bytes); slab_bytes is the bundle rounded up to 4 KiB;
-  state image, image_slabs slabs:  for every GDN layer in forward order, its ssm row [Hv, Dk, Dv] f32 then
-                          its conv row [K-1, conv_dim]; the image's packed byte o lives in its
-                          (o // slab_bytes)-th slab.
-
-`HostTier` runs the copies through the runner's jitted transfer ops, in batches of the runner's bucket sizes:
-  write-through  a device-side gather of the listed pages (and one state slot) whose output lands in pinned
-                 host memory, dispatched by the worker; a writer thread waits for it and copies it into the
-                 slab rows, and the worker completes the index's HostWrite when `landed()` returns it (§7.6:
-                 asynchronous write-through; the worker never waits for a host copy);
-  restore        each run of consecutive slabs moves straight from the page-locked chunk (a contiguous view
-                 per piece of the runner's batch sizes, DESIGN.md: about 50 GB/s) and is scattered into the
-                 donated pools (pages, or the lane's state slot). The worker only dispatches: JAX orders the
-                 scatters before any later step that reads or reuses the pages or slot, so the lane's first
-                 prefill chunk is queued right behind them and the copies run while the device finishes the
-                 work ahead of them (the round in flight, other lanes' chunks). A watcher thread waits for
-                 the copies and times them; until they land, their slabs must not be rewritten, so the
-                 writer thread holds every Host write queued after a restore until that restore has landed
-                 (a write queued before it cannot target its slabs: they held landed bytes when it was
-                 dispatched).
-NOTE: the layer-pipelined form of §6.5/§12.1 (the copy hidden behind the lane's own first prefill step) is
-not built: the copy overlaps the device work queued before the lane's step, not that step; see
-docs/STATUS.md.
-
-`inject_fault(kind)` makes the next write ("write") or restore ("restore") raise `HostTransferError` (the
-spec's forced transfer error, for fault-injection tests).
+`inject_fault(kind)` makes the next "write" or "restore" raise `HostTransferError` (the spec's forced transfer
+error, for fault-injection tests).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import functools
-import glob
 import logging
-import mmap
-import os
 import queue
-import sys
 import threading
 import time
 
 import jax
 import numpy as np
 
-from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
-from ninfer_jax.runtime.runner import split_transfer
+from ninfer_jax.runtime.device.buckets import split_transfer
+from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
 
 log = logging.getLogger("ninfer_jax.host_tier")
-
-
-class HostTierError(RuntimeError):
-    """The Host tier cannot be set up (budget, allocation or page-locking); raised at engine start."""
 
 
 class HostTransferError(RuntimeError):
     """A copy between the Host tier and the device failed (engine-wide failure)."""
 
 
-def physical_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _allocate_chunk(nbytes: int) -> mmap.mmap:
-    """Anonymous, page-aligned, zero-filled memory, committed lazily by the kernel."""
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-def _cuda_runtime() -> ctypes.CDLL:
-    """The CUDA runtime library of the jax CUDA plugin's nvidia wheels (or the system's)."""
-    patterns = ("nvidia/cu13/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*")
-    candidates = [p for base in sys.path if base for pat in patterns
-                  for p in sorted(glob.glob(os.path.join(base, pat)))]
-    system = ctypes.util.find_library("cudart")
-    candidates += [system] if system else []
-    errors = []
-    for path in candidates:
-        try:
-            return ctypes.CDLL(path)
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-    raise HostTierError("cannot page-lock the Host tier: no CUDA runtime library (libcudart) found"
-                        + (f" ({'; '.join(errors)})" if errors else ""))
-
-
-class _PageLock:
-    """cudaHostRegister / cudaHostUnregister through ctypes."""
-
-    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-    def __init__(self):
-        lib = _cuda_runtime()
-        self._register, self._unregister = lib.cudaHostRegister, lib.cudaHostUnregister
-        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        self._register.restype = ctypes.c_int
-        self._unregister.argtypes = [ctypes.c_void_p]
-        self._unregister.restype = ctypes.c_int
-        self._error = lib.cudaGetErrorString
-        self._error.argtypes = [ctypes.c_int]
-        self._error.restype = ctypes.c_char_p
-
-    def register(self, address: int, nbytes: int) -> None:
-        err = self._register(address, nbytes, self.PORTABLE)
-        if err:
-            raise HostTierError(f"cudaHostRegister of {nbytes} B failed: {self._error(err).decode()} (error {err})")
-
-    def unregister(self, address: int) -> None:
-        self._unregister(address)
-
-
-class HostSlabBuffer:
-    """The slab pool's memory: chunk c holds slabs [c * slabs_per_chunk, ...) as uint8 [slabs, slab_bytes].
-
-    Args:
-      pool: the index's slab geometry (slab_bytes, slabs per chunk, chunks).
-      pin: page-lock every chunk (cudaHostRegister); None = when jax's backend is a GPU.
-    Raises:
-      HostTierError: the budget exceeds the machine's memory, or allocating or page-locking a chunk failed.
-    """
-
-    def __init__(self, pool: HostSlabPool, *, pin: bool | None = None):
-        self.pool = pool
-        self.slab_bytes = pool.slab_bytes
-        self.chunks: list[np.ndarray] = []
-        self._maps: list[mmap.mmap] = []
-        self._locked: list[int] = []
-        self._lock: _PageLock | None = None
-        total = pool.num_slabs * pool.slab_bytes
-        memory = physical_memory_bytes()
-        if memory is not None and total > memory:
-            raise HostTierError(f"Host tier of {total / 2**20:.0f} MiB exceeds this machine's memory "
-                                f"({memory / 2**20:.0f} MiB); lower host_cache_mib (0 disables the Host tier)")
-        if pin is None:
-            import jax
-
-            pin = jax.default_backend() == "gpu"
-        try:
-            if pin:
-                self._lock = _PageLock()
-            for c in range(pool.num_chunks):
-                nbytes = pool.chunk_bytes(c)
-                try:
-                    mm = _allocate_chunk(nbytes)
-                except (OSError, MemoryError, ValueError) as e:
-                    raise HostTierError(f"cannot allocate Host tier chunk {c} of {nbytes / 2**20:.0f} MiB "
-                                        f"({total / 2**20:.0f} MiB in all): {e}; lower host_cache_mib") from e
-                self._maps.append(mm)
-                array = np.frombuffer(mm, np.uint8).reshape(-1, self.slab_bytes)
-                self.chunks.append(array)
-                if self._lock is not None:
-                    address = array.ctypes.data
-                    self._lock.register(address, nbytes)
-                    self._locked.append(address)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self._locked)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.chunks)
-
-    def first_row(self, run) -> int:
-        """The row of a SlabRun's first slab inside its chunk."""
-        return run.first - run.chunk * self.pool.slabs_per_chunk
-
-    def views(self, slabs: list[int]) -> list[np.ndarray]:
-        """Each slab's row (a view into the pool's memory, no copy)."""
-        return [self.chunks[chunk][row] for chunk, row in (divmod(s, self.pool.slabs_per_chunk) for s in slabs)]
-
-    def read(self, slabs: list[int], out: np.ndarray) -> None:
-        """Copies slab rows `slabs` into out[:len(slabs), :] (runs of consecutive slabs move as one copy)."""
-        width = out.shape[1]
-        for run in self.pool.runs(slabs):
-            first = self.first_row(run)
-            out[run.start:run.start + run.count] = self.chunks[run.chunk][first:first + run.count, :width]
-
-    def write(self, slabs: list[int], rows: np.ndarray) -> None:
-        """Copies rows[i] into the first rows.shape[1] bytes of slab slabs[i]."""
-        width = rows.shape[1]
-        for run in self.pool.runs(slabs):
-            first = self.first_row(run)
-            self.chunks[run.chunk][first:first + run.count, :width] = rows[run.start:run.start + run.count]
-
-    def close(self) -> None:
-        """Unregisters and releases every chunk (the buffer is unusable afterwards)."""
-        if self._lock is not None:
-            for address in self._locked:
-                self._lock.unregister(address)
-        self._locked = []
-        self.chunks = []  # the arrays export the mappings' buffers: drop them first
-        for mm in self._maps:
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
-        self._maps = []
-
-
 class HostTier:
-    """Copies between the Host slab buffer and the device pools, through the runner's transfer ops.
+    """Copies between the Host slab buffer and the device pools, through the runner's transfer programs.
 
     Args:
-      runner: the ModelRunner (gains the transfer ops here; compile them with its warmup).
-      pool: the index's HostSlabPool.
-      pin: see HostSlabBuffer.
+      runner: the ModelRunner, with its Host transfers enabled (`enable_host_transfers`).
+      buffer: the slab pool's memory; the HostTier closes it.
     """
 
     KINDS = ("write", "restore")
     RESTORE_AHEAD = 2  # restore copies dispatched ahead of their scatters (see restore)
 
-    def __init__(self, runner, pool: HostSlabPool, *, pin: bool | None = None):
-        self.runner, self.pool = runner, pool
-        self.buffer = HostSlabBuffer(pool, pin=pin)
-        runner.enable_host_transfers(pool.slab_bytes, pool.image_slabs)
+    def __init__(self, runner, buffer: HostSlabBuffer):
+        if not runner.transfer_sizes:
+            raise ValueError("the runner's Host transfers are not enabled")
+        self.runner, self.buffer, self.pool = runner, buffer, buffer.pool
         self.counters = collections.Counter()
         self._faults: collections.Counter = collections.Counter()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (token, parts, bytes) for the writer; None stops it
@@ -455,4 +275,4 @@ class HostTier:
         }
 
 
-__all__ = ["HostSlabBuffer", "HostTier", "HostTierError", "HostTransferError", "physical_memory_bytes"]
+__all__ = ["HostTier", "HostTransferError"]

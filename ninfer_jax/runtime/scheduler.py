@@ -29,9 +29,9 @@ import numpy as np
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
 from ninfer_jax.runtime.options import EngineOptions
-from ninfer_jax.runtime.prefix_binding import PrefixCacheBinding
+from ninfer_jax.runtime.prefix.manager import PrefixCacheBinding
 from ninfer_jax.runtime.request import Request, StreamEvent
-from ninfer_jax.runtime.runner import ModelRunner
+from ninfer_jax.runtime.device.runner import ModelRunner
 from ninfer_jax.runtime.sampling import SamplerInputs
 
 log = logging.getLogger("ninfer_jax.worker")

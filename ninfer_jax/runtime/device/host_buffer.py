@@ -1,0 +1,175 @@
+"""The Host tier's memory: the slab pool as page-locked chunks of host memory (spec §5.4).
+
+`HostSlabBuffer` holds host_cache_bytes in chunks of at most 4 GiB of whole slabs (the index's `HostSlabPool`
+geometry, so no slab crosses a chunk), each an anonymous mapping viewed as numpy uint8 [slabs, slab_bytes]. On a
+GPU every chunk is page-locked with cudaHostRegister, called through ctypes on the CUDA runtime library the jax
+CUDA plugin installs (DESIGN.md "Host tier"); elsewhere it is plain memory, committed page by page as slabs are
+first written. A budget the machine cannot hold, an allocation or a registration that fails, is a
+`HostTierError` at startup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import mmap
+import os
+import sys
+
+import numpy as np
+
+from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
+
+
+class HostTierError(RuntimeError):
+    """The Host tier cannot be set up (budget, allocation or page-locking); raised at engine start."""
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _allocate_chunk(nbytes: int) -> mmap.mmap:
+    """Anonymous, page-aligned, zero-filled memory, committed lazily by the kernel."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library of the jax CUDA plugin's nvidia wheels (or the system's)."""
+    patterns = ("nvidia/cu13/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*")
+    candidates = [p for base in sys.path if base for pat in patterns
+                  for p in sorted(glob.glob(os.path.join(base, pat)))]
+    system = ctypes.util.find_library("cudart")
+    candidates += [system] if system else []
+    errors = []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise HostTierError("cannot page-lock the Host tier: no CUDA runtime library (libcudart) found"
+                        + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+class _PageLock:
+    """cudaHostRegister / cudaHostUnregister through ctypes."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+    def __init__(self):
+        lib = _cuda_runtime()
+        self._register, self._unregister = lib.cudaHostRegister, lib.cudaHostUnregister
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._register.restype = ctypes.c_int
+        self._unregister.argtypes = [ctypes.c_void_p]
+        self._unregister.restype = ctypes.c_int
+        self._error = lib.cudaGetErrorString
+        self._error.argtypes = [ctypes.c_int]
+        self._error.restype = ctypes.c_char_p
+
+    def register(self, address: int, nbytes: int) -> None:
+        err = self._register(address, nbytes, self.PORTABLE)
+        if err:
+            raise HostTierError(f"cudaHostRegister of {nbytes} B failed: {self._error(err).decode()} (error {err})")
+
+    def unregister(self, address: int) -> None:
+        self._unregister(address)
+
+
+class HostSlabBuffer:
+    """The slab pool's memory: chunk c holds slabs [c * slabs_per_chunk, ...) as uint8 [slabs, slab_bytes].
+
+    Args:
+      pool: the index's slab geometry (slab_bytes, slabs per chunk, chunks).
+      pin: page-lock every chunk (cudaHostRegister); None = when jax's backend is a GPU.
+    Raises:
+      HostTierError: the budget exceeds the machine's memory, or allocating or page-locking a chunk failed.
+    """
+
+    def __init__(self, pool: HostSlabPool, *, pin: bool | None = None):
+        self.pool = pool
+        self.slab_bytes = pool.slab_bytes
+        self.chunks: list[np.ndarray] = []
+        self._maps: list[mmap.mmap] = []
+        self._locked: list[int] = []
+        self._lock: _PageLock | None = None
+        total = pool.num_slabs * pool.slab_bytes
+        memory = physical_memory_bytes()
+        if memory is not None and total > memory:
+            raise HostTierError(f"Host tier of {total / 2**20:.0f} MiB exceeds this machine's memory "
+                                f"({memory / 2**20:.0f} MiB); lower host_cache_mib (0 disables the Host tier)")
+        if pin is None:
+            import jax
+
+            pin = jax.default_backend() == "gpu"
+        try:
+            if pin:
+                self._lock = _PageLock()
+            for c in range(pool.num_chunks):
+                nbytes = pool.chunk_bytes(c)
+                try:
+                    mm = _allocate_chunk(nbytes)
+                except (OSError, MemoryError, ValueError) as e:
+                    raise HostTierError(f"cannot allocate Host tier chunk {c} of {nbytes / 2**20:.0f} MiB "
+                                        f"({total / 2**20:.0f} MiB in all): {e}; lower host_cache_mib") from e
+                self._maps.append(mm)
+                array = np.frombuffer(mm, np.uint8).reshape(-1, self.slab_bytes)
+                self.chunks.append(array)
+                if self._lock is not None:
+                    address = array.ctypes.data
+                    self._lock.register(address, nbytes)
+                    self._locked.append(address)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._locked)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.chunks)
+
+    def first_row(self, run) -> int:
+        """The row of a SlabRun's first slab inside its chunk."""
+        return run.first - run.chunk * self.pool.slabs_per_chunk
+
+    def views(self, slabs: list[int]) -> list[np.ndarray]:
+        """Each slab's row (a view into the pool's memory, no copy)."""
+        return [self.chunks[chunk][row] for chunk, row in (divmod(s, self.pool.slabs_per_chunk) for s in slabs)]
+
+    def read(self, slabs: list[int], out: np.ndarray) -> None:
+        """Copies slab rows `slabs` into out[:len(slabs), :] (runs of consecutive slabs move as one copy)."""
+        width = out.shape[1]
+        for run in self.pool.runs(slabs):
+            first = self.first_row(run)
+            out[run.start:run.start + run.count] = self.chunks[run.chunk][first:first + run.count, :width]
+
+    def write(self, slabs: list[int], rows: np.ndarray) -> None:
+        """Copies rows[i] into the first rows.shape[1] bytes of slab slabs[i]."""
+        width = rows.shape[1]
+        for run in self.pool.runs(slabs):
+            first = self.first_row(run)
+            self.chunks[run.chunk][first:first + run.count, :width] = rows[run.start:run.start + run.count]
+
+    def close(self) -> None:
+        """Unregisters and releases every chunk (the buffer is unusable afterwards)."""
+        if self._lock is not None:
+            for address in self._locked:
+                self._lock.unregister(address)
+        self._locked = []
+        self.chunks = []  # the arrays export the mappings' buffers: drop them first
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                pass
+        self._maps = []
+
+__all__ = ["HostSlabBuffer", "HostTierError", "physical_memory_bytes"]
