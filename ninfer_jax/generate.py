@@ -1,7 +1,7 @@
 """`ninfer-generate` / `python -m ninfer_jax.generate`: run prompts through the engine and print the results.
 
 With no arguments it runs two chat prompts on the built-in tiny checkpoint (random weights: the text is
-noise, the numbers are real).
+noise, the numbers are real). The engine flags are ninfer-serve's, from the same option declarations.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
-from ninfer_jax.runtime.options import IDLE_PREFILL_CHUNK_HELP, PREFILL_ATTENTION_HELP, PREFILL_CHUNK_HELP
+from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
 
@@ -29,30 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--max-concurrency", type=int, default=4)
-    p.add_argument("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP)
-    p.add_argument("--idle-prefill-chunk", type=int, default=None, help=IDLE_PREFILL_CHUNK_HELP)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-capacity", default="auto", help="'auto' or a token count")
-    p.add_argument("--kernels", default="auto", choices=["auto", "reference", "pallas"],
-                   help="Pallas kernels or the jnp references (auto: pallas on a GPU)")
-    p.add_argument("--prefill-attention", default="auto", choices=["auto", "pallas", "cudnn"],
-                   help=PREFILL_ATTENTION_HELP)
-    add_compile_cache_argument(p)
+    engine, _ = add_engine_arguments(p)
+    add_compile_cache_argument(engine)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = engine_kwargs_from_args(args)
+    except OptionsError as error:
+        parser.error(str(error))  # exits 2, before anything loads
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s | %(message)s")
-    kv = args.kv_capacity if args.kv_capacity == "auto" else int(args.kv_capacity)
     enable_compile_cache(args.compile_cache_dir)
-    engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
-        kv_capacity=kv, max_model_len=args.max_model_len, kernels=args.kernels,
-        prefill_attention=args.prefill_attention, idle_prefill_chunk=args.idle_prefill_chunk,
-    )
+    engine = Engine.from_pretrained(args.model, **options)
     try:
         prompts = args.prompts or DEFAULT_PROMPTS
         if not args.raw and engine.tokenizer is not None:

@@ -28,6 +28,37 @@ GiB = 1 << 30
 DEFAULT_HOST_CACHE_BYTES = 8 * GiB
 
 
+# The default rules (spec §14.2), here once: PrefixCacheOptions.resolve and the engine's EngineOptions.resolve
+# both call them.
+def default_snapshot_slots(max_concurrency: int, host_tier: bool) -> int:
+    """D when unset: one resident snapshot per lane plus staging, C + 1 with a Host tier, C + 2 without."""
+    return max_concurrency + (1 if host_tier else 2)
+
+
+def default_max_new_taps(host_tier: bool) -> int:
+    """Taps planned per request when unset: 8 with a Host tier, 2 without (taps would evict other conversations'
+    snapshots)."""
+    return 8 if host_tier else 2
+
+
+def default_tap_ladder_tokens(prefill_chunk: int) -> int:
+    """G when unset: max(4096, 2 * chunk), so ladder taps land on chunk boundaries."""
+    return max(4096, 2 * prefill_chunk)
+
+
+def default_tap_min_gap_tokens(prefill_chunk: int) -> int:
+    """The ladder's minimum gap when unset: max(1024, chunk)."""
+    return max(1024, prefill_chunk)
+
+
+def tap_spacing_problem(tap_ladder_tokens: int, tap_min_gap_tokens: int) -> str | None:
+    """Why a ladder spacing and a minimum gap cannot go together (None: they can)."""
+    if tap_min_gap_tokens > tap_ladder_tokens:
+        return (f"tap_min_gap_tokens ({tap_min_gap_tokens}) must not exceed tap_ladder_tokens ({tap_ladder_tokens}): "
+                f"the first ladder step would always violate the gap")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefixCacheOptions:
     """Resolved Hybrid prefix cache options (all values concrete).
@@ -52,10 +83,9 @@ class PrefixCacheOptions:
             raise ValueError(f"tap_ladder_tokens must be >= {BLOCK_TOKENS}, got {self.tap_ladder_tokens}")
         if self.tap_min_gap_tokens < BLOCK_TOKENS:
             raise ValueError(f"tap_min_gap_tokens must be >= {BLOCK_TOKENS}, got {self.tap_min_gap_tokens}")
-        if self.tap_min_gap_tokens > self.tap_ladder_tokens:
-            raise ValueError(
-                f"tap_min_gap_tokens ({self.tap_min_gap_tokens}) must not exceed tap_ladder_tokens "
-                f"({self.tap_ladder_tokens}): the first ladder step would always violate the gap")
+        spacing = tap_spacing_problem(self.tap_ladder_tokens, self.tap_min_gap_tokens)
+        if spacing:
+            raise ValueError(spacing)
 
     @property
     def host_tier(self) -> bool:
@@ -88,13 +118,13 @@ class PrefixCacheOptions:
             host_cache_bytes = DEFAULT_HOST_CACHE_BYTES
         host = host_cache_bytes > 0
         if device_snapshot_slots is None:
-            device_snapshot_slots = max_concurrency + (1 if host else 2)
+            device_snapshot_slots = default_snapshot_slots(max_concurrency, host)
         if max_new_taps is None:
-            max_new_taps = 8 if host else 2
+            max_new_taps = default_max_new_taps(host)
         if tap_ladder_tokens is None:
-            tap_ladder_tokens = max(4096, 2 * prefill_chunk)
+            tap_ladder_tokens = default_tap_ladder_tokens(prefill_chunk)
         if tap_min_gap_tokens is None:
-            tap_min_gap_tokens = max(1024, prefill_chunk)
+            tap_min_gap_tokens = default_tap_min_gap_tokens(prefill_chunk)
         return cls(host_cache_bytes=host_cache_bytes, device_snapshot_slots=device_snapshot_slots,
                    max_new_taps=max_new_taps, tap_ladder_tokens=tap_ladder_tokens,
                    tap_min_gap_tokens=tap_min_gap_tokens)

@@ -1,150 +1,212 @@
-"""EngineOptions: every engine setting, validated, with unset values derived as spec §14.2 says."""
+"""Every engine and prefix-cache option, declared once and resolved once (spec §14.2).
+
+Each `EngineOptions` field carries its declaration, an `Option`: type, default (or the rule that derives it),
+bounds or choices, help and command-line flag. `EngineOptions.resolve` checks values against those declarations
+and derives what is unset; `add_engine_arguments` and `engine_kwargs_from_args` build ninfer-serve's and
+ninfer-generate's engine flags from them, so help, bounds and conflicts cannot differ between the three.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import re
 from pathlib import Path
+from typing import Any
+
+from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS
+from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCacheOptions, default_max_new_taps,
+                                             default_snapshot_slots, default_tap_ladder_tokens,
+                                             default_tap_min_gap_tokens, tap_spacing_problem)
+
+__all__ = [
+    "DENSE_PREFILL_CHUNK", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
+    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "default_max_new_taps",
+    "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
+]
 
 
 class OptionsError(ValueError):
     """Conflicting or invalid engine options; the message names the option."""
 
 
-def default_snapshot_slots(max_concurrency: int, host_tier: bool) -> int:
-    """D, the Device snapshot slots, when unset: C + 1 with a Host tier, C + 2 without (spec §14.2)."""
-    return max_concurrency + (1 if host_tier else 2)
-
-
-def default_max_new_taps(host_tier: bool) -> int:
-    """Taps planned per request when unset: 8 with a Host tier, 2 without (spec §14.2)."""
-    return 8 if host_tier else 2
-
-
-# A dense model's projections reach the matmul rate at 2048 rows (a 27B 32k prefill was no faster at 8192,
-# docs/benchmarks/prefill_profile.md). An MoE layer reads every expert's weights once per pass: at 2048 tokens the
-# 35B-A3B routes 64 rows to each of 256 experts and its expert kernels are bound by those reads (1.6 GB per
-# layer); 8192 tokens route 256 rows each. A cold 32k prefill of the 35B-A3B: 32058 tok/s at 2048, 38793 at 4096,
-# 42162 at 8192 (docs/benchmarks/prefill_profile.md, session 13).
+# A dense model's projections reach the matmul rate at 2048 rows per pass. An MoE layer reads every expert's
+# weights once per pass, so a longer pass reads them fewer times per token (docs/benchmarks/prefill_profile.md).
 DENSE_PREFILL_CHUNK = 2048
 MOE_PREFILL_CHUNK = 8192
-# While no lane decodes, nobody waits on a prefill pass, and an MoE model's longer passes read each expert's weights
-# fewer times: a lone cold 32k prompt of the 35B-A3B ran 49033 tok/s in passes of 8192, 52153 in 16384 and 54114 in
-# one of 32768 (docs/benchmarks/prefill_profile.md, session 15). A dense model gained 1-3% from 2048 to 8192, less
-# than two more compiled programs cost, so its idle pass stays its prefill_chunk.
+# While no lane decodes nobody waits on a prefill pass, so an MoE model takes longer ones and reads its experts'
+# weights fewer times still. A dense model gains less than two more compiled programs cost, so its idle pass stays
+# its prefill chunk (docs/benchmarks/prefill_profile.md).
 MOE_IDLE_PREFILL_CHUNK = 32768
+MAX_DEFAULT_MODEL_LEN = 32768  # the default context: the model's limit, at most this
 
-# The command lines' help for the options they share (ninfer-serve, ninfer-generate)
-PREFILL_CHUNK_HELP = (f"tokens per prefill pass (default {DENSE_PREFILL_CHUNK}, "
-                      f"or {MOE_PREFILL_CHUNK} for an MoE model)")
-IDLE_PREFILL_CHUNK_HELP = (f"tokens per prefill pass while no lane decodes, a multiple of 64 and at least the "
-                           f"prefill chunk (default {MOE_IDLE_PREFILL_CHUNK} for an MoE model, else the prefill "
-                           f"chunk: no longer passes)")
-PREFILL_ATTENTION_HELP = ("prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys "
-                          "through cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was "
-                          "measured faster")
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option's declaration. A default of None means `EngineOptions.resolve` derives it (`rule` says how)."""
+
+    kind: type  # int, float, str, bool or Path
+    default: Any
+    help: str  # plain words first, spec terms after
+    flag: str | None = None  # the command lines' flag (spec §14.2's name where it has one); None: library only
+    choices: tuple = ()
+    minimum: int | None = None
+    maximum: int | float | None = None
+    above: float | None = None  # an exclusive lower bound
+    multiple_of: int | None = None
+    auto: bool = False  # "auto" is a value too
+    rule: str | None = None  # the derived default, in words
+    cache: bool = False  # a prefix-cache setting: listed with the cache's flags, refused with no_prefix_reuse
+    cli_default: str | None = None  # the command lines' default where the library's differs
+    metavar: str | None = None
+    name: str = ""  # the EngineOptions field (filled in from it)
+
+    def allowed(self) -> str:
+        """The values it takes, in words."""
+        if self.choices:
+            words = [repr(c) for c in self.choices]
+            return f"{', '.join(words[:-1])} or {words[-1]}"
+        if self.kind is bool:
+            return "True or False"
+        if self.kind is Path:
+            return "a file path"
+        if self.multiple_of:
+            text = f"a positive multiple of {self.multiple_of}"
+        elif self.above is not None:
+            text = f"in ({self.above:g}, {self.maximum:g}]"
+        elif self.maximum is not None:
+            text = f"in {self.minimum}..{self.maximum}"
+        elif self.minimum == 1:
+            text = "a positive integer"
+        else:
+            text = f">= {self.minimum}"
+        return f"'auto' or {text}" if self.auto else text
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not one this option takes (None: it is)."""
+        if (value is None and self.default is None) or (self.auto and value == "auto"):
+            return None
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is Path:
+            ok = isinstance(value, (str, os.PathLike))
+        elif self.kind is str:
+            ok = isinstance(value, str)
+        else:
+            ok = isinstance(value, (int, float) if self.kind is float else int) and not isinstance(value, bool)
+        ok = ok and (not self.choices or value in self.choices)
+        ok = ok and (self.minimum is None or value >= self.minimum)
+        ok = ok and (self.maximum is None or value <= self.maximum)
+        ok = ok and (self.above is None or value > self.above)
+        ok = ok and (not self.multiple_of or value % self.multiple_of == 0)
+        return None if ok else f"must be {self.allowed()}, got {value!r}"
+
+    def help_text(self) -> str:
+        """The command lines' help: the declaration's words and its default."""
+        text = self.help
+        if self.maximum is not None and self.minimum is not None:
+            text += f", {self.minimum}..{self.maximum}"
+        if self.multiple_of:
+            text += f", a multiple of {self.multiple_of}"
+        default = None if self.kind is bool else self.cli_default or self.rule or self.default
+        return text if default is None else f"{text}; default {default}"
+
+
+def _option(kind: type, default: Any, help: str, **declaration) -> Any:
+    """An EngineOptions field with its declaration."""
+    return dataclasses.field(default=default, metadata={"option": Option(kind, default, help, **declaration)})
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """Engine settings. `resolve()` returns a copy with every derived value filled in."""
+    """Engine settings, one declared option per field. `resolve()` returns a copy with every derived value."""
 
-    dtype: str = "bfloat16"
-    max_concurrency: int = 4  # C: lanes, each with an active state slot
-    # Tokens per prefill pass; None: DENSE_PREFILL_CHUNK, or MOE_PREFILL_CHUNK for a model with routed experts.
-    # A longer pass keeps the running lanes' decode waiting longer (one 8192-token pass of the 35B-A3B takes
-    # about 0.2 s on an H200, one of 2048 about 0.065 s).
-    prefill_chunk: int | None = None
-    # Tokens per prefill pass while no lane decodes (no decode waits on it); a prompt takes this or its half where
-    # either fits. None: MOE_IDLE_PREFILL_CHUNK for a model with routed experts, prefill_chunk (off) otherwise.
-    idle_prefill_chunk: int | None = None
-    kv_capacity: int | str = "auto"  # tokens, or "auto": the device memory left after weights
-    max_model_len: int | None = None  # default: min(config max positions, 32768)
-    kernels: str = "auto"  # "pallas", "reference" (jnp), or "auto": pallas on a GPU, reference elsewhere
-    # Prefill attention with kernels "pallas": "pallas" (the paged Pallas kernel), "cudnn" (gathered keys through
-    # cuDNN flash attention; GPU, bf16) or "auto": cudnn on a Hopper GPU with bf16, else pallas. On the H200 cuDNN
-    # made a cold 32k prefill 11% faster on the 35B-A3B (chunk 8192) and 4-6% on the 27B
-    # (docs/benchmarks/prefill_profile.md); other GPUs were not measured, so they keep the Pallas kernel.
-    prefill_attention: str = "auto"
-    interpret: bool = False  # Pallas interpret mode (CPU tests)
-    output_window: int = 512  # tokens of decode pages reserved ahead (bounded completion, spec §9.5)
-    memory_fraction: float = 0.9  # of free device memory that "auto" KV capacity may take
-    # Every decode round runs all max_concurrency rows, so a request's tokens never depend on what else runs (a
-    # round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order depends on
-    # the row count). Costs speed at low concurrency: one 35B-A3B lane computes 8 rows.
-    batch_invariant: bool = False
-    # Hybrid prefix cache (spec §14.2); None = derived.
-    no_prefix_reuse: bool = False
-    host_cache_mib: int = 8192  # the Host slab pool (spec §5.4); 0 = Device only
-    device_snapshot_slots: int | None = None
-    max_new_taps: int | None = None
-    tap_ladder_tokens: int | None = None
-    tap_min_gap_tokens: int | None = None
-    prefix_cache_file: str | None = None
-    concurrent_prefill: bool = False
-    cache_policy: str = "hpc"  # "hpc" (the spec) or "align" (vLLM's mode, for comparison only)
+    dtype: str = _option(
+        str, "bfloat16", "weights and KV cache precision; auto: float32 on a CPU, bfloat16 on a GPU",
+        flag="--dtype", choices=("bfloat16", "float32"), cli_default="auto")
+    max_concurrency: int = _option(
+        int, 4, "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1, maximum=64)
+    prefill_chunk: int | None = _option(
+        int, None, "prompt tokens per prefill pass; a longer pass keeps running requests' decode waiting longer",
+        flag="--prefill-chunk", minimum=64, multiple_of=64,
+        rule=f"{DENSE_PREFILL_CHUNK}, or {MOE_PREFILL_CHUNK} for a model with routed experts")
+    idle_prefill_chunk: int | None = _option(
+        int, None, "prompt tokens per prefill pass while no request decodes (a prompt takes this or its half), "
+        "at least the prefill chunk", flag="--idle-prefill-chunk", minimum=64, multiple_of=64,
+        rule=f"{MOE_IDLE_PREFILL_CHUNK} for a model with routed experts, else the prefill chunk")
+    kv_capacity: int | str = _option(
+        int, "auto", "KV cache size in tokens; auto: the device memory left after the weights",
+        flag="--kv-capacity", minimum=1, auto=True, metavar="TOKENS")
+    max_model_len: int | None = _option(
+        int, None, "longest prompt plus completion, in tokens (context length)", flag="--max-model-len",
+        minimum=2, rule=f"the model's limit, at most {MAX_DEFAULT_MODEL_LEN}")
+    kernels: str = _option(
+        str, "auto", "hot operations as Pallas kernels or as the jnp references; auto: pallas on a GPU",
+        flag="--kernels", choices=("auto", "reference", "pallas"))
+    # cuDNN was measured faster on a Hopper GPU only (docs/benchmarks/prefill_profile.md); other GPUs were not
+    # measured, so "auto" keeps them on the Pallas kernel.
+    prefill_attention: str = _option(
+        str, "auto", "prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys through "
+        "cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was measured faster",
+        flag="--prefill-attention", choices=("auto", "pallas", "cudnn"))
+    interpret: bool = _option(bool, False, "run the Pallas kernels in interpret mode (CPU tests)")
+    output_window: int = _option(
+        int, 512, "completion tokens whose KV pages a request reserves ahead (bounded completion, spec §9.5)",
+        minimum=1)
+    memory_fraction: float = _option(
+        float, 0.9, "share of the free device memory that KV capacity auto may take", above=0, maximum=1)
+    # A decode round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order
+    # depends on that row count.
+    batch_invariant: bool = _option(
+        bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
+        "(slower at low concurrency)", flag="--batch-invariant")
+    no_prefix_reuse: bool = _option(bool, False, "turn the prefix cache off", flag="--no-prefix-reuse", cache=True)
+    host_cache_mib: int = _option(
+        int, DEFAULT_HOST_CACHE_BYTES >> 20, "host memory for the prefix cache in MiB (the Host tier, spec §5.4); "
+        "0: device memory only", flag="--host-cache-mib", minimum=0, cache=True)
+    device_snapshot_slots: int | None = _option(
+        int, None, "device slots for saved conversation states (snapshot slots, spec D)",
+        flag="--device-snapshot-slots", minimum=1, cache=True,
+        rule="lanes + 1 with host memory, lanes + 2 without (C+1 / C+2)")
+    max_new_taps: int | None = _option(
+        int, None, "conversation states saved per request (taps)", flag="--cache-taps-per-request", minimum=0,
+        cache=True, rule="8 with host memory, 2 without")
+    tap_ladder_tokens: int | None = _option(
+        int, None, "spacing of the states saved along a long prompt (tap ladder, spec G)",
+        flag="--cache-tap-ladder", minimum=BLOCK_TOKENS, cache=True, rule="max(4096, 2 x prefill chunk)")
+    tap_min_gap_tokens: int | None = _option(
+        int, None, "least distance between two states saved along a prompt (tap ladder minimum gap)",
+        flag="--cache-tap-min-gap", minimum=BLOCK_TOKENS, cache=True, rule="max(1024, prefill chunk)")
+    prefix_cache_file: str | None = _option(
+        Path, None, "save the host prefix cache here at an orderly stop and load it at the next start (spec §5.5)",
+        flag="--prefix-cache-file", cache=True, metavar="FILE")
+    concurrent_prefill: bool = _option(
+        bool, False, "admit a request while another prefills (needed for in-flight coalescing, spec §12.2)",
+        flag="--concurrent-prefill", cache=True)
+    cache_policy: str = _option(
+        str, "hpc", "prefix cache policy: hpc (the spec's) or align (vLLM's, for comparison only)",
+        choices=("hpc", "align"), cache=True)
 
-    CACHE_OPTIONS = (
-        "device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens",
-        "prefix_cache_file", "concurrent_prefill",
-    )
-
-    def resolve(self, config_max_positions: int, backend: str = "cpu", *, moe: bool = False,
+    def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
                 hopper: bool = True) -> "EngineOptions":
-        """Validates and fills every derived value (pure: the device's backend, "gpu" or other, whether the model
-        routes to experts and whether a GPU is a Hopper are arguments)."""
-        if self.dtype not in ("bfloat16", "float32"):
-            raise OptionsError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
-        if not 1 <= self.max_concurrency <= 64:
-            raise OptionsError(f"max_concurrency must be in 1..64, got {self.max_concurrency}")
-        chunk = self.prefill_chunk
-        if chunk is None:
-            chunk = MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK
-        elif not isinstance(chunk, int) or chunk < 64 or chunk % 64:
-            raise OptionsError(f"prefill_chunk must be a positive multiple of 64, got {chunk!r}")
-        idle = self.idle_prefill_chunk
-        if idle is None:
-            idle = max(chunk, MOE_IDLE_PREFILL_CHUNK) if moe else chunk
-        elif not isinstance(idle, int) or idle % 64 or idle < chunk:
-            raise OptionsError(f"idle_prefill_chunk must be a multiple of 64 and at least prefill_chunk ({chunk}), "
-                               f"got {idle!r}")
-        if self.kernels not in ("auto", "reference", "pallas"):
-            raise OptionsError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
-        if self.prefill_attention not in ("auto", "pallas", "cudnn"):
-            raise OptionsError(f"prefill_attention must be 'auto', 'pallas' or 'cudnn', got {self.prefill_attention!r}")
-        cudnn_conflict = self._cudnn_conflict(backend)
-        if self.prefill_attention == "cudnn" and cudnn_conflict:
-            raise OptionsError(cudnn_conflict)
-        if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
-            raise OptionsError(f"kv_capacity must be 'auto' or a positive token count, got {self.kv_capacity!r}")
-        if self.host_cache_mib < 0:
-            raise OptionsError(f"host_cache_mib must be >= 0, got {self.host_cache_mib}")
-        if not 0 < self.memory_fraction <= 1:
-            raise OptionsError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.cache_policy not in ("hpc", "align"):
-            raise OptionsError(f"cache_policy must be 'hpc' or 'align', got {self.cache_policy!r}")
-        if self.no_prefix_reuse:
-            given = [n for n in self.CACHE_OPTIONS if getattr(self, n) not in (None, False)]
-            given += ["cache_policy"] if self.cache_policy != "hpc" else []
-            if given:
-                raise OptionsError(f"no_prefix_reuse conflicts with prefix-cache option(s): {', '.join(given)}")
-        if self.prefix_cache_file is not None:
-            path = Path(self.prefix_cache_file)
-            if self.host_cache_mib == 0:
-                raise OptionsError("prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0")
-            if path.is_dir():
-                raise OptionsError(f"prefix_cache_file {path} is a directory")
-            if not path.resolve().parent.is_dir():
-                raise OptionsError(f"prefix_cache_file {path}: parent directory does not exist")
-        max_len = self.max_model_len or min(config_max_positions, 32768)
-        if max_len < 2 or max_len > config_max_positions:
+        """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
+        known, its rules skipped), whether the model routes to experts and whether a GPU is a Hopper are
+        arguments."""
+        self.check_conflicts(backend)
+        chunk = self.prefill_chunk or (MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK)
+        idle = self.idle_prefill_chunk or (max(chunk, MOE_IDLE_PREFILL_CHUNK) if moe else chunk)
+        _check_idle_chunk(idle, chunk)
+        max_len = self.max_model_len or min(config_max_positions, MAX_DEFAULT_MODEL_LEN)
+        if not 2 <= max_len <= config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
-        c, host = self.max_concurrency, self.host_cache_mib > 0 and not self.no_prefix_reuse
+        host = self.host_cache_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
         longest = -(-max_len // 64) * 64  # no pass outgrows the context (the idle one stays >= prefill_chunk)
         attention = self.prefill_attention
         if attention == "auto":
-            attention = "cudnn" if hopper and cudnn_conflict is None else "pallas"
+            attention = "cudnn" if hopper and self.cudnn_conflict(backend) is None else "pallas"
         return dataclasses.replace(
             self,
             kernels=kernels,
@@ -153,24 +215,150 @@ class EngineOptions:
             prefill_chunk=min(chunk, longest),
             idle_prefill_chunk=min(idle, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
-            else default_snapshot_slots(c, host),
+            else default_snapshot_slots(self.max_concurrency, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
-            tap_ladder_tokens=self.tap_ladder_tokens or max(4096, 2 * chunk),
-            tap_min_gap_tokens=self.tap_min_gap_tokens or max(1024, chunk),
+            tap_ladder_tokens=self.tap_ladder_tokens or default_tap_ladder_tokens(chunk),
+            tap_min_gap_tokens=self.tap_min_gap_tokens or default_tap_min_gap_tokens(chunk),
         )
 
-    def _cudnn_conflict(self, backend: str) -> str | None:
-        """Why the cuDNN prefill attention cannot run with these options on `backend` (None: it can): it needs the
-        Pallas kernels (not the references, not interpret mode), a GPU and bf16."""
+    def check_conflicts(self, backend: str | None = None) -> None:
+        """Refuses what `resolve` refuses on any model: each value against its declaration, and the options that
+        cannot go together as given (backend None: the device's rules skipped). The command lines call it
+        before anything loads."""
+        for option in OPTIONS.values():
+            problem = option.problem(getattr(self, option.name))
+            if problem:
+                raise OptionsError(f"{option.name} {problem}")
+        if self.no_prefix_reuse:
+            given = [o.name for o in OPTIONS.values()
+                     if o.cache and o.name != "no_prefix_reuse" and getattr(self, o.name) != o.default]
+            if given:
+                raise OptionsError(f"no_prefix_reuse conflicts with {', '.join(given)}: there is no prefix cache "
+                                   f"to configure")
+        if self.prefix_cache_file is not None:
+            if self.host_cache_mib == 0:
+                raise OptionsError("prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0")
+            path = Path(self.prefix_cache_file)
+            if path.is_dir():
+                raise OptionsError(f"prefix_cache_file {path} is a directory; name a file")
+            if not path.resolve().parent.is_dir():
+                raise OptionsError(f"prefix_cache_file {path}: the directory {path.resolve().parent} does not "
+                                   f"exist")
+        cudnn = self.cudnn_conflict(backend)
+        if self.prefill_attention == "cudnn" and cudnn:
+            raise OptionsError(cudnn)
+        if self.prefill_chunk is not None and self.idle_prefill_chunk is not None:
+            _check_idle_chunk(self.idle_prefill_chunk, self.prefill_chunk)
+        if self.tap_ladder_tokens is not None and self.tap_min_gap_tokens is not None:
+            spacing = tap_spacing_problem(self.tap_ladder_tokens, self.tap_min_gap_tokens)
+            if spacing:
+                raise OptionsError(spacing)
+
+    def cudnn_conflict(self, backend: str | None) -> str | None:
+        """Why the cuDNN prefill attention cannot run with these options on `backend` (None: it can; a backend of
+        None is not checked): it needs the Pallas kernels (not the references, not interpret mode), a GPU and
+        bf16."""
         if self.kernels == "reference" or self.interpret:
             return ("prefill_attention 'cudnn' runs on the GPU with kernels 'pallas'; it conflicts with "
                     + ("interpret" if self.interpret else "kernels 'reference'"))
-        if backend != "gpu":
+        if backend is not None and backend != "gpu":
             return f"prefill_attention 'cudnn' needs a GPU (backend {backend})"
         if self.dtype != "bfloat16":
             return f"prefill_attention 'cudnn' runs bf16 attention; it conflicts with dtype {self.dtype!r}"
         return None
 
+    def prefix_cache_options(self) -> PrefixCacheOptions:
+        """The prefix index's options from these resolved ones (a Host budget only with the cache on); derives
+        nothing."""
+        unset = [n for n in ("device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens")
+                 if getattr(self, n) is None]
+        if unset:
+            raise OptionsError(f"prefix_cache_options needs resolved options ({', '.join(unset)} unset): "
+                               f"call resolve() first")
+        try:
+            return PrefixCacheOptions(
+                host_cache_bytes=0 if self.no_prefix_reuse else self.host_cache_mib << 20,
+                device_snapshot_slots=self.device_snapshot_slots, max_new_taps=self.max_new_taps,
+                tap_ladder_tokens=self.tap_ladder_tokens, tap_min_gap_tokens=self.tap_min_gap_tokens)
+        except ValueError as error:
+            raise OptionsError(str(error)) from None
+
     def summary(self) -> str:
         """One line with every effective value, for the startup log."""
         return " | ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+# Every declaration by option name, in field order.
+OPTIONS: dict[str, Option] = {f.name: dataclasses.replace(f.metadata["option"], name=f.name)
+                              for f in dataclasses.fields(EngineOptions)}
+
+
+def _check_idle_chunk(idle: int, chunk: int) -> None:
+    """A pass while nobody waits is never shorter than one while a decode waits."""
+    if idle < chunk:
+        raise OptionsError(f"idle_prefill_chunk must be at least prefill_chunk ({chunk}), got {idle}")
+
+
+# An option's name as a whole word, not inside a path or a longer name.
+_FLAGGED_NAME = re.compile(r"(?<![\w/.-])(" + "|".join(n for n, o in OPTIONS.items() if o.flag) + r")(?![\w/.-])")
+
+
+def flag_words(message: str) -> str:
+    """`message` with each option name written as its flag, for the command lines."""
+    return _FLAGGED_NAME.sub(lambda match: OPTIONS[match.group(1)].flag, message)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+    """Adds every declared flag to `parser` in an "engine" and a "prefix cache" group, and returns the two groups
+    (a command line adds its own engine flags beside them). Unset flags are None: `engine_kwargs_from_args`
+    passes on only what was given."""
+    engine = parser.add_argument_group("engine")
+    cache = parser.add_argument_group("hybrid prefix cache (spec §14.2; unset values are derived)")
+    for option in OPTIONS.values():
+        if option.flag is None:
+            continue
+        group = cache if option.cache else engine
+        if option.kind is bool:
+            group.add_argument(option.flag, dest=option.name, action="store_true", default=None,
+                               help=option.help_text())
+        elif option.choices:
+            choices = option.choices if option.cli_default in (None, *option.choices) \
+                else (option.cli_default, *option.choices)
+            group.add_argument(option.flag, dest=option.name, choices=choices, default=None, help=option.help_text())
+        else:
+            group.add_argument(option.flag, dest=option.name, type=_from_text(option), default=None,
+                               metavar=option.metavar or "N", help=option.help_text())
+    return engine, cache
+
+
+def _from_text(option: Option):
+    """The argparse type of a flag: parses the text and refuses, by the declaration, a value the option never
+    takes."""
+    def parse(text: str) -> Any:
+        if option.auto and text == "auto":
+            return text
+        if option.kind is Path:
+            return str(Path(text).expanduser().resolve())
+        try:
+            value = option.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {option.allowed()}, got {text!r}") from None
+        problem = option.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    return parse
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine.from_pretrained keywords given on a command line built with `add_engine_arguments`, checked
+    against `EngineOptions.check_conflicts`. Raises OptionsError naming the flags at fault."""
+    kwargs = {o.name: getattr(args, o.name) for o in OPTIONS.values()
+              if o.flag is not None and getattr(args, o.name, None) is not None}
+    # A command-line default the library does not take (dtype auto) is settled by Engine.from_pretrained.
+    settled = {k: v for k, v in kwargs.items() if v != OPTIONS[k].cli_default}
+    try:
+        EngineOptions(**settled).check_conflicts()
+    except OptionsError as error:
+        raise OptionsError(flag_words(str(error))) from None
+    return kwargs

@@ -4,7 +4,7 @@ import pytest
 
 from ninfer_jax.prefix_cache import (CacheCostModel, DevicePagePool, HostSlabPool, OwnerState, PoolExhausted,
                                      PrefixCacheOptions, SlabState)
-from ninfer_jax.prefix_cache.options import GiB
+from ninfer_jax.prefix_cache.options import GiB, tap_spacing_problem
 
 
 def test_slab_bytes_round_the_block_bundle_to_4k_and_images_span_whole_slabs():
@@ -93,6 +93,12 @@ def test_options_resolve_the_spec_defaults():
 def test_options_reject_invalid_and_conflicting_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrefixCacheOptions.resolve(**kwargs)
+
+
+def test_the_tap_gap_may_equal_the_ladder_but_not_exceed_it():
+    assert tap_spacing_problem(4096, 4096) is None
+    assert tap_spacing_problem(4096, 4160) == ("tap_min_gap_tokens (4160) must not exceed tap_ladder_tokens (4096): "
+                                               "the first ladder step would always violate the gap")
 
 
 def test_cost_model_prefill_and_restore_formulas():

@@ -1,10 +1,14 @@
 """EngineOptions.resolve: the kernels follow the device unless named, the prefill chunk follows the model unless
-named, and conflicting or invalid options are refused."""
+named, the prefix cache's values follow the spec's rules, and conflicting or invalid options are refused."""
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 
+from ninfer_jax.prefix_cache import PrefixCacheOptions
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 
 
@@ -67,16 +71,114 @@ def test_the_idle_prefill_chunk_is_longer_for_a_model_with_routed_experts_only()
         65536, "gpu", moe=True).idle_prefill_chunk == 65536
 
 
-@pytest.mark.parametrize("idle", [100, 1024, 8192.0])
-def test_an_idle_prefill_chunk_below_prefill_chunk_or_off_the_64_grid_is_refused(idle):
-    with pytest.raises(OptionsError, match="idle_prefill_chunk must be a multiple of 64 and at least prefill_chunk"):
+@pytest.mark.parametrize("idle, message", [
+    (100, "idle_prefill_chunk must be a positive multiple of 64, got 100"),
+    (8192.0, "idle_prefill_chunk must be a positive multiple of 64, got 8192.0"),
+    (1024, r"idle_prefill_chunk must be at least prefill_chunk \(2048\), got 1024"),
+])
+def test_an_idle_prefill_chunk_below_prefill_chunk_or_off_the_64_grid_is_refused(idle, message):
+    with pytest.raises(OptionsError, match=message):
         EngineOptions(prefill_chunk=2048, idle_prefill_chunk=idle).resolve(65536, "gpu", moe=True)
+
+
+def test_an_idle_prefill_chunk_below_a_derived_prefill_chunk_is_refused_for_that_model_only():
+    options = EngineOptions(idle_prefill_chunk=4096)
+    assert options.resolve(65536, "gpu").idle_prefill_chunk == 4096  # dense: the chunk is 2048
+    with pytest.raises(OptionsError, match=r"at least prefill_chunk \(8192\), got 4096"):
+        options.resolve(65536, "gpu", moe=True)
+    options.check_conflicts()  # the model is not known yet: not refused
 
 
 @pytest.mark.parametrize("chunk", [0, 100, -64, 64.0])
 def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk):
     with pytest.raises(OptionsError, match="prefill_chunk must be a positive multiple of 64"):
         EngineOptions(prefill_chunk=chunk).resolve(4096, "gpu")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(max_concurrency=0), "max_concurrency must be in 1..64, got 0"),
+    (dict(max_concurrency=65), "max_concurrency must be in 1..64, got 65"),
+    (dict(dtype="auto"), "dtype must be 'bfloat16' or 'float32', got 'auto'"),
+    (dict(kv_capacity=0), "kv_capacity must be 'auto' or a positive integer, got 0"),
+    (dict(kv_capacity="all"), "kv_capacity must be 'auto' or a positive integer, got 'all'"),
+    (dict(host_cache_mib=-1), "host_cache_mib must be >= 0, got -1"),
+    (dict(memory_fraction=0), "memory_fraction must be in (0, 1], got 0"),
+    (dict(memory_fraction=1.5), "memory_fraction must be in (0, 1], got 1.5"),
+    (dict(output_window=0), "output_window must be a positive integer, got 0"),
+    (dict(max_model_len=1), "max_model_len must be >= 2, got 1"),
+    (dict(max_model_len=8192), "max_model_len must be in 2..4096, got 8192"),
+    (dict(device_snapshot_slots=0), "device_snapshot_slots must be a positive integer, got 0"),
+    (dict(max_new_taps=-1), "max_new_taps must be >= 0, got -1"),
+    (dict(tap_ladder_tokens=32), "tap_ladder_tokens must be >= 64, got 32"),
+    (dict(tap_ladder_tokens=1024, tap_min_gap_tokens=2048),
+     "tap_min_gap_tokens (2048) must not exceed tap_ladder_tokens (1024)"),
+    (dict(cache_policy="lru"), "cache_policy must be 'hpc' or 'align', got 'lru'"),
+    (dict(batch_invariant=1), "batch_invariant must be True or False, got 1"),
+    (dict(no_prefix_reuse=True, host_cache_mib=64, max_new_taps=2),
+     "no_prefix_reuse conflicts with host_cache_mib, max_new_taps: there is no prefix cache to configure"),
+    (dict(no_prefix_reuse=True, concurrent_prefill=True), "no_prefix_reuse conflicts with concurrent_prefill"),
+    (dict(no_prefix_reuse=True, cache_policy="align"), "no_prefix_reuse conflicts with cache_policy"),
+    (dict(prefix_cache_file="x.cache", host_cache_mib=0),
+     "prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0"),
+])
+def test_invalid_and_conflicting_options_are_refused_by_name(options, message):
+    with pytest.raises(OptionsError, match=re.escape(message)):
+        EngineOptions(**options).resolve(4096, "gpu")
+
+
+def test_a_prefix_cache_file_must_name_a_file_in_an_existing_folder(tmp_path):
+    with pytest.raises(OptionsError, match=f"prefix_cache_file {tmp_path} is a directory"):
+        EngineOptions(prefix_cache_file=str(tmp_path)).resolve(4096)
+    with pytest.raises(OptionsError, match=f"the directory {tmp_path / 'no'} does not exist"):
+        EngineOptions(prefix_cache_file=str(tmp_path / "no" / "x.cache")).resolve(4096)
+    assert EngineOptions(prefix_cache_file=str(tmp_path / "x.cache")).resolve(4096).prefix_cache_file == \
+        str(tmp_path / "x.cache")
+
+
+def test_max_concurrency_takes_1_to_64():
+    accepted = []
+    for c in range(-1, 70):
+        try:
+            accepted.append(EngineOptions(max_concurrency=c).resolve(4096).max_concurrency)
+        except OptionsError:
+            pass
+    assert accepted == list(range(1, 65))
+
+
+def test_the_prefix_cache_values_follow_the_host_tier_and_the_chunk():
+    dense = EngineOptions(max_concurrency=3).resolve(65536, "gpu")
+    assert (dense.device_snapshot_slots, dense.max_new_taps, dense.tap_ladder_tokens, dense.tap_min_gap_tokens) \
+        == (4, 8, 4096, 2048)  # C + 1, 8, max(4096, 2 chunk), max(1024, chunk)
+    off = EngineOptions(max_concurrency=3, no_prefix_reuse=True).resolve(65536, "gpu")
+    assert (off.device_snapshot_slots, off.max_new_taps) == (5, 2)  # no Host tier without the cache: C + 2, 2
+    given = EngineOptions(device_snapshot_slots=9, max_new_taps=0, tap_ladder_tokens=8192,
+                          tap_min_gap_tokens=64).resolve(65536, "gpu", moe=True)
+    assert (given.device_snapshot_slots, given.max_new_taps, given.tap_ladder_tokens, given.tap_min_gap_tokens) \
+        == (9, 0, 8192, 64)
+
+
+def test_prefix_cache_options_are_the_resolved_values_as_the_index_takes_them():
+    resolved = EngineOptions(max_concurrency=3, host_cache_mib=1024).resolve(65536, "gpu", moe=True)
+    assert resolved.prefix_cache_options() == PrefixCacheOptions(
+        host_cache_bytes=1 << 30, device_snapshot_slots=4, max_new_taps=8, tap_ladder_tokens=16384,
+        tap_min_gap_tokens=8192)
+    off = EngineOptions(max_concurrency=3, no_prefix_reuse=True).resolve(65536, "gpu")
+    assert off.prefix_cache_options() == PrefixCacheOptions(
+        host_cache_bytes=0, device_snapshot_slots=5, max_new_taps=2, tap_ladder_tokens=4096, tap_min_gap_tokens=2048)
+    with pytest.raises(OptionsError, match=r"call resolve\(\) first"):
+        EngineOptions().prefix_cache_options()
+    # a ladder given alone that the model's derived gap outgrows is the index's to refuse, by name
+    with pytest.raises(OptionsError, match=r"tap_min_gap_tokens \(8192\) must not exceed tap_ladder_tokens \(4096\)"):
+        EngineOptions(tap_ladder_tokens=4096).resolve(65536, "gpu", moe=True).prefix_cache_options()
+
+
+@pytest.mark.parametrize("lanes, host_mib, moe, chunk", itertools.product((1, 8, 64), (0, 64, 8192), (False, True),
+                                                                          (None, 512, 16384)))
+def test_the_engine_and_the_index_derive_the_same_defaults(lanes, host_mib, moe, chunk):
+    resolved = EngineOptions(max_concurrency=lanes, host_cache_mib=host_mib, prefill_chunk=chunk).resolve(
+        65536, "gpu", moe=moe)
+    assert resolved.prefix_cache_options() == PrefixCacheOptions.resolve(lanes, resolved.prefill_chunk,
+                                                                          host_mib << 20)
 
 
 def test_auto_kv_capacity_leaves_room_for_the_longest_prefill_pass(monkeypatch):

@@ -10,9 +10,14 @@ import httpx
 import openai
 import pytest
 
-from ninfer_jax.server.cli import CACHE_FLAGS, UsageError, build_parser, main, serve_options
+from ninfer_jax.runtime.options import OPTIONS
+from ninfer_jax.server.cli import UsageError, build_parser, main, serve_options
 from ninfer_jax.server.subprocess_server import ServerProcess
 from server_support import SERVE_FLAGS, sse_events, subprocess_env, wait_for
+
+
+# the prefix cache's flags, which --no-prefix-reuse refuses
+CACHE_FLAGS = sorted(o.flag for o in OPTIONS.values() if o.cache and o.flag and o.name != "no_prefix_reuse")
 
 
 def _options(*argv):
@@ -22,8 +27,8 @@ def _options(*argv):
 def test_defaults_bind_loopback_and_serve_the_built_in_checkpoint():
     options = _options()
     assert (options.host, options.port, options.api_key) == ("127.0.0.1", 8000, None)
-    assert options.engine == {"path": None, "dtype": "auto", "max_concurrency": 4, "kv_capacity": "auto",
-                              "no_prefix_reuse": False, "warmup": True}
+    # only what was given reaches the engine: every other value is the engine's own default or rule
+    assert options.engine == {"path": None, "warmup": True}
 
 
 def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
@@ -31,14 +36,22 @@ def test_cache_options_reach_the_engine_under_the_spec_names(tmp_path):
                        "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192", "--cache-tap-min-gap", "2048",
                        "--prefix-cache-file", str(tmp_path / "cache.bin"), "--concurrent-prefill",
                        "--kv-capacity", "65536", "--prefill-chunk", "512", "--max-model-len", "4096",
-                       "--batch-invariant", "--kernels", "pallas", "--prefill-attention", "cudnn")
+                       "--batch-invariant", "--kernels", "pallas", "--prefill-attention", "cudnn",
+                       "--dtype", "bfloat16", "--max-concurrency", "64", "--idle-prefill-chunk", "1024",
+                       "--no-warmup")
     assert options.engine == {
-        "path": str(tmp_path), "dtype": "auto", "max_concurrency": 4, "kv_capacity": 65536, "no_prefix_reuse": False,
-        "warmup": True, "prefill_chunk": 512, "max_model_len": 4096, "concurrent_prefill": True,
+        "path": str(tmp_path), "dtype": "bfloat16", "max_concurrency": 64, "kv_capacity": 65536, "warmup": False,
+        "prefill_chunk": 512, "idle_prefill_chunk": 1024, "max_model_len": 4096, "concurrent_prefill": True,
         "batch_invariant": True, "kernels": "pallas", "prefill_attention": "cudnn",
         "host_cache_mib": 1024, "device_snapshot_slots": 6, "max_new_taps": 3, "tap_ladder_tokens": 8192,
         "tap_min_gap_tokens": 2048, "prefix_cache_file": str((tmp_path / "cache.bin").resolve()),
     }
+
+
+def test_auto_values_reach_the_engine_as_auto():
+    options = _options("--dtype", "auto", "--kv-capacity", "auto", "--no-prefix-reuse")
+    assert options.engine == {"path": None, "dtype": "auto", "kv_capacity": "auto", "no_prefix_reuse": True,
+                              "warmup": True}
 
 
 def test_the_compile_cache_folder_is_an_option_and_none_turns_it_off(tmp_path):
@@ -51,25 +64,44 @@ def test_prefix_cache_file_is_resolved_to_an_absolute_path(tmp_path, monkeypatch
     assert _options("--prefix-cache-file", "cache.bin").engine["prefix_cache_file"] == str(tmp_path / "cache.bin")
 
 
-@pytest.mark.parametrize("flag", sorted(CACHE_FLAGS))
+@pytest.mark.parametrize("flag", CACHE_FLAGS)
 def test_no_prefix_reuse_conflicts_with_every_cache_option(flag, tmp_path):
-    value = str(tmp_path / "f") if flag == "--prefix-cache-file" else "1"
-    with pytest.raises(UsageError, match=f"--no-prefix-reuse conflicts with {flag}"):
-        _options("--no-prefix-reuse", flag, value)
+    value = {"--prefix-cache-file": [str(tmp_path / "f")], "--concurrent-prefill": []}.get(flag, ["64"])
+    with pytest.raises(UsageError, match=f"--no-prefix-reuse conflicts with {flag}: there is no prefix cache"):
+        _options("--no-prefix-reuse", flag, *value)
+
+
+def test_every_prefix_cache_flag_is_a_spec_name():
+    assert CACHE_FLAGS == ["--cache-tap-ladder", "--cache-tap-min-gap", "--cache-taps-per-request",
+                           "--concurrent-prefill", "--device-snapshot-slots", "--host-cache-mib",
+                           "--prefix-cache-file"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prefix-cache-file", "{tmp}/c.bin", "--host-cache-mib", "0"], "conflicts with --host-cache-mib 0"),
-    (["--prefix-cache-file", "{tmp}"], "is a directory"),
-    (["--prefix-cache-file", "{tmp}/missing/c.bin"], "does not exist"),
-    (["--max-concurrency", "0"], "must be in 1..8"),
-    (["--max-concurrency", "9"], "must be in 1..8"),
+    (["--prefix-cache-file", "{tmp}/c.bin", "--host-cache-mib", "0"],
+     "--prefix-cache-file needs a Host tier; it conflicts with --host-cache-mib 0"),
+    (["--prefix-cache-file", "{tmp}"], "--prefix-cache-file {tmp} is a directory"),
+    (["--prefix-cache-file", "{tmp}/missing/c.bin"], "the directory {tmp}/missing does not exist"),
     (["--model", "{tmp}/a", "{tmp}/b"], "two models given"),
-    (["--kernels", "reference", "--prefill-attention", "cudnn"], "conflicts with --kernels reference"),
+    (["--kernels", "reference", "--prefill-attention", "cudnn"], "conflicts with --kernels 'reference'"),
+    (["--dtype", "float32", "--prefill-attention", "cudnn"], "conflicts with --dtype 'float32'"),
+    (["--prefill-chunk", "4096", "--idle-prefill-chunk", "2048"],
+     r"--idle-prefill-chunk must be at least --prefill-chunk \(4096\), got 2048"),
+    (["--cache-tap-ladder", "1024", "--cache-tap-min-gap", "2048"],
+     r"--cache-tap-min-gap \(2048\) must not exceed --cache-tap-ladder \(1024\)"),
+    (["--port", "70000"], "--port must be in 0..65535"),
 ])
 def test_conflicting_options_are_refused_before_loading(argv, message, tmp_path):
-    with pytest.raises(UsageError, match=message):
-        _options(*(arg.format(tmp=tmp_path) for arg in argv))
+    tmp = tmp_path.resolve()
+    with pytest.raises(UsageError, match=message.format(tmp=tmp)):
+        _options(*(arg.format(tmp=tmp) for arg in argv))
+
+
+def test_options_that_conflict_only_on_some_devices_are_left_to_the_engine():
+    # cudnn needs a GPU and bf16; with dtype auto the command line cannot know either
+    assert _options("--prefill-attention", "cudnn").engine["prefill_attention"] == "cudnn"
+    # an idle chunk alone may be below an MoE model's default prefill chunk but not a dense one's
+    assert _options("--idle-prefill-chunk", "4096").engine["idle_prefill_chunk"] == 4096
 
 
 def test_refused_options_exit_with_status_2_and_say_why(capsys):
@@ -79,11 +111,22 @@ def test_refused_options_exit_with_status_2_and_say_why(capsys):
     assert "--no-prefix-reuse conflicts with --host-cache-mib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--kv-capacity", "lots"], ["--host-cache-mib", "-1"], ["--prefill-chunk", "0"]])
-def test_malformed_values_exit_with_status_2(argv):
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-capacity", "lots"], "--kv-capacity: must be 'auto' or a positive integer, got 'lots'"),
+    (["--kv-capacity", "0"], "--kv-capacity: must be 'auto' or a positive integer, got 0"),
+    (["--host-cache-mib", "-1"], "--host-cache-mib: must be >= 0, got -1"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: must be a positive multiple of 64, got 0"),
+    (["--prefill-chunk", "100"], "--prefill-chunk: must be a positive multiple of 64, got 100"),
+    (["--max-concurrency", "0"], "--max-concurrency: must be in 1..64, got 0"),
+    (["--max-concurrency", "65"], "--max-concurrency: must be in 1..64, got 65"),
+    (["--cache-tap-ladder", "32"], "--cache-tap-ladder: must be >= 64, got 32"),
+    (["--kernels", "triton"], "--kernels: invalid choice: 'triton'"),
+])
+def test_malformed_values_exit_with_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_sigterm_answers_in_flight_requests_as_unavailable_then_exits_cleanly(tmp_path):
