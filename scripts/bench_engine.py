@@ -1,78 +1,36 @@
 """Engine throughput at the real Qwen3.5 shapes with random bf16 weights, against rooflines and the HF peer.
 
 One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
-  * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request),
+  * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request): the first request of each
+    length compiles the passes it is the first to use, so its TTFT is reported apart ("first"); the steady
+    figure is the best of --prefill-reps requests after it,
   * decode tokens/s at 1 and 8 lanes,
   * the two ceilings in the same run (a bf16 matmul through jax, a device-to-device copy) and the rooflines
     they give (prefill: 2 x active params FLOPs per token; decode: active weight bytes per token),
   * HF transformers (+ fla when it imports) on the same shapes, in a subprocess after ours exits.
 Writes docs/benchmarks/engine.{json,md} (or --out DIR).
 
-    python scripts/bench_engine.py --models 27b,35b-a3b --out $OUT
+    python scripts/bench_engine.py --models 27b,35b-a3b --out docs/benchmarks
+    python scripts/bench_engine.py --smoke            # the tiny MoE shape on CPU, no peer, a temporary folder
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny-moe": "tiny-moe"}  # tiny-moe: a CPU smoke run
+from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.models import MODELS, measure_ceilings, model_config, param_counts
 
-
-def measure_ceilings():
-    """(bf16 matmul TFLOP/s, device copy TB/s): each the best of 3 batches of 10 calls. One batch once read the
-    copy at 3.19 TB/s where every other run read 4.08-4.12 (session 9), and a ceiling is the best the device
-    does."""
-    import jax
-    import jax.numpy as jnp
-
-    def best_seconds(fn, arg, other=None):
-        args = (arg,) if other is None else (arg, other)
-        fn(*args).block_until_ready()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(10):
-                out = fn(*args)
-            out.block_until_ready()
-            times.append((time.perf_counter() - t) / 10)
-        return min(times)
-
-    n = 8192
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
-    tflops = 2 * n**3 / best_seconds(jax.jit(lambda x, y: x @ y), a, b) / 1e12
-    x = jax.random.normal(jax.random.PRNGKey(2), (1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
-    tbps = 2 * x.nbytes / best_seconds(jax.jit(lambda v: v * jnp.bfloat16(1.0001)), x) / 1e12
-    del a, b, x
-    return tflops, tbps
-
-
-def param_counts(cfg):
-    """(total params, active params per token, active weight bytes per decode token at 1 lane in bf16)."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    attn = h * (cfg.num_attention_heads * 2 * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim) \
-        + cfg.num_attention_heads * cfg.head_dim * h
-    gdn = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
-    if cfg.is_moe:
-        expert = 3 * h * cfg.moe_intermediate_size
-        ffn_total = cfg.num_experts * expert + 3 * h * cfg.shared_expert_intermediate_size
-        ffn_active = cfg.num_experts_per_tok * expert + 3 * h * cfg.shared_expert_intermediate_size
-    else:
-        ffn_total = ffn_active = 3 * h * cfg.intermediate_size
-    mixers = len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn
-    head = v * h * (1 if cfg.tie_word_embeddings else 2)
-    total = mixers + cfg.num_layers * ffn_total + head
-    active = mixers + cfg.num_layers * ffn_active + v * h  # embedding is a lookup, lm_head a matmul
-    return total, active, 2 * active
+SMOKE = dict(models="tiny-moe", kernels="reference", prefill_lengths=(512, 1024), decode_tokens=8, lanes=(1, 4),
+             max_model_len=2048, max_concurrency=4)
+FULL = dict(prefill_lengths=(8192, 32768), lanes=(1, 8), max_model_len=33 * 1024, max_concurrency=8)
 
 
 def bench_ours(name: str, args) -> dict:
@@ -81,45 +39,46 @@ def bench_ours(name: str, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from ninfer_jax import Engine, SamplingParams
-    from ninfer_jax.config import ModelConfig
-    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax import SamplingParams
+    from ninfer_jax.benchmarks.models import random_engine
     from ninfer_jax.model.state import prefill_activation_bytes
-    from ninfer_jax.runtime.options import EngineOptions
 
-    cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
-    tflops, tbps = measure_ceilings()
+    cfg = model_config(name)
+    tflops, tbps = measure_ceilings(*((256, 1) if args.smoke else ()))
     total, active, decode_bytes = param_counts(cfg)
-    t = time.perf_counter()
-    params = random_params(cfg, seed=0)
-    jax.block_until_ready(params)
-    init_s = time.perf_counter() - t
-    opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=args.prefill_chunk,
-                         max_model_len=33 * 1024, kernels=args.kernels, no_prefix_reuse=True)
-    engine = Engine(cfg, params, opts, model_name=name, warmup=False)
+    sizes = SMOKE if args.smoke else FULL
+    engine, init_s = random_engine(name, kernels=args.kernels, max_concurrency=sizes["max_concurrency"],
+                                   prefill_chunk=args.prefill_chunk, max_model_len=sizes["max_model_len"],
+                                   no_prefix_reuse=True)
     chunk = engine.options.prefill_chunk  # --prefill-chunk, or the engine's default for this model
     rng = __import__("numpy").random.default_rng(0)
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    # First requests compile the steps they use; they are not timed.
+    # The first request compiles the chunk's steps and the decode round; each prefill length's first request
+    # below compiles the longer passes it is the first to use. Those are reported as compile (first-run) times.
     t = time.perf_counter()
     engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(),
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     compile_s = time.perf_counter() - t
-    result = {"model": name, "prefill_chunk": chunk, "idle_prefill_chunk": engine.options.idle_prefill_chunk,
-              "init_s": init_s, "compile_s": compile_s,
+    result = {"model": name, "device": str(jax.devices()[0].device_kind), "prefill_chunk": chunk,
+              "idle_prefill_chunk": engine.options.idle_prefill_chunk, "init_s": init_s, "compile_s": compile_s,
               "matmul_tflops": tflops,
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
               "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
               "decode_roofline_tok_s_1lane": tbps * 1e12 / decode_bytes}
 
     def time_prefill(suffix: str = "") -> None:
-        for n in (8192, 32768):
-            best = None
-            for _ in range(2):
-                out = engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy)
-                best = out.metrics.ttft_s if best is None else min(best, out.metrics.ttft_s)
-            result[f"prefill_{n // 1024}k_tok_s{suffix}"] = n / best
-            print(f"[{name}] prefill {n}{suffix}: {n / best:.0f} tok/s (ttft {best:.2f} s)", flush=True)
+        for n in sizes["prefill_lengths"]:
+            key = f"{n // 1024}k" if n >= 1024 else str(n)
+            compiles = engine.stats()["compiles_since_warmup"]
+            first = engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy).metrics.ttft_s
+            compiled = engine.stats()["compiles_since_warmup"] - compiles
+            steady = min(engine.generate(rng.integers(0, cfg.vocab_size, n).tolist(), greedy).metrics.ttft_s
+                         for _ in range(args.prefill_reps))
+            result[f"prefill_{key}_first_ttft_s{suffix}"] = first
+            result[f"prefill_{key}_first_compiles{suffix}"] = compiled
+            result[f"prefill_{key}_tok_s{suffix}"] = n / steady
+            print(f"[{name}] prefill {n}{suffix}: first request {first:.2f} s ({compiled} programs compiled), "
+                  f"then {n / steady:.0f} tok/s (ttft {steady:.2f} s, best of {args.prefill_reps})", flush=True)
             # The device's peak so far against the activation bound "auto" KV capacity reserves for the longest pass
             peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
             longest = max(chunk, min(n, engine.options.idle_prefill_chunk))
@@ -148,14 +107,14 @@ def bench_ours(name: str, args) -> dict:
         print(f"[{name}] decode {lanes} lanes{suffix}: {tokens / span:.1f} tok/s", flush=True)
 
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-    for lanes in (1, 8):
+    for lanes in sizes["lanes"]:
         time_decode(lanes, decode)
     if args.decode_logprobs:  # the same rounds with the top-20 logprobs asked for (a program of its own per round)
         with_logprobs = dataclasses.replace(decode, logprobs=20)
-        for lanes in (1, 8):  # untimed: compiles the logprobs programs (this engine skipped the warmup)
+        for lanes in sizes["lanes"]:  # untimed: compiles the logprobs programs (this engine skipped the warmup)
             engine.generate_many([rng.integers(0, cfg.vocab_size, 64).tolist() for _ in range(lanes)],
                                  dataclasses.replace(with_logprobs, max_tokens=4))
-        for lanes in (1, 8):
+        for lanes in sizes["lanes"]:
             time_decode(lanes, with_logprobs, "_logprobs20")
     result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
     # Other prefill attentions on the same engine (the runner's static KernelConfig swapped; each compiles in an
@@ -164,7 +123,6 @@ def bench_ours(name: str, args) -> dict:
 
     for impl in [v for v in args.prefill_attention_variants.split(",") if v]:
         engine.runner.kernels = dataclasses.replace(engine.runner.kernels, prefill_attention=PrefillConfig(impl=impl))
-        engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(), greedy)
         time_prefill(f"_{impl}")
     engine.stop()
     return result
@@ -175,7 +133,7 @@ def bench_peer(name: str, args) -> dict:
     import torch
     import transformers
 
-    raw = json.loads((ROOT / "configs" / f"{MODELS[name]}.json").read_text())["text_config"]
+    raw = json.loads((report.ROOT / "configs" / f"{MODELS[name]}.json").read_text())["text_config"]
     cls = transformers.Qwen3_5MoeForCausalLM if "moe" in raw["model_type"] else transformers.Qwen3_5ForCausalLM
     cfg_cls = transformers.Qwen3_5MoeTextConfig if "moe" in raw["model_type"] else transformers.Qwen3_5TextConfig
     config = cfg_cls(**{k: v for k, v in raw.items() if k != "model_type"})
@@ -218,21 +176,19 @@ def bench_peer(name: str, args) -> dict:
 
 
 def write_report(rows: list[dict], out: Path, command: str) -> None:
-    """engine.json (every number) and engine.md (a row per engine, and per other prefill attention)."""
-    out.mkdir(parents=True, exist_ok=True)
-    import jax
-
-    meta = {"command": command, "date": datetime.date.today().isoformat(),
-            "device": str(jax.devices()[0].device_kind) if rows else "", "rows": rows}
-    (out / "engine.json").write_text(json.dumps(meta, indent=2))
-    lines = [f"# Engine throughput\n\n`{command}` on {meta['device']}, {meta['date']}. Random bf16 weights.\n",
-             "| model | engine | prefill 8k tok/s | prefill 32k tok/s | % compute roofline @32k | decode 1 lane tok/s "
-             "| % bandwidth roofline | decode 8 lanes tok/s |", "|---|---|---|---|---|---|---|---|"]
+    """engine.json (every number) and engine.md: a row per engine and per other prefill attention, then the
+    compile (first-request) times."""
+    device = next((r["ours"].get("device") for r in rows if r.get("ours", {}).get("device")), "")
+    meta = report.run_meta(command, device=device)
+    lines = report.header("Engine throughput", meta, "random bf16 weights; steady-state figures (compiles apart)")
+    lines += ["| model | engine | prefill 8k tok/s | prefill 32k tok/s | % compute roofline @32k | decode 1 lane tok/s "
+              "| % bandwidth roofline | decode 8 lanes tok/s |", "|---|---|---|---|---|---|---|---|"]
+    compiles = []
     for r in rows:
         ours = r.get("ours", {})
         peer = r.get("peer", {})
         for label, d in (("ninfer-jax", ours), (peer.get("peer", "peer"), peer)):
-            if not d:
+            if not d or "error" in d:
                 continue
             pct_p = d.get("prefill_32k_tok_s", 0) / ours["prefill_roofline_tok_s"] * 100 if ours else 0
             pct_d = d.get("decode_1lane_tok_s", 0) / ours["decode_roofline_tok_s_1lane"] * 100 if ours else 0
@@ -244,7 +200,19 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
             lines.append(f"| {r['model']} | ninfer-jax, prefill attention {impl} | "
                          f"{ours.get(f'prefill_8k_tok_s_{impl}', 0):.0f} | {ours[key]:.0f} | "
                          f"{ours[key] / ours['prefill_roofline_tok_s'] * 100:.0f}% | - | - | - |")
-    (out / "engine.md").write_text("\n".join(lines) + "\n")
+        if "compile_s" in ours:
+            firsts = ", ".join(f"{k.removeprefix('prefill_').removesuffix('_first_ttft_s')} {v:.1f} s "
+                               f"({ours[k.replace('_ttft_s', '_compiles')]} programs)"
+                               for k, v in ours.items() if k.endswith("_first_ttft_s"))
+            compiles.append(f"- {r['model']}: first request (one chunk, 3 tokens) {ours['compile_s']:.1f} s; first "
+                            f"request of each prefill length (TTFT, its compiles included): {firsts}")
+        for part in ("ours", "peer"):
+            if "error" in r.get(part, {}):
+                lines.append(f"| {r['model']} | {part}: not measured | {r[part]['error'][-200:]!r} |")
+    lines += ["", "## Compile (first-run) times", "", "The engine runs without warmup here: the first request of "
+              "each kind compiles the programs it is the first to use. The table's figures are the best of "
+              "the requests after it.", "", *compiles, ""]
+    report.write_report(out, "engine", {**meta, "rows": rows}, lines)
 
 
 def main() -> int:
@@ -260,10 +228,16 @@ def main() -> int:
                    help="prefill attentions timed after the default (cuDNN on a GPU) on the same engine ('' for none)")
     p.add_argument("--decode-logprobs", action=argparse.BooleanOptionalAction, default=True,
                    help="also time decode with the top-20 logprobs asked for")
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--prefill-reps", type=int, default=2, help="steady-state prefill requests per length")
+    p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU, no peer")
+    p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.kernels, args.decode_tokens = SMOKE["models"], SMOKE["kernels"], SMOKE["decode_tokens"]
+        args.prefill_chunk = args.prefill_chunk or 256
+        args.prefill_attention_variants = ""
     names = args.models.split(",")
-    out = Path(args.out)
+    out = Path(args.out or (tempfile.mkdtemp(prefix="engine_smoke-") if args.smoke else report.DOCS))
     if args.part != "all":
         fn = bench_ours if args.part == "ours" else bench_peer
         print(json.dumps([fn(n, args) for n in names]), flush=True)
@@ -278,7 +252,10 @@ def main() -> int:
                    "--decode-tokens", str(args.decode_tokens),
                    "--peer-decode-tokens", str(args.peer_decode_tokens),
                    "--prefill-attention-variants", args.prefill_attention_variants,
+                   "--prefill-reps", str(args.prefill_reps), *(["--smoke"] if args.smoke else []),
                    "--decode-logprobs" if args.decode_logprobs else "--no-decode-logprobs"]
+            if part == "peer" and args.smoke:
+                continue
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             sys.stdout.write(proc.stdout[-4000:])
             sys.stderr.write(proc.stderr[-4000:])
@@ -287,9 +264,9 @@ def main() -> int:
             except Exception:
                 row[part] = {"error": proc.stderr[-500:]}
         rows.append(row)
-        write_report(rows, out, " ".join(sys.argv))
+        write_report(rows, out, report.command_line())
     print(json.dumps(rows, indent=1))
-    return 0
+    return 1 if any("error" in row.get(part, {}) for row in rows for part in ("ours", "peer")) else 0
 
 
 if __name__ == "__main__":

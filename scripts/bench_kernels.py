@@ -1,9 +1,7 @@
 """Check and time the Pallas kernels against the jnp references and the anchors, in one process.
 
-On the H200 (one call of the device tool):
-    PYTHONUNBUFFERED=1 python3 scripts/bench_kernels.py --out $OUT
-prints a table per kernel and writes kernels.json / kernels.md into --out (copy them to docs/benchmarks).
-On a CPU, `--smoke` runs every section at tiny shapes in interpret mode (no anchors) to test this script.
+    python scripts/bench_kernels.py --out docs/benchmarks      # a GPU: a table per kernel, kernels.{json,md}
+    python scripts/bench_kernels.py --smoke --out /tmp/kernels  # every section at tiny shapes, interpret mode
 
 Sections (real model shapes, bf16 inputs, f32 state):
   ceilings   bf16 8192^3 matmul (jax and torch) and a 2 GiB device copy: the roofs for the ratios below.
@@ -22,13 +20,11 @@ through triton.testing.do_bench_cudagraph.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 
@@ -36,11 +32,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ninfer_jax.benchmarks import report  # noqa: E402
 from pallas_kernels import gdn_chunk, gdn_decode, paged_attention  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
@@ -301,8 +296,8 @@ def run_gdn():
                     gdn_chunk.GdnChunkConfig(block_v=64)]
     q, k, v, g, beta = gdn_inputs(jax.random.key(12), t_sweep, hk, hv, d)
     best, best_t = configs[0], None
-    # The first config timed in a process read 0.4 ms (25%) slow in session 15's runs, against the sum of its own
-    # parts and a later run: a warm-up pass first, untimed, so the sweep picks from comparable numbers.
+    # The first config timed in a process read 0.4 ms (25%) slow on the H200 (commit 8cb2927), against the sum of its
+    # own parts and a later run: a warm-up pass first, untimed, so the sweep picks from comparable numbers.
     guarded("gdn sweep warm-up", lambda: time_jax(
         _gdn_ours_step(configs[0], interp), gdn_pool(jax.random.key(13), slots, hv, d),
         (q, k, v, g, beta, no_taps, no_taps, jnp.int32(0))))
@@ -636,23 +631,11 @@ def run_prefill():
 # ------------------------------------------------------------------------------------------------
 
 
-def _fmt(x, nd=3):
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{nd}g}" if abs(x) < 1000 else f"{x:,.0f}"
-    return str(x)
+_fmt = report.fmt
 
 
 def write_report(out_dir, command, quiet=False):
-    os.makedirs(out_dir, exist_ok=True)
-    RESULTS["meta"] = {
-        "command": command,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(jax.devices()[0].device_kind) if jax.devices() else "?",
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-    }
+    RESULTS["meta"] = report.run_meta(command, python=platform.python_version())
     try:
         import torch
         import triton
@@ -660,20 +643,13 @@ def write_report(out_dir, command, quiet=False):
         RESULTS["meta"].update(torch=torch.__version__, triton=triton.__version__)
     except Exception:
         pass
-    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
     m = RESULTS["meta"]
     c = RESULTS["ceilings"]
-    lines = [
-        "# Kernel benchmarks",
-        "",
-        f"- command: `{m['command']}`",
-        f"- date: {m['date']}; device: {m['device']}; jax {m['jax']}, python {m['python']}"
-        + (f", torch {m.get('torch')}, triton {m.get('triton')}" if "torch" in m else ""),
-        f"- ceilings measured in the same run: bf16 matmul {_fmt(c.get('jax_bf16_matmul_tflops'))} TFLOP/s (jax), "
-        f"{_fmt(c.get('torch_bf16_matmul_tflops'))} (torch); device copy {_fmt(c.get('copy_tbps'))} TB/s",
-        "",
-    ]
+    lines = report.header(
+        "Kernel benchmarks", m, f"python {m['python']}" + (f", torch {m.get('torch')}, triton {m.get('triton')}"
+                                                          if "torch" in m else ""),
+        f"ceilings measured in the same run: bf16 matmul {_fmt(c.get('jax_bf16_matmul_tflops'))} TFLOP/s (jax), "
+        f"{_fmt(c.get('torch_bf16_matmul_tflops'))} (torch); device copy {_fmt(c.get('copy_tbps'))} TB/s")
     groups = [
         ("Chunked GDN prefill (bf16 in, f32 state and output)", "gdn_prefill",
          ["shape", "T", "ours_ms", "ours_8taps_ms", "taps8_overhead", "xla_ms", "fla_ms", "ratio_vs_fla",
@@ -704,8 +680,7 @@ def write_report(out_dir, command, quiet=False):
     lines += [f"| {x['name']} | {_fmt(x['value'])} | {x['limit']} | {x['ok']} |" for x in RESULTS["checks"]]
     if RESULTS["errors"]:
         lines += ["", "## Errors", ""] + [f"- {json.dumps(e)[:500]}" for e in RESULTS["errors"]]
-    with open(os.path.join(out_dir, "kernels.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    report.write_report(out_dir, "kernels", RESULTS, lines)
     if not quiet:
         log("\n".join(lines))
 
@@ -727,7 +702,7 @@ def main():
         log(subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw",
                             "--format=csv"], capture_output=True, text=True).stdout)
     t0 = time.time()
-    command = "python3 scripts/bench_kernels.py " + " ".join(sys.argv[1:])
+    command = report.command_line()
     for name, fn in [("ceilings", run_ceilings), ("gdn", run_gdn), ("prefill", run_prefill),
                      ("decode", run_decode), ("gdn_decode", run_gdn_decode)]:
         section(name, fn)

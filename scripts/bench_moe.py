@@ -14,18 +14,15 @@ Routing is the reference router (softmax top-8 over a random gate). Inputs rotat
 sets so that small calls do not run out of L2. Decode (1 and 8 tokens) is also reported as the bytes of
 the distinct experts used, over our time, against the measured copy rate.
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 python3 scripts/bench_moe.py --out $OUT/moe.json
-  python scripts/bench_moe.py --smoke      # CPU, interpret mode, tiny shapes: checks the script only
+  python scripts/bench_moe.py --out docs/benchmarks          # a GPU: writes moe.{json,md}
+  python scripts/bench_moe.py --smoke --out /tmp/moe         # CPU, interpret mode, tiny shapes: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import sys
 import time
 import warnings
 
@@ -35,12 +32,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 # but slowed ragged_dot 5-80x at every size, so it stays on and that size records the error.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ninfer_jax.benchmarks import report  # noqa: E402
 from pallas_kernels import moe  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
@@ -54,7 +51,7 @@ TILED = dict(gemv_max_rows=0)
 
 
 def G(**fields):
-    """A split-K matrix-vector config (gemv_* fields; the path taken at 8 tokens too), spelled out from the session-10
+    """A split-K matrix-vector config (gemv_* fields; the path taken at 8 tokens too), spelled out from fixed
     tiles (8 and 2 splits on 4 warps) so a row's name stays true when the defaults move."""
     return C(**(dict(gemv_max_rows=64, gemv_splits=8, gemv_down_splits=2, gemv_num_warps=4) | fields))
 
@@ -67,7 +64,7 @@ DECODE_CONFIGS = {  # tiled: n32k256dn64k256 (R <= 16), n64k128dn128k128 (16 < R
     "gemv_n128k64s8_d128k64s2": G(),
     "gemv_n128k64s4_d128k64s1": G(gemv_splits=4, gemv_down_splits=1),
     "gemv_n128k64s16_d128k64s4": G(gemv_splits=16, gemv_down_splits=4),
-    "gemv_n128k64s16_d128k64s4_w2": G(gemv_splits=16, gemv_down_splits=4, gemv_num_warps=2),  # default since session 11
+    "gemv_n128k64s16_d128k64s4_w2": G(gemv_splits=16, gemv_down_splits=4, gemv_num_warps=2),  # default since 5dac1bf
     "gemv_n256k32s8_d256k32s2": G(gemv_block_n=256, gemv_block_k=32, gemv_down_block_n=256, gemv_down_block_k=32),
     "gemv_n64k128s8_d64k128s2": G(gemv_block_n=64, gemv_block_k=128, gemv_down_block_n=64, gemv_down_block_k=128),
     "gemv_n128k64s8_d128k64s2_w8": G(gemv_num_warps=8),
@@ -291,7 +288,7 @@ def copy_rate_torch(n_bytes):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at tiny shapes")
-    ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--out", help="report folder (default docs/benchmarks)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--configs", default="all", help="'all' or 'default' (skip the sweep)")
     ap.add_argument("--no-ragged", action="store_true", help="skip the jax.lax.ragged_dot comparison")
@@ -300,14 +297,9 @@ def main():
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else shape["tokens"]
     e, k, h, inter = shape["E"], shape["K"], shape["H"], shape["I"]
     interpret = args.smoke
-    dev = jax.devices()[0]
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-        "command": " ".join(["python3"] + sys.argv), "shape": {"E": e, "K": k, "H": h, "I": inter},
-        "dtype": "bfloat16",
-    }
-    log("meta:", json.dumps(meta))
+    out_dir = args.out or str(report.DOCS)
+    meta = report.run_meta(shape={"E": e, "K": k, "H": h, "I": inter}, dtype="bfloat16")
+    log("meta:", meta)
 
     bw = {}
     if not args.smoke:
@@ -416,22 +408,28 @@ def main():
         if t_ours:
             row["ours_tflops"] = flops / t_ours / 1e12
         results.append(row)
-        if args.out:  # after every size, so that a run cut short keeps what it measured
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "bandwidth": bw, "results": results}, f, indent=1, default=float)
+        # after every size, so that a run cut short keeps what it measured
+        write_report(out_dir, meta, bw, results)
 
-    log("\n| tokens | ours ms (config) | rel err | ragged_dot ms | torch gmm ms | torch e2e ms | "
-        "ours/torch gmm | used-weight TB/s (frac of copy) |")
-    log("|---|---|---|---|---|---|---|---|")
+
+def write_report(out: str, meta: dict, bw: dict, results: list[dict]) -> None:
+    """moe.json (every number) and moe.md (one row per token count)."""
+    lines = report.header(f"MoE expert kernels at E{meta['shape']['E']} K{meta['shape']['K']} H{meta['shape']['H']} "
+                          f"I{meta['shape']['I']}", meta, *(["copy rate " + ", ".join(
+                              f"{k.removesuffix('_copy_Bps')} {v / 1e12:.2f} TB/s" for k, v in bw.items() if v)]
+                                                            if bw else []))
+    lines += ["| tokens | ours ms (config) | rel err | ragged_dot ms | torch gmm ms | torch e2e ms | "
+              "ours/torch gmm | used-weight TB/s (frac of copy) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         t_ours = r.get("ours_best_s")
         ms = lambda v: f"{v * 1e3:.4f}" if v else "-"  # noqa: E731
         speed = f"{r['torch_gmm_s'] / t_ours:.2f}x" if t_ours and r.get("torch_gmm_s") else "-"
         bwcol = (f"{r['weight_Bps'] / 1e12:.2f} ({r['frac_of_copy_bw']:.0%})" if r.get("weight_Bps") else "-")
-        log(f"| {r['tokens']} | {ms(t_ours)} ({r.get('ours_config')}) | {r.get('ours_rel_err', float('nan')):.1e}"
-            f" | {ms(r.get('ragged_s'))} | {ms(r.get('torch_gmm_s'))} | {ms(r.get('torch_e2e_s'))} | {speed}"
-            f" | {bwcol} |")
+        lines.append(f"| {r['tokens']} | {ms(t_ours)} ({r.get('ours_config')}) | "
+                     f"{r.get('ours_rel_err', float('nan')):.1e} | {ms(r.get('ragged_s'))} | "
+                     f"{ms(r.get('torch_gmm_s'))} | {ms(r.get('torch_e2e_s'))} | {speed} | {bwcol} |")
+    report.write_report(out, "moe", {"meta": meta, "bandwidth": bw, "results": results}, lines + [""])
+    log("\n".join(lines))
 
 
 if __name__ == "__main__":

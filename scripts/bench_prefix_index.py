@@ -7,29 +7,26 @@
 
 Writes docs/benchmarks/prefix_index.json and docs/benchmarks/prefix_index.md.
 
-Usage: .venv/bin/python scripts/bench_prefix_index.py [--repeats N] [--out-dir DIR]
+    python scripts/bench_prefix_index.py --out docs/benchmarks
+    python scripts/bench_prefix_index.py --smoke            # 20 repeats, a temporary folder
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ninfer_jax.prefix_cache import (CacheGeometry, OwnerState, PrefixCacheOptions, PrefixIndex,  # noqa: E402
-                                     SnapshotKind, block_hashes)
+from ninfer_jax.benchmarks import report
+from ninfer_jax.prefix_cache import (CacheGeometry, OwnerState, PrefixCacheOptions, PrefixIndex, SnapshotKind,
+                                     block_hashes)
 
 BLOCKS = 3750
 SNAPSHOTS = 1300
@@ -144,8 +141,12 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--smoke", action="store_true", help="20 repeats into a temporary folder")
+    parser.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; with --smoke a temp folder)")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats = 20
+    out = args.out or (Path(tempfile.mkdtemp(prefix="prefix_index_smoke-")) if args.smoke else report.DOCS)
     results = {**bench_match_and_insert(args.repeats), **bench_victim(args.repeats)}
     targets = {"match_ms": 2.0, "insert_us": 10.0, "victim_ms": 1.0}
     rows = [
@@ -153,32 +154,22 @@ def main() -> None:
         ("insert one block (commit_block, amortised over 3,750; median of 5 rounds)", "insert_us", "us"),
         ("Host GDSF victim selection among 1,300 snapshots", "victim_ms", "ms"),
     ]
-    report = {
-        "command": ".venv/bin/python scripts/bench_prefix_index.py" + (f" --repeats {args.repeats}" if args.repeats != 200 else ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    data = {
+        **report.run_meta(device=machine()["cpu"]),
         "machine": machine(),
         "results": {k: round(v, 4) for k, v in results.items()},
         "targets": targets,
         "pass": {k: results[k] <= t for k, t in targets.items()},
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "prefix_index.json").write_text(json.dumps(report, indent=2) + "\n")
-    m = report["machine"]
-    lines = [
-        "# Prefix index benchmark",
-        "",
-        f"Command: `{report['command']}` (median of {args.repeats} runs; numbers from one run)",
-        "",
-        f"Date: {report['date']}",
-        "",
-        f"Machine: `{m['uname']}`, nproc {m['nproc']}, {m['cpu'] or 'unknown CPU'}, "
-        f"Python {m['python']}, numpy {m['numpy']}",
-        "",
+    m = data["machine"]
+    lines = report.header("Prefix index benchmark", data, f"median of {args.repeats} runs; numbers from one run",
+                          f"machine: `{m['uname']}`, nproc {m['nproc']}, Python {m['python']}, numpy {m['numpy']}")
+    lines += [
         "| operation | measured | target | |",
         "|---|---|---|---|",
     ]
     for label, key, unit in rows:
-        ok = "ok" if report["pass"][key] else "MISSED"
+        ok = "ok" if data["pass"][key] else "MISSED"
         lines.append(f"| {label} | {results[key]:.3f} {unit} | <= {targets[key]:g} {unit} | {ok} |")
     lines += [
         "",
@@ -191,7 +182,7 @@ def main() -> None:
         "time includes encoding the 960 KB of tokens to bytes.",
         "",
     ]
-    (args.out_dir / "prefix_index.md").write_text("\n".join(lines))
+    report.write_report(out, "prefix_index", data, lines)
     print("\n".join(lines))
 
 

@@ -1,6 +1,7 @@
 """A bounded loopback load test of `ninfer-serve`: requests/s and TTFT p50/p99 at 1, 8 and 32 concurrent clients.
 
-    python scripts/load_test.py           # the built-in tiny checkpoint; writes docs/benchmarks/server_load.*
+    python scripts/load_test.py --out docs/benchmarks   # the built-in tiny checkpoint; server_load.{json,md}
+    python scripts/load_test.py --smoke                 # levels 1 and 4, 2 requests each, a temporary folder
     python scripts/load_test.py --levels 1 8 --requests-per-client 2 -- --max-concurrency 4   # serve args after --
 
 The server runs as a subprocess on a free loopback port. Each level starts C clients at once; each client
@@ -8,29 +9,28 @@ sends its requests one after another: streamed chat completions (short distinct 
 number of tokens with ignore_eos), and its TTFT is the time to the first generated token. Every request
 must succeed. Afterwards /metrics must show no request running and no page still active (the engine's
 page ledger: active 0, free + cached = capacity) and no response other than 200; the server is then
-stopped with SIGTERM and must exit 0. Results go to docs/benchmarks/server_load.{json,md} with the
-command, date and machine.
+stopped with SIGTERM and must exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from ninfer_jax.benchmarks import report as reports
 from ninfer_jax.server.subprocess_server import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SERVER_ARGS = ["--max-model-len", "2048", "--prefill-chunk", "256", "--max-concurrency", "8"]
 
 
@@ -40,8 +40,12 @@ def main() -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    parser.add_argument("--smoke", action="store_true", help="levels 1 and 4, 2 requests each, a temporary folder")
+    parser.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; with --smoke a temp folder)")
     args = parser.parse_args()
+    if args.smoke:
+        args.levels, args.requests_per_client = [1, 4], 2
+    out = args.out or (Path(tempfile.mkdtemp(prefix="server_load_smoke-")) if args.smoke else reports.DOCS)
     server_args = args.server_args or DEFAULT_SERVER_ARGS
 
     server = ServerProcess(server_args)
@@ -55,8 +59,7 @@ def main() -> int:
     exit_status = server.exit_status
 
     report = {
-        "command": " ".join(["python", "scripts/load_test.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **reports.run_meta(device=platform.processor() or platform.machine()),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "server_args": server_args, "model": model, "max_tokens": args.max_tokens,
@@ -71,7 +74,7 @@ def main() -> int:
     if exit_status != 0:
         failures.append(f"server exit status {exit_status}")
     report["ok"] = not failures
-    _write(args.out, report)
+    _write(out, report)
     for line in failures:
         print("FAILED |", line)
     return 0 if not failures else 1
@@ -154,17 +157,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _write(out: Path, report: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "server_load.json").write_text(json.dumps(report, indent=2) + "\n")
     rows = "\n".join(
         f"| {lv['clients']} | {lv['requests']} | {lv['errors']} | {lv['requests_per_s']} | {lv['output_tokens_per_s']} "
         f"| {lv['ttft_p50_ms']} | {lv['ttft_p99_ms']} | {lv['latency_p50_ms']} |" for lv in report["levels"])
     after = report["after"]
     machine = report["machine"]
-    (out / "server_load.md").write_text(f"""# ninfer-serve load test (loopback)
+    reports.write_report(out, "server_load", report, f"""# ninfer-serve load test (loopback)
 
 - command: `{report['command']}`
-- date: {report['date']}
+- {reports.run_line(report)}
 - machine: {machine['platform']}, {machine['cpus']} CPUs ({machine['processor']}), Python {machine['python']}
 - server: `ninfer-serve {' '.join(report['server_args'])}`, model `{report['model']}`
 - load: each client sends {report['requests_per_client']} streamed chat completions one after another (greedy,
@@ -182,7 +183,7 @@ After the load, from `/metrics`:
 - server exit status after SIGTERM: {report['server_exit_status']}
 
 Result: {'ok' if report['ok'] else 'FAILED'}.
-""")
+""".splitlines())
     print(f"wrote {out / 'server_load.json'} and {out / 'server_load.md'}")
 
 

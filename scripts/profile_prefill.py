@@ -8,7 +8,8 @@ timed beside a second run of the default) and each other prefill chunk (`--chunk
 weights, whose idle passes are that chunk too, so every pass is as long as named). Every variant is timed in this
 one process, so the ratios are side by side.
 
-    python scripts/profile_prefill.py --models 27b --out $OUT
+    python scripts/profile_prefill.py --models 27b,35b-a3b --out docs/benchmarks
+    python scripts/profile_prefill.py --smoke        # the tiny shape on CPU, a temporary folder
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
-import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny": "tiny-dense"}
+from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.models import MODELS, model_config
+from ninfer_jax.benchmarks.profiling import kernel_table
 
 # Kernel kinds by name fragment, first match wins (XLA names its cuBLAS/Triton GEMM fusions gemm_* / *dot*).
 KINDS = (("attention", ("paged_prefill", "cudnn", "fmha", "flash")), ("gdn", ("gdn",)), ("moe", ("moe",)),
@@ -56,7 +55,7 @@ def attention_variants(names: list[str]):
 
 # Other KernelConfig variants, each a change to the engine's: name -> fields replaced
 KERNEL_VARIANTS = {
-    "gdn_conv_unfused": dict(fuse_gdn_conv=False),  # the GDN prefill's conv as XLA's fusions (before session 13)
+    "gdn_conv_unfused": dict(fuse_gdn_conv=False),  # the GDN prefill's conv as XLA's fusions
 }
 
 
@@ -72,7 +71,7 @@ def check_attention(cfg, variants) -> list[dict]:
     from ninfer_jax.runtime.options import EngineOptions
     from pallas_kernels.paged_attention import PrefillConfig
 
-    # "default" is the engine's: cuDNN on a Hopper GPU since session 14
+    # "default" is the engine's: cuDNN on a Hopper GPU
     resolved = EngineOptions().resolve(65536, jax.default_backend(), hopper=is_hopper(jax.devices()[0]))
     engine_default = PrefillConfig(impl=resolved.prefill_attention)
     rows = []
@@ -102,12 +101,10 @@ def profile(name: str, args) -> dict:
     import numpy as np
 
     from ninfer_jax import Engine, SamplingParams
-    from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.runtime.options import EngineOptions
-    from profile_decode import kernel_table
 
-    cfg = ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
+    cfg = model_config(name)
     params = random_params(cfg, seed=0)
     jax.block_until_ready(params)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
@@ -118,8 +115,8 @@ def profile(name: str, args) -> dict:
     def engine_for(chunk: int):
         opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=chunk, idle_prefill_chunk=chunk,
                              max_model_len=args.tokens + 1024, kv_capacity=args.tokens + 4096,
-                             kernels="pallas", no_prefix_reuse=True,
-                             interpret=jax.default_backend() == "cpu")  # CPU: a smoke run
+                             kernels=args.kernels, no_prefix_reuse=True,
+                             interpret=args.kernels == "pallas" and jax.default_backend() == "cpu")
         engine = Engine(cfg, params, opts, model_name=name, warmup=False)
         t = time.perf_counter()
         engine.generate(prompt[:chunk], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -176,9 +173,29 @@ def profile(name: str, args) -> dict:
     return result
 
 
+def write_report(rows: list[dict], out: Path) -> None:
+    meta = report.run_meta()
+    lines = report.header("Prefill profile", meta, "random bf16 weights; TTFT of a cold prompt, best of --reps")
+    for r in rows:
+        lines += [f"## {r['model']}, {r['tokens']} tokens", "", *report.table(
+            ["variant", "prefill chunk", "TTFT s", "tok/s"],
+            [[v["variant"], v["prefill_chunk"], f"{v['ttft_s']:.3f}", f"{v['tok_s']:.0f}"] for v in r["variants"]]), ""]
+        if "by_kind_ms" in r:
+            lines += [f"Device kernels of one default prefill: {r['device_ms']:.1f} ms; by kind (ms): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind_ms"].items()), "",
+                      *report.table(["ms", "launches", "kernel"],
+                                    [[f"{k['us_per_round'] / 1e3:.2f}", f"{k['launches_per_round']:.0f}",
+                                      f"`{k['kernel']}`"] for k in r["kernels"]]), ""]
+        for c in r.get("checks", []):
+            lines.append(f"- check {c['variant']} T={c['T']} base={c['base']}: relative error {c['rel_err']:.2e} "
+                         f"({'ok' if c['ok'] else 'FAILED'})")
+    report.write_report(out, "prefill_profile", {**meta, "rows": rows}, lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--models", default="27b")
+    p.add_argument("--models", default="27b,35b-a3b", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--kernels", default="pallas")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--chunks", default="2048", help="prefill chunks; the first one gets the trace and variants")
@@ -190,16 +207,20 @@ def main() -> int:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="(GPU) check each attention variant against the jnp reference first")
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--trace-dir", default="/tmp/ninfer_prefill_trace")
-    p.add_argument("--out", default=None)
+    p.add_argument("--trace-dir", default=str(Path(tempfile.gettempdir()) / "ninfer_prefill_trace"))
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, a 1024-token prompt, no variants")
+    p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.kernels, args.tokens, args.reps, args.chunks = "tiny-dense", "reference", 1024, 1, "256"
+        args.attention, args.check = "default", False
+    out = Path(args.out or (tempfile.mkdtemp(prefix="prefill_smoke-") if args.smoke else report.DOCS))
     rows = []
     for m in args.models.split(","):
         rows.append(profile(m, args))
         gc.collect()
-        if args.out:  # after each model, so a deadline keeps what finished
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "prefill_profile.json").write_text(json.dumps(rows, indent=2))
+        write_report(rows, out)  # after each model, so a deadline keeps what finished
+    print(f"report: {out / 'prefill_profile.md'}")
     return 0
 
 

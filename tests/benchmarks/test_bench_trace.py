@@ -1,11 +1,10 @@
-"""The prefix-cache benchmark (scripts/bench_prefix_cache.py): its trace is seeded and shaped as it promises; its
-options, targets and reports say what they should (synthetic results); the restore probe runs on the tiny model."""
+"""The prefix-cache benchmarks (ninfer_jax.benchmarks): the trace is seeded and shaped as it promises; the
+options, targets and reports say what they should (synthetic results); the restore benchmark runs on the tiny
+model."""
 
 import json
 import os
-import sys
 import types
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
@@ -14,12 +13,12 @@ from ninfer_jax import Engine
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import ChatTemplate, load_tokenizer, write_qwen35_tokenizer_files
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_prefix_cache import (  # noqa: E402
-    _EDITED, DEFAULT_SHAPE, ROOT, cache_delta, generate_trace, host_share, parse_args, reused_arms, targets,
-    turn_messages, write_report,
-)
-from host_restore_probe import measure, probe_options, restore_markdown, restore_targets  # noqa: E402
+from ninfer_jax.benchmarks import prefix_cache, restore
+from ninfer_jax.benchmarks.models import model_config
+from ninfer_jax.benchmarks.prefix_cache import cache_delta, host_share, parse_args, reused_arms, targets, write_report
+from ninfer_jax.benchmarks.profiling import summarize_device_trace
+from ninfer_jax.benchmarks.restore import measure, probe_options, restore_markdown, restore_targets
+from ninfer_jax.benchmarks.trace import DEFAULT_SHAPE, EDITED, generate_trace, turn_messages
 
 OPENER = "<|im_start|>assistant\n<think>\n"
 
@@ -82,7 +81,7 @@ def test_turn_kinds_extend_re_render_or_edit_the_history(trace, prompts):
                 assert shared == len(before) - len(OPENER) + len("<|im_start|>assistant\n")
                 assert reply(c, t - 1).strip() not in now
             else:  # edit: an earlier tool result changed, deep in the history
-                assert _EDITED in now and _EDITED not in before
+                assert EDITED in now and EDITED not in before
                 assert shared < 0.75 * len(before)
     assert sum(turn.kind == "edit" for turns in trace.conversations for turn in turns) >= 5
 
@@ -109,10 +108,9 @@ def test_host_heavy_sets_a_small_device_a_large_host_and_its_own_report():
     device = parse_args([])
     assert (device.kv_tokens, device.host_cache_mib, device.report_name) == (None, None, "prefix_cache")
     assert device.probe_reps > 0
-    restore = parse_args(["--part", "restore"])
-    assert (restore.report_name, restore.prefix_tokens, restore.models) == \
-        ("prefix_cache_restore", 100_000, "27b,35b-a3b")
-    assert parse_args(["--part", "restore", "--smoke"]).prefix_tokens == 2048
+    long = restore.parse_args([])
+    assert (long.report_name, long.prefix_tokens, long.models) == ("prefix_cache_restore", 100_000, "27b,35b-a3b")
+    assert restore.parse_args(["--smoke"]).prefix_tokens == 2048
 
 
 def _arm(ttft: float, cached: int, throughput=None, trace_cache=None) -> dict:
@@ -164,8 +162,6 @@ def test_host_heavy_targets_are_the_ttft_ratios_5x_no_reuse_and_3x_align_as_vllm
 
 
 def test_align_device_is_reported_beside_the_targets_without_a_host_tier(tmp_path, monkeypatch):
-    import bench_prefix_cache
-
     assert parse_args([]).arms == "hpc,align,no_reuse"  # each run's comparisons by default
     assert parse_args(["--host-heavy"]).arms == "hpc,align_device,no_reuse"
     results = {"hpc": _arm(0.1, 950), "align": _arm(0.25, 900), "align_device": _arm(0.5, 400),
@@ -175,14 +171,14 @@ def test_align_device_is_reported_beside_the_targets_without_a_host_tier(tmp_pat
     assert "without a Host tier" in rows[2][0] and "5.00x" in rows[2][1]
     write_report(results, parse_args(["--host-heavy", "--arms", "hpc,align_device"]), tmp_path, "c", "d")
     assert "| HPC TTFT p50 >= 3x better than align without a Host tier, as vLLM ships it | 0.500 s / 0.100 s" \
-        " = 5.00x (over the 4 requests both arms completed) | met |" in (tmp_path / "prefix_cache_host.md").read_text()
+        " = 5.00x (over the 4 requests both arms completed) | met |" in (tmp_path / "prefix_cache.md").read_text()
     # --host-cache-mib sizes the cache arms' Host tier; align_device keeps none
     built = {}
     fake = types.SimpleNamespace(tokenizer=None)
-    monkeypatch.setattr(bench_prefix_cache, "random_engine",
+    monkeypatch.setattr(prefix_cache, "random_engine",
                         lambda model, args, options, tokenizer=None: (built.update(options), fake)[1])
     for arm in ("align", "align_device"):
-        bench_prefix_cache.build_engine(arm, parse_args(["--smoke", "--host-cache-mib", "64"]))
+        prefix_cache.build_engine(arm, parse_args(["--smoke", "--host-cache-mib", "64"]))
         assert (built["cache_policy"], built["host_cache_mib"]) == ("align", 64 if arm == "align" else 0)
     # ... but the cache arms' slots and taps (their Host-tier defaults), so it shares their compiled programs
     assert (built["device_snapshot_slots"], built["max_new_taps"]) == (parse_args(["--smoke"]).max_concurrency + 1, 8)
@@ -199,13 +195,13 @@ def test_the_host_section_counts_restored_and_prefetched_blocks(tmp_path):
     results = {"hpc": _arm(0.1, 950, trace_cache=trace), "no_reuse": _arm(0.6, 0)}
     write_report(results, parse_args(["--host-heavy", "--smoke"]), tmp_path, "c", "d")
     assert json.loads((tmp_path / "prefix_cache_host.json").read_text())["kv_tokens"] == 2048
-    text = (tmp_path / "prefix_cache_host.md").read_text()
+    text = (tmp_path / "prefix_cache.md").read_text()  # the Host-heavy run's section of the page
     assert "- command: `c`" in text and "Host-heavy" in text and "## Host tier over the trace" in text
     assert "| hpc | 3 of 4 | 640 | 90.0% | 5 / 0 / 0 | 4.29 | 0.10 | 42.9 | 2 batches, 4 blocks |" in text
 
 
 def test_the_restore_probe_sizes_its_host_tier_for_the_prefix():
-    cfg = ModelConfig.from_file(ROOT / "configs" / "qwen3.5-27b.json")
+    cfg = model_config("27b")
     o = probe_options(cfg, jnp.bfloat16, 100_000, 2048)
     kv = 100_032 * 64 * 1024  # 1563 blocks of 64 KiB per token
     assert kv < o["host_cache_mib"] << 20 < kv + (8 << 30)
@@ -217,7 +213,7 @@ def test_the_restore_report_states_its_targets_and_failures():
     row = {"model": "27b", "prefix_tokens": 100_032, "restored_bytes": 6.6e9, "restore_s": 0.15, "restore_gbs": 44.0,
            "ceiling_gbs": 50.0, "batch_ceiling_gbs": 48.0, "batch_slabs": 64, "restore_vs_ceiling": 0.88,
            "recompute_s": 18.0, "recompute_vs_restore": 120.0, "resume_ttft_s": 0.3, "cold_vs_resume_ttft": 60.0,
-           "recompute_compiles": 0, "host_pinned": True, "host_slab_bytes": 4 << 20,
+           "recompute_compiles": 0, "host_pinned": True, "host_slab_bytes": 4 << 20, "compile_s": 12.0,
            "options": {"max_model_len": 103424, "kv_capacity": 206848, "host_cache_mib": 10000},
            "rounds": [{"cached_tokens": 100_032, "source": "tap", "restored_blocks": 1563, "restored_images": 1,
                        "restored_bytes": 6.6e9, "restore_s": 0.15, "restore_gbs": 44.0, "ttft_s": 0.3,
@@ -228,8 +224,13 @@ def test_the_restore_report_states_its_targets_and_failures():
     text = "\n".join(restore_markdown(rows, {"command": "c", "date": "d", "device": "H200", "jax": "j",
                                              "kernels": "pallas", "reps": 3}))
     assert "- command: `c`" in text and "device: H200" in text
-    assert "| 27b | 100032 | 6.600 | 0.1500 | 44.0 | 50.0 (48.0) | 88% | 18.00 | 120x | 0.300 | 60x | 0 |" in text
+    assert "| 27b | 100032 | 6.600 | 0.1500 | 44.0 | 50.0 (48.0) | 88% | 18.00 | 120x | 0.300 | 60x | 0 | 12.0 |" \
+        in text
     assert "| 35b-a3b | not measured: no time left before --deadline |" in text
+    # a recompute that compiled timed the compile: the report quotes no ratio from it
+    compiled = {**row, "recompute_compiles": 2, "recompute_vs_restore": None, "cold_vs_resume_ttft": None}
+    text = "\n".join(restore_markdown([compiled], {"command": "c", "date": "d", "kernels": "pallas", "reps": 3}))
+    assert "| 18.00 | - (the recompute compiled) | 0.300 | - (the recompute compiled) | 2 | 12.0 |" in text
 
 
 def test_the_restore_probe_resumes_a_demoted_prefix_from_the_host(checkpoint_factory):
@@ -250,8 +251,6 @@ def test_the_restore_probe_resumes_a_demoted_prefix_from_the_host(checkpoint_fac
 
 def test_the_device_trace_summary_counts_only_device_events(tmp_path):
     import gzip
-
-    from bench_prefix_cache import summarize_device_trace
 
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "python"}},
@@ -274,7 +273,7 @@ def test_the_device_trace_summary_counts_only_device_events(tmp_path):
 
 
 def test_a_deadline_too_short_for_the_first_arm_is_refused_before_any_work(tmp_path):
-    from bench_prefix_cache import main
+    from ninfer_jax.benchmarks.prefix_cache import main
 
     with pytest.raises(SystemExit, match="--deadline 170 s is too short for 1 arm"):
         main(["--arms", "hpc", "--deadline", "170", "--probe-reserve", "140", "--out", str(tmp_path)])

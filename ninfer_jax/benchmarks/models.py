@@ -1,0 +1,98 @@
+"""The benchmark models: the real Qwen3.5 shapes with random weights, and the built-in tiny checkpoint for
+`--smoke` runs on a CPU."""
+
+from __future__ import annotations
+
+import time
+
+from ninfer_jax.benchmarks.report import ROOT
+
+# Benchmark name -> configs/<file>.json
+MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny-dense": "tiny-dense", "tiny-moe": "tiny-moe"}
+
+
+def model_config(name: str):
+    """The ModelConfig of a benchmark model (`MODELS`)."""
+    from ninfer_jax.config import ModelConfig
+
+    return ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
+
+
+def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, tokenizer=None, **options):
+    """An Engine on random bf16 weights at the shapes of `name`. On a CPU the Pallas kernels run in interpret
+    mode (a smoke run). Returns (engine, seconds to make the weights)."""
+    import jax
+
+    from ninfer_jax import Engine
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.runtime.options import EngineOptions
+
+    cfg = model_config(name)
+    start = time.perf_counter()
+    params = random_params(cfg, seed=0)
+    jax.block_until_ready(params)
+    init_s = time.perf_counter() - start
+    interpret = kernels == "pallas" and jax.default_backend() == "cpu"
+    opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret, **options})
+    return Engine(cfg, params, opts, tokenizer=tokenizer, model_name=name, warmup=warmup), init_s
+
+
+def tiny_engine(*, warmup: bool = False, **options):
+    """The built-in tiny checkpoint (random weights, the real tokenizer) on the jnp reference kernels."""
+    from ninfer_jax import Engine
+
+    return Engine.from_pretrained(None, kernels="reference", warmup=warmup, **options)
+
+
+def tiny_checkpoint_config():
+    """The ModelConfig of the built-in tiny checkpoint (written on first use)."""
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.tiny import default_checkpoint
+
+    return ModelConfig.from_file(default_checkpoint() / "config.json")
+
+
+def param_counts(cfg) -> tuple[int, int, int]:
+    """(total params, active params per token, active weight bytes per decode token at 1 lane in bf16)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    attn = h * (cfg.num_attention_heads * 2 * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim) \
+        + cfg.num_attention_heads * cfg.head_dim * h
+    gdn = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
+    if cfg.is_moe:
+        expert = 3 * h * cfg.moe_intermediate_size
+        ffn_total = cfg.num_experts * expert + 3 * h * cfg.shared_expert_intermediate_size
+        ffn_active = cfg.num_experts_per_tok * expert + 3 * h * cfg.shared_expert_intermediate_size
+    else:
+        ffn_total = ffn_active = 3 * h * cfg.intermediate_size
+    mixers = len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn
+    head = v * h * (1 if cfg.tie_word_embeddings else 2)
+    total = mixers + cfg.num_layers * ffn_total + head
+    active = mixers + cfg.num_layers * ffn_active + v * h  # embedding is a lookup, lm_head a matmul
+    return total, active, 2 * active
+
+
+def best_seconds(fn, *args, batches: int = 3, calls: int = 10) -> float:
+    """Seconds per call of a jitted `fn`: the best of `batches` batches of `calls` back-to-back calls (a ceiling
+    is the best the device does; one batch can read a quarter low)."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        out.block_until_ready()
+        times.append((time.perf_counter() - start) / calls)
+    return min(times)
+
+
+def measure_ceilings(n: int = 8192, copy_gib: int = 2) -> tuple[float, float]:
+    """(bf16 n^3 matmul TFLOP/s, device copy TB/s of a `copy_gib` GiB array, read + write)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    tflops = 2 * n**3 / best_seconds(jax.jit(lambda x, y: x @ y), a, b) / 1e12
+    x = jax.random.normal(jax.random.PRNGKey(2), (copy_gib * 512, 1024, 1024), jnp.bfloat16)
+    tbps = 2 * x.nbytes / best_seconds(jax.jit(lambda v: v * jnp.bfloat16(1.0001)), x) / 1e12
+    return tflops, tbps

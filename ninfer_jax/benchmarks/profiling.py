@@ -1,0 +1,167 @@
+"""Reading jax profiler traces (the perfetto trace jax writes) and timing the runner's decode round directly."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import time
+from pathlib import Path
+
+
+def perfetto_trace(folder: str | Path) -> Path:
+    """The newest perfetto trace jax wrote under `folder`."""
+    files = sorted(Path(folder).rglob("*perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {folder}")
+    return files[-1]
+
+
+def summarize_device_trace(path: Path, top: int | None = 15) -> dict:
+    """Where a perfetto trace's device time went.
+
+    Device processes are those named "/device:..." (on a CPU, which has none, every process but the Python
+    tracer's). Events are summed by name, the largest first (`top` of them; None: all), with the total busy
+    time (overlapping events on several streams add up). Per device thread (a stream, or XLA's op and module
+    lines): its busy time with overlaps merged and its span from first start to last end, so span - busy is
+    the time that line sat idle (a host-bound loop shows it on the compute stream).
+    """
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = ({pid for pid, name in names.items() if name.startswith("/device:")}
+               or {pid for pid, name in names.items() if name != "python"})
+    totals, counts, spans = {}, {}, {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in devices:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0)
+            counts[e["name"]] = counts.get(e["name"], 0) + 1
+            spans.setdefault((e["pid"], e.get("tid")), []).append((e.get("ts", 0.0), e.get("dur", 0.0)))
+    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+    lines = [{"name": threads.get(key) or f"{names.get(key[0], key[0])}/{key[1]}", "events": len(iv),
+              "busy_us": _merged_busy(iv), "span_us": max(t + d for t, d in iv) - min(t for t, _ in iv)}
+             for key, iv in spans.items()]
+    lines.sort(key=lambda line: line["busy_us"], reverse=True)
+    return {"busy_us": sum(totals.values()), "events": sum(counts.values()),
+            "top": [{"name": n, "us": totals[n], "count": counts[n]} for n in ranked], "threads": lines[:8]}
+
+
+def kernel_table(folder: str | Path, rounds: int, top: int) -> list[dict]:
+    """The device events of the trace under `folder` by name, per round: `top` rows, then one for all events."""
+    summary = summarize_device_trace(perfetto_trace(folder), top=top)
+    rows = [{"kernel": t["name"][:120], "us_per_round": t["us"] / rounds, "launches_per_round": t["count"] / rounds}
+            for t in summary["top"]]
+    return rows + [{"kernel": "ALL device events", "us_per_round": summary["busy_us"] / rounds,
+                    "launches_per_round": summary["events"] / rounds}]
+
+
+def trace_difference(on: dict, off: dict) -> list[dict]:
+    """Per event name, device time and count of `on` minus `off` (summaries with every name), the largest
+    absolute time differences first."""
+    a = {t["name"]: t for t in on["top"]}
+    b = {t["name"]: t for t in off["top"]}
+    zero = {"us": 0.0, "count": 0}
+    rows = [{"name": n, "us": a.get(n, zero)["us"] - b.get(n, zero)["us"],
+             "count": a.get(n, zero)["count"] - b.get(n, zero)["count"]} for n in a.keys() | b.keys()]
+    return sorted(rows, key=lambda r: abs(r["us"]), reverse=True)
+
+
+def trace_line(summary: dict) -> str:
+    """One log line of a device trace summary."""
+    return (f"{summary['busy_us'] / 1e3:.1f} ms busy in {summary['events']} events; top: "
+            + ", ".join(f"{t['name'][:40]} {t['us'] / 1e3:.2f} ms x{t['count']}" for t in summary["top"][:6])
+            + "; lines (busy / span ms): "
+            + ", ".join(f"{t['name'][:40]} {t['busy_us'] / 1e3:.1f} / {t['span_us'] / 1e3:.1f}"
+                        for t in summary.get("threads", [])[:6]))
+
+
+def _merged_busy(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by (start, duration) intervals, overlaps counted once."""
+    busy, end = 0.0, float("-inf")
+    for start, dur in sorted(intervals):
+        if start + dur > end:
+            busy += start + dur - max(start, end)
+            end = start + dur
+    return busy
+
+
+def decode_inputs(engine, lanes: int, position: int) -> tuple:
+    """`runner.decode` arguments for `lanes` lanes at `position` on an idle engine (any pages will do, disjoint
+    per lane); the other lanes inactive."""
+    import numpy as np
+
+    from ninfer_jax.model.state import PAGE
+    from ninfer_jax.runtime.sampling import SamplerInputs
+
+    runner = engine.runner
+    c = runner.max_lanes
+    tables = np.zeros((c, runner.max_pages), np.int32)
+    per_lane = -(-(position + 1) // PAGE)
+    for lane in range(lanes):
+        tables[lane, :per_lane] = np.arange(lane * per_lane, (lane + 1) * per_lane)
+    active = np.zeros(c, bool)
+    active[:lanes] = True
+    return (np.ones(c, np.int32), np.full(c, position, np.int32), tables, np.arange(c, dtype=np.int32), active,
+            SamplerInputs.empty(c).arrays())
+
+
+def time_rounds(engine, lanes: int, rounds: int, sync: bool, position: int = 1024) -> float:
+    """Seconds per decode round of the runner: `sync` reads each round's tokens back before the next is
+    dispatched (as the scheduler once did); else rounds go back to back (device time plus launch)."""
+    import jax
+    import numpy as np
+
+    args = decode_inputs(engine, lanes, position)
+    jax.block_until_ready(engine.runner.decode(*args))
+    start = time.perf_counter()
+    for _ in range(rounds):
+        out = engine.runner.decode(*args)
+        if sync:
+            np.asarray(out[0])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / rounds
+
+
+def dispatch_ms(engine, lanes: int, calls: int = 20, position: int = 1024) -> float:
+    """Median host milliseconds to dispatch one decode round of `lanes` lanes on an idle device (the call's
+    return, not its completion; each round is waited for before the next)."""
+    import statistics
+
+    import jax
+
+    args = decode_inputs(engine, lanes, position)
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = engine.runner.decode(*args)
+        seconds.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return statistics.median(seconds) * 1e3
+
+
+@contextlib.contextmanager
+def profiled_scheduler(clock=time.perf_counter):
+    """Runs the engine scheduler's steps under cProfile on `clock` while the block runs; yields the profile.
+    The engine's thread looks `step` up on every call, so patching the class reaches a running engine."""
+    import cProfile
+
+    from ninfer_jax.runtime.scheduler import Scheduler
+
+    prof, step = cProfile.Profile(clock), Scheduler.step
+
+    def profiled(self):
+        prof.enable()
+        try:
+            return step(self)
+        finally:
+            prof.disable()
+
+    Scheduler.step = profiled
+    try:
+        yield prof
+    finally:
+        Scheduler.step = step
