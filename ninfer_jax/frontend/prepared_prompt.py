@@ -63,12 +63,13 @@ class PreparedPrompt:
         return int(self.token_ids.shape[0])
 
 
-def prepare_tokens(token_ids: Sequence[int] | np.ndarray) -> PreparedPrompt:
-    """A prompt given as token ids: hashes only, no hints (there is no structure to read)."""
+def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHint] = ()) -> PreparedPrompt:
+    """A prompt given as token ids: its block hashes, and the caller's tap hints (token ids carry no structure to
+    read hints from)."""
     tokens = np.array(token_ids, dtype=np.int32)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
-    return _prepared(tokens, ())
+    return _prepared(tokens, tuple(sorted(hints)))
 
 
 def prepare_chat(

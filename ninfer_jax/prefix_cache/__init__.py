@@ -12,11 +12,11 @@ Modules, one job each:
   staging     admission staging: pins, reservations, restores, activation (§6.4, §6.5)
   prefetch    the waiting head's Host-only path blocks into spare Device pages (§6.6)
   publication taps and endpoints: slots, publication, supersession, image write-through (§7.4, §9.2, §9.3)
-  results     the typed results handed to the binding, and the stats counters
+  results     the typed results handed to the engine, and the stats counters
   cost        prefill and restore seconds (§6.2, §11.4)
   taps        tap planning (§7.1)
   options     derived option defaults (§14.2)
-  index       PrefixIndex, the façade the engine binding calls
+  index       PrefixIndex, the façade the engine calls
   invariants  check_invariants: rebuild every derived value and compare (§10)
 
 Nothing here imports jax or the model.

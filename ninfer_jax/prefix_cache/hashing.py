@@ -18,7 +18,7 @@ Invariants:
   * tokens are kept as ``bytes`` in the int32 little-endian encoding of
     :func:`encode_tokens`, so exact comparison is one ``memcmp``.
 
-The Frontend computes the hashes once per prompt, off the worker; the index never hashes
+The Frontend computes the hashes once per prompt, off the scheduler thread; the index never hashes
 on its hot path (the hash function is injectable for tests).
 """
 

@@ -63,7 +63,7 @@ def round_up(value: int, align: int) -> int:
 
 
 class HostSlabPool:
-    """Accounting of the Host slab pool; the bytes themselves belong to the binding.
+    """Accounting of the Host slab pool; the bytes themselves belong to the engine.
 
     Args:
       budget_bytes: host_cache_bytes; 0 disables the Host tier (no slabs).

@@ -1,8 +1,8 @@
-"""PrefixIndex: the model-agnostic hybrid prefix cache index the engine binding drives (spec §5–§9).
+"""PrefixIndex: the model-agnostic hybrid prefix cache index the engine drives (spec §5–§9).
 
 It holds identity (the block tree), residency (which Device page group, snapshot slot and
 Host slabs hold each entry), refs, pins and values, and decides every copy and eviction; it
-never touches Device or Host memory. The binding performs the copies it asks for
+never touches Device or Host memory. The engine performs the copies it asks for
 (:class:`Staging` restores, :class:`HostWrite` write-through) and reports completion.
 
 The request lifecycle, in calls::
@@ -36,27 +36,28 @@ from . import admission, persistence
 from .admission import AdmissionQuote, MatchResult, Readiness, StaleQuoteError
 from .cost import CacheCostModel
 from .eviction import EvictionLists, GdsfPolicy
-from .hashing import BLOCK_TOKEN_BYTES, HashFn, default_hash_fn, encode_tokens
+from .hashing import HashFn, default_hash_fn
 from .host_slabs import MAX_CHUNK_BYTES, HostSlabPool, SlabState
 from .invariants import check_invariants
 from .lookup import match_prompt
 from .options import PrefixCacheOptions
 from .persistence import LoadPlan, SavedCache
 from .pools import DevicePagePool, OwnerState, SnapshotSlotPool
+from .paths import PathKeeper
 from .prefetch import Prefetcher
 from .publication import SnapshotPublisher
 from .reclaim import Reclaimer
 from .staging import AdmissionStager
-from .results import (BlockCommit, CommitOutcome, HostWrite, PageGrant, Prefetch, PrefixCacheStats,
+from .results import (BlockCommit, HostWrite, PageGrant, Prefetch, PrefixCacheStats,
                       PublishResult, Reclaimed, SlotGrant, Staging)
-from .tree import ABSENT, FILLING, RESIDENT, BlockNode, BlockTree, Snapshot, SnapshotKind
+from .tree import ABSENT, RESIDENT, BlockNode, BlockTree, Snapshot, SnapshotKind
 
 _ACTIVE, _CACHED = OwnerState.ACTIVE, OwnerState.CACHED
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheGeometry:
-    """Sizes the index needs from the model binding.
+    """Sizes the index needs from the engine.
 
     Attributes:
       device_pages: page groups in the Device KV pools (M).
@@ -72,7 +73,7 @@ class CacheGeometry:
 
 
 class PrefixIndex:
-    """The hybrid prefix cache index (one per Engine; the worker is its only mutator)."""
+    """The hybrid prefix cache index (one per Engine; the scheduler is its only mutator)."""
 
     def __init__(self, geometry: CacheGeometry, options: PrefixCacheOptions,
                  cost: CacheCostModel | None = None, hash_fn: HashFn = default_hash_fn):
@@ -94,6 +95,7 @@ class PrefixIndex:
                                            self.reclaimer, self.stats)
         self.stager = AdmissionStager(self.pages, self.lists, self.reclaimer, self.publisher, self.stats)
         self.prefetcher = Prefetcher(self.pages, self.lists, self.reclaimer, self.stats)
+        self.paths = PathKeeper(self.tree, self.pages, self.slabs, self.lists, self.reclaimer, self.stats)
         self._epoch = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -182,7 +184,7 @@ class PrefixIndex:
         self._epoch += 1
 
     def cancel_staging(self, staging: Staging) -> None:
-        """A request cancelled before activation: restores have landed (the binding waited), the
+        """A request cancelled before activation: restores have landed (the engine waited), the
         lane's reservation returns and every admission pin is released."""
         self.stager.cancel(staging)
         self._epoch += 1
@@ -194,7 +196,7 @@ class PrefixIndex:
     def prefetch(self, quote: AdmissionQuote, max_blocks: int = 256) -> Prefetch | None:
         """Reserves Device pages for up to ``max_blocks`` Host-only path blocks of the source ``quote``
         (usually TemporarilyBlocked) would choose (spec §6.6); None when there is nothing to copy or no room.
-        The binding copies ``restores`` and calls ``complete_prefetch``."""
+        The engine copies ``restores`` and calls ``complete_prefetch``."""
         batch = self.prefetcher.plan(quote, max_blocks)
         if batch is not None:
             self._epoch += 1
@@ -227,14 +229,7 @@ class PrefixIndex:
 
     def acquire_path(self, path: list[BlockNode]) -> None:
         """Adds one active ref to each node of a root path (a lane mapping cached blocks)."""
-        parent = self.tree.root
-        for node in path:
-            if node.parent is not parent or node.device_state is ABSENT:
-                raise ValueError(f"{node} is not a Device-resident continuation of the path")
-            parent = node
-        for node in path:
-            node.active_refs += 1
-            self.lists.refresh_node(node)
+        self.paths.acquire(path)
         self._epoch += 1
 
     def commit_block(self, parent: BlockNode, tokens, block_hash: int, page: int, extra: int = 0) -> BlockCommit:
@@ -250,34 +245,9 @@ class PrefixIndex:
           the node (now holding one more active ref for the lane) and whether the lane's page
           stays private (Duplicate) or became the cache's (Inserted / Adopted).
         """
-        if parent.parent is not None and parent.active_refs == 0:
-            raise ValueError(f"parent {parent} is not held by the committing lane")
-        if type(tokens) is not bytes:
-            tokens = encode_tokens(tokens)
-        if len(tokens) != BLOCK_TOKEN_BYTES:
-            raise ValueError(f"a block is {BLOCK_TOKEN_BYTES} token bytes, got {len(tokens)}")
-        if not self.pages.is_state(page, _ACTIVE):
-            raise ValueError(f"page {page} is not a lane's private page")
+        commit = self.paths.commit(parent, tokens, block_hash, page, extra)
         self._epoch += 1
-        child = self.tree.find_child(parent, block_hash, tokens, extra)
-        if child is None:
-            child = self.tree.add_child(parent, block_hash, tokens, extra)
-            outcome = CommitOutcome.INSERTED
-            self.stats.blocks_inserted += 1
-        elif child.device_state is ABSENT:
-            outcome = CommitOutcome.ADOPTED
-            self.stats.blocks_adopted += 1
-        else:
-            child.active_refs += 1
-            self.lists.refresh_node(child)
-            self.stats.blocks_duplicate += 1
-            return BlockCommit(child, CommitOutcome.DUPLICATE)
-        child.device_page = page
-        child.device_state = RESIDENT
-        self.pages.set_state(page, _CACHED)
-        child.active_refs += 1
-        self.lists.refresh_node(child)
-        return BlockCommit(child, outcome)
+        return commit
 
     def release_path(self, path: list[BlockNode]) -> HostWrite:
         """A lane releases its path (spec §7.7 step 2, §7.6 write-through).
@@ -287,36 +257,9 @@ class PrefixIndex:
         ``complete_host_write``, and then joins the device LRU in reverse block order. Without
         a write the nodes join it now, in reverse block order.
         """
-        for node in path:
-            if node.active_refs <= 0:
-                raise ValueError(f"{node} is not held by a lane")
-        pending = ([n for n in path if n.host_state is ABSENT and n.device_state is RESIDENT]
-                   if self.slabs.enabled else [])
-        if pending:
-            self.lists.pin_nodes(path, 1)
-        for node in reversed(path):
-            node.active_refs -= 1
-            self.lists.refresh_node(node)
+        write = self.paths.release(path)
         self._epoch += 1
-        out = Reclaimed()
-        if not pending:
-            return HostWrite([], [], None, [], -1, [], out)
-        chosen: list[BlockNode] = []
-        for live in (True, False):
-            group = [n for n in pending if (n.live_below > 0) is live]
-            if group:
-                self.reclaimer.make_host_room(len(chosen) + len(group), out, allow_snapshots=live)
-                chosen += group[:max(0, min(len(group), self.slabs.num_free - len(chosen)))]
-        self.stats.host_block_writes_refused += len(pending) - len(chosen)
-        if not chosen:
-            self.lists.pin_nodes(path, -1)
-            return HostWrite([], [], None, [], -1, [], out)
-        chosen.sort(key=lambda n: n.depth)
-        slabs = self.slabs.allocate(len(chosen), SlabState.FILLING)
-        for node, slab in zip(chosen, slabs):
-            node.host_slab, node.host_state = slab, FILLING
-        self.stats.host_block_writes += len(chosen)
-        return HostWrite(chosen, slabs, None, [], -1, list(path), out)
+        return write
 
     # ---- pins ----------------------------------------------------------------------------
 
@@ -459,38 +402,7 @@ class PrefixIndex:
           slabs: `plan.slabs` slabs taken by the caller (FILLING, now holding the bytes), in file order: each
             block's slab, then each snapshot's image slabs and its tail slab.
         """
-        if self.tree.nodes or self.tree.snapshots:
-            raise ValueError("a saved cache loads only into an empty index")
-        if len(slabs) != plan.slabs:
-            raise ValueError(f"the plan takes {plan.slabs} slabs, got {len(slabs)}")
-        taken = iter(slabs)
-        nodes: dict[int, BlockNode] = {}
-        for row in plan.blocks:  # ascending rows: parents first
-            b = saved.blocks[row]
-            node = self.tree.add_child(self.tree.root if b.parent < 0 else nodes[b.parent], b.lookup_hash,
-                                       b.tokens, b.extra)
-            node.host_slab, node.host_state = next(taken), RESIDENT
-            self.slabs.set_state(node.host_slab, SlabState.NODE)
-            nodes[row] = node
-        for row in plan.snapshots:
-            saved_s = saved.snapshots[row]
-            anchor = self.tree.root if saved_s.anchor < 0 else nodes[saved_s.anchor]
-            s = self.tree.new_snapshot(SnapshotKind(saved_s.kind), anchor, saved_s.tail_tokens, saved_s.tail_extra)
-            s.host_slabs, s.image_host = [next(taken) for _ in saved_s.image_slabs], RESIDENT
-            for slab in s.host_slabs:
-                self.slabs.set_state(slab, SlabState.IMAGE)
-            if saved_s.tail_slab >= 0:
-                s.tail_slab, s.tail_host = next(taken), RESIDENT
-                self.slabs.set_state(s.tail_slab, SlabState.TAIL)
-            _, owner, moved = self.tree.attach_snapshot(s)
-            self.gdsf.on_publish(s)
-            s.hits = saved_s.hits
-            self.gdsf.mark_id(owner)
-            self.gdsf.mark_through(moved)
-            self.lists.refresh_snapshot(s)
-        for node in nodes.values():
-            self.lists.refresh_node(node)
-            self.gdsf.mark_node_owner(node)
+        persistence.adopt(self, saved, plan, slabs)
         self._epoch += 1
 
     def check_invariants(self) -> None:

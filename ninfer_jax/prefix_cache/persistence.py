@@ -13,7 +13,8 @@ import dataclasses
 
 from .cost import CacheCostModel
 from .hashing import BLOCK_TOKENS
-from .tree import RESIDENT, BlockNode, Snapshot
+from .host_slabs import SlabState
+from .tree import RESIDENT, BlockNode, Snapshot, SnapshotKind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,4 +130,42 @@ def _path_rows(saved: SavedCache, row: int) -> list[int]:
     return out
 
 
-__all__ = ["LoadPlan", "SavedBlock", "SavedCache", "SavedSnapshot", "collect", "plan"]
+
+def adopt(index, saved: SavedCache, plan: LoadPlan, slabs: list[int]) -> None:
+    """Rebuilds the planned entries of `saved` in the empty `index`, Host-only, parents before children
+    (PrefixIndex.adopt_saved)."""
+    if index.tree.nodes or index.tree.snapshots:
+        raise ValueError("a saved cache loads only into an empty index")
+    if len(slabs) != plan.slabs:
+        raise ValueError(f"the plan takes {plan.slabs} slabs, got {len(slabs)}")
+    taken = iter(slabs)
+    nodes: dict[int, BlockNode] = {}
+    for row in plan.blocks:  # ascending rows: parents first
+        b = saved.blocks[row]
+        node = index.tree.add_child(index.tree.root if b.parent < 0 else nodes[b.parent], b.lookup_hash,
+                                   b.tokens, b.extra)
+        node.host_slab, node.host_state = next(taken), RESIDENT
+        index.slabs.set_state(node.host_slab, SlabState.NODE)
+        nodes[row] = node
+    for row in plan.snapshots:
+        saved_s = saved.snapshots[row]
+        anchor = index.tree.root if saved_s.anchor < 0 else nodes[saved_s.anchor]
+        s = index.tree.new_snapshot(SnapshotKind(saved_s.kind), anchor, saved_s.tail_tokens, saved_s.tail_extra)
+        s.host_slabs, s.image_host = [next(taken) for _ in saved_s.image_slabs], RESIDENT
+        for slab in s.host_slabs:
+            index.slabs.set_state(slab, SlabState.IMAGE)
+        if saved_s.tail_slab >= 0:
+            s.tail_slab, s.tail_host = next(taken), RESIDENT
+            index.slabs.set_state(s.tail_slab, SlabState.TAIL)
+        _, owner, moved = index.tree.attach_snapshot(s)
+        index.gdsf.on_publish(s)
+        s.hits = saved_s.hits
+        index.gdsf.mark_id(owner)
+        index.gdsf.mark_through(moved)
+        index.lists.refresh_snapshot(s)
+    for node in nodes.values():
+        index.lists.refresh_node(node)
+        index.gdsf.mark_node_owner(node)
+
+
+__all__ = ["LoadPlan", "SavedBlock", "SavedCache", "SavedSnapshot", "adopt", "collect", "plan"]

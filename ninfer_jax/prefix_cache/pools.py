@@ -1,7 +1,7 @@
 """Plain-int id pools with one owner state per id: Device page groups and snapshot slots (spec §5.4, §10.1).
 
 A page id names one *page group* (the block's page in every enabled KV pool, the bundle the
-binding moves together); a slot id names one Device snapshot slot of the state pool. The
+engine moves together); a slot id names one Device snapshot slot of the state pool. The
 pools own only the ids and their states; which node, snapshot or lane holds an id is the
 index's business, and :func:`check_invariants` rebuilds the states from the tree.
 

@@ -1,6 +1,6 @@
-"""Typed results the index hands to the engine binding, and its stats counters.
+"""Typed results the index hands to the engine, and its stats counters.
 
-Every mutation that frees or drops something reports it in a :class:`Reclaimed`; the binding
+Every mutation that frees or drops something reports it in a :class:`Reclaimed`; the engine
 never needs to copy anything for an eviction (dropping a copy is bookkeeping, §6.4), but it
 learns which ids became free and which entries lost their last copy. Results that ask for
 copies (:class:`Staging`, :class:`HostWrite`) list exactly the (source, destination) ids.
@@ -88,7 +88,7 @@ class BlockRestore:
 class Staging:
     """A staged admission (spec §6.4): pins held, pages reserved, restores listed.
 
-    The binding copies ``restores`` (and ``tail_restore``) slab -> page, the image from
+    The engine copies ``restores`` (and ``tail_restore``) slab -> page, the image from
     ``image_slabs`` (Host) or ``image_slot`` (Device) into the lane's state slot, then calls
     ``PrefixIndex.complete_restore``; ``activate`` hands the path to the lane.
     """
@@ -116,7 +116,7 @@ class Prefetch:
     """A prefetch batch for a waiting FIFO head (spec §6.6): ``restores`` copy Host slabs into Device pages.
 
     The destinations are Filling, each pinned, and ``pinned`` (the head's source path) holds one pin each
-    until the binding reports the copy with ``PrefixIndex.complete_prefetch``.
+    until the engine reports the copy with ``PrefixIndex.complete_prefetch``.
     """
 
     restores: list[BlockRestore]
@@ -127,7 +127,7 @@ class Prefetch:
 
 @dataclasses.dataclass(slots=True)
 class HostWrite:
-    """A D2H write-through the binding performs, then reports with ``complete_host_write``.
+    """A D2H write-through the engine performs, then reports with ``complete_host_write``.
 
     Block writes copy ``nodes[i]``'s Device page into ``node_slabs[i]``; a snapshot write copies
     the image into ``image_slabs`` (packed byte o in ``image_slabs[o // slab_bytes]``) and the

@@ -31,7 +31,7 @@ until stable). A later prompt diverging at the semantic boundary ``p`` then resu
 publishes as soon as its anchor block commits, and stays a pure block-tree entry (the same
 ``floor(d/64) * 64`` choice §12.2 makes for coalescing). Endpoint snapshots stay exact (§7.7).
 Exact taps split the prefill chunk at the floored position; flexible taps are realised at a
-chunk boundary (the binding floors that to 64 as well).
+chunk boundary (the engine floors that to 64 as well).
 
 The result is a pure function of its arguments (deterministic, independent of hint order).
 """

@@ -1,4 +1,4 @@
-"""Request state inside the worker, and the immutable results the API hands out."""
+"""Request state inside the scheduler, and the immutable results the API hands out."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ class RequestOutput:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One request's mutable state; only the worker thread touches it after submission."""
+    """One request's mutable state; only the scheduler's thread touches it after submission. The Scheduler
+    writes lane, pages, computed, cached_tokens and the timestamps; the OutputProcessor the output fields."""
 
     id: str
     prompt: Any  # PreparedPrompt
@@ -79,7 +80,7 @@ class Request:
     sink: Callable[[StreamEvent], None]
     detokenizer: Any | None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    # Set while the request holds a lane (the worker's scheduler is the only writer).
+    # Set while the request holds a lane.
     lane: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)  # page of block b at index b
     computed: int = 0  # tokens whose KV and state are in the lane's pages and slot
@@ -93,7 +94,6 @@ class Request:
     scheduled_at: float | None = None  # when its first prefill chunk was dispatched
     first_token_at: float | None = None
     finish_reason: str | None = None
-    cache: Any = None  # LaneCache while the request holds a lane (prefix_binding)
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""

@@ -89,9 +89,8 @@ class SamplerInputs:
         return self.temperature, self.top_k, self.top_p, self.seed, self.step
 
 
-# Groups of the two-stage top-k on the GPU. At the 248,320-token vocabulary on the H200, lax.top_k(logp, 20) took
-# 0.52 ms for 8 rows (it sorts) and the two-stage form 0.16 ms with 64, 256 or 1024 groups; on CPU lax.top_k is the
-# faster (docs/benchmarks/sampler_topk_probe.md).
+# Groups of the two-stage top-k on the GPU, where lax.top_k over the whole vocabulary sorts; on CPU lax.top_k is the
+# faster (docs/kernels_notes.md).
 TOP_K_GROUPS = 64
 
 

@@ -1,20 +1,18 @@
-"""Worker: the engine's single mutation owner (spec §10.9) — admission, prefill chunks interleaved with
-decode rounds, stop checks, and terminal settlement of every request.
+"""Scheduler: the engine's single mutation owner (spec §10.9): admission, prefill passes interleaved with decode
+rounds, and the settlement of every request.
 
-One `step()` is schedule, run, postprocess: admit FIFO heads while a lane and their pages are free (a
-blocked head is never overtaken), run at most one prefill chunk (oldest prefilling lane first), then one
-decode round over every decoding lane, so running requests keep decoding while a long prompt prefills.
+One `step()` is schedule, run, postprocess: admit FIFO heads while a lane and their pages are free (a blocked
+head is never overtaken, §6.3), dispatch at most one prefill pass (oldest prefilling lane first), then one decode
+round over every decoding lane, so running requests keep decoding while a long prompt prefills.
 
 Decode runs one round ahead of the host: a round is dispatched before the previous one is read back, feeding
-that round's tokens on the device, so the device never idles while the worker reads tokens, checks stops and
-builds the next round's inputs (on the H200 that gap was 6 ms of a 22 ms 27B round). The price: a lane that
-stops on a token the host has not read yet runs one more round, which feeds its last token (its KV and state
-then cover the whole output, and its endpoint snapshot too) and whose sampled token is dropped; such a lane
-settles, and sends its final event, when that round is read. A length limit is known ahead and costs nothing.
+that round's tokens on the device, so the device never idles while the host reads tokens and builds the next
+round. The price: a lane that stops on a token the host has not read yet runs one more round, which feeds its
+last token (its KV, state and endpoint then cover the whole output) and whose sampled token is dropped.
 
-Page entitlement (spec §9.5): a lane is admitted with pages for its prompt plus a bounded output window;
-decode extends it one page at a time at round boundaries, and when the pool cannot extend, the request
-ends with finish_reason "length" (bounded completion). Nothing active is ever taken away.
+Page entitlement (§9.5): a lane is admitted with pages for its prompt plus a bounded output window; decode extends
+it one page at a time, and when the pool cannot, the request ends with finish_reason "length" (bounded
+completion). Nothing active is ever taken away.
 """
 
 from __future__ import annotations
@@ -28,13 +26,14 @@ import numpy as np
 
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
-from ninfer_jax.runtime.options import EngineOptions
-from ninfer_jax.runtime.prefix.manager import PrefixCacheBinding
-from ninfer_jax.runtime.request import Request, StreamEvent
 from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.options import EngineOptions
+from ninfer_jax.runtime.outputs import OutputProcessor
+from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
+from ninfer_jax.runtime.request import Request
 from ninfer_jax.runtime.sampling import SamplerInputs
 
-log = logging.getLogger("ninfer_jax.worker")
+log = logging.getLogger("ninfer_jax.scheduler")
 
 
 def pages_for(tokens: int) -> int:
@@ -62,20 +61,23 @@ class _PhaseClock:
         self.last = now
 
 
-class Worker:
-    """Owns lanes, page tables and the page pool; drives the ModelRunner. Called from one thread only."""
+class Scheduler:
+    """Owns the lanes, their page tables and sampler rows; drives the runner. Called from one thread only.
 
-    def __init__(self, runner: ModelRunner, options: EngineOptions, cache: PrefixCacheBinding,
+    It writes a request's lane, pages, computed count and timestamps; the OutputProcessor writes its output.
+    """
+
+    def __init__(self, runner: ModelRunner, options: EngineOptions, cache_manager: PrefixCacheManager,
                  stop_ids: frozenset[int]):
-        self.runner, self.options, self.cache = runner, options, cache
-        self.pages = cache.pages  # the index's page pool: Free / Active (lanes) / Cached / Filling
+        self.runner, self.options, self.cache_manager = runner, options, cache_manager
+        self.pages = cache_manager.pages  # the index's page pool: Free / Active (lanes) / Cached / Filling
         c = options.max_concurrency
         self.lanes: list[Request | None] = [None] * c
         self.page_tables = np.zeros((c, runner.max_pages), np.int32)
         self.sampler = SamplerInputs.empty(c)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.stop_ids = stop_ids
         self.counters = collections.Counter()
+        self.outputs = OutputProcessor(stop_ids, options.max_model_len, self.counters)
         self.pending: _Round | None = None  # the decode round in flight (at most one)
 
     # --- queue -----------------------------------------------------------------------------------
@@ -110,23 +112,18 @@ class Worker:
             if req is not None:
                 self._finish(req, reason, error)
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.lanes)
-
     # --- one scheduling step ---------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, one prefill chunk, one decode round. Returns whether any model work ran.
+        """Admit, one prefill pass, one decode round. Returns whether any model work ran.
 
-        The worker's seconds per phase add up in `counters["seconds_<phase>"]`: where the host time of a
-        step goes (admission includes restore dispatch; the two reads include waiting for the device)."""
+        The seconds per phase add up in `counters["seconds_<phase>"]`: where the host time of a step goes
+        (admission includes restore dispatch; the two reads include waiting for the device)."""
         clock = _PhaseClock(self.counters)
-        self.cache.poll_writes()  # Host writes that landed join the index (their pins drop)
-        self.cache.raise_write_failure()  # one that failed fails the engine
+        self.cache_manager.poll()  # Host writes that landed join the index; one that failed fails the engine
         self._admit()
         clock.lap("admit")
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
-        prefilled = self._prefill_chunk(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
+        prefilled = self._prefill_pass(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
         self.pending = self._dispatch_round(previous)
@@ -138,7 +135,7 @@ class Worker:
             self._retire(previous)
             clock.lap("round_read")
         if all(r is None for r in self.lanes):
-            self.cache.dispatch_writes()  # no model step follows to hide them behind
+            self.cache_manager.flush()  # no model step follows to hide the Host writes behind
             clock.lap("idle_writes")
         return bool(prefilling) or previous is not None or self.pending is not None
 
@@ -153,56 +150,55 @@ class Worker:
             head = self.waiting[0]
             lane = next((i for i, r in enumerate(self.lanes) if r is None), None)
             if lane is None:
-                self.cache.prefetch(head, self._entitlement(head))  # the wait copies its Host path (§6.6)
+                self.cache_manager.prefetch(head, self._entitlement(head))  # the wait copies its Host path (§6.6)
                 return
             started = time.perf_counter()  # what precedes is waiting; the admission itself restores
-            readiness = self.cache.admit(head, lane, self._entitlement(head), self.lanes)
-            if readiness is Readiness.TEMPORARILY_BLOCKED:
+            admission = self.cache_manager.admit(head, lane, self._entitlement(head), self.lanes)
+            if admission.readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["admission_blocked"] += 1
-                self.cache.prefetch(head, self._entitlement(head))
+                self.cache_manager.prefetch(head, self._entitlement(head))
                 return  # the head waits for pages; nothing behind it overtakes it (spec §6.3)
             self.waiting.popleft()
-            if readiness is Readiness.PERMANENTLY_INFEASIBLE:
+            if admission.readiness is Readiness.PERMANENTLY_INFEASIBLE:
                 self._finish(head, "error", "the request can never fit the KV pool")
                 continue
-            head.lane = lane
-            head.admitted_at = started
+            head.lane, head.admitted_at = lane, started
+            head.pages = list(admission.pages)
+            head.computed = head.cached_tokens = admission.reused_tokens
             self.page_tables[lane] = 0
-            self.page_tables[lane, : len(head.pages)] = head.pages
+            self.page_tables[lane, :len(head.pages)] = head.pages
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
             self.lanes[lane] = head
             self.counters["requests_admitted"] += 1
-            # cached_tokens is fixed at admission (spec §8.3); the first event carries it.
-            self._deliver(head, StreamEvent(head.id, (), "", None, head.usage(), head.metrics()))
+            self.outputs.admitted(head)
 
     # --- prefill ---------------------------------------------------------------------------------
-    def _prefill_chunk(self, req: Request):
-        """Dispatches the oldest prefilling lane's next chunk; returns (req, outputs) when it ends the prompt,
-        for `_first_token` to read once the decode round is dispatched too."""
+    def _prefill_pass(self, req: Request):
+        """Dispatches the lane's next prefill pass; returns (req, outputs) when it ends the prompt, for
+        `_first_token` to read once the decode round is dispatched too."""
         base = req.computed
-        end = self._chunk_end(req)
-        tokens = req.prompt_ids[base:end]
+        end = self._pass_end(req)
         last = end == req.num_prompt
-        full = last and not req.sampling.greedy
         self.sampler.step[req.lane] = len(req.output)
-        tap_positions, tap_slots = self.cache.chunk_taps(req, end)
+        tap_positions, tap_slots = self.cache_manager.taps_for_chunk(req, end)
         if req.scheduled_at is None:
             req.scheduled_at = time.perf_counter()
         tokens_out, chosen, top = self.runner.prefill(
-            tokens, base, self.page_tables[req.lane], self.cache.lane_slot(req.lane), self._lane_sampler(req.lane),
-            tap_positions, tap_slots, full=full, logprobs=last and req.sampling.logprobs is not None,
+            req.prompt_ids[base:end], base, self.page_tables[req.lane], self.cache_manager.lane_slot(req.lane),
+            self._lane_sampler(req.lane), tap_positions, tap_slots, full=last and not req.sampling.greedy,
+            logprobs=last and req.sampling.logprobs is not None,
         )
         req.computed = end
-        self.cache.after_compute(req)
-        self.cache.dispatch_writes()  # the chunk computes meanwhile
+        self.cache_manager.computed(req)
+        self.cache_manager.flush()  # the pass computes meanwhile
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
         return (req, tokens_out, chosen, top) if last else None
 
-    def _chunk_end(self, req: Request) -> int:
-        """Where the lane's next pass ends: prefill_chunk tokens on; or, while no lane decodes (no round waits on the
-        pass), the longest idle size that fits the prompt. An idle size ends the prompt only for a greedy request:
-        those sizes are compiled for the greedy sampler alone."""
+    def _pass_end(self, req: Request) -> int:
+        """Where the lane's next pass ends: prefill_chunk tokens on; or, while no lane decodes (no round waits on
+        the pass), the longest idle size that fits the prompt. An idle size ends the prompt only for a greedy
+        request: those sizes are compiled for the greedy sampler alone."""
         base, n = req.computed, req.num_prompt
         end = min(n, base + self.options.prefill_chunk)
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
@@ -214,17 +210,16 @@ class Worker:
         return end
 
     def _first_token(self, req: Request, tokens_out, chosen, top) -> None:
-        self._accept(req, int(np.asarray(tokens_out)[0]), chosen, top, 0)
-        self._emit(req)
+        self.outputs.accept(req, int(np.asarray(tokens_out)[0]), chosen, top, 0)
+        self._report(req)
 
     def _lane_sampler(self, lane: int):
-        return tuple(a[lane : lane + 1] for a in self.sampler.arrays())
+        return tuple(a[lane:lane + 1] for a in self.sampler.arrays())
 
     # --- decode ----------------------------------------------------------------------------------
     def _dispatch_round(self, previous: _Round | None) -> _Round | None:
-        """Dispatches a decode round over every lane with a token to feed, the tokens of lanes in `previous`
-        (not read back yet) taken from its output on the device. Returns the round, or None when no lane
-        decodes."""
+        """Dispatches a decode round over every lane with a token to feed, the tokens of lanes in `previous` (not
+        read back yet) taken from its output on the device. Returns the round, or None when no lane decodes."""
         c = len(self.lanes)
         ahead = np.zeros(c, bool)  # the lane's previous token is still on the device
         if previous is not None:
@@ -254,13 +249,13 @@ class Worker:
         if not active.any():
             return None
         live = [r for r in self.lanes if r is not None and active[r.lane]]
-        full = any(not r.sampling.greedy for r in live)
         out = self.runner.decode(
-            tokens, positions, self.page_tables, self.cache.lane_slots, active, self.sampler.arrays(),
-            full=full, prev_tokens=previous.out[0] if previous is not None else None,
-            use_prev=ahead & active, logprobs=any(r.sampling.logprobs is not None for r in live),
+            tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
+            full=any(not r.sampling.greedy for r in live),
+            prev_tokens=previous.out[0] if previous is not None else None, use_prev=ahead & active,
+            logprobs=any(r.sampling.logprobs is not None for r in live),
         )
-        self.cache.dispatch_writes()  # the last round's finishes: their gathers queue behind this round
+        self.cache_manager.flush()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1
         return _Round(live, out, set())
 
@@ -268,26 +263,25 @@ class Worker:
         """Reads a decode round back: counts its tokens as computed, accepts them, settles finishes. A lane that
         ends here while the next round (in flight) feeds its token settles when that round is read.
 
-        Every lane that ends gets its last event before any of them settles: settling (endpoint snapshot,
-        block commits, freeing the lane) is the cache's bookkeeping, and eight lanes ending together would
-        otherwise hold the eighth answer back behind seven settlements."""
+        Every lane that ends gets its last event before any of them settles: settling is the cache's
+        bookkeeping, and lanes ending together would otherwise hold the last answer back behind the others'."""
         tokens_out, chosen, top = done.out
         tokens_out = np.asarray(tokens_out)
         following = {r.lane for r in self.pending.reqs} if self.pending is not None else set()
         ended = []
         for req in done.reqs:
             req.computed += 1
-            self.cache.after_compute(req)
+            self.cache_manager.computed(req)
             if req.finish_reason is None:  # else it ended at the last read; this round fed its last token
-                self._accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
+                self.outputs.accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
                 if req.finish_reason is None and req.lane in done.starved:
                     req.finish_reason = "length"  # bounded completion: no page for the next position
                 if req.finish_reason is not None and req.lane in following:
                     continue
             if req.finish_reason is None:
-                self._emit(req)
+                self.outputs.progress(req)
             else:
-                self._send_last(req, req.finish_reason)
+                self.outputs.last(req, req.finish_reason)
                 ended.append(req)
         for req in ended:
             self._settle(req)
@@ -303,7 +297,7 @@ class Worker:
         block = position // PAGE
         if block < len(req.pages):
             return True
-        page = self.cache.grow(req) if block < self.runner.max_pages else None
+        page = self.cache_manager.grow(req) if block < self.runner.max_pages else None
         if page is None:
             return False
         req.pages.append(page)
@@ -311,83 +305,31 @@ class Worker:
         self.counters["pages_extended"] += 1
         return True
 
-    # --- tokens, stop checks, events -------------------------------------------------------------
-    def _accept(self, req: Request, token: int, chosen, top, row: int) -> None:
-        if req.first_token_at is None:
-            req.first_token_at = time.perf_counter()
-        req.output.append(token)
-        self.counters["generated_tokens"] += 1
-        if req.sampling.logprobs is not None and chosen is not None:
-            n = req.sampling.logprobs
-            ids, lps = np.asarray(top[0])[row], np.asarray(top[1])[row]
-            entry = {"token_id": token, "logprob": float(np.asarray(chosen)[row]),
-                     "top": [(int(i), float(lp)) for i, lp in zip(ids[:n], lps[:n])]}
-            req.logprobs = (req.logprobs or []) + [entry]
-        sp = req.sampling
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.stop_ids)
-        if token in stops:
-            req.finish_reason = "stop"
-            return
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.push(token)
-            for s in sp.stop:
-                at = req.text.find(s, max(0, req.emitted_text - len(s) + 1))
-                if at >= 0:
-                    req.text = req.text[:at]
-                    req.finish_reason = "stop"
-                    req.detokenizer = None  # the text ends here: nothing buffered may follow it
-                    return
-        if len(req.output) >= sp.max_tokens or req.computed + 1 >= self.options.max_model_len:
-            req.finish_reason = "length"
-
-    def _emit(self, req: Request) -> None:
+    # --- settlement ------------------------------------------------------------------------------
+    def _report(self, req: Request) -> None:
+        """The request's new output: its final event if the last token ended it, else a progress event."""
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason)
-            return
-        hold = max((len(s) - 1 for s in req.sampling.stop), default=0)  # a stop string may be forming
-        tokens, delta, lp = self._take_unsent(req, max(req.emitted_text, len(req.text) - hold))
-        self._deliver(req, StreamEvent(req.id, tokens, delta, None, None, None, lp))
-
-    @staticmethod
-    def _take_unsent(req: Request, text_upto: int):
-        """The tokens, text up to `text_upto` and logprobs not yet sent, marked as sent."""
-        tokens = tuple(req.output[req.emitted_tokens :])
-        delta = req.text[req.emitted_text : text_upto]
-        lp = tuple(req.logprobs[-len(tokens):]) if req.logprobs and tokens else None
-        req.emitted_tokens, req.emitted_text = len(req.output), text_upto
-        return tokens, delta, lp
+        else:
+            self.outputs.progress(req)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """Terminal settlement: send the last event, free the lane's pages and slot."""
-        self._send_last(req, reason, error)
+        """Terminal settlement: the last event, then the lane's pages and slot go back."""
+        self.outputs.last(req, reason, error)
         self._settle(req)
 
-    def _send_last(self, req: Request, reason: str, error: str | None = None) -> None:
-        req.finish_reason = reason
-        if req.detokenizer is not None and reason in ("stop", "length"):
-            req.text += req.detokenizer.flush()
-        tokens, delta, lp = self._take_unsent(req, len(req.text))
-        self.counters[f"finished_{reason}"] += 1
-        self._deliver(req, StreamEvent(req.id, tokens, delta, reason, req.usage(), req.metrics(), lp, error))
-
     def _settle(self, req: Request) -> None:
-        """The cache keeps what the request computed (§7.7) and the lane is free. Always within the step that
+        """The cache keeps what the request computed (§7.7) and the lane is free; always within the step that
         sent the last event, so nothing (a stats call, the next admission) observes a finished lane."""
         if req.lane is not None:
-            self.cache.finish(req, req.lane, req.finish_reason)
+            self.cache_manager.release(req, req.finish_reason)
             self.lanes[req.lane] = None
-            req.lane = None
-
-    def _deliver(self, req: Request, event: StreamEvent) -> None:
-        try:
-            req.sink(event)
-        except Exception:  # a consumer's callback must not take the engine down for everyone
-            log.exception("event sink of %s raised; the request keeps running", req.id)
+            req.lane, req.pages = None, []
 
     # --- accounting ------------------------------------------------------------------------------
     def check_ledger(self) -> None:
         """The cache's invariants, and private pages are exactly the lanes' (tests call this often)."""
-        self.cache.check(self.lanes)
+        self.cache_manager.check(self.lanes)
 
     def stats(self) -> dict:
         return {

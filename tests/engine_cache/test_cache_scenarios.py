@@ -9,21 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import ORACLE_VOCAB
+from cache_support import assert_same_output, tokens, with_hints
+from oracle import ORACLE_VOCAB
 from ninfer_jax import Engine, SamplingParams
-from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, TapHint, TapHintKind, _prepared
+from ninfer_jax.frontend.prepared_prompt import TapHintKind
 from ninfer_jax.prefix_cache import TapPlanOptions, plan_taps
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 COMMON = dict(max_concurrency=8, prefill_chunk=256, max_model_len=2048, output_window=64)
-
-
-def tokens(n, seed):
-    return np.random.default_rng(seed).integers(0, ORACLE_VOCAB, n).astype(np.int32).tolist()
-
-
-def with_hints(ids, *hints) -> PreparedPrompt:
-    return _prepared(np.asarray(ids, np.int32), tuple(sorted(TapHint(p, k) for p, k in hints)))
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +74,6 @@ def special(checkpoint):
         engine.stop()
 
 
-def assert_same_output(resumed, reference):
-    assert resumed.token_ids == reference.token_ids
-    first, ref = resumed.logprobs[0], reference.logprobs[0]
-    assert [t for t, _ in first["top"]] == [t for t, _ in ref["top"]]
-    np.testing.assert_allclose([lp for _, lp in first["top"]], [lp for _, lp in ref["top"]], atol=1e-5, rtol=0)
-
-
 def test_resume_from_a_tap_equals_root(hpc, root):
     prompt = tokens(700, 1)
     published = hpc.stats()["prefix_cache"]["taps_published"]
@@ -123,13 +109,13 @@ def test_an_endpoint_takes_the_lanes_state_slot_without_a_copy(hpc, root):
     runner.copy_slot = lambda src, dst: (copies.append((src, dst)), copy_slot(src, dst))[1]
     try:
         prompt = tokens(300, 40)
-        lane_slots = hpc.cache.lane_slots.copy()
+        lane_slots = hpc.cache_manager.lane_slots.copy()
         endpoints = hpc.stats()["prefix_cache"]["endpoints_published"]
         turn1 = hpc.generate(prompt, SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
         assert hpc.stats()["prefix_cache"]["endpoints_published"] == endpoints + 1
         assert copies == []  # nothing loaded (a fresh prompt) and nothing copied at the endpoint
-        moved = np.flatnonzero(hpc.cache.lane_slots != lane_slots)
-        assert len(moved) == 1 and hpc.cache.lane_slots[moved[0]] >= hpc.options.max_concurrency
+        moved = np.flatnonzero(hpc.cache_manager.lane_slots != lane_slots)
+        assert len(moved) == 1 and hpc.cache_manager.lane_slots[moved[0]] >= hpc.options.max_concurrency
         fresh = tokens(200, 41)  # runs on the lane's new slot from position 0
         assert_same_output(hpc.generate(fresh, GREEDY), root.generate(fresh, GREEDY))
         turn2 = prompt + list(turn1.token_ids) + tokens(40, 42)
@@ -199,7 +185,7 @@ def test_shared_preamble_across_eight_sessions_is_stored_once(hpc, root):
     refs = root.generate_many([s.token_ids.tolist() for s in sessions], GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
     hpc.check_ledger()  # also a sync point: the worker settles a round's lanes after their last events
-    tree = hpc.cache.index.tree
+    tree = hpc.cache_manager.index.tree
     for b in range(4):  # one node, so one device page, per preamble block
         block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()
         assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1

@@ -12,7 +12,7 @@ from ninfer_jax.prefix_cache import HostSlabPool
 from ninfer_jax.runtime.device import host_buffer
 from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer, HostTierError, physical_memory_bytes
 from ninfer_jax.runtime.request import EngineStoppedError
-from test_cache_scenarios import tokens
+from cache_support import io_error, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_concurrency=1, prefill_chunk=128, max_model_len=512, output_window=64, kv_capacity=8 * 64,
@@ -33,10 +33,6 @@ def assert_failed_cleanly(engine):
     assert stats["prefix_cache"]["host_slabs"]["filling"] == 0
     with pytest.raises(EngineStoppedError):
         engine.submit(tokens(10, 0), GREEDY)
-
-
-def io_error(*args):
-    raise OSError(5, "Input/output error")
 
 
 def wait_until_failed(engine) -> str:
@@ -95,7 +91,7 @@ def test_a_host_copy_failing_in_the_writer_thread_fails_the_engine_cleanly(check
     its next step, and the write's pins and Filling slabs are released."""
     engine = Engine.from_pretrained(checkpoint, **SMALL)
     try:
-        engine.cache.host.buffer.write = io_error
+        engine.cache_manager.host.buffer.write = io_error
         assert engine.generate(tokens(100, 7), GREEDY).finish_reason == "length"  # its write fails afterwards
         assert "Input/output error" in wait_until_failed(engine)
         assert_failed_cleanly(engine)
@@ -110,7 +106,7 @@ def test_a_restore_copy_failing_after_its_dispatch_fails_the_engine_cleanly(chec
     engine = Engine.from_pretrained(checkpoint, **SMALL)
     try:
         resume = host_only_resume(engine)
-        engine.cache.host._await_copies = io_error
+        engine.cache_manager.host._await_copies = io_error
         engine.generate(resume, GREEDY)  # restores the image; its copy "fails" once dispatched
         assert "Host restore failed after its dispatch" in wait_until_failed(engine)
         assert_failed_cleanly(engine)

@@ -20,9 +20,8 @@ from ninfer_jax.runtime.device.buckets import pow2_buckets, split_transfer
 from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
 from ninfer_jax.runtime.device.host_tier import HostTier
 from ninfer_jax.runtime.device.transfer import gather_pages, gather_slot, scatter_pages, scatter_slot
-from ninfer_jax.runtime.options import EngineOptions, OptionsError
-from test_cache_scenarios import assert_same_output, tokens
-from test_host_faults import io_error
+from ninfer_jax.runtime.options import EngineOptions
+from cache_support import assert_same_output, io_error, settle_host as settle, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -30,19 +29,6 @@ COMMON = dict(max_concurrency=2, prefill_chunk=128, max_model_len=1024, output_w
 # 24 pages and 3 snapshot slots: three fresh 600-token prompts push every earlier block and image off the
 # Device; 16 MiB of Host (128 slabs of 128 KiB) keep all of them.
 HOST = {**COMMON, "kv_capacity": 24 * 64, "device_snapshot_slots": 3, "host_cache_mib": 16}
-
-
-def settle(engine, *, warmed=True):
-    """Invariants, the slab ledger, and nothing leaked: no private page, staging slot, pin or Filling slab."""
-    engine.check_ledger()
-    stats = engine.stats()
-    assert stats["pages"]["active"] == 0 and stats["pages"]["filling"] == 0
-    assert stats["requests"]["running"] == 0
-    slabs = stats["prefix_cache"]["host_slabs"]
-    assert slabs["filling"] == 0
-    assert sum(v for k, v in slabs.items() if k != "capacity") == slabs["capacity"]
-    if warmed:
-        assert stats["compiles_since_warmup"] == 0  # the transfer ops were compiled at startup
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +67,7 @@ def index_of(engine):
     """The engine's prefix index, read from this thread once the worker has settled the requests whose last
     events arrived (it sends a round's last events before settling their lanes)."""
     engine._call(lambda: None)
-    return engine.cache.index
+    return engine.cache_manager.index
 
 
 def find_snapshot(engine, prompt, frontier):

@@ -11,8 +11,7 @@ import pytest
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.runtime.options import OptionsError
-from test_cache_scenarios import assert_same_output, tokens
-from test_host_tier import settle
+from cache_support import assert_same_output, settle_host as settle, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=5)  # an endpoint 113 past the tap
@@ -119,14 +118,14 @@ def test_a_smaller_host_tier_loads_whole_snapshots_and_only_their_paths(checkpoi
         big.generate(p, GREEDY)
     need = big.stats()["prefix_cache"]["host_slabs"]
     big.stop()
-    image_slabs = big.cache.index.slabs.image_slabs
+    image_slabs = big.cache_manager.index.slabs.image_slabs
     # room for one image and the short prompt's 3 blocks, not for the long one's 9 blocks and two images
-    slab_mib = big.cache.index.slabs.slab_bytes / 2**20
+    slab_mib = big.cache_manager.index.slabs.slab_bytes / 2**20
     small = start(checkpoint, path, host_cache_mib=max(1, round((image_slabs + 4) * slab_mib)))
     report = loaded(small)
     assert report["outcome"] == "partly restored", (report, need)
     assert 0 < report["snapshots"] < report["saved_snapshots"] and report["blocks"] < report["saved_blocks"]
-    tree = small.cache.index.tree
+    tree = small.cache_manager.index.tree
     for s in tree.snapshots.values():  # every loaded snapshot came with its whole anchor path
         assert all(n.host_state.name == "RESIDENT" for n in s.anchor.path())
     settle(small, warmed=False)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ORACLE_VOCAB, hf_model
+from oracle import ORACLE_VOCAB, hf_model
 from ninfer_jax.model import forward, load_checkpoint
 
 CASES = [

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ORACLE_VOCAB, hf_model
+from oracle import ORACLE_VOCAB, hf_model
 from ninfer_jax.model import decode, forward, init_device_state, load_checkpoint, logits, prefill
 from ninfer_jax.model.ops import REFERENCE, KernelConfig
 

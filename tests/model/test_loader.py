@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import oracle_config
+from oracle import oracle_config
 from ninfer_jax.model import CheckpointError, ConfigError, forward, load_checkpoint
 from ninfer_jax.model.tiny import write_random_checkpoint
 

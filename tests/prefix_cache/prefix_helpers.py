@@ -1,4 +1,4 @@
-"""Test helpers: small indexes, synthetic prompts, and a lane driver that plays the binding."""
+"""Test helpers: small indexes, synthetic prompts, and a lane driver that plays the engine."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def prompt(*labels: int, tail: int = 0, tail_label: int = 999) -> np.ndarray:
 
 @dataclasses.dataclass
 class Lane:
-    """One request driven through the index the way the binding would."""
+    """One request driven through the index the way the engine would."""
 
     index: PrefixIndex
     tokens: np.ndarray

@@ -80,7 +80,7 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for t in sorted(taps):
             self.tap_at(self.lanes[0], 64 * t, boundary=t % 2 == 0)
         self.finish(0, True, outcome)
-        for s in lane.published:  # image write-through, as the binding enqueues at publication
+        for s in lane.published:  # image write-through, as the engine enqueues at publication
             if self.idx.snapshot(s.id) is s:
                 self.settle(self.idx.write_snapshot(s), outcome)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ORACLE_VOCAB, hf_model
+from oracle import ORACLE_VOCAB, hf_model
 from ninfer_jax import Engine, InvalidRequestError, PromptTooLongError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -189,7 +189,7 @@ def test_auto_kv_capacity_leaves_room_for_the_longest_prefill_pass(monkeypatch):
 
     from ninfer_jax.config import ModelConfig
     from ninfer_jax.model.state import prefill_activation_bytes
-    from ninfer_jax.runtime import engine
+    from ninfer_jax.runtime import startup
 
     cfg = ModelConfig.from_file("configs/qwen3.5-35b-a3b.json")
     bound = prefill_activation_bytes(cfg, 32768, jnp.bfloat16)
@@ -205,6 +205,6 @@ def test_auto_kv_capacity_leaves_room_for_the_longest_prefill_pass(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
     options = EngineOptions(memory_fraction=1.0).resolve(65536, "gpu", moe=True)
     page = 1 << 20
-    tokens = engine._auto_kv_tokens(options, page, 0, bound)
+    tokens = startup.auto_kv_tokens(options, page, 0, bound)
     assert tokens == (14 * gib - bound) // page * 64  # not 14 GiB less the 4 GiB (5%) floor
-    assert engine._auto_kv_tokens(options, page, 0, 1 * gib) == 10 * gib // page * 64  # a small pass: the floor
+    assert startup.auto_kv_tokens(options, page, 0, 1 * gib) == 10 * gib // page * 64  # a small pass: the floor

@@ -63,7 +63,7 @@ class HostTier:
         self._writer = threading.Thread(target=self._write_loop, name="ninfer-host-writer", daemon=True)
         self._writer.start()
         self._restores: queue.SimpleQueue = queue.SimpleQueue()  # (copies, start) for the watcher; None stops it
-        self._restores_dispatched = 0  # the worker's count; a write job waits until this many have landed
+        self._restores_dispatched = 0  # the scheduler's count; a write job waits until this many have landed
         self._restores_landed = 0  # guarded by _landing
         self._restore_failure: BaseException | None = None  # guarded by _landing
         self._watcher = threading.Thread(target=self._restore_loop, name="ninfer-host-restores", daemon=True)
@@ -127,7 +127,7 @@ class HostTier:
                     self.buffer.write(slabs, rows[:count])
                     self.counters["write_fetch_ns"] += int((t1 - t0) * 1e9)
                     self.counters["write_copy_ns"] += int((time.perf_counter() - t1) * 1e9)
-            except BaseException as e:  # reported to the worker, which fails the engine
+            except BaseException as e:  # reported to the scheduler, which fails the engine
                 error = e
             with self._landing:
                 self._landed.append((token, error))
@@ -154,7 +154,7 @@ class HostTier:
     def _rows(self, chunk: int, first: int, count: int):
         """Slab rows [first, first + count) of `chunk` as the source of one host-to-device copy.
 
-        Page-locked: the contiguous view itself (the DMA reads the pool directly, DESIGN.md: 50 GB/s).
+        Page-locked: the contiguous view itself (the DMA reads the pool directly, DESIGN.md "Host tier").
         Pageable: a private copy, since a CPU device may alias the numpy buffer and the slab may be
         rewritten once the restore returns."""
         view = self.buffer.chunks[chunk][first:first + count].view(np.uint32)  # the transfers' words
@@ -166,8 +166,8 @@ class HostTier:
         Each run of consecutive slabs moves in pieces of the runner's batch sizes that sum exactly to the run
         (`split_transfer`), each piece one contiguous view of the slab pool, then a donated scatter places it.
         Copies are dispatched RESTORE_AHEAD pieces before their scatters: a copy dispatched after a scatter
-        waits for it, so copy, scatter, copy ... ran at 41 GB/s where two copies ahead ran at 53 GB/s of a
-        54 GB/s pinned ceiling (H200, 35B-A3B pages, scripts/restore_scatter_probe.py). The scatters' page ids
+        waits for it, so alternating them falls well short of the pinned copy rate
+        (docs/benchmarks/prefix_cache_restore.md). The scatters' page ids
         and slot go to the device first, in one transfer: an id copy queued behind the big copies would hold
         its scatter back until they land.
         Returns once everything is dispatched; the watcher thread sees the copies land (`landed(wait=True)`
@@ -203,7 +203,7 @@ class HostTier:
             error = None
             try:
                 self._await_copies(staged)
-            except BaseException as e:  # reported to the worker, which fails the engine
+            except BaseException as e:  # reported to the scheduler, which fails the engine
                 error = e
             with self._landing:
                 self.counters["restore_ns"] += int((time.perf_counter() - start) * 1e9)

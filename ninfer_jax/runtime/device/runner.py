@@ -1,18 +1,15 @@
 """ModelRunner: owns the params and the DeviceState, and runs the jitted prefill and decode steps.
 
 Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
-that the pools kept their shapes. Step shapes come from a bounded set of buckets (prefill chunk lengths,
-decode rounds of 1, 2, 4, ... C lanes, a greedy and a full sampler), all compiled by `warmup()`, with the
+that the pools kept their shapes. Step shapes come from a bounded set (`device/buckets.py`: prefill pass lengths,
+decode rounds of 1, 2, 4, ... C lanes; a greedy and a full sampler), all compiled by `warmup()`, with the
 log-probabilities' program for each round size (`_logprobs_step`, dispatched only when a request asks);
 `compile_count()` lets tests prove that serving never compiles again. Each step's host inputs arrive packed in
 one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
-Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`): page bundles and state images move as raw
-bytes in the Host slab layout of `runtime/host_tier.py`, carried as uint32 words (the host views them as
-bytes). A gather reads listed pages (or one slot) into one word array that lands in pinned host memory where
-the backend has it; a donated scatter writes host rows into listed pages (or one slot). A batch of pages is
-split into the compiled power-of-two sizes (`split_transfer`), so transfers compile once in `warmup()` and
-never move a padding row.
+Host tier transfers (spec §6.5, §7.6; `enable_host_transfers`) jit the programs of `device/transfer.py`; a
+batch of pages is split into the compiled power-of-two sizes (`buckets.split_transfer`), so transfers compile once
+and never move a padding row.
 """
 
 from __future__ import annotations
@@ -39,8 +36,8 @@ log = logging.getLogger("ninfer_jax.runner")
 
 
 # A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step
-# instead of a dozen. Each copy costs host time and a trip through the GIL, and a decode round at 35B-A3B
-# computes for only 7 ms.
+# instead of a dozen. Each copy costs host time and a trip through the GIL, and a decode round computes for
+# only a few milliseconds.
 
 
 def _sampler_columns(sampler) -> list[np.ndarray]:
@@ -150,7 +147,7 @@ def _logprobs_step(logits, tokens, rows, top_k_groups):
 
 
 def jit_decode_step():
-    """The decode step jitted as the runner jits it (a probe builds variants of it the same way)."""
+    """The decode step jitted as the runner jits it (the decode profiler builds variants of it the same way)."""
     return jax.jit(_own(_decode_step), static_argnames=("cfg", "kc", "full"), donate_argnames=("state",))
 
 
@@ -193,15 +190,14 @@ class ModelRunner:
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
-        # Longer passes for a prompt no decode waits on, compiled for the greedy sampler only (the worker gives
+        # Longer passes for a prompt no decode waits on, compiled for the greedy sampler only (the scheduler gives
         # them a prompt's last tokens only when its request samples greedily): two programs, not four.
         self.idle_sizes = idle_chunk_sizes(prefill_chunk, idle_prefill_chunk or prefill_chunk)
         self._pass_sizes = self.buckets + self.idle_sizes  # every compiled prefill length, ascending
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
-        # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not
-        # (docs/benchmarks/sampler_topk_probe.md); on CPU lax.top_k is the faster.
+        # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
@@ -229,7 +225,7 @@ class ModelRunner:
         self.transfer_sizes = pow2_buckets(max(1, min(max_batch, self.state.num_pages)))
         device = jax.devices()[0]
         kinds = {m.kind for m in device.addressable_memories()}
-        # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md: 51 GB/s D2H).
+        # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md "Host tier").
         host = {"out_shardings": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")} \
             if "pinned_host" in kinds else {}
         gather_slot = functools.partial(transfer.gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
@@ -244,7 +240,7 @@ class ModelRunner:
     def _swap(self, new_state: DeviceState, program=None) -> None:
         """Takes a step's returned state. `program` names a compiled program of the hot steps (prefill, decode),
         whose outputs keep one layout from call to call: its layout is checked on its first call only (walking
-        80 pools took 0.2 ms of every 35B-A3B round in the worker's cProfile)."""
+        every pool on every round costs host time the round does not have)."""
         if program is None or program not in self._layout_checked:
             layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
             assert layout == self._layout, "a step changed the DeviceState layout"
@@ -271,9 +267,8 @@ class ModelRunner:
         return self._prefill_packed(packed, size, full, logprobs)
 
     # The packed arrays go to the steps as numpy: jit's own transfer of them is cheaper than an eager
-    # jnp.asarray (0.34 ms per 35B-A3B round in the worker's cProfile; with the layout check below, the worker's
-    # dispatch fell from 3.76 to 2.64 ms per round, decode_round_probe.md). Each is new and never written
-    # again, so the step may read it later (on CPU jax can alias a numpy buffer).
+    # jnp.asarray (docs/kernels_notes.md, the decode round's host side). Each is new and never written again, so
+    # the step may read it later (on CPU jax can alias a numpy buffer).
     def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool):
         (tokens, logits), state = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
                                                          (size, self.max_taps), self.state, packed)
@@ -281,13 +276,12 @@ class ModelRunner:
         return self._with_logprobs(tokens, logits, self._prefill_rows, logprobs)
 
     def _with_logprobs(self, tokens, logits, rows: np.ndarray, logprobs: bool):
-        """(tokens, chosen, top) of a step: the logprobs' program dispatched behind it only when asked for (a
-        log-softmax and a top-20 over the vocabulary per row, about 45 us of a one-lane 35B-A3B round)."""
+        """(tokens, chosen, top) of a step: the logprobs' program (a log-softmax and a top-20 over the vocabulary
+        per row) dispatched behind it only when asked for."""
         out = (tokens, None, None) if not logprobs else \
             (tokens, *self._steps["logprobs"](logits, tokens, rows, self.top_k_groups))
-        # The worker reads these back a round later: each copy starts as soon as its program ends, so the read
-        # finds it landed (one synchronous transfer per array had held a one-lane 35B-A3B engine asking for
-        # logprobs at 266 tok/s; 313 with this, docs/benchmarks/engine.md)
+        # The scheduler reads these back a round later: each copy starts as soon as its program ends, so the read
+        # finds it landed instead of waiting for one synchronous transfer per array.
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         return out
@@ -323,9 +317,8 @@ class ModelRunner:
     def _swap_gdn(self, gdn) -> None:
         self._swap(DeviceState(self.state.k_pages, self.state.v_pages, *gdn))
 
-    # Scalars and id lists go to the small steps as numpy: an eager jnp.int32(x) is a dispatch of its own,
-    # about 0.5 ms of host time each in the H200 worker profile
-    # (docs/benchmarks/prefix_cache_fixed_replies_profile.md).
+    # Scalars and id lists go to the small steps as numpy: an eager jnp.int32(x) is a dispatch of its own, host
+    # time the scheduler pays on every restore (docs/benchmarks/prefix_cache.md).
     def copy_slot(self, src: int, dst: int) -> None:
         s = self.state
         self._swap_gdn(self._steps["copy_slot"](s.ssm, s.conv, np.int32(src), np.int32(dst)))

@@ -1,0 +1,164 @@
+"""Builds an engine from its options: sizes the device pools, starts the runner, the prefix cache and its Host
+tier, loads the prefix cache file and compiles every step, logging each as one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.params import Params
+from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
+from ninfer_jax.prefix_cache import CacheGeometry, PrefixIndex
+from ninfer_jax.runtime.device.cache_file import FORMAT, LoadReport, PrefixCacheFile, source_identity
+from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
+from ninfer_jax.runtime.device.host_tier import HostTier
+from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
+from ninfer_jax.runtime.scheduler import Scheduler, pages_for
+from pallas_kernels.paged_attention import PrefillConfig
+
+log = logging.getLogger("ninfer_jax.engine")
+
+
+def is_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (where the cuDNN prefill attention was measured faster)."""
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return device.platform == "gpu" and capability.split(".")[0] == "9"
+
+
+def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOptions:
+    """The options with every derived value filled in for this model on this process's first device."""
+    return options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe,
+                           hopper=is_hopper(jax.devices()[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    """The device pools: KV pages and state slots (C active + D snapshot), and their bytes."""
+
+    num_pages: int
+    num_slots: int
+    page_bytes: int  # one page of every attention layer, K and V
+    slot_bytes: int  # one state slot of every GDN layer (a snapshot image)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+
+def kv_dtype(options: EngineOptions):
+    return jnp.bfloat16 if options.dtype == "bfloat16" else jnp.float32
+
+
+def auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int, activation_bytes: int) -> int:
+    """KV capacity for kv_capacity="auto": the device memory left after weights, state and the longest prefill
+    pass's activations, or (on a backend that reports no memory) enough for every lane to reach max_model_len."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return options.max_concurrency * options.max_model_len
+    free = limit - stats.get("bytes_in_use", 0) - fixed_bytes
+    reserve = max(2 << 30, int(0.05 * limit), activation_bytes)  # activations, compiler scratch
+    usable = int((free - reserve) * options.memory_fraction)
+    return max(PAGE, usable // bytes_per_page * PAGE)
+
+
+def size_pools(config: ModelConfig, options: EngineOptions) -> PoolSizes:
+    """Pages for kv_capacity tokens ("auto": what the device holds) and C + D state slots. Raises ValueError
+    when the pool cannot give every lane a page."""
+    dtype = kv_dtype(options)
+    num_slots = options.max_concurrency + options.device_snapshot_slots
+    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype))
+    tokens = options.kv_capacity
+    if tokens == "auto":
+        longest_pass = prefill_activation_bytes(config, options.idle_prefill_chunk, dtype)  # >= prefill_chunk
+        tokens = auto_kv_tokens(options, per_page, num_slots * per_slot, longest_pass)
+    num_pages = pages_for(tokens)
+    if num_pages < options.max_concurrency:
+        raise ValueError(f"kv_capacity {tokens} tokens gives {num_pages} pages, fewer than "
+                         f"max_concurrency {options.max_concurrency}")
+    return PoolSizes(num_pages, num_slots, per_page, per_slot)
+
+
+def kernel_config(options: EngineOptions) -> KernelConfig:
+    """The kernel switch: with Pallas, the fused decode and prefill kernels are on (docs/benchmarks/kernels.md)."""
+    fused = options.kernels == "pallas"
+    return KernelConfig(options.kernels, options.interpret, PrefillConfig(impl=options.prefill_attention),
+                        fuse_gdn_decode=fused, fuse_add_norm=fused, fuse_moe_route=fused, fuse_attn_qkv=fused,
+                        fuse_gdn_conv=fused)
+
+
+def open_host_tier(runner: ModelRunner, index: PrefixIndex) -> HostTier | None:
+    """Allocates (and on a GPU page-locks) the Host slab buffer and enables the runner's transfers; None when the
+    cache has no Host tier. Raises HostTierError when the budget cannot be had."""
+    slabs = index.slabs
+    if not slabs.enabled:
+        return None
+    buffer = HostSlabBuffer(slabs)
+    runner.enable_host_transfers(slabs.slab_bytes, slabs.image_slabs)
+    log.info("host tier | %.0f MiB | %d slabs of %d KiB in %d chunk(s) | image %d slabs | %s",
+             buffer.nbytes / 2**20, slabs.num_slabs, slabs.slab_bytes >> 10, slabs.num_chunks, slabs.image_slabs,
+             "page-locked" if buffer.pinned else "pageable (no GPU)")
+    return HostTier(runner, buffer)
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What `build` starts: the device side, the cache, the scheduler over them, and the cache file."""
+
+    runner: ModelRunner
+    cache_manager: PrefixCacheManager
+    scheduler: Scheduler
+    cache_file: PrefixCacheFile | None
+    cache_load: LoadReport | None  # the prefix cache file's load (§5.5), if one was read
+    compiles_after_warmup: int
+
+
+def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_ids: frozenset[int],
+          warmup: bool = True, weights_identity: dict | None = None) -> EngineParts:
+    """Starts every part of an engine on resolved `options`. Without `warmup` the model steps compile on first
+    use; the small cache copies compile here. A failed start releases the Host tier's memory."""
+    o = options
+    if o.prefix_cache_file is not None and weights_identity is None:
+        raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
+                           "start the engine with Engine.from_pretrained (or pass weights_identity)")
+    sizes = size_pools(config, o)
+    runner = ModelRunner(config, params, kernel_config(o), num_pages=sizes.num_pages, num_slots=sizes.num_slots,
+                         max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
+                         max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
+                         batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk)
+    log.info("engine options | %s", o.summary())
+    log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
+             sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
+             o.max_concurrency, o.device_snapshot_slots, sizes.state_bytes / 2**20)
+    index = PrefixIndex(CacheGeometry(sizes.num_pages, sizes.page_bytes, sizes.slot_bytes), o.prefix_cache_options())
+    host = open_host_tier(runner, index)  # before any compile: a budget that cannot be had fails the start
+    cache = PrefixCacheManager(index, host, runner, lanes=o.max_concurrency, enabled=not o.no_prefix_reuse,
+                               policy=o.cache_policy, prefill_chunk=o.prefill_chunk, max_taps=o.max_new_taps,
+                               coalesce=o.concurrent_prefill)
+    log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d%s",
+             "on" if cache.enabled else "off (no_prefix_reuse)", o.cache_policy, o.device_snapshot_slots,
+             o.max_new_taps, o.tap_ladder_tokens, o.tap_min_gap_tokens,
+             " | host tier off (host_cache_mib 0): Device only" if cache.enabled and host is None else "")
+    cache_file = cache_load = None
+    try:
+        if o.prefix_cache_file is not None and host is not None:
+            cache_file = PrefixCacheFile(o.prefix_cache_file, {
+                "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
+                "dtype": o.dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
+                "prefill_chunk": o.prefill_chunk, "idle_prefill_chunk": o.idle_prefill_chunk,
+                "source": source_identity()})
+            cache_load = cache.load(cache_file)
+        seconds = runner.warmup() if warmup else runner.warmup_copies()
+    except BaseException:
+        cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
+        raise
+    log.info("compiled | %d programs | %.1f s", runner.compile_count(), seconds)
+    scheduler = Scheduler(runner, o, cache, stop_ids)
+    return EngineParts(runner, cache, scheduler, cache_file, cache_load, runner.compile_count())

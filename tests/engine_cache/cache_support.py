@@ -1,0 +1,38 @@
+"""Shared helpers of the engine-level cache tests: prompts, the resumed-equals-root check, leak checks."""
+
+import numpy as np
+
+from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, TapHint, prepare_tokens
+from oracle import ORACLE_VOCAB
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(0, ORACLE_VOCAB, n).astype(np.int32).tolist()
+
+
+def with_hints(ids, *hints) -> PreparedPrompt:
+    return prepare_tokens(ids, [TapHint(p, k) for p, k in hints])
+
+
+def assert_same_output(resumed, reference):
+    assert resumed.token_ids == reference.token_ids
+    first, ref = resumed.logprobs[0], reference.logprobs[0]
+    assert [t for t, _ in first["top"]] == [t for t, _ in ref["top"]]
+    np.testing.assert_allclose([lp for _, lp in first["top"]], [lp for _, lp in ref["top"]], atol=1e-5, rtol=0)
+
+
+def settle_host(engine, *, warmed=True):
+    """Invariants, the slab ledger, and nothing leaked: no private page, staging slot, pin or Filling slab."""
+    engine.check_ledger()
+    stats = engine.stats()
+    assert stats["pages"]["active"] == 0 and stats["pages"]["filling"] == 0
+    assert stats["requests"]["running"] == 0
+    slabs = stats["prefix_cache"]["host_slabs"]
+    assert slabs["filling"] == 0
+    assert sum(v for k, v in slabs.items() if k != "capacity") == slabs["capacity"]
+    if warmed:
+        assert stats["compiles_since_warmup"] == 0  # the transfer ops were compiled at startup
+
+
+def io_error(*args):
+    raise OSError(5, "Input/output error")
