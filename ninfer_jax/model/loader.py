@@ -175,12 +175,13 @@ def _load_layer(t: _Tensors, cfg: ModelConfig, i: int, p: str, put) -> LayerPara
     )
 
 
-def load_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[ModelConfig, Params]:
+def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) -> tuple[ModelConfig, Params]:
     """Read an HF Qwen3.5 checkpoint directory.
 
     Args:
       path: directory with config.json and *.safetensors (+ model.safetensors.index.json when sharded).
       dtype: "bfloat16" or "float32", the dtype every weight is converted to (A_log and dt_bias stay f32).
+      progress: called as progress("loading", layers done, layers) after each layer.
     Returns:
       (ModelConfig, Params on the default device).
     Raises:
@@ -209,6 +210,8 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[ModelCon
             "loading weights | layer %d/%d | %.2f GB read | %.1f s",
             i + 1, cfg.num_layers, tensors.bytes_read / 1e9, time.perf_counter() - start,
         )
+        if progress is not None:
+            progress("loading", i + 1, cfg.num_layers)
     final_norm = put(tensors.get(prefix + "norm.weight", (h,)))
     if cfg.tie_word_embeddings:
         lm_head = None

@@ -75,13 +75,16 @@ class _Call:
 class Engine:
     """A Qwen3.5 inference engine over one device. Construct with `Engine.from_pretrained`."""
 
+    STATS_PERIOD_S = 0.25  # how often the engine's thread publishes its stats (`published_stats`)
+
     def __init__(self, config: ModelConfig, params: Params, options: EngineOptions, *, tokenizer=None,
                  chat_template=None, model_name: str = "model", warmup: bool = True,
-                 weights_identity: dict | None = None):
+                 weights_identity: dict | None = None, progress=None):
         """Start an engine on loaded params (options.dtype must be the params' dtype).
 
         weights_identity names the weights (from_pretrained: the checkpoint's files); a prefix_cache_file is
         used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
+        progress(stage, done, total) hears of the startup's steps ("compiling", "restoring").
         """
         self.config, self.model_name = config, model_name
         self.options = o = startup.resolve_options(options, config)
@@ -91,7 +94,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         parts = startup.build(config, params, o, stop_ids=frozenset(eos), warmup=warmup,
-                              weights_identity=weights_identity)
+                              weights_identity=weights_identity, progress=progress)
         self.runner, self.cache_manager, self.scheduler = parts.runner, parts.cache_manager, parts.scheduler
         self.cache_load = parts.cache_load  # the LoadReport of the prefix cache file (§5.5)
         self._cache_file = parts.cache_file
@@ -102,6 +105,7 @@ class Engine:
         self._failed: str | None = None
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
+        self._published, self._published_at = self._collect_stats(detail=False), time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
         log.info("engine ready | %s | max_model_len %d | %d lanes", model_name, o.max_model_len, o.max_concurrency)
@@ -109,10 +113,13 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", max_concurrency: int = 4,
                         prefill_chunk: int | None = None, kv_capacity: int | str = "auto",
-                        no_prefix_reuse: bool = False, warmup: bool = True, **other_options) -> "Engine":
+                        no_prefix_reuse: bool = False, warmup: bool = True, progress=None,
+                        **other_options) -> "Engine":
         """Load a checkpoint directory (None: the built-in tiny default) and start the engine.
 
-        other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...).
+        other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...); progress(stage, done,
+        total) hears of the startup's steps: "loading" (layers), "compiling" (programs), "restoring" (the prefix
+        cache file), then ("ready", 1, 1).
         """
         directory = Path(path) if path is not None else default_checkpoint()
         if dtype == "auto":
@@ -123,10 +130,13 @@ class Engine:
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
         options.resolve(10**9, jax.default_backend())  # refuse bad options before reading any weights
-        config, params = load_checkpoint(directory, dtype=dtype)
-        return cls(config, params, options, tokenizer=load_tokenizer(directory),
-                   chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,
-                   weights_identity=checkpoint_identity(directory))
+        config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
+        engine = cls(config, params, options, tokenizer=load_tokenizer(directory),
+                     chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,
+                     weights_identity=checkpoint_identity(directory), progress=progress)
+        if progress is not None:
+            progress("ready", 1, 1)
+        return engine
 
     # --- the engine's thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -140,6 +150,8 @@ class Engine:
                 if not scheduler.step():
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
+                if time.monotonic() - self._published_at >= self.STATS_PERIOD_S:
+                    self._published, self._published_at = self._collect_stats(detail=False), time.monotonic()
         except Exception as e:  # a device or logic error (a Host transfer too): the engine cannot continue
             log.exception("engine failed | %s", e)
             self._failed = f"{type(e).__name__}: {e}"
@@ -321,7 +333,18 @@ class Engine:
 
     # --- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        scheduler = self._call(self.scheduler.stats)
+        """Requests, tokens, pages, slots, the scheduler's counters and the prefix cache's, exact as of now (the
+        engine's thread computes them, after its Host writes in flight land)."""
+        return self._call(self._collect_stats)
+
+    def published_stats(self) -> dict:
+        """The stats the engine's thread last published (at most STATS_PERIOD_S old while it runs, without the
+        prefix cache's per-tier counts): read without waiting on that thread, for health checks and metrics."""
+        return {**self._published, "failed": self._failed,
+                "stats_age_s": round(time.monotonic() - self._published_at, 3)}
+
+    def _collect_stats(self, detail: bool = True) -> dict:
+        scheduler = self.scheduler.stats()
         c = scheduler["counters"]
         return {
             "requests": {"waiting": scheduler["waiting"], "running": scheduler["running"],
@@ -330,7 +353,7 @@ class Engine:
             "pages": scheduler["pages"],
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
-            "prefix_cache": {**self._call(self.cache_manager.stats),
+            "prefix_cache": {**self.cache_manager.stats(detail),
                              **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
             "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
             "failed": self._failed,

@@ -79,6 +79,7 @@ class Scheduler:
         self.counters = collections.Counter()
         self.outputs = OutputProcessor(stop_ids, options.max_model_len, self.counters)
         self.pending: _Round | None = None  # the decode round in flight (at most one)
+        self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
 
     # --- queue -----------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -191,6 +192,11 @@ class Scheduler:
         req.computed = end
         self.cache_manager.computed(req)
         self.cache_manager.flush()  # the pass computes meanwhile
+        # At most one pass waits behind the one computing: the host does not run a whole prompt's passes ahead, so
+        # a cancel (or a new request's admission) takes effect within one pass.
+        previous, self._pass_in_flight = self._pass_in_flight, tokens_out
+        if previous is not None:
+            previous.block_until_ready()
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
         return (req, tokens_out, chosen, top) if last else None

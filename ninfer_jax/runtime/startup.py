@@ -121,9 +121,10 @@ class EngineParts:
 
 
 def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_ids: frozenset[int],
-          warmup: bool = True, weights_identity: dict | None = None) -> EngineParts:
+          warmup: bool = True, weights_identity: dict | None = None, progress=None) -> EngineParts:
     """Starts every part of an engine on resolved `options`. Without `warmup` the model steps compile on first
-    use; the small cache copies compile here. A failed start releases the Host tier's memory."""
+    use; the small cache copies compile here. A failed start releases the Host tier's memory. progress(stage,
+    done, total) hears of "restoring" and "compiling"."""
     o = options
     if o.prefix_cache_file is not None and weights_identity is None:
         raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
@@ -154,8 +155,12 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                 "dtype": o.dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
                 "prefill_chunk": o.prefill_chunk, "idle_prefill_chunk": o.idle_prefill_chunk,
                 "source": source_identity()})
+            if progress is not None:
+                progress("restoring", 0, 1)
             cache_load = cache.load(cache_file)
-        seconds = runner.warmup() if warmup else runner.warmup_copies()
+            if progress is not None:
+                progress("restoring", 1, 1)
+        seconds = runner.warmup(progress) if warmup else runner.warmup_copies()
     except BaseException:
         cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
         raise

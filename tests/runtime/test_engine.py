@@ -3,6 +3,7 @@ cancellation, bounded completion, refusal of bad input, no leaks and no compiles
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -257,6 +258,51 @@ def test_cancel_mid_prefill_frees_everything(engine8):
     rid = engine8.submit(long_prompt, GREEDY, sink=sink)
     assert done.wait(60)
     assert result == {"admitted": True, "reason": "cancelled", "tokens": 0}
+
+
+def test_a_cancel_mid_prompt_stops_it_within_a_pass_idle_passes_included(checkpoint):
+    # The scheduler keeps at most one prefill pass queued behind the one computing, so a cancel leaves at most
+    # those two to the device, not the rest of a prompt the host dispatched ahead.
+    prompt = np.random.default_rng(22).integers(0, ORACLE_VOCAB, 3800).tolist()
+    with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, idle_prefill_chunk=128,
+                                max_model_len=4096, kv_capacity=64 * 64, output_window=64) as engine:
+        before = engine.stats()["tokens"]["prompt"]
+        events = engine.stream(prompt, GREEDY, request_id="long")
+        assert next(events).finish_reason is None  # admitted: its first idle pass is dispatched
+        engine.cancel("long")
+        assert [ev.finish_reason for ev in events][-1] == "cancelled"
+        dispatched = engine.stats()["tokens"]["prompt"] - before
+        assert 128 <= dispatched <= 3 * 128, dispatched  # of 3800: the passes dispatched before the cancel landed
+        assert engine.stats()["scheduler"]["idle_prefill_chunks"] >= 1
+        assert engine.generate(prompt[:100], GREEDY).finish_reason == "length"  # it serves the next one
+        engine.check_ledger()
+
+
+def test_published_stats_answer_while_the_engine_thread_is_busy(engine8, monkeypatch):
+    gate, step = threading.Event(), engine8.scheduler.step
+    monkeypatch.setattr(engine8.scheduler, "step", lambda: (gate.wait(10), step())[1])
+    try:
+        time.sleep(0.1)  # the engine's thread is now inside a step that waits for the gate
+        start = time.perf_counter()
+        published = engine8.published_stats()
+        assert time.perf_counter() - start < 1.0
+        assert published["requests"]["running"] == 0 and published["failed"] is None
+        assert published["prefix_cache"]["enabled"] and published["stats_age_s"] >= 0.1
+    finally:
+        gate.set()
+
+
+def test_startup_reports_its_progress(checkpoint):
+    seen = []
+    with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=256,
+                                kv_capacity=8 * 64, progress=lambda *event: seen.append(event)) as engine:
+        stages = [stage for stage, _, _ in seen]
+        loading = [e for e in seen if e[0] == "loading"]
+        compiling = [e for e in seen if e[0] == "compiling"]
+        assert loading[-1][1] == loading[-1][2] == engine.config.num_layers
+        assert [done for _, done, _ in compiling] == list(range(1, len(compiling) + 1))
+        assert compiling[-1][2] == len(compiling)
+        assert stages.index("loading") < stages.index("compiling") and seen[-1] == ("ready", 1, 1)
 
 
 def test_cancel_mid_decode_frees_everything(engine8):

@@ -351,8 +351,9 @@ class ModelRunner:
         self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.asarray(slot, jnp.int32), jnp.asarray(rows)))
 
     # --- compilation -----------------------------------------------------------------------------
-    def warmup(self) -> float:
-        """Compiles every step variant with side-effect-free inputs; returns seconds spent."""
+    def warmup(self, progress=None) -> float:
+        """Compiles every step variant with side-effect-free inputs; returns seconds spent. `progress(stage, done,
+        total)` hears of each program as it is ready."""
         from ninfer_jax.runtime.sampling import SamplerInputs
 
         start = time.perf_counter()
@@ -363,22 +364,26 @@ class ModelRunner:
         variants = (False, True)
         total = (len(self.buckets) + len(self.decode_sizes)) * len(variants) + len(self.idle_sizes)
         done = 0
+
+        def ready(out, what: str) -> None:
+            nonlocal done
+            jax.block_until_ready(out)  # so each line times the program's compile and first run, not its dispatch
+            done += 1
+            log.info("compiling | %s | %d/%d | %.1f s", what, done, total, time.perf_counter() - start)
+            if progress is not None:
+                progress("compiling", done, total)
+
         for full in variants:
             for size in self.buckets + (() if full else self.idle_sizes):
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
-                out = self._prefill_packed(packed, size, full, logprobs=True)
-                done += 1
-                log.info("compiling | prefill %d tokens sampler=%s | %d/%d | %.1f s",
-                         size, "full" if full else "greedy", done, total, time.perf_counter() - start)
+                ready(self._prefill_packed(packed, size, full, logprobs=True),
+                      f"prefill {size} tokens sampler={'full' if full else 'greedy'}")
             for size in self.decode_sizes:  # rounds of padding rows only: nothing is written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
-                out = self._decode_packed(packed, full, self._no_prev, logprobs=True)
-                done += 1
-                log.info("compiling | decode %d lanes sampler=%s | %d/%d | %.1f s",
-                         size, "full" if full else "greedy", done, total, time.perf_counter() - start)
-        jax.block_until_ready(out)
+                ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
+                      f"decode {size} lanes sampler={'full' if full else 'greedy'}")
         return time.perf_counter() - start + self.warmup_copies()
 
     def warmup_copies(self) -> float:

@@ -232,22 +232,16 @@ class PrefixCacheManager:
         if self.host is not None:
             assert self.host.buffer.chunks or self.write_back.failed, "the Host slab buffer is gone"
 
-    def stats(self) -> dict:
-        """The cache's counters and tables, once the Host writes in flight have landed."""
-        self.write_back.poll(wait=True)
+    def stats(self, detail: bool = True) -> dict:
+        """The cache's counters and tables. With `detail`, once the Host writes in flight have landed and with the
+        per-tier counts (a walk of every node and snapshot); without, what costs no walk and no wait."""
+        self.write_back.poll(wait=detail)
         tree, index_stats = self.index.tree, self.index.stats
-        snaps = list(tree.snapshots.values())
-        nodes = [n for n in tree.nodes.values() if n.parent is not None]
-        return {
+        out = {
             "enabled": self.enabled,
             "policy": self.policy,
-            "nodes": len(nodes),
-            "nodes_by_tier": count_by_tier((n.device_state is RESIDENT, n.host_state is RESIDENT) for n in nodes),
-            "snapshots": len(snaps),
-            "snapshots_by_kind": dict(collections.Counter(s.kind.value for s in snaps)),
-            "snapshots_by_tier": count_by_tier((s.image_device is RESIDENT, s.image_host is RESIDENT) for s in snaps),
-            "snapshot_hits": sum(s.hits for s in snaps),
-            "snapshots_superseded": sum(s.superseded for s in snaps),
+            "nodes": len(tree.nodes),  # the root is not among them
+            "snapshots": len(tree.snapshots),
             "device_pages_cached": self.pages.count(OwnerState.CACHED),
             "device_snapshot_slots": self.index.options.device_snapshot_slots,
             "host_tier": self.host is not None,
@@ -262,3 +256,15 @@ class PrefixCacheManager:
                 "gdsf_device_kept": index_stats.host_gdsf_demoted,
             },
         }
+        if detail:
+            snaps = list(tree.snapshots.values())
+            nodes = [n for n in tree.nodes.values() if n.parent is not None]
+            out.update({
+                "nodes_by_tier": count_by_tier((n.device_state is RESIDENT, n.host_state is RESIDENT) for n in nodes),
+                "snapshots_by_kind": dict(collections.Counter(s.kind.value for s in snaps)),
+                "snapshots_by_tier": count_by_tier((s.image_device is RESIDENT, s.image_host is RESIDENT)
+                                                   for s in snaps),
+                "snapshot_hits": sum(s.hits for s in snaps),
+                "snapshots_superseded": sum(s.superseded for s in snaps),
+            })
+        return out
