@@ -38,6 +38,7 @@ from ninfer_jax.runtime.request import (
 )
 from ninfer_jax.runtime.sampling import SamplingParams
 from ninfer_jax.runtime.scheduler import Scheduler, pages_for
+from ninfer_jax.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("ninfer_jax.engine")
 
@@ -105,6 +106,7 @@ class Engine:
         self._failed: str | None = None
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, eos)  # response_format, in callers' threads
         self._published, self._published_at = self._collect_stats(detail=False), time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
@@ -240,10 +242,17 @@ class Engine:
             raise EngineStoppedError(self._failed or "engine is stopped")
         sampling = sampling or SamplingParams()
         prepared = self._prepare(prompt)
+        grammar = self.grammars.prepare(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
-        return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok)
+        return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar)
+
+    def prepare_sampling(self, sampling: SamplingParams) -> None:
+        """Checks `sampling` against the model and compiles its response_format ahead of `submit`, which then
+        finds the grammar compiled (blocking: an event loop calls it from a worker thread). Raises
+        InvalidRequestError."""
+        self.grammars.prepare(sampling)
 
     def stream(self, prompt, sampling: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamEvent]:

@@ -22,7 +22,8 @@ class OutputProcessor:
 
     def accept(self, req: Request, token: int, chosen, top, row: int) -> None:
         """Appends a sampled token (row `row` of its step's logprobs) and sets finish_reason if it ends the
-        request: a stop token, a stop string (the text is cut before it), max_tokens or the context."""
+        request: a stop token, a stop string (the text is cut before it), a complete grammar, max_tokens or the
+        context. A grammar advances by every token but a stop token."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         req.output.append(token)
@@ -36,6 +37,10 @@ class OutputProcessor:
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.stop_ids):
             req.finish_reason = "stop"
             return
+        if req.grammar is not None and not req.grammar.accept(token):
+            log.error("request %s: its grammar refused token %d: %s", req.id, token, req.grammar.error)
+            req.finish_reason = "error"
+            return
         if req.detokenizer is not None:
             req.text += req.detokenizer.push(token)
             for s in sp.stop:
@@ -45,7 +50,9 @@ class OutputProcessor:
                     req.finish_reason = "stop"
                     req.detokenizer = None  # the text ends here: nothing buffered may follow it
                     return
-        if len(req.output) >= sp.max_tokens or req.computed + 1 >= self.max_model_len:
+        if req.grammar is not None and req.grammar.done:
+            req.finish_reason = "stop"  # the grammar is complete and allows only EOS
+        elif len(req.output) >= sp.max_tokens or req.computed + 1 >= self.max_model_len:
             req.finish_reason = "length"
 
     def admitted(self, req: Request) -> None:

@@ -94,6 +94,7 @@ class Request:
     scheduled_at: float | None = None  # when its first prefill chunk was dispatched
     first_token_at: float | None = None
     finish_reason: str | None = None
+    grammar: Any | None = None  # structured.Grammar of a response_format; advanced by the OutputProcessor
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""

@@ -6,17 +6,28 @@ parameters arrive as arrays; the sampler's variant (greedy only, or full tempera
 so each is one compiled program. `token_logprobs` is a program of its own over the logits a step leaves on the
 device: a round whose requests ask for no logprobs does not pay for a log-softmax and a top-20 over the
 vocabulary.
+
+Logit processing (vLLM's order: allowed-token mask, min_tokens, logit_bias, then the repetition, frequency and
+presence penalties) is a third variant, `process_logits`, run only by steps with a lane that asks for it. Its
+per-lane statistics live in a `SamplerState` on the device: written for a lane at admission (`lane_row`,
+`set_lane_row`), and counted up by each processing step with the tokens it samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
+PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2]
+BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +44,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
     prefix_cache: bool = True  # not vLLM's: False = a disabled request, which neither reads nor adds to the cache
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
+    # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
+    response_format: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,10 +70,64 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """Validates and normalises the logit-processing fields (vLLM's ranges)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
+        if not _real(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias) or None)
+        fmt = self.response_format
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+                raise ValueError(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}")
+            if fmt["type"] == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                    raise ValueError("response_format.json_schema must be an object whose schema is a JSON schema")
+            if fmt["type"] == "text":
+                object.__setattr__(self, "response_format", None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether its logits need `process_logits` (penalties, bias, min_tokens or a grammar)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.response_format is not None)
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _checked_bias(bias) -> dict[int, float]:
+    """logit_bias with int keys (OpenAI sends strings) and bounded float values; raises ValueError."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must map token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or isinstance(key, bool):
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        if not _real(value) or not -BIAS_RANGE <= value <= BIAS_RANGE:
+            raise ValueError(f"logit_bias values must be in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], got {value!r}")
+        out[token] = float(value)
+    return out
 
 
 @dataclasses.dataclass
@@ -153,3 +226,103 @@ def token_logprobs(logits, tokens, *, num_logprobs: int = MAX_LOGPROBS, top_k_gr
     chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_lp, top_ids = grouped_top_k(logp, num_logprobs, top_k_groups)
     return chosen, (top_ids.astype(jnp.int32), top_lp)
+
+
+# --- logit processing: penalties, logit_bias, min_tokens, allowed-token masks ---------------------------------
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a packed token bitmask over `vocab` ids (bit v % 32 of word v // 32)."""
+    return -(-vocab // 32)
+
+
+def pack_token_bits(ids, vocab: int) -> np.ndarray:
+    """The ids' bitmask, int32 [mask_words(vocab)] (llguidance's layout); ids outside [0, vocab) are ignored."""
+    ids = np.asarray(ids, np.int64)
+    ids = ids[(ids >= 0) & (ids < vocab)]
+    bits = np.zeros(mask_words(vocab) * 32, bool)
+    bits[ids] = True
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
+
+
+def unpack_token_bits(words, vocab: int):
+    """Inside a step: packed bitmasks [R, W] int32 -> bool [R, vocab]."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift: bit 31 of a negative word still lands in bit 0
+    return bits.reshape(words.shape[0], -1)[:, :vocab] != 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Per-lane logit-processing state on the device, owned by the runner and donated to the steps that process
+    logits. `set_lane_row` (at admission) is the only writer besides those steps, which count sampled tokens."""
+
+    counts: jax.Array  # [C, V] int32: occurrences of each token in the lane's output
+    prompt: jax.Array  # [C, W] int32: bitmask of the prompt's tokens (repetition_penalty)
+    stops: jax.Array  # [C, W] int32: bitmask of the stop tokens min_tokens holds back
+    bias_ids: jax.Array  # [C, MAX_LOGIT_BIAS] int32: logit_bias ids, padded with V (dropped)
+    bias: jax.Array  # [C, MAX_LOGIT_BIAS] float32
+    params: jax.Array  # [C, 4] float32: presence, frequency, repetition penalty, min_tokens
+
+    @classmethod
+    def empty(cls, lanes: int, vocab: int) -> "SamplerState":
+        w = mask_words(vocab)
+        return cls(jnp.zeros((lanes, vocab), jnp.int32), jnp.zeros((lanes, w), jnp.int32),
+                   jnp.zeros((lanes, w), jnp.int32), jnp.full((lanes, MAX_LOGIT_BIAS), vocab, jnp.int32),
+                   jnp.zeros((lanes, MAX_LOGIT_BIAS), jnp.float32), jnp.zeros((lanes, 4), jnp.float32))
+
+
+def lane_row(sp: SamplingParams, prompt_ids, stop_ids, vocab: int) -> np.ndarray:
+    """A lane's SamplerState row packed as int32 [2 W + 2 MAX_LOGIT_BIAS + 4] (floats bit-cast): prompt bits,
+    stop bits (the request's stop ids, and `stop_ids` unless it ignores EOS), bias ids, biases, params."""
+    stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(stop_ids))
+    ids = np.full(MAX_LOGIT_BIAS, vocab, np.int32)
+    bias = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (token, value) in enumerate((sp.logit_bias or {}).items()):
+        ids[i], bias[i] = token, value
+    params = np.array([sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens], np.float32)
+    return np.concatenate([pack_token_bits(prompt_ids, vocab), pack_token_bits(stops, vocab), ids,
+                           bias.view(np.int32), params.view(np.int32)])
+
+
+def set_lane_row(state: SamplerState, lane, row) -> SamplerState:
+    """Inside a program: the lane's row from `lane_row`, its output counts zeroed."""
+    w = state.prompt.shape[1]
+    b = MAX_LOGIT_BIAS
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    return SamplerState(state.counts.at[lane].set(0), state.prompt.at[lane].set(row[:w]),
+                        state.stops.at[lane].set(row[w:2 * w]), state.bias_ids.at[lane].set(row[2 * w:2 * w + b]),
+                        state.bias.at[lane].set(as_f32(row[2 * w + b:2 * w + 2 * b])),
+                        state.params.at[lane].set(as_f32(row[2 * w + 2 * b:])))
+
+
+def process_logits(logits, state: SamplerState, lanes, step, allowed):
+    """vLLM's logit processing, in its order: the allowed-token mask, min_tokens, logit_bias, then the
+    repetition, frequency and presence penalties.
+
+    Args:
+      logits: [R, V] float32. state: the SamplerState. lanes: [R] int32, each row's lane (C or past: padding).
+      step: [R] int32, tokens the row's lane generated so far. allowed: [R, W] int32 packed allowed tokens.
+    Returns:
+      The processed logits [R, V].
+    """
+    v = logits.shape[1]
+    row = lambda x, fill: x.at[lanes].get(mode="fill", fill_value=fill)  # noqa: E731
+    params = row(state.params, 1.0)
+    presence, frequency, repetition, min_tokens = (params[:, i:i + 1] for i in range(4))
+    logits = jnp.where(unpack_token_bits(allowed, v), logits, -jnp.inf)
+    held = unpack_token_bits(row(state.stops, 0), v) & (step[:, None] < min_tokens)
+    logits = jnp.where(held, -jnp.inf, logits)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, row(state.bias_ids, v)].add(row(state.bias, 0.0), mode="drop")
+    counts = row(state.counts, 0)
+    in_output = counts > 0
+    seen = unpack_token_bits(row(state.prompt, 0), v) | in_output
+    penalty = jnp.where(seen, repetition, 1.0)
+    logits = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency * counts - presence * in_output
+
+
+def count_tokens(state: SamplerState, lanes, tokens) -> SamplerState:
+    """The state after the rows' lanes sampled `tokens` ([R] each; padding rows' lanes are past C: dropped)."""
+    return dataclasses.replace(state, counts=state.counts.at[lanes, tokens].add(1, mode="drop"))

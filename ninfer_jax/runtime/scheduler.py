@@ -8,7 +8,9 @@ round over every decoding lane, so running requests keep decoding while a long p
 Decode runs one round ahead of the host: a round is dispatched before the previous one is read back, feeding
 that round's tokens on the device, so the device never idles while the host reads tokens and builds the next
 round. The price: a lane that stops on a token the host has not read yet runs one more round, which feeds its
-last token (its KV, state and endpoint then cover the whole output) and whose sampled token is dropped.
+last token (its KV, state and endpoint then cover the whole output) and whose sampled token is dropped. A lane
+with a grammar (response_format) skips the round after each of its own: its allowed tokens depend on the token
+in flight, which its grammar must accept on the host first.
 
 Page entitlement (§9.5): a lane is admitted with pages for its prompt plus a bounded output window; decode extends
 it one page at a time, and when the pool cannot, the request ends with finish_reason "length" (bounded
@@ -31,7 +33,8 @@ from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.outputs import OutputProcessor
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.request import Request
-from ninfer_jax.runtime.sampling import SamplerInputs
+from ninfer_jax.runtime.sampling import SamplerInputs, lane_row
+from ninfer_jax.runtime.structured import allowed_tokens
 
 log = logging.getLogger("ninfer_jax.scheduler")
 
@@ -169,6 +172,9 @@ class Scheduler:
             self.page_tables[lane] = 0
             self.page_tables[lane, :len(head.pages)] = head.pages
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
+            if head.sampling.processed:  # its penalty statistics, bias and min_tokens on the device
+                self.runner.set_sampler_lane(lane, lane_row(head.sampling, head.prompt_ids, self.outputs.stop_ids,
+                                                            self.runner.cfg.vocab_size))
             self.lanes[lane] = head
             self.counters["requests_admitted"] += 1
             self.outputs.admitted(head)
@@ -182,12 +188,14 @@ class Scheduler:
         last = end == req.num_prompt
         self.sampler.step[req.lane] = len(req.output)
         tap_positions, tap_slots = self.cache_manager.taps_for_chunk(req, end)
+        processing = self._processing([req]) if last else {}
         if req.scheduled_at is None:
             req.scheduled_at = time.perf_counter()
         tokens_out, chosen, top = self.runner.prefill(
             req.prompt_ids[base:end], base, self.page_tables[req.lane], self.cache_manager.lane_slot(req.lane),
             self._lane_sampler(req.lane), tap_positions, tap_slots, full=last and not req.sampling.greedy,
-            logprobs=last and req.sampling.logprobs is not None,
+            logprobs=last and req.sampling.logprobs is not None, lane=req.lane,
+            allowed=processing["allowed"][req.lane] if processing else None,
         )
         req.computed = end
         self.cache_manager.computed(req)
@@ -210,7 +218,7 @@ class Scheduler:
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
             return end
         for size in reversed(self.runner.idle_sizes):
-            if base + size < n or (base + size == n and req.sampling.greedy):
+            if base + size < n or (base + size == n and req.sampling.greedy and not req.sampling.processed):
                 self.counters["idle_prefill_chunks"] += 1
                 return base + size
         return end
@@ -221,6 +229,11 @@ class Scheduler:
 
     def _lane_sampler(self, lane: int):
         return tuple(a[lane:lane + 1] for a in self.sampler.arrays())
+
+    def _processing(self, reqs: list[Request]) -> dict:
+        """The runner's logit-processing arguments for a step over `reqs`: none unless one of them asks for it."""
+        masks = allowed_tokens(reqs, len(self.lanes), self.runner.mask_words)
+        return {} if masks is None else {"allowed": masks[0], "processed": masks[1]}
 
     # --- decode ----------------------------------------------------------------------------------
     def _dispatch_round(self, previous: _Round | None) -> _Round | None:
@@ -238,6 +251,8 @@ class Scheduler:
             if req is None or req.prefilling or not req.output or req.finish_reason is not None:
                 continue  # prefilling, its first token unread, or ended and waiting for its last round
             k = int(ahead[lane])
+            if k and req.grammar is not None:
+                continue  # its mask needs the token in flight: it decodes again once that token is read
             if len(req.output) + k >= req.sampling.max_tokens or req.computed + k + 1 >= self.options.max_model_len:
                 continue  # the token in flight is its last: no round past it
             if not self._ensure_page(req, req.computed + k):
@@ -259,7 +274,7 @@ class Scheduler:
             tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
             full=any(not r.sampling.greedy for r in live),
             prev_tokens=previous.out[0] if previous is not None else None, use_prev=ahead & active,
-            logprobs=any(r.sampling.logprobs is not None for r in live),
+            logprobs=any(r.sampling.logprobs is not None for r in live), **self._processing(live),
         )
         self.cache_manager.flush()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1

@@ -45,7 +45,19 @@ def sampling_params(**fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**{key: value for key, value in fields.items() if value is not None})
     except (ValueError, TypeError) as error:
-        raise ApiError("invalid_request", str(error)) from None
+        field = next((key for key in fields if str(error).startswith(key)), None)  # messages start with the field
+        raise ApiError("invalid_request", str(error), param=field) from None
+
+
+async def prepare_sampling(engine: Any, sampling: SamplingParams) -> None:
+    """Compiles a response_format's grammar in a worker thread, so the event loop never waits on it (the engine
+    then finds it compiled); a schema the grammar library refuses is a 400."""
+    if sampling.response_format is None:
+        return
+    try:
+        await asyncio.to_thread(engine.prepare_sampling, sampling)
+    except InvalidRequestError as error:
+        raise ApiError("invalid_request", str(error), param="response_format") from None
 
 
 def failure(finish_reason: str, error: str | None) -> ApiError:

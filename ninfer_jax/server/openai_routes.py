@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse
 from .chat_prompt import prepare_prompt
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
-from .generation import ANSWERED, EngineRun, Outcome, failure, first_event, sampling_params, until_disconnect
+from .generation import (
+    ANSWERED, EngineRun, Outcome, failure, first_event, prepare_sampling, sampling_params, until_disconnect,
+)
 from .logprobs import chat_logprobs, completion_logprobs
 from .openai_messages import chat_input
 from .openai_schema import ChatCompletionRequest, CompletionRequest
@@ -50,6 +52,7 @@ async def chat_completions(request: Request):
     prepared = await prepare_prompt(engine, chat.messages, chat.tools, chat.breakpoints,
                                     enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
+    await prepare_sampling(engine, sampling)
     run = EngineRun(engine, prepared, sampling, f"chatcmpl-{uuid.uuid4().hex}", ctx.metrics)
     parser = OutputParser(thinking=body.enable_thinking, tools=chat.tools)
     if body.stream:
@@ -76,6 +79,7 @@ async def completions(request: Request):
     if body.stream and len(prompts) > 1:
         raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
     sampling = _sampling(body, body.max_tokens)
+    await prepare_sampling(engine, sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     runs = [EngineRun(engine, prompt, sampling, f"{request_id}-{i}", ctx.metrics) for i, prompt in enumerate(prompts)]
     if body.stream:
@@ -165,7 +169,9 @@ def _sampling(body, max_tokens: int | None):
     return sampling_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        logprobs=body.num_logprobs,
+        logprobs=body.num_logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
+        response_format=body.response_format,
     )
 
 

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI endpoints (chat completions, completions), validated by pydantic.
 
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
-neutral values (n=1, no penalties, no logit bias, text response format); anything else is a 400 that
-says so, rather than a silent change of meaning. vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids` and `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted.
+neutral values (n=1); anything else is a 400 that says so, rather than a silent change of meaning.
+vLLM's extensions `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
+`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted.
 """
 
 from __future__ import annotations
@@ -72,9 +72,12 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension, as min_tokens
+    min_tokens: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias; SamplingParams checks it
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema; SamplingParams checks it
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -84,20 +87,6 @@ class _Sampling(_Lenient):
     def _one_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported; send 0 or omit the field")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
         return value
 
     @property
@@ -116,7 +105,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Prompt caching: accepted; the cache is content-addressed, so the key routes nothing here.
@@ -136,13 +124,6 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: alternatives per token (0: the chosen token only), None: off."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value and value.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported (no constrained decoding)")
-        return value
 
     @property
     def output_limit(self) -> int | None:

@@ -61,10 +61,10 @@ def test_openai_prompt_too_long_is_400_context_length_exceeded_with_the_lengths(
     ({"temperature": 5}, "temperature"),
     ({"n": 2}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_openai_invalid_parameters_are_400_naming_the_field_not_fastapis_422(server, fields, param):
     error = _openai_shape(httpx.post(f"{server.url}/v1/chat/completions",

@@ -3,7 +3,9 @@
 Each step donates the DeviceState and returns it; `_swap` is the one place that assigns it back, checking
 that the pools kept their shapes. Step shapes come from a bounded set (`device/buckets.py`: prefill pass lengths,
 decode rounds of 1, 2, 4, ... C lanes; a greedy and a full sampler), all compiled by `warmup()`, with the
-log-probabilities' program for each round size (`_logprobs_step`, dispatched only when a request asks);
+log-probabilities' program for each round size (`_logprobs_step`, dispatched only when a request asks) and the
+logit processing's (`_process_step`: penalties, logit_bias, min_tokens, grammar masks; it samples a step's rows
+again from its logits, dispatched only when a request of the step asks, so other steps keep their programs);
 `compile_count()` lets tests prove that serving never compiles again. Each step's host inputs arrive packed in
 one int32 array (`pack_prefill_inputs`, `pack_decode_inputs`).
 
@@ -30,7 +32,10 @@ from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
 from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
 from ninfer_jax.runtime.device.transfer import WORD_BYTES
-from ninfer_jax.runtime.sampling import TOP_K_GROUPS, sample, token_logprobs
+from ninfer_jax.runtime.sampling import (
+    MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
+    token_logprobs,
+)
 
 log = logging.getLogger("ninfer_jax.runner")
 
@@ -151,6 +156,24 @@ def jit_decode_step():
     return jax.jit(_own(_decode_step), static_argnames=("cfg", "kc", "full"), donate_argnames=("state",))
 
 
+# The row's lane, its five sampler columns, then the lane whose SamplerState row it uses (C: none, neutral);
+# then the allowed-token mask's words.
+PROCESS_COLUMNS = 7
+
+
+def _process_step(logits, sampler_state, extras, width):
+    """Samples a step's rows again from their processed logits (`process_logits`) with the full sampler, and counts
+    the tokens in the SamplerState. extras [R, PROCESS_COLUMNS + W] int32: each row's lane (C or past: padding),
+    its five sampler columns, its SamplerState lane, its allowed tokens. Returns (tokens by lane [width], or by row
+    [R] when width is 0; the SamplerState)."""
+    lanes, sampler = extras[:, 0], _sampler_from_columns([extras[:, 1 + i] for i in range(5)])
+    state_lanes = extras[:, 6]
+    processed = process_logits(logits, sampler_state, state_lanes, sampler[4], extras[:, PROCESS_COLUMNS:])
+    tokens = sample(processed, sampler, full=True)
+    sampler_state = count_tokens(sampler_state, state_lanes, tokens)
+    return (_rows_to_lanes(tokens, lanes, width) if width else tokens), sampler_state
+
+
 # The cache's copies and transfers take and donate only the pools they write (the KV pools, or the GDN
 # state pools): a jitted call's dispatch cost grows with the number of buffers it is handed.
 
@@ -202,12 +225,18 @@ class ModelRunner:
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
         self._layout_checked: set = set()
+        # Penalty statistics and logit biases per lane, read and written only by the processing variants.
+        self.sampler_state = SamplerState.empty(max_lanes, cfg.vocab_size)
+        self._sampler_layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.sampler_state)]
+        self.mask_words = mask_words(cfg.vocab_size)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
         self._steps = {
             "prefill": jax.jit(_own(_prefill_step), static_argnames=("cfg", "kc", "full", "layout"),
                                donate_argnames=("state",)),
+            "process": jax.jit(_own(_process_step), static_argnames=("width",), donate_argnames=("sampler_state",)),
+            "sampler_lane": jax.jit(_own(set_lane_row), donate_argnames=("state",)),
             "decode": jit_decode_step(),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
@@ -247,33 +276,56 @@ class ModelRunner:
             self._layout_checked.add(program)
         self.state = new_state
 
+    def _swap_sampler(self, new_state: SamplerState) -> None:
+        """The one place the SamplerState is written back."""
+        layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
+        assert layout == self._sampler_layout, "a step changed the SamplerState layout"
+        self.sampler_state = new_state
+
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
         return fit(n, self._pass_sizes, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
-                tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False):
+                tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False,
+                lane: int | None = None, allowed: np.ndarray | None = None):
         """Prefill len(tokens) <= largest bucket tokens of one lane; returns (next token [1], chosen logprob [1],
         (top ids [1, 20], top logprobs [1, 20])), the last two None unless `logprobs`.
 
         page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
-        64-aligned positions whose state is also written to snapshot slots (in-kernel taps).
+        64-aligned positions whose state is also written to snapshot slots (in-kernel taps). With `allowed` (the
+        lane's packed allowed tokens, int32 [mask_words]; all bits set for none), the token is sampled from the
+        logits processed with lane `lane`'s SamplerState row, which counts it.
         """
         size = self.bucket(len(tokens))
         no_taps = tap_positions is None
         packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
                                      () if no_taps else tap_slots, page_table, self.max_taps)
-        return self._prefill_packed(packed, size, full, logprobs)
+        extras = None
+        if allowed is not None:
+            extras = np.concatenate([[lane], *(c[:1] for c in _sampler_columns(sampler)), [lane], allowed])
+            extras = extras.astype(np.int32)
+        return self._prefill_packed(packed, size, full, logprobs, extras)
 
     # The packed arrays go to the steps as numpy: jit's own transfer of them is cheaper than an eager
     # jnp.asarray (docs/kernels_notes.md, the decode round's host side). Each is new and never written again, so
     # the step may read it later (on CPU jax can alias a numpy buffer).
-    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool):
+    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool, extras=None):
+        """extras: the processing row [PROCESS_COLUMNS + W] of `_process_step`, or None."""
+        full = full and extras is None  # the step's own token is replaced: its cheapest sampler will do
         (tokens, logits), state = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
                                                          (size, self.max_taps), self.state, packed)
         self._swap(state, ("prefill", size, full))
+        if extras is not None:
+            tokens = self._process(logits, extras[None], 0)
         return self._with_logprobs(tokens, logits, self._prefill_rows, logprobs)
+
+    def _process(self, logits, extras: np.ndarray, width: int):
+        """A step's tokens sampled again from its processed logits (`_process_step`)."""
+        tokens, sampler_state = self._steps["process"](logits, self.sampler_state, extras, width)
+        self._swap_sampler(sampler_state)
+        return tokens
 
     def _with_logprobs(self, tokens, logits, rows: np.ndarray, logprobs: bool):
         """(tokens, chosen, top) of a step: the logprobs' program (a log-softmax and a top-20 over the vocabulary
@@ -291,25 +343,51 @@ class ModelRunner:
         return fit(lanes, self.decode_sizes, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
-               use_prev=None, logprobs=False):
+               use_prev=None, logprobs=False, allowed=None, processed=None):
         """One decode round over the active lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
         inactive lanes untouched), run as a batch of the next compiled size: one active lane computes one row,
         not C (at 35B-A3B every padding row also routed to experts whose weights the round then read). A lane
         with use_prev set feeds prev_tokens[lane] (the previous round's token output, still on the device)
-        instead of tokens[lane], so a round can be dispatched before the previous one is read back. Returns
-        (tokens, chosen logprobs, top) indexed by lane, the last two None unless `logprobs`."""
+        instead of tokens[lane], so a round can be dispatched before the previous one is read back. With `allowed`
+        (int32 [C, mask_words], each lane's packed allowed tokens, all bits set for none) and `processed` (bool [C]:
+        the lanes whose SamplerState rows apply, the rest sampled as without), the round samples from processed
+        logits (`process_logits`). Returns (tokens, chosen logprobs, top) indexed by lane, the last two None unless
+        `logprobs`."""
         if prev_tokens is None:
             prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
         lanes = np.flatnonzero(active)
         packed = pack_decode_inputs(lanes, self.decode_size(len(lanes)), tokens, positions, page_tables, slots,
                                     use_prev, sampler)
-        return self._decode_packed(packed, full, prev_tokens, logprobs)
+        extras = None if allowed is None else self._decode_extras(packed, allowed, processed)
+        return self._decode_packed(packed, full, prev_tokens, logprobs, extras)
 
-    def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens, logprobs: bool):
+    def _decode_extras(self, packed: np.ndarray, allowed, processed) -> np.ndarray:
+        """`_process_step`'s rows [R, PROCESS_COLUMNS + mask_words] of a round: each row's lane and sampler columns
+        (packed's columns 5 to 10), its SamplerState lane (C unless `processed`), its allowed tokens (all, for
+        padding rows)."""
+        rows = packed[:, 5]  # each row's lane, C for padding
+        c = self.max_lanes
+        extras = np.full((len(rows), PROCESS_COLUMNS + self.mask_words), -1, np.int32)
+        extras[:, :6] = packed[:, 5:DECODE_COLUMNS]
+        real = rows < c
+        extras[:, 6] = c
+        extras[real, 6] = np.where(np.asarray(processed, bool)[rows[real]], rows[real], c)
+        extras[real, PROCESS_COLUMNS:] = np.asarray(allowed, np.int32)[rows[real]]
+        return extras
+
+    def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens, logprobs: bool, extras=None):
+        full = full and extras is None  # the step's own tokens are replaced: its cheapest sampler will do
         (tokens, logits), state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
                                                         packed, prev_tokens)
         self._swap(state, ("decode", packed.shape[0], full))
+        if extras is not None:
+            tokens = self._process(logits, extras, self.max_lanes)
         return self._with_logprobs(tokens, logits, packed[:, 5], logprobs)  # column 5: each row's lane
+
+    def set_sampler_lane(self, lane: int, row: np.ndarray) -> None:
+        """Writes a lane's SamplerState row (`sampling.lane_row`) and zeroes its output counts: at admission of a
+        request that processes its logits."""
+        self._swap_sampler(self._steps["sampler_lane"](self.sampler_state, np.int32(lane), row))
 
     def _swap_kv(self, kv) -> None:
         self._swap(DeviceState(*kv, self.state.ssm, self.state.conv))
@@ -362,7 +440,9 @@ class ModelRunner:
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         variants = (False, True)
-        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants) + len(self.idle_sizes)
+        # The model steps per sampler, then logit processing: one program per round size and one for a prefill.
+        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants) + len(self.idle_sizes) \
+            + len(self.decode_sizes) + 1
         done = 0
 
         def ready(out, what: str) -> None:
@@ -384,6 +464,12 @@ class ModelRunner:
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
                       f"decode {size} lanes sampler={'full' if full else 'greedy'}")
+        # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
+        self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
+        row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)
+        for size, width in [(1, 0)] + [(size, c) for size in self.decode_sizes]:
+            logits = jnp.zeros((size, self.cfg.vocab_size), jnp.float32)
+            ready(self._process(logits, row[None].repeat(size, 0), width), f"logit processing {size} rows")
         return time.perf_counter() - start + self.warmup_copies()
 
     def warmup_copies(self) -> float:

@@ -1,0 +1,195 @@
+"""Logit processing as vLLM defines it: presence, frequency and repetition penalties, logit_bias, min_tokens, and
+JSON output through a grammar's allowed-token masks; requests without them keep their programs and tokens."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ninfer_jax import Engine, InvalidRequestError, SamplingParams
+from ninfer_jax.runtime.sampling import (
+    MAX_LOGIT_BIAS, SamplerState, lane_row, mask_words, pack_token_bits, process_logits, set_lane_row,
+)
+
+PROMPT = list(range(1000, 1040))
+X = 4242  # the token the knobs push around (not in PROMPT)
+
+
+def _greedy(max_tokens=8, **fields):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # The built-in checkpoint: its tokenizer is what a grammar compiles against.
+    engine = Engine.from_pretrained(None, max_concurrency=4, prefill_chunk=64, max_model_len=256, kv_capacity=2048)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def least_bias(engine):
+    """The least integer bias on X that makes greedy decoding emit only X."""
+    lo, hi = 0, 64
+    assert set(engine.generate(PROMPT, _greedy(logit_bias={X: hi})).token_ids) == {X}
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if set(engine.generate(PROMPT, _greedy(logit_bias={X: mid})).token_ids) == {X} else (mid, hi)
+    return hi
+
+
+def _reference(logits, prompt_ids, output_ids, sp, allowed_ids, stop_ids, step):
+    """vLLM's processing of one row in float64 numpy: allowed tokens, min_tokens, logit_bias, then the penalties."""
+    x = logits.astype(np.float64).copy()
+    v = len(x)
+    keep = np.zeros(v, bool)
+    keep[list(allowed_ids)] = True
+    x[~keep] = -np.inf
+    if step < sp.min_tokens:
+        x[list(stop_ids)] = -np.inf
+    for token, bias in (sp.logit_bias or {}).items():
+        x[token] += bias
+    counts = np.bincount(output_ids, minlength=v).astype(np.float64)
+    seen = np.zeros(v, bool)
+    seen[prompt_ids] = True
+    seen |= counts > 0
+    rep = np.where(seen, sp.repetition_penalty, 1.0)
+    x = np.where(x > 0, x / rep, x * rep)
+    return x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
+
+
+@pytest.mark.parametrize("step", [pytest.param(0, id="min-tokens-held"), pytest.param(5, id="min-tokens-met")])
+def test_processed_logits_equal_a_float64_reference_of_vllms_formula(step):
+    rng = np.random.default_rng(7)
+    v, lanes = 300, 3
+    sp = SamplingParams(max_tokens=8, presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3,
+                        logit_bias={5: 3.0, 17: -2.5, 299: 100.0}, min_tokens=3, stop_token_ids=[9])
+    prompt, output = rng.integers(0, v, 40), rng.integers(0, v, 25)
+    allowed = rng.choice(v, 200, replace=False)
+    allowed = np.union1d(allowed, [5, 9, 17, 299])
+    logits = rng.standard_normal((lanes, v)).astype(np.float32) * 4
+    state = SamplerState.empty(lanes, v)
+    state = set_lane_row(state, 1, lane_row(sp, prompt, [7], v))
+    state = state.__class__(**{**state.__dict__, "counts": state.counts.at[1].set(np.bincount(output, minlength=v))})
+    lane_of_row = np.array([3, 1, 3], np.int32)  # rows 0 and 2 are padding (lane C)
+    masks = np.stack([np.full(mask_words(v), -1, np.int32), pack_token_bits(allowed, v),
+                      np.full(mask_words(v), -1, np.int32)])
+    got = np.asarray(jax.jit(process_logits)(logits, state, lane_of_row, np.full(lanes, step, np.int32), masks))
+    want = _reference(logits[1], prompt, output, sp, allowed, [9, 7], step)
+    assert np.array_equal(np.isinf(got[1]), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[1][finite], want[finite], rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])  # a padding row's neutral parameters change nothing
+
+
+def test_logit_bias_of_100_makes_greedy_emit_that_token(engine):
+    out = engine.generate(PROMPT, _greedy(logit_bias={str(X): 100}))
+    assert out.token_ids == (X,) * 8
+    assert X not in engine.generate(PROMPT, _greedy(logit_bias={X: -100})).token_ids
+
+
+def test_presence_and_frequency_penalties_break_greedy_repeats(engine, least_bias):
+    def repeats(bias, **penalty):
+        return engine.generate(PROMPT, _greedy(logit_bias={X: bias}, **penalty)).token_ids.count(X)
+
+    below = least_bias - 1  # X wins most steps but not all: a penalty of 2 tips more of them
+    assert repeats(below, presence_penalty=2.0) < repeats(below)
+    assert repeats(below, frequency_penalty=2.0) < repeats(below)
+    assert repeats(below, presence_penalty=-2.0) >= repeats(below)  # a negative penalty rewards repeats
+    # Well above: presence costs X once, which its margin covers; frequency costs it per repeat, which it cannot.
+    above = least_bias + 3
+    assert repeats(above, presence_penalty=2.0) == 8 > repeats(above, frequency_penalty=2.0)
+
+
+def test_repetition_penalty_covers_prompt_and_output_tokens(engine):
+    biased = _greedy(logit_bias={X: 30}, repetition_penalty=100.0)
+    out = engine.generate(PROMPT, biased)
+    assert out.token_ids[0] == X and X not in out.token_ids[1:]  # X once in the output: penalised since
+    assert engine.generate(PROMPT + [X], biased).token_ids[0] != X  # X in the prompt: penalised from the start
+    assert engine.generate(PROMPT + [X], _greedy(logit_bias={X: 30})).token_ids[0] == X
+
+
+def test_min_tokens_holds_back_stop_tokens(engine):
+    stop_at_x = dict(max_tokens=8, temperature=0.0, logit_bias={X: 30}, stop_token_ids=[X])
+    assert engine.generate(PROMPT, SamplingParams(**stop_at_x)).token_ids == (X,)
+    out = engine.generate(PROMPT, SamplingParams(min_tokens=4, **stop_at_x))
+    assert len(out.token_ids) == 5 and out.token_ids[4] == X and out.finish_reason == "stop"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _check_schema(value):
+    assert set(value) == {"name", "age", "tags", "ok"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+    assert isinstance(value["ok"], bool)
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, id="greedy"), pytest.param(1.0, id="sampled")])
+def test_a_json_schema_response_parses_and_validates_from_random_weights(engine, temperature):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    # Beside requests without a grammar, which keep decoding one round ahead and their tokens.
+    solo = engine.generate(PROMPT, plain)
+    outs = engine.generate_many([PROMPT, PROMPT[:20], PROMPT], [
+        plain, SamplingParams(max_tokens=80, temperature=temperature, seed=1, response_format=fmt), plain])
+    _check_schema(json.loads(outs[1].text))
+    assert outs[1].finish_reason == "stop"
+    assert outs[0].token_ids == outs[2].token_ids == solo.token_ids
+
+
+def test_json_object_output_starts_an_object(engine):
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, response_format={"type": "json_object"}))
+    assert out.text.startswith("{")
+
+
+def test_requests_without_the_features_keep_their_tokens_and_nothing_compiles(engine):
+    before = engine.generate(PROMPT, _greedy(12))
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    sampled_before = engine.generate(PROMPT, sampled)
+    # A processed request with a neutral bias samples what the plain programs sample.
+    assert engine.generate(PROMPT, _greedy(12, logit_bias={X: 0.0})).token_ids == before.token_ids
+    assert engine.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5,
+                                                  ignore_eos=True, logit_bias={X: 0.0})).token_ids \
+        == sampled_before.token_ids
+    mixed = engine.generate_many([PROMPT, PROMPT], [_greedy(12), _greedy(12, frequency_penalty=2.0)])
+    assert mixed[0].token_ids == before.token_ids
+    assert engine.stats()["compiles_since_warmup"] == 0
+    engine.check_ledger()
+
+
+@pytest.mark.parametrize("fields, words", [
+    pytest.param({"presence_penalty": 2.5}, "presence_penalty", id="presence"),
+    pytest.param({"frequency_penalty": -3}, "frequency_penalty", id="frequency"),
+    pytest.param({"repetition_penalty": 0.0}, "repetition_penalty", id="repetition"),
+    pytest.param({"logit_bias": {"7": 101}}, "logit_bias", id="bias-value"),
+    pytest.param({"logit_bias": {"x": 1}}, "logit_bias", id="bias-key"),
+    pytest.param({"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", id="bias-entries"),
+    pytest.param({"min_tokens": 20}, "min_tokens", id="min-tokens"),
+    pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format"),
+])
+def test_bad_values_are_refused_naming_the_field(fields, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(max_tokens=8, **fields)
+
+
+def test_the_engine_refuses_out_of_vocabulary_bias_and_bad_schemas_before_any_work(engine):
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        engine.generate(PROMPT, _greedy(logit_bias={engine.config.vocab_size: 1.0}))
+    with pytest.raises(InvalidRequestError, match="response_format"):
+        engine.generate(PROMPT, SamplingParams(response_format={
+            "type": "json_schema", "json_schema": {"schema": {"type": "object", "$ref": "#/nowhere"}}}))
+    assert engine.generate(PROMPT, _greedy(2)).finish_reason == "length"

@@ -1,0 +1,84 @@
+"""The OpenAI endpoints' sampling fields on the real engine: penalties, logit_bias (string keys), min_tokens and
+response_format (JSON mode, JSON schema), and a 400 naming the field for each bad value."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server_support import oai, real_engine, server  # noqa: F401 (fixtures)
+
+X = 4242
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return real_engine()
+
+
+def test_logit_bias_with_string_keys_forces_the_token(oai, engine):
+    out = oai.completions.create(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=4, temperature=0,
+                                 logit_bias={str(X): 100})
+    assert out.choices[0].text == engine.tokenizer.decode([X] * 4)
+
+
+def test_penalties_and_min_tokens_reach_the_engine(oai, engine):
+    fields = dict(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=8, temperature=0,
+                  logit_bias={str(X): 12})
+    assert oai.completions.create(**fields).choices[0].text == engine.tokenizer.decode([X] * 8)
+    penalised = oai.completions.create(**fields, frequency_penalty=2, presence_penalty=2,
+                                       extra_body={"repetition_penalty": 1.2, "min_tokens": 2}).choices[0].text
+    assert penalised != engine.tokenizer.decode([X] * 8)  # 2 per repeat outweighs the bias of 12 within 8 tokens
+
+
+def test_a_json_schema_chat_answer_parses_and_validates(oai, engine):
+    response = oai.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "A person, please."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        extra_body=NO_THINKING)
+    choice = response.choices[0]
+    value = json.loads(choice.message.content)
+    assert set(value) == {"name", "n"} and len(value["name"]) <= 5 and 0 <= value["n"] <= 9
+    assert choice.finish_reason == "stop"
+
+
+def test_json_mode_answer_starts_an_object(oai, engine):
+    response = oai.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "JSON"}], max_tokens=5, temperature=0,
+        response_format={"type": "json_object"}, extra_body=NO_THINKING)
+    assert response.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("fields, param", [
+    pytest.param({"presence_penalty": 2.5}, "presence_penalty", id="presence"),
+    pytest.param({"frequency_penalty": -3}, "frequency_penalty", id="frequency"),
+    pytest.param({"repetition_penalty": 0}, "repetition_penalty", id="repetition"),
+    pytest.param({"min_tokens": -1}, "min_tokens", id="min-tokens"),
+    pytest.param({"logit_bias": {"7": 101}}, "logit_bias", id="bias-value"),
+    pytest.param({"logit_bias": {"seven": 1}}, "logit_bias", id="bias-key"),
+    pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format-type"),
+    pytest.param({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}},
+                 "response_format", id="bad-schema"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_values_are_400_naming_the_field(server, engine, path, fields, param):
+    body = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
+    response = httpx.post(server.url + path, json={"model": engine.model_name, "max_tokens": 2, **body, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_out_of_vocabulary_bias_is_400(server, engine):
+    response = httpx.post(server.url + "/v1/completions", json={
+        "model": engine.model_name, "prompt": "Hi", "max_tokens": 2, "logit_bias": {str(10**9): 1}})
+    assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"]
