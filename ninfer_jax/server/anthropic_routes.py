@@ -29,6 +29,7 @@ from .chat_prompt import marked_prefix_tokens, matched_stop, prepare_prompt
 from .context import ServerContext
 from .errors import anthropic_error
 from .generation import ANSWERED, EngineRun, failure, first_event, sampling_params, until_disconnect
+from .limits import check_context
 from .output_parser import OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
@@ -40,9 +41,11 @@ router = APIRouter()
 async def create_message(request: Request):
     ctx, body = await read_request(request, MessagesRequest)
     engine = ctx.engine
+    ctx.limits.check_counts(stops=body.stop_sequences or (), tools=len(body.tools or ()))
     given = messages_input(body)
-    prepared = await prepare_prompt(engine, given.messages, given.tools, given.breakpoints,
-                                    enable_thinking=body.enable_thinking)
+    prepared = await until_disconnect(request, prepare_prompt(ctx, given.messages, given.tools, given.breakpoints,
+                                                              enable_thinking=body.enable_thinking))
+    check_context(engine.max_model_len, prepared.num_tokens, body.max_tokens)
     sampling = sampling_params(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx.metrics)
@@ -65,9 +68,10 @@ async def create_message(request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     ctx, body = await read_request(request, CountTokensRequest)
+    ctx.limits.check_counts(tools=len(body.tools or ()))
     given = messages_input(body)
-    prepared = await prepare_prompt(ctx.engine, given.messages, given.tools, given.breakpoints,
-                                    enable_thinking=body.enable_thinking)
+    prepared = await until_disconnect(request, prepare_prompt(ctx, given.messages, given.tools, given.breakpoints,
+                                                              enable_thinking=body.enable_thinking))
     return JSONResponse({"input_tokens": prepared.num_tokens})
 
 

@@ -1,33 +1,56 @@
-"""Renders a chat request into the engine's PreparedPrompt, off the event loop (long prompts take a while)."""
+"""Renders a chat request, or tokenizes a completions prompt, into the engine's PreparedPrompt in the server's
+tokenizing threads (long prompts take a while; off the event loop, and apart from asyncio's default pool)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ninfer_jax.frontend import Breakpoint, ChatTemplateError, PreparedPrompt, TapHintKind, prepare_chat
+from ninfer_jax.frontend import (Breakpoint, ChatTemplateError, PreparedPrompt, TapHintKind, prepare_chat,
+                                 prepare_tokens)
 
+from .context import ServerContext
 from .errors import ApiError
 
 
-async def prepare_prompt(engine: Any, messages: Sequence[Mapping[str, Any]],
+async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None, breakpoints: Iterable[Breakpoint],
                          *, enable_thinking: bool, template_kwargs: Mapping[str, Any] | None = None
                          ) -> PreparedPrompt:
-    """prepare_chat with the engine's tokenizer and template. Raises ApiError (400) when the model has
-    no tokenizer or the template rejects the conversation."""
+    """prepare_chat with the engine's tokenizer and template, in ctx's tokenizing threads. Raises ApiError
+    (400) when the model has no tokenizer or the template rejects the conversation."""
+    engine = ctx.engine
     if engine.tokenizer is None:
         raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files; chat needs text "
                        "(send token ids to /v1/completions)")
     kwargs = {key: value for key, value in (template_kwargs or {}).items() if key != "enable_thinking"}
     try:
-        return await asyncio.to_thread(
+        return await ctx.frontend.run(
             prepare_chat, engine.tokenizer, messages, tools, enable_thinking=enable_thinking,
             breakpoints=tuple(breakpoints), template=engine.chat_template, **kwargs,
         )
     except (ChatTemplateError, IndexError, TypeError) as error:
         raise ApiError("invalid_request", f"the chat template rejected the conversation: {error}") from None
+
+
+async def prepare_completion_prompt(ctx: ServerContext, prompt: str | Sequence[int]) -> PreparedPrompt:
+    """A completions prompt (text, or token ids) tokenized in ctx's tokenizing threads. Raises ApiError (400)
+    for text to a model without a tokenizer, or token ids that are not 32-bit integers."""
+    tokenizer = ctx.engine.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError("invalid_request", f"model {ctx.engine.model_name} has no tokenizer files; send token "
+                           "ids", param="prompt")
+        prepared = await ctx.frontend.run(lambda: prepare_tokens(tokenizer.encode(prompt)))
+    else:
+        try:
+            prepared = await ctx.frontend.run(prepare_tokens, prompt)
+        except (OverflowError, ValueError, TypeError):
+            raise ApiError("invalid_request", "prompt token ids must be integers of the vocabulary",
+                           param="prompt") from None
+    if prepared.num_tokens == 0:
+        raise ApiError("invalid_request", "prompt must not be empty", param="prompt")
+    return prepared
 
 
 def marked_prefix_tokens(prepared: PreparedPrompt) -> int:

@@ -6,6 +6,10 @@
 The engine's flags come from the option declarations in ninfer_jax.runtime.options (spec §14.2's names where
 it has them); unset values are derived by the engine (EngineOptions.resolve) and reported in the startup log.
 Conflicting options are refused before anything loads, with exit status 2 (`serve_options`, pure).
+
+The server listens at once and builds the engine in a thread: /health answers from the start, /health/ready
+says 503 with the startup's stage until the engine serves, and generation answers 503 with Retry-After until
+then. An engine that cannot be built (a bad checkpoint, options it refuses) ends the process with status 2.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
+
+from .limits import CHARS_PER_TOKEN, Limits
 
 log = logging.getLogger("ninfer_jax.server")
 
@@ -33,6 +40,8 @@ class ServeOptions:
     api_key: str | None
     engine: dict[str, Any]  # keyword arguments of Engine.from_pretrained
     compile_cache: str | None = None  # jax's persistent compilation cache folder (None: off)
+    limits: Limits = Limits()
+    allowed_origins: tuple[str, ...] = ()  # CORS: web origins that may call the API (none: browsers may not)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,9 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", dest="model_flag", metavar="PATH", help="the same as the positional MODEL")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="TCP port; default 8000")
     server.add_argument("--api-key", help="require this key: `Authorization: Bearer KEY` or `x-api-key: KEY`")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                        help="web origins (https://app.example) whose pages may call the API from a browser (CORS); "
+                             "'*' for any; default none")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="default info")
+    limits = parser.add_argument_group("request limits (checked before any work; a request over one gets a 4xx "
+                                       "naming the flag)")
+    default = Limits()
+    limits.add_argument("--max-request-bytes", type=int, default=default.max_request_bytes, metavar="N",
+                        help="largest request body, refused (413) while it is read; default 8388608 (8 MiB: a "
+                             "262k-token context is 1-3 MiB of JSON)")
+    limits.add_argument("--max-prompt-chars", type=int, metavar="N",
+                        help="most characters of text in a request, checked before tokenizing; default "
+                             f"{CHARS_PER_TOKEN} per token of --max-model-len")
+    limits.add_argument("--max-json-depth", type=int, default=default.max_json_depth, metavar="N",
+                        help=f"deepest nesting of the JSON body; default {default.max_json_depth}")
+    limits.add_argument("--max-prompts", type=int, default=default.max_prompts, metavar="N",
+                        help=f"prompts in one /v1/completions request; default {default.max_prompts}")
+    limits.add_argument("--max-stop-strings", type=int, default=default.max_stop_strings, metavar="N",
+                        help=f"stop strings in one request; default {default.max_stop_strings}")
+    limits.add_argument("--max-stop-chars", type=int, default=default.max_stop_chars, metavar="N",
+                        help=f"characters in one stop string; default {default.max_stop_chars}")
+    limits.add_argument("--max-tools", type=int, default=default.max_tools, metavar="N",
+                        help=f"tools in one request; default {default.max_tools}")
     engine, _ = add_engine_arguments(parser)
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
@@ -59,12 +91,16 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     model = args.model or args.model_flag
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    limits = Limits(**{field: getattr(args, field) for field in Limits.__dataclass_fields__})
+    for field, value in vars(limits).items():
+        if value is not None and value < 1:
+            raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {value}")
     try:
         engine = engine_kwargs_from_args(args)
     except OptionsError as error:
         raise UsageError(str(error)) from None
     return ServeOptions(args.host, args.port, args.api_key, {"path": model, **engine, "warmup": args.warmup},
-                        args.compile_cache_dir)
+                        args.compile_cache_dir, limits, tuple(args.allowed_origins))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,30 +111,52 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         parser.error(str(error))  # exits 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s | %(message)s")
-
-    from ninfer_jax import Engine
+    # jax reports each accelerator plugin it does not find ("Unable to initialize backend 'tpu'") at INFO; on a
+    # machine without one those lines read as failures.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
     from .app import create_app
+    from .readiness import build_in_background
     from .serving import OrderlyServer, server_config
 
-    try:
+    app = create_app(api_key=options.api_key, limits=options.limits, allowed_origins=options.allowed_origins)
+    ctx = app.state.context
+    server = OrderlyServer(server_config(app, options.host, options.port), ctx)
+
+    def build(progress):
         enable_compile_cache(options.compile_cache)
-        engine = Engine.from_pretrained(**options.engine)
-    except ValueError as error:  # options the engine refuses, a checkpoint it cannot serve
-        log.error("cannot start | %s", error)
-        return 2
-    app = create_app(engine, api_key=options.api_key)
-    stats = engine.stats()
-    log.info("serving | http://%s:%d | model %s | max_model_len %d | kv pages %s | api key %s",
-             options.host, options.port, engine.model_name, engine.max_model_len,
-             stats.get("pages", {}).get("capacity", "?"), "required" if options.api_key else "off")
-    server = OrderlyServer(server_config(app, options.host, options.port), app.state.context)
-    try:
-        server.run()
-    finally:
-        if not app.state.context.stopping:  # the server never started (e.g. the port was taken)
+        from ninfer_jax import Engine
+
+        return Engine.from_pretrained(**options.engine, progress=progress)
+
+    def ready(engine) -> None:
+        ctx.attach(engine)
+        pages = engine.published_stats().get("pages", {}).get("capacity", "?")
+        log.info("serving | http://%s:%d | model %s | max_model_len %d | kv pages %s | api key %s",
+                 options.host, options.port, engine.model_name, engine.max_model_len, pages,
+                 "required" if options.api_key else "off")
+        if ctx.stopping:  # the orderly stop began while it was built
             engine.stop()
-    return 0
+
+    def failed(message: str) -> None:
+        server.should_exit = True
+
+    builds = []
+
+    def listening() -> None:
+        log.info("listening | http://%s:%d | loading the model; /health/ready answers 200 once it serves",
+                 options.host, options.port)
+        builds.append(build_in_background(build, ctx.startup, ready, failed))
+
+    server.on_listening = listening
+    server.run()
+    status = 2 if ctx.startup.error is not None else 0
+    if builds and builds[0].is_alive():
+        # Stopped while loading or compiling: jax's threads cannot be torn down mid-compile at interpreter exit.
+        log.info("stopped during startup | the engine's build is abandoned")
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What every handler shares: the engine, the server's metrics, the API key, and whether it is stopping."""
+"""What every handler shares: the engine (once built), its startup, the request limits, the tokenizing threads,
+the server's metrics, the API key, and whether it is stopping."""
 
 from __future__ import annotations
 
@@ -9,15 +10,37 @@ from typing import Any
 from fastapi import Request
 
 from .errors import ApiError
+from .frontend_pool import FrontendPool
+from .limits import Limits
 from .metrics import ServerMetrics
+from .readiness import Startup
+
+RETRY_AFTER_S = 5  # what a 503 during startup tells clients to wait
 
 
 @dataclasses.dataclass
 class ServerContext:
-    engine: Any  # ninfer_jax.Engine, or any object with its surface
+    engine: Any = None  # ninfer_jax.Engine, or any object with its surface; None until `attach`
     api_key: str | None = None
+    limits: Limits = dataclasses.field(default_factory=Limits)
     metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
+    startup: Startup = dataclasses.field(default_factory=Startup)
+    frontend: FrontendPool = dataclasses.field(default_factory=FrontendPool)
     stopping: bool = False  # set when the orderly stop begins; /health reports it
+
+    def attach(self, engine: Any) -> None:
+        """The engine is built: the server is ready (called from the startup thread)."""
+        self.engine = engine
+
+    def ready_engine(self) -> Any:
+        """The engine. Raises ApiError (503 with Retry-After) while it is still being built, or never will be."""
+        engine = self.engine
+        if engine is not None:
+            return engine
+        if self.startup.error is not None:
+            raise ApiError("server_error", f"the model could not be loaded: {self.startup.error}")
+        raise ApiError("loading", f"the model is loading ({self.startup.summary()}); retry in a few seconds",
+                       retry_after=RETRY_AFTER_S)
 
     def authorize(self, request: Request) -> None:
         """Accepts `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic) on every API route."""

@@ -11,6 +11,9 @@ protocol the request path belongs to. Status codes and `type` strings follow eac
                     invalid_api_key)
   not_found         404 invalid_request_error (code         404 not_found_error
                     model_not_found for models)
+  too_large         413 invalid_request_error               413 request_too_large
+  media_type        415 invalid_request_error               415 invalid_request_error
+  loading           503 server_error                        503 overloaded_error
   unavailable       503 server_error                        529 overloaded_error
   server_error      500 server_error                        500 api_error
 """
@@ -27,6 +30,9 @@ OPENAI_STATUS_TYPE = {
     "context_length": (400, "invalid_request_error"),
     "authentication": (401, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
+    "too_large": (413, "invalid_request_error"),
+    "media_type": (415, "invalid_request_error"),
+    "loading": (503, "server_error"),
     "unavailable": (503, "server_error"),
     "server_error": (500, "server_error"),
 }
@@ -35,6 +41,9 @@ ANTHROPIC_STATUS_TYPE = {
     "context_length": (400, "invalid_request_error"),
     "authentication": (401, "authentication_error"),
     "not_found": (404, "not_found_error"),
+    "too_large": (413, "request_too_large"),
+    "media_type": (415, "invalid_request_error"),
+    "loading": (503, "overloaded_error"),
     "unavailable": (529, "overloaded_error"),
     "server_error": (500, "api_error"),
 }
@@ -48,6 +57,7 @@ class ApiError(Exception):
     message: str
     param: str | None = None  # OpenAI's `param` (the offending field), when known
     code: str | None = None  # OpenAI's `code`, when it has one
+    retry_after: int | None = None  # seconds, sent as Retry-After (the server is still loading)
 
     def __str__(self) -> str:
         return self.message

@@ -49,13 +49,13 @@ def sampling_params(**fields: Any) -> SamplingParams:
         raise ApiError("invalid_request", str(error), param=field) from None
 
 
-async def prepare_sampling(engine: Any, sampling: SamplingParams) -> None:
-    """Compiles a response_format's grammar in a worker thread, so the event loop never waits on it (the engine
-    then finds it compiled); a schema the grammar library refuses is a 400."""
+async def prepare_sampling(ctx: Any, sampling: SamplingParams) -> None:
+    """Compiles a response_format's grammar in the server's frontend threads (ctx.frontend), so the event loop
+    never waits on it (the engine then finds it compiled); a schema the grammar library refuses is a 400."""
     if sampling.response_format is None:
         return
     try:
-        await asyncio.to_thread(engine.prepare_sampling, sampling)
+        await ctx.frontend.run(ctx.engine.prepare_sampling, sampling)
     except InvalidRequestError as error:
         raise ApiError("invalid_request", str(error), param="response_format") from None
 
@@ -178,7 +178,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], *runs: EngineRu
             return task.result()
         for run in runs:
             run.cancel()
-        raise ClientGone(", ".join(run.request_id for run in runs))
+        raise ClientGone(", ".join(run.request_id for run in runs) or "a request before its prompt was ready")
     finally:
         watcher.cancel()
         if not task.done():

@@ -1,8 +1,8 @@
 """Server counters and their Prometheus text exposition (format 0.0.4), written by hand.
 
 The server's own series: requests by endpoint and HTTP status, finished requests by finish reason,
-prompt / completion / cached (reused) tokens, and a time-to-first-token histogram. The engine's
-`stats()` follows as gauges: `ninfer_prefix_cache_<counter>` for its prefix-cache counters and
+prompt / completion / cached (reused) tokens, a time-to-first-token histogram, and whether the engine is
+loaded. The stats the engine's thread last published (`published_stats()`) follow as gauges: `ninfer_prefix_cache_<counter>` for its prefix-cache counters and
 `ninfer_engine_<section>_<key>` for every other number (pages, slots, requests, tokens).
 """
 
@@ -40,8 +40,10 @@ class ServerMetrics:
             self.ttft_counts[bisect.bisect_left(TTFT_BUCKETS, ttft_s)] += 1
             self.ttft_sum += ttft_s
 
-    def render(self, engine_stats: Mapping[str, Any]) -> str:
+    def render(self, engine_stats: Mapping[str, Any], ready: bool = True) -> str:
         lines: list[str] = []
+        _family(lines, "ninfer_server_ready", "gauge", "1 once the engine is loaded and serves, else 0.",
+                [({}, ready)])
         _family(lines, "ninfer_requests_total", "counter", "HTTP responses by endpoint and status code.",
                 [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.requests.items())])
         _family(lines, "ninfer_request_finish_total", "counter", "Engine requests finished, by finish reason.",

@@ -19,12 +19,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .chat_prompt import prepare_prompt
+from .chat_prompt import prepare_completion_prompt, prepare_prompt
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
 from .generation import (
     ANSWERED, EngineRun, Outcome, failure, first_event, prepare_sampling, sampling_params, until_disconnect,
 )
+from .limits import check_context
 from .logprobs import chat_logprobs, completion_logprobs
 from .openai_messages import chat_input
 from .openai_schema import ChatCompletionRequest, CompletionRequest
@@ -37,7 +38,7 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    engine = context(request).engine
+    engine = context(request).ready_engine()
     return JSONResponse({"object": "list", "data": [{
         "id": engine.model_name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
         "max_model_len": engine.max_model_len,
@@ -48,11 +49,14 @@ async def list_models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     ctx, body = await read_request(request, ChatCompletionRequest)
     engine = ctx.engine
+    ctx.limits.check_counts(stops=body.stop_strings(), tools=len(body.tools or ()))
     chat = chat_input(body)
-    prepared = await prepare_prompt(engine, chat.messages, chat.tools, chat.breakpoints,
-                                    enable_thinking=body.enable_thinking, template_kwargs=body.chat_template_kwargs)
+    prepared = await until_disconnect(request, prepare_prompt(
+        ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=body.enable_thinking,
+        template_kwargs=body.chat_template_kwargs))
+    check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
-    await prepare_sampling(engine, sampling)
+    await prepare_sampling(ctx, sampling)
     run = EngineRun(engine, prepared, sampling, f"chatcmpl-{uuid.uuid4().hex}", ctx.metrics)
     parser = OutputParser(thinking=body.enable_thinking, tools=chat.tools)
     if body.stream:
@@ -76,12 +80,16 @@ async def completions(request: Request):
     ctx, body = await read_request(request, CompletionRequest)
     engine = ctx.engine
     prompts = body.prompts()
+    ctx.limits.check_counts(prompts=len(prompts), stops=body.stop_strings())
     if body.stream and len(prompts) > 1:
         raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
+    prepared = await until_disconnect(request, asyncio.gather(*(prepare_completion_prompt(ctx, p) for p in prompts)))
+    for one in prepared:
+        check_context(engine.max_model_len, one.num_tokens, body.max_tokens)
     sampling = _sampling(body, body.max_tokens)
-    await prepare_sampling(engine, sampling)
+    await prepare_sampling(ctx, sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    runs = [EngineRun(engine, prompt, sampling, f"{request_id}-{i}", ctx.metrics) for i, prompt in enumerate(prompts)]
+    runs = [EngineRun(engine, prompt, sampling, f"{request_id}-{i}", ctx.metrics) for i, prompt in enumerate(prepared)]
     if body.stream:
         first = await first_event(request, runs[0])
         return EventStream(_completion_stream(ctx, body, runs[0], first, request_id))

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -28,6 +29,12 @@ class OrderlyServer(uvicorn.Server):
         super().__init__(config)
         self.ctx = ctx
         self.stop_engine = stop_engine  # False where the engine outlives the server (tests share one)
+        self.on_listening: Callable[[], None] | None = None  # called once the sockets listen (cli: build the engine)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -42,8 +49,10 @@ class OrderlyServer(uvicorn.Server):
         for server in self.servers:
             server.close()  # stop accepting first
         self.ctx.stopping = True
-        if self.stop_engine:
-            await asyncio.to_thread(self.ctx.engine.stop)
+        engine = self.ctx.engine  # None when stopped during startup
+        if self.stop_engine and engine is not None:
+            await asyncio.to_thread(engine.stop)
+        self.ctx.frontend.shutdown()
         await super().shutdown(sockets)
         log.info("stopped | %d responses served", sum(self.ctx.metrics.requests.values()))
 

@@ -28,7 +28,7 @@ class ServerProcess:
             args: ninfer-serve arguments (not --host / --port: the server binds 127.0.0.1 on a free port).
             env: the child's environment (default: this process's).
             log_file: where the server's output goes (default: this process's stdout and stderr).
-            startup_timeout: seconds to wait for /health (weights, and compiles unless --no-warmup).
+            startup_timeout: seconds to wait for /health/ready (weights, and compiles unless --no-warmup).
         """
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -46,7 +46,7 @@ class ServerProcess:
         self.process = subprocess.Popen(self.command, env=self._env, stdout=self._log,
                                         stderr=subprocess.STDOUT if self._log else None)
         try:
-            self._wait_for_health()
+            self._wait_for_ready()
         except BaseException:
             self.stop()
             raise
@@ -69,18 +69,18 @@ class ServerProcess:
             self._log.close()
         return self.exit_status
 
-    def _wait_for_health(self) -> None:
+    def _wait_for_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ninfer-serve exited during startup (status {self.process.returncode})")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"ninfer-serve was not healthy within {self._startup_timeout:.0f} s")
+        raise TimeoutError(f"ninfer-serve was not ready within {self._startup_timeout:.0f} s")
 
 
 def free_port() -> int:

@@ -66,10 +66,11 @@ def tiny_frontend():
 
 
 class LiveServer:
-    """The app for `engine` served by uvicorn on a loopback thread: `with LiveServer(engine) as s: s.url`."""
+    """The app for `engine` served by uvicorn on a loopback thread: `with LiveServer(engine) as s: s.url`.
+    `app_options`: create_app's (limits, allowed_origins); engine None: attached later."""
 
-    def __init__(self, engine: Any, api_key: str | None = None):
-        self.app = create_app(engine, api_key=api_key)
+    def __init__(self, engine: Any, api_key: str | None = None, **app_options: Any):
+        self.app = create_app(engine, api_key=api_key, **app_options)
         self.context = self.app.state.context
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
@@ -226,6 +227,9 @@ class ScriptedEngine:
                 "slots": {"active": 4, "snapshot": 5},
                 "prefix_cache": {"hits": sum(1 for _ in self.prompts), "reused_tokens": 0},
                 "failed": None}
+
+    def published_stats(self) -> dict:
+        return {**self.stats(), "stats_age_s": 0.0}
 
     @staticmethod
     def _logprobs(sampling: SamplingParams, tokens: tuple[int, ...]) -> tuple[dict, ...] | None:

@@ -12,6 +12,7 @@ import pytest
 
 from ninfer_jax.runtime.options import OPTIONS
 from ninfer_jax.server.cli import UsageError, build_parser, main, serve_options
+from ninfer_jax.server.limits import Limits
 from ninfer_jax.server.subprocess_server import ServerProcess
 from server_support import SERVE_FLAGS, sse_events, subprocess_env, wait_for
 
@@ -52,6 +53,23 @@ def test_auto_values_reach_the_engine_as_auto():
     options = _options("--dtype", "auto", "--kv-capacity", "auto", "--no-prefix-reuse")
     assert options.engine == {"path": None, "dtype": "auto", "kv_capacity": "auto", "no_prefix_reuse": True,
                               "warmup": True}
+
+
+def test_request_limits_and_origins_are_options_with_their_defaults_in_help():
+    assert _options().limits == Limits() and _options().allowed_origins == ()
+    options = _options("--max-request-bytes", "1024", "--max-prompt-chars", "5000", "--max-tools", "3",
+                       "--allowed-origins", "https://a.example", "https://b.example")
+    assert options.limits == Limits(max_request_bytes=1024, max_prompt_chars=5000, max_tools=3)
+    assert options.allowed_origins == ("https://a.example", "https://b.example")
+    text = " ".join(build_parser().format_help().split())
+    for flag, default in [("--max-request-bytes", "default 8388608"), ("--max-prompt-chars", "default 16 per token"),
+                          ("--max-json-depth", "default 64"), ("--max-prompts", "default 16"),
+                          ("--max-stop-strings", "default 16"), ("--max-stop-chars", "default 256"),
+                          ("--max-tools", "default 128"), ("--allowed-origins", "default none"),
+                          ("--port", "default 8000")]:
+        assert flag in text and default in text.split(flag + " ")[-1][:300], flag
+    with pytest.raises(UsageError, match="--max-tools must be at least 1, got 0"):
+        _options("--max-tools", "0")
 
 
 def test_the_compile_cache_folder_is_an_option_and_none_turns_it_off(tmp_path):

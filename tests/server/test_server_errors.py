@@ -3,6 +3,8 @@ parameters, cache_control misuse, API keys, and a stopping server (OpenAI 503 / 
 
 from __future__ import annotations
 
+import re
+
 import anthropic
 import httpx
 import openai
@@ -12,6 +14,7 @@ from server_support import LiveServer, ScriptedEngine, claude, oai, server, sse_
 
 MODEL = ScriptedEngine.model_name
 USER = [{"role": "user", "content": "Hi"}]
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def _anthropic_shape(response: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]"])
 def test_openai_malformed_body_is_400_invalid_request_error(server, path, body):
-    error = _openai_shape(httpx.post(server.url + path, content=body), 400)
+    error = _openai_shape(httpx.post(server.url + path, content=body, headers=JSON), 400)
     assert error["type"] == "invalid_request_error"
 
 
@@ -103,7 +106,7 @@ def test_openai_template_rejection_is_400(oai):
 # --- Anthropic ----------------------------------------------------------------------------------------
 
 def test_anthropic_malformed_body_is_400_invalid_request_error(server):
-    error = _anthropic_shape(httpx.post(f"{server.url}/v1/messages", content=b"{oops"), 400)
+    error = _anthropic_shape(httpx.post(f"{server.url}/v1/messages", content=b"{oops", headers=JSON), 400)
     assert error["type"] == "invalid_request_error"
 
 
@@ -123,7 +126,11 @@ def test_anthropic_prompt_too_long_is_400_with_the_lengths(claude):
     with pytest.raises(anthropic.BadRequestError) as raised:
         claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "word " * 400}])
     assert raised.value.body["error"]["type"] == "invalid_request_error"
-    assert "max_model_len is 256" in raised.value.body["error"]["message"]
+    message = raised.value.body["error"]["message"]
+    prompt = int(re.search(r"\((\d+) in the messages, 10 in the completion\)", message).group(1))
+    assert prompt > 400 and message == (
+        f"This model's maximum context length is 256 tokens. However, you requested {prompt + 10} tokens ({prompt} "
+        "in the messages, 10 in the completion). Please reduce the length of the messages or completion.")
 
 
 def _marked(text, **control):

@@ -1,0 +1,62 @@
+"""What one request may ask for, checked before any work; each bound is a server option (ninfer-serve flags).
+
+The body size is checked while the body is read (413), the JSON depth and the prompt's characters before
+tokenizing, the counts (prompts, stop strings, tools) after parsing, and `max_tokens` against the context
+left once the prompt's tokens are known (vLLM's words). Every refusal names the option that sets the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from .errors import ApiError
+
+# NOTE: a 262,144-token context is about 1 MiB of English text, and at most 2-3 MiB as JSON-escaped CJK text
+# or as token ids; 8 MiB leaves room for tools and a batch of long prompts, while a body's parse on the event
+# loop stays in the milliseconds.
+MAX_REQUEST_BYTES = 8 << 20
+# A token of the Qwen3.5 tokenizer covers about 4 characters of prose and rarely more than 16 of anything
+# (long runs of spaces): a prompt with more characters than 16 per token of context cannot fit it.
+CHARS_PER_TOKEN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_request_bytes: int = MAX_REQUEST_BYTES  # --max-request-bytes
+    max_prompt_chars: int | None = None  # --max-prompt-chars; None: CHARS_PER_TOKEN per token of the context
+    max_json_depth: int = 64  # --max-json-depth: tool schemas nest a few levels; nothing real nests 64
+    max_prompts: int = 16  # --max-prompts: a completions batch runs at once; more lanes than that just queue
+    max_stop_strings: int = 16  # --max-stop-strings (OpenAI takes 4)
+    max_stop_chars: int = 256  # --max-stop-chars: each string is matched against the text after every token
+    max_tools: int = 128  # --max-tools (OpenAI's own limit)
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The bound on a request's characters of text for a context of `max_model_len` tokens."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * max_model_len
+
+    def check_counts(self, *, prompts: int = 1, stops: Sequence[str] = (), tools: int = 0) -> None:
+        """Raises ApiError (400) naming the option when a count or a stop string's length is over its bound."""
+        if prompts > self.max_prompts:
+            raise _over("prompt", f"{prompts} prompts", self.max_prompts, "--max-prompts")
+        if len(stops) > self.max_stop_strings:
+            raise _over("stop", f"{len(stops)} stop strings", self.max_stop_strings, "--max-stop-strings")
+        longest = max(map(len, stops), default=0)
+        if longest > self.max_stop_chars:
+            raise _over("stop", f"a stop string of {longest} characters", self.max_stop_chars, "--max-stop-chars")
+        if tools > self.max_tools:
+            raise _over("tools", f"{tools} tools", self.max_tools, "--max-tools")
+
+
+def check_context(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> None:
+    """Raises the context_length ApiError (vLLM's message) when the prompt and max_tokens exceed the context."""
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ApiError("context_length", (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."), param="max_tokens")
+
+
+def _over(param: str, what: str, bound: int, flag: str) -> ApiError:
+    return ApiError("invalid_request", f"the request has {what}; this server takes at most {bound} ({flag})",
+                    param=param)

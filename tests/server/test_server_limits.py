@@ -1,0 +1,226 @@
+"""Request limits checked before any work, each naming its option; bodies that must be JSON; CORS off unless
+origins are named; and unhandled errors answered as a 500 in the protocol's shape on a connection that stays
+usable."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from ninfer_jax.server.limits import Limits
+from server_support import LiveServer, ScriptedEngine
+
+MODEL = ScriptedEngine.model_name
+USER = [{"role": "user", "content": "Hi"}]
+JSON = {"Content-Type": "application/json"}
+LIMITS = Limits(max_request_bytes=8192, max_json_depth=8, max_prompts=2, max_stop_strings=2, max_stop_chars=8,
+                max_tools=2)  # max_prompt_chars: 16 per token of the engine's 256
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
+
+
+class FailingEngine(ScriptedEngine):
+    """Raises an error the server does not expect on every request whose prompt contains "explode"."""
+
+    async def astream(self, prompt, sampling=None, request_id=None):
+        if "explode" in self.tokenizer.decode(prompt.token_ids):
+            raise RuntimeError("boom")
+        async for event in super().astream(prompt, sampling, request_id):
+            yield event
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FailingEngine(max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with LiveServer(engine, limits=LIMITS) as live:
+        yield live
+
+
+def _post(server, path: str, body, headers=JSON) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    """The error's message, after checking the status and the protocol's shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    if response.request.url.path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    else:
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _body(path: str, **fields) -> dict:
+    if path == COMPLETIONS:
+        return {"model": MODEL, "prompt": "Hi", **fields}
+    return {"model": MODEL, "messages": USER, **({"max_tokens": 8} if path == MESSAGES else {}), **fields}
+
+
+# --- size, characters, depth ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, kind", [(CHAT, "invalid_request_error"), (MESSAGES, "request_too_large")])
+def test_a_body_over_the_size_limit_is_413_naming_the_option(server, path, kind):
+    error = _error(_post(server, path, _body(path, metadata={"pad": "x" * 9000})), 413)
+    assert error["type"] == kind and "at most 8192 (--max-request-bytes)" in error["message"]
+
+
+def test_a_chunked_body_is_refused_while_it_is_read(server):
+    chunks = (b" " * 1024 for _ in range(64))  # no Content-Length: counted as it arrives
+    error = _error(httpx.post(server.url + CHAT, content=chunks, headers=JSON), 413)
+    assert "--max-request-bytes" in error["message"]
+
+
+def test_a_declared_length_over_the_limit_is_answered_before_the_body_is_sent(server):
+    host, port = urlsplit(server.url).hostname, urlsplit(server.url).port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000000\r\n\r\n")
+        head = sock.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "connection: close" in head.lower()
+
+
+def test_text_over_the_character_bound_is_refused_before_tokenizing(server, engine):
+    before = len(engine.prompts)
+    error = _error(_post(server, CHAT, _body(CHAT, messages=[{"role": "user", "content": "x" * 5000}])), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert re.match(r"the request has 50\d\d characters of text; this server takes at most 4096 \(--max-prompt-chars\)$",
+                    error["message"])
+    assert len(engine.prompts) == before
+
+
+@pytest.mark.parametrize("depth", [9, 1000, 3000])
+def test_json_nested_too_deep_is_400_and_the_connection_stays_usable(server, depth):
+    nested = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    responses = _on_one_connection(server, [("POST", CHAT, nested), ("POST", CHAT, json.dumps(_body(CHAT)).encode())])
+    (status, body), (after, _) = responses
+    assert status == 400 and "nests JSON more than 8 levels deep (--max-json-depth)" in body["error"]["message"]
+    assert after == 200
+
+
+# --- counts and the context -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, fields, param, message", [
+    pytest.param(COMPLETIONS, {"prompt": ["a", "b", "c"]}, "prompt", "3 prompts; this server takes at most 2 "
+                 "(--max-prompts)", id="prompts"),
+    pytest.param(CHAT, {"stop": ["a", "b", "c"]}, "stop", "3 stop strings; this server takes at most 2 "
+                 "(--max-stop-strings)", id="stop-count"),
+    pytest.param(COMPLETIONS, {"stop": "nine chars"}, "stop", "a stop string of 10 characters; this server takes "
+                 "at most 8 (--max-stop-chars)", id="stop-length"),
+    pytest.param(CHAT, {"tools": [TOOL] * 3}, "tools", "3 tools; this server takes at most 2 (--max-tools)",
+                 id="tools"),
+    pytest.param(MESSAGES, {"stop_sequences": ["a", "b", "c"]}, None, "(--max-stop-strings)", id="anthropic-stops"),
+    pytest.param(MESSAGES, {"tools": [{"name": "f"}] * 3}, None, "(--max-tools)", id="anthropic-tools"),
+])
+def test_counts_over_their_bound_are_400_naming_the_option(server, engine, path, fields, param, message):
+    before = len(engine.prompts)
+    error = _error(_post(server, path, _body(path, **fields)), 400)
+    assert message in error["message"] and error.get("param", param) == param
+    assert len(engine.prompts) == before
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES])
+@pytest.mark.parametrize("max_tokens", [256, 10**9, 10**30])
+def test_max_tokens_beyond_the_context_left_is_400_with_the_numbers(server, engine, path, max_tokens):
+    before = len(engine.prompts)
+    error = _error(_post(server, path, _body(path, max_tokens=max_tokens)), 400)
+    prompt = int(error["message"].split("tokens (")[1].split(" in the messages")[0])
+    assert 0 < prompt < 30 and error["message"] == (
+        f"This model's maximum context length is 256 tokens. However, you requested {prompt + max_tokens} tokens "
+        f"({prompt} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or "
+        "completion.")
+    assert len(engine.prompts) == before
+
+
+# --- values that are not text or numbers ----------------------------------------------------------
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_lone_surrogate_is_named_as_such(server, path):
+    raw = json.dumps(_body(path)).replace('"Hi"', '"Hi \\ud800"').encode()
+    error = _error(_post(server, path, raw), 400)
+    assert error["message"].startswith("messages[0].content contains a lone surrogate (U+D800)")
+    assert "template" not in error["message"]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_non_finite_temperature_is_named_as_such(server, value):
+    raw = json.dumps(_body(CHAT, temperature=0.5)).replace("0.5", value).encode()
+    error = _error(_post(server, CHAT, raw), 400)
+    assert error["message"].startswith("temperature must be a finite number") and error["param"] == "temperature"
+
+
+# --- content type and CORS ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES, "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_is_415(server, engine, path, content_type):
+    before = len(engine.prompts)
+    headers = {"Content-Type": content_type} if content_type else {}
+    error = _error(_post(server, path, _body(path), headers=headers), 415)
+    assert "Content-Type: application/json" in error["message"]
+    assert len(engine.prompts) == before
+
+
+def test_cors_is_off_by_default(server):
+    preflight = httpx.options(server.url + CHAT, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    response = httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_cors_allows_the_origins_named():
+    with LiveServer(ScriptedEngine(), allowed_origins=["https://app.example"]) as live:
+        preflight = httpx.options(live.url + CHAT, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        other = httpx.options(live.url + CHAT, headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in other.headers
+
+
+# --- unhandled errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, shape", [
+    (CHAT, {"error": {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
+                      "code": None}}),
+    (MESSAGES, {"type": "error", "error": {"type": "api_error", "message": "internal error: RuntimeError"}}),
+])
+def test_an_unhandled_error_is_a_500_in_the_protocols_shape_on_a_usable_connection(server, path, shape):
+    broken = _body(path, messages=[{"role": "user", "content": "explode"}])
+    (status, body), (after, _) = _on_one_connection(
+        server, [("POST", path, json.dumps(broken).encode()), ("POST", path, json.dumps(_body(path)).encode())])
+    assert (status, body) == (500, shape)
+    assert after == 200
+
+
+def _on_one_connection(server, requests: list[tuple[str, str, bytes]]) -> list[tuple[int, dict]]:
+    """(status, JSON body) of each request, sent one after another on one keep-alive connection (fails if the
+    server closes it in between)."""
+    url = urlsplit(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    results, first_socket = [], None
+    try:
+        for method, path, body in requests:
+            connection.request(method, path, body=body, headers=JSON)
+            response = connection.getresponse()
+            results.append((response.status, json.loads(response.read())))
+            first_socket = first_socket or connection.sock
+            assert connection.sock is first_socket, "the server closed the connection"
+    finally:
+        connection.close()
+    return results
