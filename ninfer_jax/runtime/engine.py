@@ -237,6 +237,18 @@ class Engine:
         self._send(_Add([req]))
         return req.id
 
+    def submit_samples(self, prompt, samplings: Sequence[SamplingParams], sinks: Sequence) -> list[str]:
+        """n samples of one prompt (OpenAI's `n`), queued together as one group: the first prefills the prompt and
+        the others resume from its snapshot at their divergence (spec §12.2), so the prompt is computed once.
+        Returns their ids; sample i's events go to sinks[i]. Give the samplings different seeds (or none)."""
+        prepared = self._prepare(prompt)
+        group = f"group-{uuid.uuid4().hex[:8]}"
+        reqs = [self._request(prepared, sp, None, sink) for sp, sink in zip(samplings, sinks, strict=True)]
+        for req in reqs:
+            req.group = group
+        self._send(_Add(reqs))
+        return [req.id for req in reqs]
+
     def _request(self, prompt, sampling: SamplingParams | None, request_id: str | None, sink) -> Request:
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")

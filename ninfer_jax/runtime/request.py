@@ -80,6 +80,7 @@ class Request:
     sink: Callable[[StreamEvent], None]
     detokenizer: Any | None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    group: str | None = None  # the n samples of one call: they share their prompt's prefill (spec §12.2)
     # Set while the request holds a lane.
     lane: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)  # page of block b at index b

@@ -5,6 +5,7 @@ and ends with the index's invariant checker and a leak check.
 """
 
 import dataclasses
+import queue
 
 import numpy as np
 import pytest
@@ -310,3 +311,25 @@ def test_coalesced_sibling_waits_for_the_boundary_at_the_divergence(special, roo
     assert stats["coalesce_waits"] == 1 and stats["coalesce_taps"] == 1
     assert_same_output(out_b, root.generate(b, GREEDY))
     assert out_a.token_ids == root.generate(a, GREEDY).token_ids
+
+
+def test_n_samples_of_one_prompt_compute_it_once(hpc, root):
+    # The first sample prefills; the others wait for its Boundary tap at their divergence (the prompt's last full
+    # block) and resume there: each computes fewer than 64 prompt tokens, and a greedy sample equals no reuse.
+    prompt = tokens(700, 40)
+    samplings = [GREEDY, GREEDY] + [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True)
+                                    for s in (1, 2)]
+    boxes = [queue.SimpleQueue() for _ in samplings]
+    before = hpc.stats()["tokens"]["prompt"]
+    hpc.submit_samples(prompt, samplings, [box.put for box in boxes])
+    outs = []
+    for box in boxes:
+        events = [box.get(timeout=60)]
+        while events[-1].finish_reason is None:
+            events.append(box.get(timeout=60))
+        outs.append((sum((ev.token_ids for ev in events), ()), events[-1].usage))
+    assert [usage.cached_tokens for _, usage in outs] == [0, 640, 640, 640]
+    assert hpc.stats()["tokens"]["prompt"] - before == 700 + 3 * 60
+    reference = root.generate(prompt, GREEDY).token_ids
+    assert outs[0][0] == outs[1][0] == reference
+    assert outs[2][0] != outs[3][0]  # other seeds, other samples

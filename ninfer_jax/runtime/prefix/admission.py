@@ -5,7 +5,8 @@ and the lane's state slot; the lane maps the shared path pages, a partial tail i
 the state is copied from the snapshot's slot (or restored, or starts at zero). Restores are only dispatched: JAX
 orders their scatters before every later step on the donated state, so their Filling windows open and close
 inside one scheduler call. While the FIFO head waits, its Host-only path is prefetched (§6.6); with coalescing, a
-head that shares more with a prefilling sibling than the cache serves waits for that sibling's tap (§12.2).
+head that shares more with a prefilling sibling than the cache serves waits for that sibling's tap (§12.2): any
+sibling with concurrent_prefill, else only the samples of its own n > 1 call (its `group`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Admitter:
         quote = self.index.quote(req.prompt_ids, record.hashes, entitlement_pages=entitlement)
         if quote.readiness is not Readiness.READY:
             return Admission(quote.readiness)
-        if self.coalesce and self._await_sibling(req, quote.source.frontier, running):
+        if (self.coalesce or req.group is not None) and self._await_sibling(req, quote.source.frontier, running):
             return Admission(Readiness.TEMPORARILY_BLOCKED)  # holding no pins: nothing was staged
         staging = self.index.stage(quote)
         record.restored_host_bytes = self._restore(staging, lane)
@@ -138,7 +139,7 @@ class Admitter:
         """
         n = req.num_prompt
         for other, record in running:
-            if not other.prefilling or not record.enabled:
+            if not other.prefilling or not record.enabled or not (self.coalesce or other.group == req.group):
                 continue
             a, b = req.prompt_ids, other.prompt_ids
             m = min(len(a), len(b))
