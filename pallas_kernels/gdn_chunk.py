@@ -1,6 +1,6 @@
 """Chunked gated delta rule for prefill, with phase alignment and in-kernel state taps (spec §7.2-§7.3).
 
-Implements the contract of `ninfer_jax.model.ops.gdn_prefill` (semantics: `ops._gdn_prefill_reference`):
+Implements the contract of `ninfer_jax.model.ops.gdn_prefill` (semantics: `ops.gdn_prefill_reference`):
 one lane's chunk of T tokens, the initial state read from `state_pool[slot]`, the final state written back
 in place, and the state after each named 64-aligned absolute position written into a snapshot slot of the
 same pool, in the same pass (the zero-split tap).

@@ -12,7 +12,7 @@ Three paths. Prefill and wide decode run the same two kernels over row tiles of 
 differ in how rows are laid out into tiles (steps 1-4 below). Narrow decode (R <= `gemv_max_rows`, one
 lane) runs two split-K matrix-vector kernels instead (step 5).
   1. Layout. Prefill (R > `MoeConfig.decode_max_rows`), the moe_align_block_size idea of vLLM's fused_moe
-     and the group offsets of megablox's gmm: `_align_rows` sorts the R rows by expert (one int32 key per
+     and the group offsets of megablox's gmm: `align_rows` sorts the R rows by expert (one int32 key per
      row, so XLA runs a single-operand sort) and pads each expert's run to a multiple of BM. Decode
      (1-8 lanes, R <= 64): `_rows_as_tiles` gives every routed row a 16-row tile of its own (row r, then
      padding): no sort, and each tile streams exactly its row's expert (the 15 padding rows ride along
@@ -20,10 +20,10 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      (the source row r of each slot, R for padding) and `tile_expert` [P / BM] (the one expert of each
      row tile, -1 past the used tiles). Prefill P has the static bound R + min(E, R) * (BM - 1), so no
      tile straddles two experts and no shape depends on the routing.
-  2. `_gate_up_call`: per (column block, row tile), gathers the tile's token rows of x inside the
+  2. `gate_up_call`: per (column block, row tile), gathers the tile's token rows of x inside the
      kernel, reads its expert's gate and up column blocks (expert id from `tile_expert`), and writes
      act = silu(gate) * up [P, I] in the weights' dtype: the SiLU gate is fused, gate/up never reach HBM.
-  3. `_down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
+  3. `down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
      token order (row r of y [R + 1, H]; padding goes to the spare row R).
   4. out = y[:R].reshape(T, K, H).sum(1) in float32 (one fused XLA reduction, no scatter).
   5. Narrow decode: every routed row is a matrix-vector product over its own expert. A row's 16-row tile
@@ -177,7 +177,7 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, gate_up_ref, act_re
         act_ref[pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n)] = act.astype(act_ref.dtype)
 
 
-def _gate_up_call(tile_expert, sorted_rows, x, gate_up, *, top_k, num_rows, block_m, block_n, block_k,
+def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, top_k, num_rows, block_m, block_n, block_k,
                   num_warps, num_stages, interpret):
     num_tiles, inter = tile_expert.shape[0], gate_up.shape[2] // 2
     kernel = functools.partial(_gate_up_kernel, top_k=top_k, num_rows=num_rows, block_m=block_m,
@@ -220,13 +220,13 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down
         y_ref[rows, pl.ds(n * block_n, block_n)] = (acc * weight[:, None]).astype(y_ref.dtype)
 
 
-def _down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, block_m, block_n, block_k,
+def down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, block_m, block_n, block_k,
                num_warps, num_stages, interpret):
     num_tiles, hidden = tile_expert.shape[0], down.shape[2]
     num_rows = row_weight.shape[0] - 1
     kernel = functools.partial(_down_kernel, num_rows=num_rows, block_m=block_m, block_n=block_n,
                                block_k=block_k)
-    # Grid (column block n of H, row tile m), n fastest as in `_gate_up_call`.
+    # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
         kernel,
@@ -338,7 +338,7 @@ def _gemv_call(kernel, name, inputs, weights, *, rows, out_cols, block_n, block_
     )(*inputs)
 
 
-def _align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
+def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
     """Sort the R routed rows by expert and pad each expert's run to a multiple of block_m.
 
     Args:
@@ -464,15 +464,15 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_m = cfg.block_m
-        sorted_rows, tile_expert = _align_rows(flat_ids, num_experts, block_m)
+        sorted_rows, tile_expert = align_rows(flat_ids, num_experts, block_m)
         bn, bk, dbn, dbk = cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k
         warps, stages = cfg.num_warps, cfg.num_stages
-    act = _gate_up_call(
+    act = gate_up_call(
         tile_expert, sorted_rows, x, gate_up, top_k=k, num_rows=rows, block_m=block_m,
         block_n=_block(bn, inter, "I"), block_k=_block(bk, h, "H"), num_warps=warps, num_stages=stages,
         interpret=interpret)
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
-    y = _down_call(
+    y = down_call(
         tile_expert, sorted_rows, row_weight, act, down, y_dtype=gate_up.dtype, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret)

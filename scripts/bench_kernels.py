@@ -232,7 +232,7 @@ def _gdn_ours_step(cfg, interpret, slot=0):
 def _gdn_ref_step(pool, q, k, v, g, beta, taps, tslots, base):
     from ninfer_jax.model import ops
 
-    o, pool = ops._gdn_prefill_reference(q, k, v, g, beta, pool, jnp.int32(0), base, taps, tslots)
+    o, pool = ops.gdn_prefill_reference(q, k, v, g, beta, pool, jnp.int32(0), base, taps, tslots)
     return pool, o
 
 

@@ -78,10 +78,10 @@ def gdn_prefill(kc: KernelConfig, q, k, v, g, beta, state_pool, slot, base, tap_
         return gdn_chunk.chunk_gated_delta_rule(
             q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots, interpret=kc.interpret
         )
-    return _gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots)
+    return gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots)
 
 
-def _gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots):
+def gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_positions, tap_slots):
     t = v.shape[0]
     # Phase alignment (spec §7.2) with a traced base: place the tokens at offset phase = base % 64 in a
     # buffer of 63 + T identity tokens, so padded index j holds absolute position base - phase + j and

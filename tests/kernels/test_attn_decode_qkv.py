@@ -11,7 +11,8 @@ import pytest
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5, tiny
-from pallas_kernels import _compat, attn_decode_qkv
+from kernel_support import lower_for_h200
+from pallas_kernels import attn_decode_qkv
 from pallas_kernels.reference import PAGE
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -89,7 +90,7 @@ def test_model_decode_takes_it_only_when_asked_and_able():
 
 @pytest.mark.parametrize("hq, hkv", [(16, 2), (24, 4)], ids=["35b-a3b", "27b"])
 def test_lowers_to_triton_at_the_real_head_shapes(hq, hkv):
-    _compat.lower_for_h200()
+    lower_for_h200()
     spec = jax.ShapeDtypeStruct
     d, rot, lanes = 256, 64, 1
     pool = spec((1024, PAGE, hkv, d), jnp.bfloat16)

@@ -9,7 +9,8 @@ import pytest
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5, tiny
-from pallas_kernels import _compat, gdn_conv
+from kernel_support import lower_for_h200
+from pallas_kernels import gdn_conv
 
 INTERPRET = jax.default_backend() == "cpu"
 TINY = ModelConfig.from_dict(tiny.preset_config("tiny-moe"))  # 2 key heads, 4 value heads of 32, 4 taps
@@ -69,7 +70,7 @@ def test_model_prefill_takes_it_only_when_asked_and_able():
 
 @pytest.mark.parametrize("cfg_name", ["qwen3.5-35b-a3b", "qwen3.5-27b"])
 def test_lowers_to_triton_at_the_real_head_shapes(cfg_name):
-    _compat.lower_for_h200()
+    lower_for_h200()
     cfg = ModelConfig.from_file(tiny.CONFIG_DIR / f"{cfg_name}.json")
     spec = jax.ShapeDtypeStruct
     t, c, k = 2048, cfg.conv_dim, cfg.linear_conv_kernel_dim

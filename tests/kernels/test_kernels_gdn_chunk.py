@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.model import ops
-from pallas_kernels import _compat, gdn_chunk
+from kernel_support import lower_for_h200
+from pallas_kernels import gdn_chunk
 from pallas_kernels import reference as ref
 
 PAGE = 64
@@ -204,7 +205,7 @@ def test_rejects_bad_inputs():
 def test_lowers_to_triton_at_real_shapes(config):
     """The GPU path (Triton IR) builds at the 27B shapes with 8 taps: unsupported primitives or shapes
     fail here, in CI, without a GPU."""
-    _compat.lower_for_h200()
+    lower_for_h200()
     sd = jax.ShapeDtypeStruct
     t, hk, hv, d = 4096, 16, 48, 128
     args = (sd((t, hk, d), jnp.bfloat16), sd((t, hk, d), jnp.bfloat16), sd((t, hv, d), jnp.bfloat16),

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.model import ops
-from pallas_kernels import _compat, gdn_decode
+from kernel_support import lower_for_h200
+from pallas_kernels import gdn_decode
 from pallas_kernels import reference as ref
 
 
@@ -98,7 +99,7 @@ def test_rejects_bad_inputs():
 
 
 def test_lowers_to_triton_at_real_shapes():
-    _compat.lower_for_h200()
+    lower_for_h200()
     sd = jax.ShapeDtypeStruct
     args = (sd((32, 16, 128), jnp.bfloat16), sd((32, 16, 128), jnp.bfloat16), sd((32, 48, 128), jnp.bfloat16),
             sd((32, 48), jnp.float32), sd((32, 48), jnp.float32), sd((64, 48, 128, 128), jnp.float32),

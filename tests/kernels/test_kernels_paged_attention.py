@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.model import ops
-from pallas_kernels import _compat, paged_attention
+from kernel_support import lower_for_h200
+from pallas_kernels import paged_attention
 from pallas_kernels import reference as ref
 
 PAGE = 64
@@ -142,7 +143,7 @@ def test_one_lanes_splits_keep_a_minimum_of_pages():
 
 
 def test_lowers_to_triton_at_real_shapes():
-    _compat.lower_for_h200()
+    lower_for_h200()
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     pool = sd((4096, PAGE, 4, 256), bf)

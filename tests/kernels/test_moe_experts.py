@@ -17,7 +17,8 @@ import pytest
 from jax.experimental.pallas import triton as pltriton
 
 from ninfer_jax.model import ops
-from pallas_kernels import _compat, moe
+from kernel_support import lower_for_h200
+from pallas_kernels import moe
 from pallas_kernels import reference as ref
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -131,7 +132,7 @@ def test_align_rows_invariants(block_m):
     rng = np.random.default_rng(secrets.randbits(32))
     r = 50
     flat = rng.choice([0, 3, 7], size=r).astype(np.int32)  # experts 1, 2, 4, 5, 6 stay empty
-    sorted_rows, tile_expert = map(np.asarray, moe._align_rows(jnp.asarray(flat), E, block_m))
+    sorted_rows, tile_expert = map(np.asarray, moe.align_rows(jnp.asarray(flat), E, block_m))
     assert sorted_rows.shape == (block_m * tile_expert.shape[0],)
     assert sorted(sorted_rows[sorted_rows < r].tolist()) == list(range(r))  # every row exactly once
     used = tile_expert >= 0
@@ -162,7 +163,7 @@ def test_rejects_bad_inputs():
 @pytest.mark.parametrize("tokens", [1, 512, 8192])
 def test_lowers_to_triton_at_35b_a3b_shapes(tokens):
     """Both paths lower to Triton IR at the real shapes (E=256, K=8, H=2048, I=512, bf16), on any machine."""
-    _compat.lower_for_h200()
+    lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
     args = (spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.int32), spec((tokens, k), jnp.float32),
@@ -211,7 +212,7 @@ def test_shared_expert_must_match_the_experts():
 
 def test_one_lane_takes_the_gemv_path_and_more_lanes_the_tiles():
     """Which kernels the defaults pick at the 35B-A3B shapes: one lane (8 rows) the split-K pair."""
-    _compat.lower_for_h200()
+    lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
     names = {}
@@ -225,7 +226,7 @@ def test_one_lane_takes_the_gemv_path_and_more_lanes_the_tiles():
 
 def test_one_lane_reads_the_shared_expert_in_the_gemv_kernels():
     """At the 35B-A3B shapes one lane's shared expert adds no kernel and no matmul of its own."""
-    _compat.lower_for_h200()
+    lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
     args = (spec((1, h), jnp.bfloat16), spec((1, k), jnp.int32), spec((1, k), jnp.float32),

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ninfer_jax.model import ops
-from pallas_kernels import _compat, moe_route
+from kernel_support import lower_for_h200
+from pallas_kernels import moe_route
 from pallas_kernels import reference as ref
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -61,7 +62,7 @@ def test_ops_take_the_kernel_only_when_asked_and_able():
 
 @pytest.mark.parametrize("shared", [False, True], ids=["router", "router-and-shared-gate"])
 def test_lowers_to_triton_at_the_35b_shapes(shared):
-    _compat.lower_for_h200()
+    lower_for_h200()
     spec = jax.ShapeDtypeStruct
     gate = (spec((1, 2048), jnp.bfloat16), spec((2048, 1), jnp.bfloat16)) if shared else ()
     text = moe_route.route.trace(spec((1, 256), jnp.float32), *gate, top_k=8).lower(

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ninfer_jax.model import ops, qwen3_5
-from pallas_kernels import _compat, rms_norm
+from kernel_support import lower_for_h200
+from pallas_kernels import rms_norm
 
 INTERPRET = jax.default_backend() == "cpu"
 EPS = 1e-6
@@ -60,7 +61,7 @@ def test_fused_norm_needs_the_pallas_backend():
 
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
 def test_lowers_to_triton_at_the_35b_hidden_size(residual):
-    _compat.lower_for_h200()
+    lower_for_h200()
     row = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
     text = rms_norm.add_rms_norm.trace(row, row if residual else None, jax.ShapeDtypeStruct((2048,), jnp.bfloat16),
                                        eps=EPS).lower(lowering_platforms=("cuda",)).as_text()

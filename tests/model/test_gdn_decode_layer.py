@@ -13,7 +13,7 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.random_init import random_params
-from pallas_kernels import _compat
+from kernel_support import lower_for_h200
 from pallas_kernels.gdn_decode import program_blocks
 from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer
 
@@ -93,7 +93,7 @@ def test_fusion_needs_the_pallas_backend():
 @pytest.mark.parametrize("lanes", [1, 8])
 @pytest.mark.parametrize("config", ["qwen3.5-35b-a3b", "qwen3.5-27b"])
 def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
-    _compat.lower_for_h200()
+    lower_for_h200()
     cfg = ModelConfig.from_file(f"configs/{config}.json")
     spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     slots = 18
