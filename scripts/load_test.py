@@ -1,7 +1,9 @@
-"""A bounded loopback load test of `ninfer-serve`: requests/s and TTFT p50/p99 at 1, 8 and 32 concurrent clients.
+"""A bounded loopback load test of `ninfer-serve`: requests/s and TTFT p50/p99 at 1, 8 and 32 concurrent clients,
+then the probes: /health and /metrics latency during a long prefill, and a normal request's latency while large
+bodies arrive.
 
     python scripts/load_test.py --out docs/benchmarks   # the built-in tiny checkpoint; server_load.{json,md}
-    python scripts/load_test.py --smoke                 # levels 1 and 4, 2 requests each, a temporary folder
+    python scripts/load_test.py --smoke                 # levels 1 and 4, 2 requests each, short probes, a temp folder
     python scripts/load_test.py --levels 1 8 --requests-per-client 2 -- --max-concurrency 4   # serve args after --
 
 The server runs as a subprocess on a free loopback port. Each level starts C clients at once; each client
@@ -10,6 +12,14 @@ number of tokens with ignore_eos), and its TTFT is the time to the first generat
 must succeed. Afterwards /metrics must show no request running and no page still active (the engine's
 page ledger: active 0, free + cached = capacity) and no response other than 200; the server is then
 stopped with SIGTERM and must exit 0.
+
+The probes run on a second server (PROBE_SERVER_ARGS: a 32k context, compiles on first use). A warm-up request
+compiles the prefill and decode programs; then one client sends a prompt of --probe-prefill-tokens token ids
+(max_tokens 1) while two others poll /health and /metrics back to back, each on its own connection, until the
+prefill ends. Then a short chat completion is timed --probe-requests times idle, and as often again, each time
+while 8 clients send a body of --probe-body-mib MiB of text at once (the server refuses them by their
+characters, before tokenizing). The clients share the server's machine. Targets: /health p99 within 50 ms, /metrics p99 within 200 ms, the loaded median within 100 ms of
+the idle one.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from ninfer_jax.benchmarks import report as reports
 from ninfer_jax.server.subprocess_server import ServerProcess
 
 DEFAULT_SERVER_ARGS = ["--max-model-len", "2048", "--prefill-chunk", "256", "--max-concurrency", "8"]
+PROBE_SERVER_ARGS = ["--max-model-len", "32768", "--no-warmup"]
+TARGETS_MS = {"health_p99": 50, "metrics_p99": 200, "body_median_delta": 100}
 
 
 def main() -> int:
@@ -42,9 +54,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="levels 1 and 4, 2 requests each, a temporary folder")
     parser.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; with --smoke a temp folder)")
+    parser.add_argument("--probe-prefill-tokens", type=int, default=32000)
+    parser.add_argument("--probe-body-mib", type=float, default=5.0)
+    parser.add_argument("--probe-requests", type=int, default=20)
     args = parser.parse_args()
     if args.smoke:
         args.levels, args.requests_per_client = [1, 4], 2
+        args.probe_prefill_tokens, args.probe_body_mib, args.probe_requests = 4096, 1.0, 5
     out = args.out or (Path(tempfile.mkdtemp(prefix="server_load_smoke-")) if args.smoke else reports.DOCS)
     server_args = args.server_args or DEFAULT_SERVER_ARGS
 
@@ -55,8 +71,13 @@ def main() -> int:
         asyncio.run(_warm(url, model, args.max_tokens))
         levels = [asyncio.run(_level(url, model, clients, args.requests_per_client, args.max_tokens))
                   for clients in args.levels]
+        time.sleep(0.5)  # /metrics shows the stats the engine's thread publishes every 0.25 s
         ledger = _ledger(httpx.get(f"{url}/metrics").text)
     exit_status = server.exit_status
+    with ServerProcess(PROBE_SERVER_ARGS) as probe_server:
+        probes = asyncio.run(_probes(probe_server.url, args.probe_prefill_tokens, args.probe_body_mib,
+                                     args.probe_requests))
+    probes["server_args"], probes["server_exit_status"] = PROBE_SERVER_ARGS, probe_server.exit_status
 
     report = {
         **reports.run_meta(device=platform.processor() or platform.machine()),
@@ -64,15 +85,17 @@ def main() -> int:
                     "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "server_args": server_args, "model": model, "max_tokens": args.max_tokens,
         "requests_per_client": args.requests_per_client, "levels": levels, "after": ledger,
-        "server_exit_status": exit_status,
+        "server_exit_status": exit_status, "probes": probes,
     }
     failures = [f"{lv['clients']} clients: {lv['errors']} errors" for lv in levels if lv["errors"]]
     if ledger["pages_active"] != 0 or ledger["running"] != 0:
         failures.append(f"leak after the load: {ledger}")
     if ledger["non_200_responses"]:
         failures.append(f"{ledger['non_200_responses']} responses other than 200")
-    if exit_status != 0:
-        failures.append(f"server exit status {exit_status}")
+    if exit_status != 0 or probes["server_exit_status"] != 0:
+        failures.append(f"server exit status {exit_status}, probe server {probes['server_exit_status']}")
+    failures += [f"probe {name}: {probes[name]} ms over the target {target} ms"
+                 for name, target in TARGETS_MS.items() if not probes[name] <= target]
     report["ok"] = not failures
     _write(out, report)
     for line in failures:
@@ -135,12 +158,113 @@ async def _warm(url: str, model: str, max_tokens: int) -> None:
         await _one(client, url, model, "warm up", max_tokens)
 
 
+# --- probes ---------------------------------------------------------------------------------------------
+
+async def _probes(url: str, prefill_tokens: int, body_mib: float, requests: int) -> dict:
+    """/health and /metrics latency during one long prefill; a normal request's latency idle and under large
+    bodies (module docstring)."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        warm = await client.post(f"{url}/v1/completions", json={
+            "model": model, "prompt": _token_prompt(0, 2100), "max_tokens": 2})  # compiles a pass and a round
+        warm.raise_for_status()
+        await _normal(client, url, model)
+    prefill = await _during_prefill(url, model, prefill_tokens)
+    idle, loaded, bodies = await _under_bodies(url, model, body_mib, requests)
+    result = {
+        "prefill_tokens": prefill_tokens, "prefill_s": prefill["prefill_s"], "prefill_status": prefill["status"],
+        "health_samples": len(prefill["health"]), "metrics_samples": len(prefill["metrics"]),
+        "health_p50": _ms(prefill["health"], 50), "health_p99": _ms(prefill["health"], 99),
+        "health_max": _ms(prefill["health"], 100), "metrics_p50": _ms(prefill["metrics"], 50),
+        "metrics_p99": _ms(prefill["metrics"], 99), "metrics_max": _ms(prefill["metrics"], 100),
+        "body_mib": body_mib, "body_clients": 8, "bodies_sent": len(bodies),
+        "body_statuses": sorted(set(bodies)), "normal_requests": requests,
+        "idle_median": _ms(idle, 50), "idle_p99": _ms(idle, 99),
+        "loaded_median": _ms(loaded, 50), "loaded_p99": _ms(loaded, 99),
+    }
+    result["body_median_delta"] = round(result["loaded_median"] - result["idle_median"], 1)
+    print(f"probes | {prefill_tokens}-token prefill {prefill['prefill_s']:.1f} s | /health p99 "
+          f"{result['health_p99']} ms | /metrics p99 {result['metrics_p99']} ms | normal request median "
+          f"{result['idle_median']} ms idle, {result['loaded_median']} ms under {len(bodies)} bodies of "
+          f"{body_mib} MiB", flush=True)
+    return result
+
+
+async def _during_prefill(url: str, model: str, tokens: int) -> dict:
+    """Polls /health and /metrics back to back (a connection each) while one prompt of `tokens` is prefilled."""
+    samples: dict[str, list[float]] = {"health": [], "metrics": []}
+    done = asyncio.Event()
+
+    async def poll(path: str) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                (await client.get(f"{url}/{path}")).raise_for_status()
+                samples[path].append(time.perf_counter() - started)
+                await asyncio.sleep(0.01)
+
+    async with httpx.AsyncClient(timeout=900) as client:
+        pollers = [asyncio.ensure_future(poll(path)) for path in samples]
+        started = time.perf_counter()
+        response = await client.post(f"{url}/v1/completions", json={
+            "model": model, "prompt": _token_prompt(1, tokens), "max_tokens": 1})
+        seconds = time.perf_counter() - started
+        done.set()
+        await asyncio.gather(*pollers)
+    return {**samples, "prefill_s": round(seconds, 2), "status": response.status_code}
+
+
+async def _under_bodies(url: str, model: str, body_mib: float, requests: int
+                        ) -> tuple[list[float], list[float], list[int]]:
+    """A normal request's latencies idle, then each while 8 clients send a large body at once (each on its own
+    connection, started just before it); the bodies' statuses."""
+    body = json.dumps({"model": model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "lorem ipsum " * int(body_mib * (1 << 20) / 12)}]}).encode()
+    statuses: list[int] = []
+
+    async def send_body() -> None:
+        async with httpx.AsyncClient(timeout=120) as sender:
+            response = await sender.post(f"{url}/v1/chat/completions", content=body,
+                                         headers={"Content-Type": "application/json"})
+            statuses.append(response.status_code)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        idle = [await _normal(client, url, model) for _ in range(requests)]
+        loaded = []
+        for _ in range(requests):
+            senders = [asyncio.ensure_future(send_body()) for _ in range(8)]
+            await asyncio.sleep(0.005)  # the bodies are on their way
+            loaded.append(await _normal(client, url, model))
+            await asyncio.gather(*senders)
+    return idle, loaded, statuses
+
+
+async def _normal(client: httpx.AsyncClient, url: str, model: str) -> float:
+    """Seconds for a short greedy chat completion of one token."""
+    started = time.perf_counter()
+    response = await client.post(f"{url}/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0})
+    response.raise_for_status()
+    return time.perf_counter() - started
+
+
+def _token_prompt(seed: int, tokens: int) -> list[int]:
+    """Token ids that share no prefix with another seed's (no prefix reuse)."""
+    return [1000 + (seed * 7919 + i * 104729) % 100_000 for i in range(tokens)]
+
+
+def _ms(values: list[float], q: float) -> float:
+    return round(1000 * _percentile(sorted(values), q), 1) if values else float("nan")
+
+
 def _ledger(metrics: str) -> dict:
     def value(name: str) -> float:
         found = re.search(rf"^{re.escape(name)} (\S+)$", metrics, flags=re.M)
         return float(found.group(1)) if found else 0.0
 
-    statuses = re.findall(r'^ninfer_requests_total\{endpoint="[^"]*",status="(\d+)"\} (\S+)$', metrics, flags=re.M)
+    # The readiness polls while the server started answer 503 by design.
+    statuses = re.findall(r'^ninfer_requests_total\{endpoint="(?!/health/ready")[^"]*",status="(\d+)"\} (\S+)$',
+                          metrics, flags=re.M)
     return {"pages_active": value("ninfer_engine_pages_active"), "pages_free": value("ninfer_engine_pages_free"),
             "pages_cached": value("ninfer_engine_pages_cached"),
             "pages_capacity": value("ninfer_engine_pages_capacity"),
@@ -160,7 +284,7 @@ def _write(out: Path, report: dict) -> None:
     rows = "\n".join(
         f"| {lv['clients']} | {lv['requests']} | {lv['errors']} | {lv['requests_per_s']} | {lv['output_tokens_per_s']} "
         f"| {lv['ttft_p50_ms']} | {lv['ttft_p99_ms']} | {lv['latency_p50_ms']} |" for lv in report["levels"])
-    after = report["after"]
+    after, probes = report["after"], report["probes"]
     machine = report["machine"]
     reports.write_report(out, "server_load", report, f"""# ninfer-serve load test (loopback)
 
@@ -181,6 +305,21 @@ After the load, from `/metrics`:
 {int(after['pages_capacity'])} (ledger closes: {after['ledger_closes']})
 - responses other than 200: {int(after['non_200_responses'])}
 - server exit status after SIGTERM: {report['server_exit_status']}
+
+## Liveness and large bodies
+
+Server: `ninfer-serve {' '.join(probes['server_args'])}`, model `{report['model']}`.
+
+| probe | samples | p50 ms | p99 ms | max ms | target |
+|---|---|---|---|---|---|
+| /health during a {probes['prefill_tokens']}-token prefill ({probes['prefill_s']} s) | {probes['health_samples']} \
+| {probes['health_p50']} | {probes['health_p99']} | {probes['health_max']} | p99 <= {TARGETS_MS['health_p99']} |
+| /metrics during the same prefill | {probes['metrics_samples']} | {probes['metrics_p50']} | {probes['metrics_p99']} \
+| {probes['metrics_max']} | p99 <= {TARGETS_MS['metrics_p99']} |
+| a 1-token chat completion, idle | {probes['normal_requests']} | {probes['idle_median']} | {probes['idle_p99']} | | |
+| the same, each while 8 clients send a {probes['body_mib']} MiB body ({probes['bodies_sent']} sent, status \
+{probes['body_statuses']}) | {probes['normal_requests']} | {probes['loaded_median']} | {probes['loaded_p99']} | \
+| median within {TARGETS_MS['body_median_delta']} of idle ({probes['body_median_delta']:+}) |
 
 Result: {'ok' if report['ok'] else 'FAILED'}.
 """.splitlines())
