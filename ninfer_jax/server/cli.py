@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"characters in one stop string; default {default.max_stop_chars}")
     limits.add_argument("--max-tools", type=int, default=default.max_tools, metavar="N",
                         help=f"tools in one request; default {default.max_tools}")
+    limits.add_argument("--max-n", type=int, default=default.max_n, metavar="N",
+                        help=f"samples of one prompt (the request's n); default {default.max_n}")
     engine, _ = add_engine_arguments(parser)
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -74,13 +74,14 @@ class EngineRun:
     at its final event, or when cancelled first)."""
 
     def __init__(self, engine: Any, prompt: Any, sampling: SamplingParams, request_id: str,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, events: AsyncIterator[Any] | None = None):
         self.engine, self.request_id, self.metrics = engine, request_id, metrics
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict] = []  # the engine's entries, when the request asked for logprobs
         self.last: Any = None  # the final StreamEvent, once it came
-        self._events = engine.astream(prompt, sampling, request_id=request_id)
+        # `events`: a request already submitted (one of a group, `sample_runs`); otherwise submitted here.
+        self._events = events if events is not None else engine.astream(prompt, sampling, request_id=request_id)
         self._admitted: Any = None  # the first event's usage (cached tokens are fixed at admission)
         self._refused = False  # the engine refused it before any work
         self._counted = False
@@ -158,6 +159,54 @@ class EngineRun:
             self._counted = True
             self.metrics.observe_finish(finish_reason, self.prompt_tokens, completion_tokens, self.cached_tokens,
                                         ttft_s)
+
+
+def sample_runs(engine: Any, prompt: Any, sampling: SamplingParams, n: int, request_id: str,
+                metrics: ServerMetrics) -> list[EngineRun]:
+    """The `n` samples of one prompt (OpenAI's `n`). n = 1: one request named `request_id`; more: one group of
+    `engine.submit_samples`, which computes the prompt once. With a seed s, sample i draws with seed s + i (vLLM's
+    rule), so each differs and all repeat. Raises ApiError for a refusal."""
+    if n == 1:
+        return [EngineRun(engine, prompt, sampling, request_id, metrics)]
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
+    samplings = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+                 for i in range(n)]
+    sinks = [lambda event, q=q: loop.call_soon_threadsafe(q.put_nowait, event) for q in queues]
+    try:
+        ids = engine.submit_samples(prompt, samplings, sinks)
+    except (PromptTooLongError, InvalidRequestError, EngineStoppedError) as error:
+        raise _refusal(error) from None
+    return [EngineRun(engine, prompt, s, rid, metrics, events=_drain(q)) for s, rid, q in zip(samplings, ids, queues)]
+
+
+async def _drain(events: asyncio.Queue) -> AsyncIterator[Any]:
+    """A submitted request's events, through its final one."""
+    while True:
+        event = await events.get()
+        yield event
+        if event.finish_reason is not None:
+            return
+
+
+async def interleave(runs: Sequence[EngineRun], first: Any) -> AsyncIterator[tuple[int, Any]]:
+    """(index, event) for every event of `runs` as it comes, through each run's final event; `first` is runs[0]'s
+    first event, already taken (`first_event`). Events that arrive together come in index order."""
+    yield 0, first
+    waiting = {asyncio.ensure_future(run.next_event()): i for i, run in enumerate(runs)
+               if i > 0 or first.finish_reason is None}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.__getitem__):
+                index = waiting.pop(task)
+                event = task.result()
+                yield index, event
+                if event.finish_reason is None:
+                    waiting[asyncio.ensure_future(runs[index].next_event())] = index
+    finally:
+        for task in waiting:
+            task.cancel()
 
 
 def _refusal(error: Exception) -> ApiError:

@@ -30,13 +30,16 @@ class Limits:
     max_stop_strings: int = 16  # --max-stop-strings (OpenAI takes 4)
     max_stop_chars: int = 256  # --max-stop-chars: each string is matched against the text after every token
     max_tools: int = 128  # --max-tools (OpenAI's own limit)
+    max_n: int = 16  # --max-n: samples of one prompt; each holds a lane while it decodes
 
     def prompt_chars(self, max_model_len: int) -> int:
         """The bound on a request's characters of text for a context of `max_model_len` tokens."""
         return self.max_prompt_chars if self.max_prompt_chars is not None else CHARS_PER_TOKEN * max_model_len
 
-    def check_counts(self, *, prompts: int = 1, stops: Sequence[str] = (), tools: int = 0) -> None:
+    def check_counts(self, *, prompts: int = 1, stops: Sequence[str] = (), tools: int = 0, n: int = 1) -> None:
         """Raises ApiError (400) naming the option when a count or a stop string's length is over its bound."""
+        if n > self.max_n:
+            raise _over("n", f"n = {n} samples", self.max_n, "--max-n")
         if prompts > self.max_prompts:
             raise _over("prompt", f"{prompts} prompts", self.max_prompts, "--max-prompts")
         if len(stops) > self.max_stop_strings:

@@ -5,6 +5,9 @@ the role first, then reasoning (`reasoning_content`), text and tool calls as the
 chunk with the finish reason, a usage chunk with `stream_options.include_usage`, and `[DONE]`. A
 request the engine ends without an answer (server stopping, engine failure) is a 503/500 before the
 stream starts, or an `{"error": ...}` event inside it, which the SDK raises as an APIError.
+
+With `n > 1` the samples of a prompt are one engine group that computes the prompt once; choices carry their
+index, a stream interleaves their chunks as they come, and usage counts each prompt once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from .chat_prompt import prepare_completion_prompt, prepare_prompt
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
 from .generation import (
-    ANSWERED, EngineRun, Outcome, failure, first_event, prepare_sampling, sampling_params, until_disconnect,
+    ANSWERED, EngineRun, Outcome, failure, first_event, interleave, prepare_sampling, sample_runs, sampling_params,
+    until_disconnect,
 )
 from .limits import check_context
 from .logprobs import chat_logprobs, completion_logprobs
@@ -49,7 +53,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     ctx, body = await read_request(request, ChatCompletionRequest)
     engine = ctx.engine
-    ctx.limits.check_counts(stops=body.stop_strings(), tools=len(body.tools or ()))
+    ctx.limits.check_counts(stops=body.stop_strings(), tools=len(body.tools or ()), n=body.n)
     chat = chat_input(body)
     prepared = await until_disconnect(request, prepare_prompt(
         ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=body.enable_thinking,
@@ -57,21 +61,22 @@ async def chat_completions(request: Request):
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
-    run = EngineRun(engine, prepared, sampling, f"chatcmpl-{uuid.uuid4().hex}", ctx.metrics)
-    parser = OutputParser(thinking=body.enable_thinking, tools=chat.tools)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx.metrics)
+    parsers = [OutputParser(thinking=body.enable_thinking, tools=chat.tools) for _ in runs]
     if body.stream:
-        first = await first_event(request, run)
-        return EventStream(_chat_stream(ctx, body, run, first, parser))
-    outcome = await until_disconnect(request, run.collect(), run)
-    run.raise_if_failed()
-    pieces = parser.push(outcome.text) + parser.finish()
-    message, calls = _message(pieces)
-    logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
-    choice = {"index": 0, "message": message, "logprobs": logprobs,
-              "finish_reason": _finish(outcome.finish_reason, calls)}
+        first = await _first_event(request, runs)
+        return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers))
+    outcomes = await _collect(request, runs)
+    choices = []
+    for index, (outcome, run, parser) in enumerate(zip(outcomes, runs, parsers)):
+        message, calls = _message(parser.push(outcome.text) + parser.finish())
+        logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": _finish(outcome.finish_reason, calls)})
     return JSONResponse({
-        "id": run.request_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
-        "choices": [choice], "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
+        "choices": choices, "usage": _usage(outcomes, body.n),
     })
 
 
@@ -80,7 +85,7 @@ async def completions(request: Request):
     ctx, body = await read_request(request, CompletionRequest)
     engine = ctx.engine
     prompts = body.prompts()
-    ctx.limits.check_counts(prompts=len(prompts), stops=body.stop_strings())
+    ctx.limits.check_counts(prompts=len(prompts), stops=body.stop_strings(), n=body.n)
     if body.stream and len(prompts) > 1:
         raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
     prepared = await until_disconnect(request, asyncio.gather(*(prepare_completion_prompt(ctx, p) for p in prompts)))
@@ -89,86 +94,102 @@ async def completions(request: Request):
     sampling = _sampling(body, body.max_tokens)
     await prepare_sampling(ctx, sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    runs = [EngineRun(engine, prompt, sampling, f"{request_id}-{i}", ctx.metrics) for i, prompt in enumerate(prepared)]
-    if body.stream:
-        first = await first_event(request, runs[0])
-        return EventStream(_completion_stream(ctx, body, runs[0], first, request_id))
-    try:  # the batch runs concurrently in the engine
-        outcomes = await until_disconnect(request, asyncio.gather(*(r.collect() for r in runs)), *runs)
-    finally:
+    # Choice p * n + i is sample i of prompt p (vLLM's order); the batch runs concurrently in the engine.
+    runs = []
+    try:
+        for p, prompt in enumerate(prepared):
+            runs += sample_runs(engine, prompt, sampling, body.n, f"{request_id}-{p}", ctx.metrics)
+    except ApiError:
         for run in runs:
-            run.cancel()  # the rest of a batch one of whose prompts was refused
-    for run in runs:
-        run.raise_if_failed()
+            run.cancel()
+        raise
+    if body.stream:
+        first = await _first_event(request, runs)
+        return EventStream(_completion_stream(ctx, body, request_id, runs, first))
+    outcomes = await _collect(request, runs)
     choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
                 "logprobs": _completion_logprobs(engine, body, run.logprobs)}
                for i, (o, run) in enumerate(zip(outcomes, runs))]
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": engine.model_name,
-        "choices": choices, "usage": _usage(sum(o.prompt_tokens for o in outcomes),
-                                            sum(o.completion_tokens for o in outcomes),
-                                            sum(o.cached_tokens for o in outcomes)),
+        "choices": choices, "usage": _usage(outcomes, body.n),
     })
 
 
 # --- streams ------------------------------------------------------------------------------------------
 
-async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, run: EngineRun, first: Any,
-                       parser: OutputParser) -> AsyncIterator[str]:
-    head = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response_id: str, runs: list[EngineRun],
+                       first: Any, parsers: list[OutputParser]) -> AsyncIterator[str]:
+    """Chunks of every choice as they come (each names its index, as OpenAI interleaves them)."""
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.engine.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
 
-    def chunk(delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
         scores = chat_logprobs(ctx.engine.tokenizer, logprobs) if logprobs else None
-        return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": scores,
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": scores,
                                           "finish_reason": finish_reason}], **usage_field})
 
-    calls = 0
+    calls = [0] * len(runs)
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in run.events(first):
+        for index in range(len(runs)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, event in interleave(runs, first):
+            parser = parsers[index]
             pieces = parser.push(event.text) + (parser.finish() if event.finish_reason else [])
             # An event's logprobs ride on its first chunk (held-back text may leave it none of its own).
             scores = list(event.logprobs or ()) if body.logprobs else []
             for piece in pieces:
                 if piece.kind == "tool_call":
-                    yield chunk({"tool_calls": [{"index": calls, **_tool_call(piece)}]}, logprobs=scores)
-                    calls += 1
+                    yield chunk(index, {"tool_calls": [{"index": calls[index], **_tool_call(piece)}]}, logprobs=scores)
+                    calls[index] += 1
                 else:
                     key = "reasoning_content" if piece.kind == "reasoning" else "content"
-                    yield chunk({key: piece.text}, logprobs=scores)
+                    yield chunk(index, {key: piece.text}, logprobs=scores)
                 scores = []
             if scores:
-                yield chunk({}, logprobs=scores)
-        outcome = run.outcome()
-        for out in _ending(head, body.include_usage, outcome, chunk({}, _finish(outcome.finish_reason, calls))):
+                yield chunk(index, {}, logprobs=scores)
+            if event.finish_reason is not None:
+                outcome = runs[index].outcome()
+                if outcome.finish_reason not in ANSWERED:
+                    yield _error_event(outcome)
+                    return
+                yield chunk(index, {}, _finish(outcome.finish_reason, calls[index]))
+        for out in _ending(head, body.include_usage, [run.outcome() for run in runs], body.n):
             yield out
     finally:
-        run.cancel()  # a no-op unless the client left mid-stream
+        for run in runs:
+            run.cancel()  # a no-op unless the client left mid-stream
 
 
-async def _completion_stream(ctx: ServerContext, body: CompletionRequest, run: EngineRun, first: Any,
-                             request_id: str) -> AsyncIterator[str]:
+async def _completion_stream(ctx: ServerContext, body: CompletionRequest, request_id: str, runs: list[EngineRun],
+                             first: Any) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.engine.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
 
-    def chunk(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                           "finish_reason": finish_reason}], **usage_field})
 
-    shown = 0  # characters sent: the text offset of the next event's tokens
+    shown = [0] * len(runs)  # characters sent per choice: the text offset of its next event's tokens
     try:
-        async for event in run.events(first):
+        async for index, event in interleave(runs, first):
             if event.text or (event.logprobs and body.logprobs is not None):
-                yield chunk(event.text, logprobs=_completion_logprobs(ctx.engine, body, event.logprobs, shown))
-                shown += len(event.text)
-        outcome = run.outcome()
-        for out in _ending(head, body.include_usage, outcome, chunk("", outcome.finish_reason)):
+                logprobs = _completion_logprobs(ctx.engine, body, event.logprobs, shown[index])
+                yield chunk(index, event.text, logprobs=logprobs)
+                shown[index] += len(event.text)
+            if event.finish_reason is not None:
+                outcome = runs[index].outcome()
+                if outcome.finish_reason not in ANSWERED:
+                    yield _error_event(outcome)
+                    return
+                yield chunk(index, "", outcome.finish_reason)
+        for out in _ending(head, body.include_usage, [run.outcome() for run in runs], body.n):
             yield out
     finally:
-        run.cancel()  # a no-op unless the client left mid-stream
+        for run in runs:
+            run.cancel()  # a no-op unless the client left mid-stream
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -210,20 +231,47 @@ def _finish(finish_reason: str, tool_calls: int) -> str:
     return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def _usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:
+    """Usage of `outcomes`, n samples per prompt: each prompt counts once, as OpenAI and vLLM count it, with the
+    reuse of its first sample (the one that computed it); every sample's tokens count."""
+    firsts = outcomes[::n]
+    prompt = sum(o.prompt_tokens for o in firsts)
+    completion = sum(o.completion_tokens for o in outcomes)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)}}
 
 
-def _ending(head: dict[str, Any], include_usage: bool, outcome: Outcome, finish_chunk: str) -> Iterator[str]:
-    """A stream's end: its finish chunk, the usage chunk when asked for, and [DONE]; or, for a request the
-    engine ended without an answer, the error event the SDK raises."""
-    if outcome.finish_reason not in ANSWERED:
-        _, error = openai_error(failure(outcome.finish_reason, outcome.error))
-        yield sse(error)
-        return
-    yield finish_chunk
+async def _first_event(request: Request, runs: list[EngineRun]) -> Any:
+    """runs[0]'s first event (a refusal is answered before the stream starts); the others are cancelled if it
+    fails."""
+    try:
+        return await first_event(request, runs[0])
+    except BaseException:
+        for run in runs:
+            run.cancel()
+        raise
+
+
+async def _collect(request: Request, runs: list[EngineRun]) -> list[Outcome]:
+    """Every run to its end, concurrently; all are cancelled if the client leaves or one is refused."""
+    try:
+        outcomes = await until_disconnect(request, asyncio.gather(*(run.collect() for run in runs)), *runs)
+    finally:
+        for run in runs:
+            run.cancel()  # the rest of a batch one of whose prompts was refused
+    for run in runs:
+        run.raise_if_failed()
+    return outcomes
+
+
+def _error_event(outcome: Outcome) -> str:
+    """The error event (which the SDK raises) for a request the engine ended without an answer."""
+    _, error = openai_error(failure(outcome.finish_reason, outcome.error))
+    return sse(error)
+
+
+def _ending(head: dict[str, Any], include_usage: bool, outcomes: list[Outcome], n: int = 1) -> Iterator[str]:
+    """A stream's end, after every choice's finish chunk: the usage chunk when asked for, and [DONE]."""
     if include_usage:
-        yield sse({**head, "choices": [],
-                   "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)})
+        yield sse({**head, "choices": [], "usage": _usage(outcomes, n)})
     yield sse("[DONE]")

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (chat completions, completions), validated by pydantic.
 
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
-neutral values (n=1); anything else is a 400 that says so, rather than a silent change of meaning.
+neutral values (best_of=1); anything else is a 400 that says so, rather than a silent change of meaning.
 vLLM's extensions `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
 `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS
 
@@ -67,7 +67,7 @@ class _Sampling(_Lenient):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    n: int = 1
+    n: int = Field(1, ge=1)  # samples of the prompt, which is computed once; the bound is --max-n
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -81,13 +81,6 @@ class _Sampling(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
 
     @property
     def include_usage(self) -> bool:

@@ -62,7 +62,7 @@ def test_openai_prompt_too_long_is_400_context_length_exceeded_with_the_lengths(
 
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": 5}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"messages": []}, "messages"),
