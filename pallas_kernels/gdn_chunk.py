@@ -46,7 +46,7 @@ MAX_TAPS = 8
 _F32 = jnp.float32
 
 
-def _dot(a, b):
+def dot(a, b):
     """a [m, k] @ b [k, n], float32 accumulation."""
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
@@ -151,10 +151,10 @@ def _solve_kernel(
         for d in range(1, NSUB):
             for i in range(d, NSUB):
                 j = i - d
-                acc = _dot(a[i, j], tinv[j, j])
+                acc = dot(a[i, j], tinv[j, j])
                 for m in range(j + 1, i):
-                    acc = acc + _dot(a[i, m], tinv[m, j])
-                tinv[i, j] = -_dot(tinv[i, i], acc)
+                    acc = acc + dot(a[i, m], tinv[m, j])
+                tinv[i, j] = -dot(tinv[i, i], acc)
 
         zero = jnp.zeros((SUB, SUB), tinv_ref.dtype)
         for i in range(NSUB):
@@ -193,9 +193,9 @@ def _wu_kernel(
         beta = _load_col(beta_ref, rows, valid, h)
         gc = gc_ref[...]
         tinv = tinv_ref[...]
-        w_ref[...] = _dot(tinv, (k * (beta * jnp.exp(gc))[:, None]).astype(mm_dtype)).astype(w_ref.dtype)
+        w_ref[...] = dot(tinv, (k * (beta * jnp.exp(gc))[:, None]).astype(mm_dtype)).astype(w_ref.dtype)
         v = _load_rows(v_ref, rows, valid, h)
-        u_ref[...] = _dot(tinv, (v * beta[:, None]).astype(mm_dtype)).astype(u_ref.dtype)
+        u_ref[...] = dot(tinv, (v * beta[:, None]).astype(mm_dtype)).astype(u_ref.dtype)
         if p_refs:
             q = _load_rows(q_ref, rows, valid, hk)
             p_refs[0][...] = _intra_attention(q, k, gc, mm_dtype).astype(p_refs[0].dtype)
@@ -256,11 +256,11 @@ def _recurrent_kernel(
         g_last = gc_ref[h, c * CHUNK + CHUNK - 1]
 
         s_mm = s.astype(mm_dtype)
-        v_new = u - _dot(w, s_mm)
+        v_new = u - dot(w, s_mm)
         v_mm = v_new.astype(mm_dtype)
         if fuse_output:
             q = _load_rows(q_ref, tok, valid, hk)
-            o = _dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), s_mm) + _dot(p_ref[h, rows, :], v_mm)
+            o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), s_mm) + dot(p_ref[h, rows, :], v_mm)
             trash = jnp.where(valid, t, t_len)  # masked lanes never store; interpret mode has a trash row
             _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o, mask=valid[:, None])
         else:
@@ -268,7 +268,7 @@ def _recurrent_kernel(
             vn_ref[h, rows, vcols] = v_mm
 
         k_dec = (k_t * jnp.exp(g_last - gc)[None, :]).astype(mm_dtype)
-        s = s * jnp.exp(g_last) + _dot(k_dec, v_mm)
+        s = s * jnp.exp(g_last) + dot(k_dec, v_mm)
         if n_taps:  # one predicated store per chunk, whatever M: the slot of the tap ending chunk c
             target = jnp.int32(-1)
             for j in range(n_taps):
@@ -313,7 +313,7 @@ def _output_kernel(
         k = _load_rows(k_ref, tok, valid, hk)
         gc = gc_ref[...]
         p = _intra_attention(q, k, gc, mm_dtype).astype(mm_dtype)
-        o = _dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), h_ref[...]) + _dot(p, vn_ref[...])
+        o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), h_ref[...]) + dot(p, vn_ref[...])
         out_cols = vb * block_v + jnp.arange(block_v, dtype=jnp.int32)
         trash = jnp.where(valid, t, t_len)
         _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o, mask=valid[:, None])

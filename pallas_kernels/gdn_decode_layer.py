@@ -1,7 +1,7 @@
 """The GDN mixer's decode step between its two projections as one kernel: conv, activations, gated delta rule
 and output norm for one token of each of B lanes.
 
-Computes what `ninfer_jax.model.qwen3_5._gdn_decode` otherwise composes from about a dozen XLA kernels around
+Computes what `ninfer_jax.model.qwen3_5.gdn_decode_mixer` otherwise composes from about a dozen XLA kernels around
 `gdn_decode` (that composition is the reference: tests/model/test_gdn_decode_layer.py). With C = 2 Hk Dk + Hv Dv
 pre-conv channels, K conv taps and the lane's state slot s:
 

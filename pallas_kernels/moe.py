@@ -138,7 +138,7 @@ def default_config(rows: int, num_experts: int) -> MoeConfig:
     return DEFAULT_CONFIG
 
 
-def _dot(a, b):
+def dot(a, b):
     # float32 operands: IEEE products (Triton's default for them is TF32 under jax >= 0.11).
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
@@ -169,7 +169,7 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, gate_up_ref, act_re
             xt = x_ref[tokens, pl.ds(k0, block_k)].astype(cdt)  # [BM, BK]
             wg = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
             wu = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(inter + n * block_n, block_n)]  # [BK, BN]
-            return acc_g + _dot(xt, wg), acc_u + _dot(xt, wu)
+            return acc_g + dot(xt, wg), acc_u + dot(xt, wu)
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
@@ -212,7 +212,7 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
             wd = down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
-            return acc + _dot(at, wd)
+            return acc + dot(at, wd)
 
         acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         weight = row_weight_ref[rows]  # [BM]

@@ -43,7 +43,7 @@ def _dot_nt(a, b):
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
 
 
-def _dot(a, b):
+def dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
@@ -79,7 +79,7 @@ def _online_softmax_step(carry, s, v, valid):
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
 

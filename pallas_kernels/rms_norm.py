@@ -59,7 +59,7 @@ def add_rms_norm(x, h, w, *, eps: float, interpret: bool = False):
     """(x + h, rms_norm(x + h) * (1 + w)) for x, h [R, H] (h may be None: then x itself and its norm).
 
     h may have more rows than x; those are not read. A one-row projection computed as a two-row matmul (see
-    `qwen3_5._dot`) comes here whole: cutting its duplicate row off first would be a copy kernel, since XLA copies a
+    `qwen3_5.dot`) comes here whole: cutting its duplicate row off first would be a copy kernel, since XLA copies a
     custom call's sliced operand. The sum is rounded to x's dtype before the norm, as the model's residual add; the
     norm is computed in float32 and returned in x's dtype. w: [H] (any float dtype).
     """

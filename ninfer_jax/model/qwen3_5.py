@@ -50,7 +50,7 @@ F32 = jnp.float32
 _XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
 
 
-def _dot(x, w, *, to_norm: bool = False):
+def dot(x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
@@ -69,7 +69,7 @@ def _dot(x, w, *, to_norm: bool = False):
 
 def add_norm(kc: KernelConfig, x, h, w, eps):
     """The residual stream x plus a block's output h (None: nothing to add; rows past x's are ignored, see
-    `_dot`'s to_norm), and its RMSNorm: (x + h, norm)."""
+    `dot`'s to_norm), and its RMSNorm: (x + h, norm)."""
     fused = ops.add_rms_norm(kc, x, h, w, eps)
     if fused is not None:
         return fused
@@ -101,9 +101,9 @@ def rope(x, positions, cfg: ModelConfig):
 
 
 def mlp(p: MLPParams, x):
-    gu = _dot(x, p.gate_up)
+    gu = dot(x, p.gate_up)
     inter = p.down.shape[0]
-    return _dot(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
+    return dot(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
@@ -149,7 +149,7 @@ def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
     return *_gdn_qkv(conv_out, cfg), *_gdn_gb(p, a, b)
 
 
-def _gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
+def gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
     """What `ops.gdn_conv_prefill` computes as one kernel: the window [T + K - 1, C] of pre-conv rows -> the delta
     rule's q, k, v (as `_gdn_qkv`), zero in the rows whose m [T, 1] is False (bucket padding)."""
     q, k, v = _gdn_qkv(_conv(window, conv_w), cfg)
@@ -158,7 +158,7 @@ def _gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
 
 def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
     y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
-    return _dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
+    return dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
 
 
 def _conv(window, conv_w):
@@ -173,7 +173,7 @@ def _conv(window, conv_w):
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     t = x.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
-    proj = _dot(x, p.in_proj)
+    proj = dot(x, p.in_proj)
     qkv, z, a, b = _gdn_split(proj, cfg)
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
     history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
@@ -187,7 +187,7 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     if fused is not None:
         q, k, v = fused
     else:
-        q, k, v = _gdn_conv_qkv(window, p.conv_w, m, cfg)
+        q, k, v = gdn_conv_qkv(window, p.conv_w, m, cfg)
     ssm = ssm.at[slot].set(jnp.where(fresh, 0.0, ssm[slot]))
     core, ssm = ops.gdn_prefill(kc, q, k, v, g, beta, ssm, slot, base, ctx["tap_positions"], ctx["tap_slots"])
     # Conv history after the chunk: the K-1 rows before position base + n_valid.
@@ -221,7 +221,7 @@ def _attn_qkv(q_norm, k_norm, proj, positions, cfg: ModelConfig):
     return q, k, v, gate
 
 
-def _attn_decode_qkv(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg: ModelConfig):
+def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg: ModelConfig):
     """One decode token per lane up to the attention kernel, composed (`ops.attn_decode_qkv` is it as one kernel):
     -> (q normalised and rotated, the pools with each active lane's key and value at its position)."""
     q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions, cfg)
@@ -231,7 +231,7 @@ def _attn_decode_qkv(q_norm, k_norm, proj, positions, tables, active, k_pages, v
 
 def _attn_out(p: AttnParams, core, gate, dtype):
     y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
-    return _dot(y, p.o_proj, to_norm=True)
+    return dot(y, p.o_proj, to_norm=True)
 
 
 def _write_kv(pages, rows, page_ids, offsets):
@@ -242,7 +242,7 @@ def _write_kv(pages, rows, page_ids, offsets):
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     t = x.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, _dot(x, p.qkv_proj), positions, cfg)
+    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(x, p.qkv_proj), positions, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
@@ -314,14 +314,14 @@ def prefill(
 
 
 # --- decode ------------------------------------------------------------------------------------------
-def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
+def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
     slots, active = ctx["slots"], ctx["active"]
-    proj = _dot(x, p.in_proj)
+    proj = dot(x, p.in_proj)
     if kc.fuse_gdn_decode:  # the rest of this function, up to out_proj, as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
         conv = conv.at[slots].set(tail.astype(conv.dtype))
-        return _dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
+        return dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
@@ -337,12 +337,12 @@ def _gdn_decode(p, x, cfg, kc, ssm, conv, ctx):
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
-    proj = _dot(x, p.qkv_proj)
+    proj = dot(x, p.qkv_proj)
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
     fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
                                 k_pages, v_pages, cfg)
     if fused is None:
-        fused = _attn_decode_qkv(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
+        fused = attn_decode_qkv_composed(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
     q, k_pages, v_pages = fused
     gate = _attn_split(proj, cfg)[3]
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
@@ -363,7 +363,7 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     x = params.embed[tokens]
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv: _gdn_decode(p, h, cfg, kc, ssm, conv, ctx),
+        lambda p, h, ssm, conv: gdn_decode_mixer(p, h, cfg, kc, ssm, conv, ctx),
         lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, ctx),
     )
 

@@ -37,7 +37,7 @@ def _case(cfg, dtype, seed):
 
 
 def _composition(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):
-    return qwen3_5._attn_decode_qkv(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
+    return qwen3_5.attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
 
 
 def _fused(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):

@@ -1,5 +1,5 @@
 """The fused GDN prefill step up to the delta rule (`pallas_kernels/gdn_conv.py`, interpret mode on CPU) against the
-model's own composition (`qwen3_5._gdn_conv_qkv`), and its Triton lowering at the 35B-A3B's and the 27B's head
+model's own composition (`qwen3_5.gdn_conv_qkv`), and its Triton lowering at the 35B-A3B's and the 27B's head
 shapes."""
 
 import jax
@@ -28,7 +28,7 @@ def _case(t, n_valid, dtype, seed, extra_cols=70):
 def _composition(proj, history, conv_w, n_valid):
     """As `qwen3_5._gdn_prefill` composes it without the kernel."""
     window = jnp.concatenate([history, proj[:, : TINY.conv_dim]], axis=0)
-    return qwen3_5._gdn_conv_qkv(window, conv_w, (jnp.arange(proj.shape[0]) < n_valid)[:, None], TINY)
+    return qwen3_5.gdn_conv_qkv(window, conv_w, (jnp.arange(proj.shape[0]) < n_valid)[:, None], TINY)
 
 
 def _fused(proj, history, conv_w, n_valid, **kw):

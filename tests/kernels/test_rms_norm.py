@@ -69,7 +69,7 @@ def test_lowers_to_triton_at_the_35b_hidden_size(residual):
 
 
 def test_rows_of_h_past_xs_are_ignored():
-    """A one-row projection's two-row matmul output comes whole (qwen3_5._dot(to_norm=True)): only row 0 is added,
+    """A one-row projection's two-row matmul output comes whole (qwen3_5.dot(to_norm=True)): only row 0 is added,
     here as in the model's composition."""
     x, h, w = _inputs(1, 128, jnp.bfloat16, seed=5)
     two = jnp.concatenate([h, h * 100 + 7])

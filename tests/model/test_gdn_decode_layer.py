@@ -41,7 +41,7 @@ def _layer_inputs(cfg, dtype, lanes, seed):
 def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
     cfg = ModelConfig.from_file(f"configs/{config}.json")
     layer, x, ssm, conv, ctx = _layer_inputs(cfg, dtype, lanes, seed=lanes)
-    step = jax.jit(qwen3_5._gdn_decode, static_argnames=("cfg", "kc"))
+    step = jax.jit(qwen3_5.gdn_decode_mixer, static_argnames=("cfg", "kc"))
     want_y, want_ssm, want_conv = step(layer, x, cfg, UNFUSED, ssm, conv, ctx)
     got_y, got_ssm, got_conv = step(layer, x, cfg, FUSED, ssm, conv, ctx)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -65,7 +65,7 @@ def test_heads_split_over_programs_equal_whole_heads(dtype):
     cfg = ModelConfig.from_file("configs/tiny-moe.json")
     lanes = 3
     layer, x, ssm, conv, ctx = _layer_inputs(cfg, dtype, lanes, seed=7)
-    proj = qwen3_5._dot(x, layer.in_proj)
+    proj = qwen3_5.dot(x, layer.in_proj)
     args = (proj, ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w, ssm, ctx["slots"])
     kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
     whole = gdn_decode_layer(*args, **kw, config=GdnDecodeLayerConfig(min_programs=0))
