@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import anthropic_routes, openai_routes
+from . import anthropic_routes, openai_routes, responses
 from .context import RETRY_AFTER_S, ServerContext
 from .errors import ApiError, ClientGone, anthropic_error, is_anthropic, openai_error
 from .limits import Limits
@@ -32,15 +32,17 @@ _HTTP_KINDS = {401: "authentication", 404: "not_found", 503: "unavailable"}
 
 
 def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits | None = None,
-               allowed_origins: Sequence[str] = ()) -> FastAPI:
+               allowed_origins: Sequence[str] = (), default_thinking: bool = True) -> FastAPI:
     """The server for `engine` (an ninfer_jax.Engine; None: attached later, `ServerContext.attach`, and until
     then generation answers 503). `api_key`: required on the API routes when set. `limits`: the request
-    bounds. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default)."""
+    bounds. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default).
+    `default_thinking`: whether OpenAI-protocol requests think when they do not say."""
     app = FastAPI(title="ninfer-jax", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServerContext(engine, api_key, limits or Limits())
+    ctx = ServerContext(engine, api_key, limits or Limits(), default_thinking=default_thinking)
     app.state.context = ctx
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses.router)
 
     # Health and metrics run on the event loop and read only what the engine's thread published: they answer
     # at once however busy that thread is, and use no pool that other requests could fill.

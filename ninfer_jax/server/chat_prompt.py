@@ -33,6 +33,28 @@ async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any
         raise ApiError("invalid_request", f"the chat template rejected the conversation: {error}") from None
 
 
+# OpenAI's reasoning efforts. Qwen3.5 thinks or does not: every level above "minimal" is the same thinking.
+NO_THINKING_EFFORTS = ("none", "minimal")
+
+
+def thinking_mode(default: bool, *, template_kwargs: Mapping[str, Any] | None = None,
+                  reasoning_effort: str | None = None, response_format: Mapping[str, Any] | None = None) -> bool:
+    """Whether an OpenAI-protocol request thinks before it answers.
+
+    `chat_template_kwargs.enable_thinking` decides when given. Otherwise a JSON `response_format` runs without
+    thinking: its grammar constrains every generated token, so thinking text could only be JSON and would be
+    taken for reasoning. Then `reasoning_effort` "none" or "minimal" turns thinking off and any other level on;
+    without one, the server's default (--default-thinking) holds.
+    """
+    if template_kwargs and "enable_thinking" in template_kwargs:
+        return bool(template_kwargs["enable_thinking"])
+    if response_format and response_format.get("type") in ("json_object", "json_schema"):
+        return False
+    if reasoning_effort is not None:
+        return reasoning_effort not in NO_THINKING_EFFORTS
+    return default
+
+
 async def prepare_completion_prompt(ctx: ServerContext, prompt: str | Sequence[int]) -> PreparedPrompt:
     """A completions prompt (text, or token ids) tokenized in ctx's tokenizing threads. Raises ApiError (400)
     for text to a model without a tokenizer, or token ids that are not 32-bit integers."""

@@ -42,6 +42,7 @@ class ServeOptions:
     compile_cache: str | None = None  # jax's persistent compilation cache folder (None: off)
     limits: Limits = Limits()
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins that may call the API (none: browsers may not)
+    default_thinking: bool = True  # whether OpenAI-protocol requests think when they do not say
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                         help="web origins (https://app.example) whose pages may call the API from a browser (CORS); "
                              "'*' for any; default none")
+    server.add_argument("--default-thinking", choices=["on", "off"], default="on",
+                        help="whether the model thinks before answering when an OpenAI request does not say "
+                             "(chat_template_kwargs.enable_thinking, reasoning_effort); 'off' for clients that drop "
+                             "reasoning_content (LangChain, litellm); default on")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default info")
     limits = parser.add_argument_group("request limits (checked before any work; a request over one gets a 4xx "
@@ -102,7 +107,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     except OptionsError as error:
         raise UsageError(str(error)) from None
     return ServeOptions(args.host, args.port, args.api_key, {"path": model, **engine, "warmup": args.warmup},
-                        args.compile_cache_dir, limits, tuple(args.allowed_origins))
+                        args.compile_cache_dir, limits, tuple(args.allowed_origins), args.default_thinking == "on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     from .readiness import build_in_background
     from .serving import OrderlyServer, server_config
 
-    app = create_app(api_key=options.api_key, limits=options.limits, allowed_origins=options.allowed_origins)
+    app = create_app(api_key=options.api_key, limits=options.limits, allowed_origins=options.allowed_origins,
+                     default_thinking=options.default_thinking)
     ctx = app.state.context
     server = OrderlyServer(server_config(app, options.host, options.port), ctx)
 

@@ -27,6 +27,7 @@ class ServerContext:
     startup: Startup = dataclasses.field(default_factory=Startup)
     frontend: FrontendPool = dataclasses.field(default_factory=FrontendPool)
     stopping: bool = False  # set when the orderly stop begins; /health reports it
+    default_thinking: bool = True  # --default-thinking: OpenAI-protocol requests think unless they say otherwise
 
     def attach(self, engine: Any) -> None:
         """The engine is built: the server is ready (called from the startup thread)."""

@@ -55,15 +55,16 @@ async def chat_completions(request: Request):
     engine = ctx.engine
     ctx.limits.check_counts(stops=body.stop_strings(), tools=len(body.tools or ()), n=body.n)
     chat = chat_input(body)
+    thinking = body.thinking(ctx.default_thinking)
     prepared = await until_disconnect(request, prepare_prompt(
-        ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=body.enable_thinking,
+        ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
         template_kwargs=body.chat_template_kwargs))
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx.metrics)
-    parsers = [OutputParser(thinking=body.enable_thinking, tools=chat.tools) for _ in runs]
+    parsers = [OutputParser(thinking=thinking, tools=chat.tools) for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
         return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers))

@@ -3,7 +3,8 @@
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
 neutral values (best_of=1); anything else is a 400 that says so, rather than a silent change of meaning.
 vLLM's extensions `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
-`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted.
+`chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted; `reasoning_effort` "none" or "minimal"
+turns thinking off (chat_prompt.thinking_mode).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS
+
+from .chat_prompt import thinking_mode
 
 
 class _Lenient(BaseModel):
@@ -98,7 +101,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Prompt caching: accepted; the cache is content-addressed, so the key routes nothing here.
     prompt_cache_key: str | None = None
@@ -122,12 +125,10 @@ class ChatCompletionRequest(_Sampling):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    @property
-    def enable_thinking(self) -> bool:
-        kwargs = self.chat_template_kwargs or {}
-        if "enable_thinking" in kwargs:
-            return bool(kwargs["enable_thinking"])
-        return self.reasoning_effort != "none"
+    def thinking(self, default: bool) -> bool:
+        """Whether the model thinks first (chat_prompt.thinking_mode); `default`: the server's --default-thinking."""
+        return thinking_mode(default, template_kwargs=self.chat_template_kwargs,
+                             reasoning_effort=self.reasoning_effort, response_format=self.response_format)
 
     @property
     def tools_enabled(self) -> bool:
