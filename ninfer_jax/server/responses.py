@@ -244,8 +244,12 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "function_call":
+            arguments = item.get("arguments") or "{}"
+            if not isinstance(arguments, (str, dict)):
+                raise ApiError("invalid_request", f"{where}.arguments: expected a JSON string",
+                               param=f"{where}.arguments")
             call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": _field(item, "name", where), "arguments": item.get("arguments") or "{}"}}
+                    "function": {"name": _field(item, "name", where), "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
@@ -258,8 +262,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
                              "content": output if isinstance(output, str) else _text(output, where)})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning = "\n".join(part.get("text", "") for part in parts if isinstance(part, dict))
+            parts = [part for key in ("content", "summary") if isinstance(item.get(key), list) for part in item[key]]
+            reasoning = "\n".join(part["text"] for part in parts
+                                  if isinstance(part, dict) and isinstance(part.get("text"), str))
         else:
             raise ApiError("invalid_request", f"{where}: items of type {kind!r} are not supported (message, "
                            "function_call, function_call_output, reasoning)", param=f"{where}.type")
