@@ -22,6 +22,47 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """A checkpoint's weight quantization (config.json `quantization_config`): block-FP8 only, the format of
+    Qwen's FP8 packs. Which linears are quantized is read from the tensors; the list of those left
+    unquantized is kept as the pack states it."""
+
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "QuantizationConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json: field 'quantization_config' must be an object, got {raw!r}")
+
+        def refuse(field, value, supported):
+            raise ConfigError(
+                f"config.json: field 'quantization_config.{field}' {value!r} is not supported ({supported})"
+            )
+
+        method = raw.get("quant_method")
+        if method != "fp8":
+            refuse("quant_method", method, "only 'fp8': block-FP8 weights as in Qwen's FP8 checkpoints")
+        fmt = raw.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            refuse("fmt", fmt, "only 'e4m3'")
+        scheme = raw.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            refuse("activation_scheme", scheme, "only 'dynamic': the checkpoint holds no activation scales")
+        block = raw.get("weight_block_size")
+        if block != [128, 128]:
+            refuse("weight_block_size", block, "only [128, 128]")
+        # vLLM's name for the same list is ignored_layers
+        skip = raw.get("modules_to_not_convert", raw.get("ignored_layers")) or []
+        if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+            refuse("modules_to_not_convert", skip, "a list of module names")
+        return cls(fmt=fmt, activation_scheme=scheme, weight_block_size=(128, 128), modules_to_not_convert=tuple(skip))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Text-model hyperparameters (hashable: a static argument of the jitted steps)."""
 
@@ -50,6 +91,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantizationConfig | None = None  # None: the checkpoint's weights are all unquantized
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
@@ -166,6 +208,7 @@ class ModelConfig:
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        quant = raw.get("quantization_config", text.get("quantization_config"))
         return cls(
             architecture=arch,
             is_moe=is_moe,
@@ -187,6 +230,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            quantization=None if quant is None else QuantizationConfig.from_dict(quant),
             **moe,
         )
 

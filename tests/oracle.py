@@ -28,3 +28,31 @@ def hf_model(directory, layout="text"):
         arch = json.loads((directory / "config.json").read_text())["architectures"][0]
         cls = getattr(transformers, arch)
     return cls.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def dequantized_copy(fp8_dir, target):
+    """An FP8 pack's weights dequantized with numpy (each value times its 128 x 128 block's scale) and written as
+    an ordinary float32 checkpoint in `target`. Read through torch's safetensors, not the engine's loader."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(fp8_dir.glob("*.safetensors")):
+        tensors.update({k: v.float().numpy() for k, v in load_file(str(path)).items()})
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name + "_scale_inv" in tensors:
+            s = tensors[name + "_scale_inv"]
+            t = t * np.repeat(np.repeat(s, 128, axis=0)[: t.shape[0]], 128, axis=1)[:, : t.shape[1]]
+        out[name] = np.ascontiguousarray(t, np.float32)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((fp8_dir / "config.json").read_text())
+    del raw["quantization_config"]
+    (target / "config.json").write_text(json.dumps(raw))
+    return target

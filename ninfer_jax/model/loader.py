@@ -5,14 +5,20 @@ text layout (`model.*`), one file or many (with `model.safetensors.index.json`),
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
 (`experts.{e}.gate_proj.weight`, ...), bf16 or fp32 on disk. Every tensor is checked for presence and
 shape; a problem raises CheckpointError naming the tensor. MTP weights (`mtp.*`) are kept raw.
+
+Block-FP8 checkpoints (config.json `quantization_config`, Qwen's FP8 packs): a linear whose `weight` is
+float8_e4m3fn [out, in] comes with `weight_scale_inv` [ceil(out/128), ceil(in/128)] (float32 or bf16) and stays
+FP8 on the device as a QuantizedWeight; the linears the pack leaves unquantized load as above.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +27,17 @@ import numpy as np
 from safetensors import safe_open
 
 from ninfer_jax.config import ConfigError, ModelConfig
-from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
+from ninfer_jax.model.params import (
+    FP8_BLOCK,
+    AttnParams,
+    ConcatWeight,
+    GDNParams,
+    LayerParams,
+    MLPParams,
+    MoEParams,
+    Params,
+    QuantizedWeight,
+)
 
 log = logging.getLogger("ninfer_jax.loader")
 
@@ -30,6 +46,13 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 class CheckpointError(ValueError):
     """A checkpoint whose files do not match its config; the message names the file or tensor."""
+
+
+class _Fp8(NamedTuple):
+    """One FP8 linear (or a stack of them) as on disk: values [..., out, in], scales [..., out blocks, in blocks]."""
+
+    values: np.ndarray  # float8_e4m3fn
+    scales: np.ndarray  # float32
 
 
 class _Tensors:
@@ -48,7 +71,9 @@ class _Tensors:
             if not files:
                 raise CheckpointError(f"{directory}: no *.safetensors files")
         self._handles = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, header), for the FP8 reads
         self._where: dict[str, str] = {}
+        self._directory = directory
         for name in files:
             path = directory / name
             if not path.exists():
@@ -60,6 +85,7 @@ class _Tensors:
             self._handles[name] = handle
             for key in handle.keys():
                 self._where[key] = name
+            self._headers[name] = _read_header(path)
         self.bytes_read = 0
 
     def keys(self):
@@ -68,9 +94,36 @@ class _Tensors:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def is_fp8(self, name: str) -> bool:
+        return name in self._where and self._info(name)["dtype"] == "F8_E4M3"
+
+    def _info(self, name: str) -> dict:
+        return self._headers[self._where[name]][1].get(name, {})
+
+    def get_fp8(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float8_e4m3fn tensor, read from the file directly (safetensors' numpy reader has no FP8)."""
+        info, (start, _) = self._info(name), self._headers[self._where[name]]
+        if tuple(info["shape"]) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(info['shape'])}, expected {tuple(shape)}")
+        begin, end = info["data_offsets"]
+        raw = np.fromfile(self._directory / self._where[name], np.uint8, count=end - begin, offset=start + begin)
+        if raw.size != int(np.prod(shape)):
+            raise CheckpointError(f"tensor {name!r}: file is truncated")
+        self.bytes_read += raw.nbytes
+        return raw.view(ml_dtypes.float8_e4m3fn).reshape(shape)
+
+    def read_any(self, name: str):
+        """A tensor as stored (FP8 included), for the raw MTP weights."""
+        info = self._info(name)
+        if info.get("dtype") == "F8_E4M3":
+            return self.get_fp8(name, tuple(info["shape"]))
+        return self.get(name, tuple(info["shape"]))
+
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+        if self.is_fp8(name):
+            raise CheckpointError(f"tensor {name!r} is float8_e4m3fn, but the engine reads it unquantized")
         try:
             array = self._handles[self._where[name]].get_tensor(name)
         except Exception as e:
@@ -81,6 +134,65 @@ class _Tensors:
             raise CheckpointError(f"tensor {name!r} has unsupported dtype {array.dtype}")
         self.bytes_read += array.nbytes
         return array
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's (offset of its data, header) (safe_open has read it once already, so it is sound)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
+
+
+def _linear(t: _Tensors, cfg: ModelConfig, name: str, shape: tuple[int, int]) -> np.ndarray | _Fp8:
+    """One linear's weight [out, in] as on disk: a float array, or FP8 values with their block scales."""
+    if not t.is_fp8(name):
+        return t.get(name, shape)
+    if cfg.quantization is None:
+        raise CheckpointError(f"tensor {name!r} is float8_e4m3fn, but config.json has no 'quantization_config'")
+    blocks = tuple(-(-d // FP8_BLOCK) for d in shape)
+    scales = t.get(name + "_scale_inv", blocks)  # float32, or bf16 from some tools
+    return _Fp8(t.get_fp8(name, shape), scales.astype(np.float32))
+
+
+def _stack(parts: list, what: str) -> np.ndarray | _Fp8:
+    """Per-expert weights -> one [E, ...] stack; experts must be all FP8 or all unquantized."""
+    if all(isinstance(p, _Fp8) for p in parts):
+        return _Fp8(np.stack([p.values for p in parts]), np.stack([p.scales for p in parts]))
+    if any(isinstance(p, _Fp8) for p in parts):
+        raise CheckpointError(f"{what}: some experts are float8_e4m3fn and some are not")
+    return np.stack(parts)
+
+
+def _fuse(parts: list, put):
+    """Linears that read one input ([..., out_i, in] each, on disk) -> one weight [..., in, sum out_i] (x @ w).
+
+    Unquantized parts are concatenated as they always were. FP8 parts share one QuantizedWeight while the
+    outputs before each start on a block boundary; otherwise, and next to an unquantized part, the result is
+    a ConcatWeight of the runs."""
+    def cat(arrays):
+        return np.concatenate(arrays, axis=-2) if len(arrays) > 1 else arrays[0]
+
+    if not any(isinstance(p, _Fp8) for p in parts):
+        return put(np.swapaxes(cat(parts), -1, -2))
+    runs: list[list] = []
+    for p in parts:
+        last = runs[-1] if runs else None
+        if last and isinstance(p, _Fp8) == isinstance(last[0], _Fp8) and (
+            not isinstance(p, _Fp8) or sum(q.values.shape[-2] for q in last) % FP8_BLOCK == 0
+        ):
+            last.append(p)
+        else:
+            runs.append([p])
+
+    def one(run):
+        if not isinstance(run[0], _Fp8):
+            return put(np.swapaxes(cat(run), -1, -2))
+        values = np.swapaxes(cat([q.values for q in run]), -1, -2)
+        scales = np.swapaxes(cat([q.scales for q in run]), -1, -2)
+        return QuantizedWeight(jnp.asarray(np.ascontiguousarray(values)), jnp.asarray(np.ascontiguousarray(scales)))
+
+    weights = tuple(one(run) for run in runs)
+    return weights[0] if len(weights) == 1 else ConcatWeight(weights)
 
 
 def _prefix(cfg: ModelConfig, tensors: _Tensors) -> str:
@@ -96,48 +208,51 @@ def _prefix(cfg: ModelConfig, tensors: _Tensors) -> str:
 def _load_layer(t: _Tensors, cfg: ModelConfig, i: int, p: str, put) -> LayerParams:
     h = cfg.hidden_size
     pre = f"{p}layers.{i}."
+
+    def lin(name, shape):
+        return _linear(t, cfg, name, shape)
     if cfg.layer_types[i] == "linear_attention":
         a = pre + "linear_attn."
         cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
-        fused = np.concatenate(
+        in_proj = _fuse(
             [
-                t.get(a + "in_proj_qkv.weight", (cd, h)),
-                t.get(a + "in_proj_z.weight", (vd, h)),
-                t.get(a + "in_proj_b.weight", (hv, h)),
-                t.get(a + "in_proj_a.weight", (hv, h)),
-            ]
-        ).T
+                lin(a + "in_proj_qkv.weight", (cd, h)),
+                lin(a + "in_proj_z.weight", (vd, h)),
+                lin(a + "in_proj_b.weight", (hv, h)),
+                lin(a + "in_proj_a.weight", (hv, h)),
+            ],
+            put,
+        )
         mixer = GDNParams(
-            in_proj=put(fused),
+            in_proj=in_proj,
             conv_w=put(t.get(a + "conv1d.weight", (cd, 1, cfg.linear_conv_kernel_dim))[:, 0, :].T),
             a_log=jnp.asarray(t.get(a + "A_log", (hv,)), jnp.float32),
             dt_bias=jnp.asarray(t.get(a + "dt_bias", (hv,)), jnp.float32),
             norm_w=put(t.get(a + "norm.weight", (cfg.linear_value_head_dim,))),
-            out_proj=put(t.get(a + "out_proj.weight", (h, vd)).T),
+            out_proj=_fuse([lin(a + "out_proj.weight", (h, vd))], put),
         )
     else:
         a = pre + "self_attn."
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        fused = np.concatenate(
+        qkv_proj = _fuse(
             [
-                t.get(a + "q_proj.weight", (hq * 2 * d, h)),
-                t.get(a + "k_proj.weight", (hkv * d, h)),
-                t.get(a + "v_proj.weight", (hkv * d, h)),
-            ]
-        ).T
+                lin(a + "q_proj.weight", (hq * 2 * d, h)),
+                lin(a + "k_proj.weight", (hkv * d, h)),
+                lin(a + "v_proj.weight", (hkv * d, h)),
+            ],
+            put,
+        )
         mixer = AttnParams(
-            qkv_proj=put(fused),
+            qkv_proj=qkv_proj,
             q_norm=put(t.get(a + "q_norm.weight", (d,))),
             k_norm=put(t.get(a + "k_norm.weight", (d,))),
-            o_proj=put(t.get(a + "o_proj.weight", (h, hq * d)).T),
+            o_proj=_fuse([lin(a + "o_proj.weight", (h, hq * d))], put),
         )
 
     def dense(prefix, inter):
-        gate = t.get(prefix + "gate_proj.weight", (inter, h))
-        up = t.get(prefix + "up_proj.weight", (inter, h))
-        return MLPParams(
-            gate_up=put(np.concatenate([gate, up]).T), down=put(t.get(prefix + "down_proj.weight", (h, inter)).T)
-        )
+        gate = lin(prefix + "gate_proj.weight", (inter, h))
+        up = lin(prefix + "up_proj.weight", (inter, h))
+        return MLPParams(gate_up=_fuse([gate, up], put), down=_fuse([lin(prefix + "down_proj.weight", (h, inter))], put))
 
     m = pre + "mlp."
     if cfg.is_moe:
@@ -145,23 +260,17 @@ def _load_layer(t: _Tensors, cfg: ModelConfig, i: int, p: str, put) -> LayerPara
         if m + "experts.gate_up_proj" in t:
             gate_up = t.get(m + "experts.gate_up_proj", (e, 2 * inter, h))
             down = t.get(m + "experts.down_proj", (e, h, inter))
-        else:  # one tensor per expert
-            gate_up = np.stack(
-                [
-                    np.concatenate(
-                        [
-                            t.get(f"{m}experts.{j}.gate_proj.weight", (inter, h)),
-                            t.get(f"{m}experts.{j}.up_proj.weight", (inter, h)),
-                        ]
-                    )
-                    for j in range(e)
-                ]
+            gate_up, down = put(np.swapaxes(gate_up, 1, 2)), put(np.swapaxes(down, 1, 2))
+        else:  # one tensor per expert, as the FP8 packs store them (quantized per expert)
+            gate, up, dn = (
+                _stack([lin(f"{m}experts.{j}.{kind}.weight", shape) for j in range(e)], f"{m}experts.*.{kind}")
+                for kind, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter)))
             )
-            down = np.stack([t.get(f"{m}experts.{j}.down_proj.weight", (h, inter)) for j in range(e)])
+            gate_up, down = _fuse([gate, up], put), _fuse([dn], put)
         ffn = MoEParams(
             router=put(t.get(m + "gate.weight", (e, h))),
-            gate_up=put(np.swapaxes(gate_up, 1, 2)),
-            down=put(np.swapaxes(down, 1, 2)),
+            gate_up=gate_up,
+            down=down,
             shared=dense(m + "shared_expert.", cfg.shared_expert_intermediate_size),
             shared_gate=put(t.get(m + "shared_expert_gate.weight", (1, h)).T),
         )
@@ -180,7 +289,8 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
 
     Args:
       path: directory with config.json and *.safetensors (+ model.safetensors.index.json when sharded).
-      dtype: "bfloat16" or "float32", the dtype every weight is converted to (A_log and dt_bias stay f32).
+      dtype: "bfloat16" or "float32", the dtype every weight is converted to (A_log and dt_bias stay f32),
+        except FP8 linears, which stay FP8 with float32 block scales.
       progress: called as progress("loading", layers done, layers) after each layer.
     Returns:
       (ModelConfig, Params on the default device).
@@ -218,7 +328,9 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
     else:
         lm_head = put(tensors.get("lm_head.weight", (v, h)).T)
     mtp_keys = [k for k in tensors.keys() if k.startswith("mtp.")]
-    mtp = {k: put(tensors._handles[tensors._where[k]].get_tensor(k)) for k in mtp_keys} or None
+    # FP8 MTP tensors stay FP8 (their scales are separate tensors): kept, not used
+    mtp = {k: put(a) if a.dtype != ml_dtypes.float8_e4m3fn else jnp.asarray(a)
+           for k, a in ((k, tensors.read_any(k)) for k in mtp_keys)} or None
     params = Params(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head, mtp=mtp)
     jax.block_until_ready(params)
     log.info(

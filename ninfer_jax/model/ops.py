@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import jax
 import jax.numpy as jnp
 
+from ninfer_jax.model.params import FP8_BLOCK, ConcatWeight, QuantizedWeight
 from pallas_kernels import reference as ref
 
 if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by the reference path
@@ -231,10 +232,45 @@ def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_leng
     return ref.paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths)
 
 
+def is_quantized(w) -> bool:
+    """Whether a weight is an FP8 checkpoint's kind (read through `quantized_dot` / `dequantize`)."""
+    return isinstance(w, (QuantizedWeight, ConcatWeight))
+
+
+def dequantize(w):
+    """A weight of any kind -> a plain float32 array [..., K, N]: each FP8 value times its block's scale."""
+    if isinstance(w, ConcatWeight):
+        return jnp.concatenate([dequantize(p) for p in w.parts], axis=-1)
+    if not isinstance(w, QuantizedWeight):
+        return w.astype(jnp.float32)
+    k, n = w.values.shape[-2:]
+    scales = jnp.repeat(jnp.repeat(w.scales, FP8_BLOCK, axis=-2)[..., :k, :], FP8_BLOCK, axis=-1)[..., :n]
+    return w.values.astype(jnp.float32) * scales
+
+
+def quantized_dot(x, w):
+    """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype: the weight dequantized per block and the
+    product accumulated in float32. The reference the GPU FP8 kernels are to be checked against."""
+    if isinstance(w, ConcatWeight):
+        return jnp.concatenate([quantized_dot(x, p) for p in w.parts], axis=-1)
+    if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
+        return jnp.dot(x, w, preferred_element_type=x.dtype)
+    return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
-    gate_up [E, H, 2I], down [E, I, H]. Returns [T, H] float32."""
+    gate_up [E, H, 2I], down [E, I, H] (FP8 ones dequantized by the reference). Returns [T, H] float32."""
+    weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
+    if any(is_quantized(w) for w in weights):
+        if kc.backend == "pallas":
+            raise NotImplementedError(
+                "FP8 MoE experts have no Pallas kernel yet: run this checkpoint with kernels='reference'"
+            )
+        gate_up, down = dequantize(gate_up), dequantize(down)
+        if shared is not None:
+            shared = shared._replace(gate_up=dequantize(shared.gate_up), down=dequantize(shared.down))
     if kc.backend == "pallas":
         from pallas_kernels import moe
 

@@ -6,6 +6,10 @@ Weights are stored `[in, out]` (x @ w) and projections that read the same input 
   MLP   gate_up  = [gate | up]                  [H, 2*I]
 Layers stay a tuple of per-layer pytrees, not a stacked [L, ...] array: the jitted step unrolls the layer
 loop, which decodes faster than lax.scan over stacked weights (DESIGN.md).
+
+A projection weight (`Weight`) is a plain array, or, from an FP8 checkpoint, a `QuantizedWeight` (block-FP8
+values and their scales) or a `ConcatWeight` (a fused projection whose parts cannot share one block grid).
+Only the model's `dot` and the MoE experts read them (docs/engine_notes.md, "FP8 checkpoints").
 """
 
 from __future__ import annotations
@@ -15,36 +19,68 @@ from typing import Any
 import jax
 from flax import struct
 
+# The FP8 checkpoints' weight block (quantization_config.weight_block_size [128, 128])
+FP8_BLOCK = 128
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """A block-FP8 weight in the x @ w layout: w[..., k, n] = values[..., k, n] * scales[..., k // 128, n // 128].
+
+    A dimension that is not a multiple of 128 ends in a partial block. Stacked MoE experts lead with [E]."""
+
+    values: jax.Array  # float8_e4m3fn [..., K, N]
+    scales: jax.Array  # float32 [..., ceil(K / 128), ceil(N / 128)]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+@struct.dataclass
+class ConcatWeight:
+    """Weights that read one input, their products concatenated along N: a fused projection with an unquantized
+    part, or with a quantized part whose N is not a multiple of 128 (its blocks would straddle the next part)."""
+
+    parts: tuple  # each a jax.Array or a QuantizedWeight [..., K, N_i]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.parts[0].shape[:-1], sum(p.shape[-1] for p in self.parts))
+
+
+Weight = jax.Array | QuantizedWeight | ConcatWeight
+
 
 @struct.dataclass
 class GDNParams:
-    in_proj: jax.Array  # [H, conv_dim + value_dim + 2*Hv]
+    in_proj: Weight  # [H, conv_dim + value_dim + 2*Hv]
     conv_w: jax.Array  # [K, conv_dim], tap j multiplies the input at t - (K-1) + j
     a_log: jax.Array  # [Hv] float32
     dt_bias: jax.Array  # [Hv] float32
     norm_w: jax.Array  # [Dv] plain (not zero-centred) gated RMSNorm weight
-    out_proj: jax.Array  # [value_dim, H]
+    out_proj: Weight  # [value_dim, H]
 
 
 @struct.dataclass
 class AttnParams:
-    qkv_proj: jax.Array  # [H, Hq*2*D + 2*Hkv*D]
+    qkv_proj: Weight  # [H, Hq*2*D + 2*Hkv*D]
     q_norm: jax.Array  # [D] zero-centred
     k_norm: jax.Array  # [D] zero-centred
-    o_proj: jax.Array  # [Hq*D, H]
+    o_proj: Weight  # [Hq*D, H]
 
 
 @struct.dataclass
 class MLPParams:
-    gate_up: jax.Array  # [H, 2*I]
-    down: jax.Array  # [I, H]
+    gate_up: Weight  # [H, 2*I]
+    down: Weight  # [I, H]
 
 
 @struct.dataclass
 class MoEParams:
     router: jax.Array  # [E, H]
-    gate_up: jax.Array  # [E, H, 2*I]
-    down: jax.Array  # [E, I, H]
+    gate_up: Weight  # [E, H, 2*I]
+    down: Weight  # [E, I, H]
     shared: MLPParams
     shared_gate: jax.Array  # [H, 1]
 

@@ -16,6 +16,7 @@ tests/model/test_hf_parity.py:
   * MoE: softmax router in float32, top-k, renormalised; routed experts plus a shared expert scaled by
     sigmoid(x @ shared_gate).
   * lm_head is embed^T when tie_word_embeddings.
+  * A block-FP8 projection weight (QuantizedWeight / ConcatWeight) goes through `ops.quantized_dot` in `dot`.
 
 Entry points:
   prefill(...)  one lane's chunk of T tokens at absolute positions [base, base + T), with in-kernel state
@@ -53,6 +54,8 @@ _XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
 def dot(x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
+    if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
+        return ops.quantized_dot(x, w)
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
     one_row = x.ndim == 2 and x.shape[0] == 1

@@ -4,7 +4,8 @@ Every parameter is randomised, the (1 + w) norm weights included (HF initialises
 would hide a missing "1 +"), deterministically from a seed. The configs come from `configs/*.json`
 (real HF config.json files) with optional overrides of text-config fields. The built-in default is
 `configs/tiny-dense.json` at seed 0, written once under $NINFER_HOME (default ~/.cache/ninfer-jax) with a
-real Qwen3.5 tokenizer beside it.
+real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
+checkpoints.
 """
 
 from __future__ import annotations
@@ -130,6 +131,62 @@ def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) 
     return rng.normal(0.0, fan_in**-0.5, shape)
 
 
+# The linears Qwen's FP8 packs quantize; everything else (embeddings, lm_head, norms, the router and the shared
+# expert's gate, the GDN in_proj_a / in_proj_b, conv1d, A_log, dt_bias, the vision tower) stays unquantized.
+FP8_LINEARS = (
+    "in_proj_qkv.weight", "in_proj_z.weight", "linear_attn.out_proj.weight", "q_proj.weight", "k_proj.weight",
+    "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+)
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8_blocks(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (float8_e4m3fn values [out, in], float32 scales [ceil(out/block), ceil(in/block)]) with
+    each block's scale amax / 448, as the FP8 packs are made; w ~ values * scale of its block."""
+    out, inn = w.shape
+    bo, bi = -(-out // block), -(-inn // block)
+    padded = np.zeros((bo * block, bi * block), np.float32)
+    padded[:out, :inn] = w
+    blocks = padded.reshape(bo, block, bi, block)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = np.clip(blocks / scales[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(bo * block, bi * block)
+    return q[:out, :inn].astype(ml_dtypes.float8_e4m3fn), scales
+
+
+def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype, rng) -> tuple[dict, list]:
+    """Random float tensors -> the FP8 pack's tensors (MoE experts one per expert, an MTP layer added) and its
+    modules_to_not_convert."""
+    out, keep = {}, ["lm_head"]
+
+    def quantized(name, w):
+        out[name], scales = quantize_fp8_blocks(np.asarray(w, np.float32))
+        out[name + "_scale_inv"] = scales.astype(scale_dtype)
+
+    for name, w in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base, inter = name[: name.rindex(".") + 1], cfg.moe_intermediate_size
+            for j in range(w.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    quantized(f"{base}{j}.gate_proj.weight", w[j, :inter])
+                    quantized(f"{base}{j}.up_proj.weight", w[j, inter:])
+                else:
+                    quantized(f"{base}{j}.down_proj.weight", w[j])
+        elif name.endswith(FP8_LINEARS):
+            quantized(name, w)
+        else:
+            out[name] = w.astype(np_dtype)
+            if name != "lm_head.weight":
+                keep.append(name.removesuffix(".weight"))
+    h = cfg.hidden_size
+    quantized("mtp.fc.weight", rng.normal(0.0, (2 * h) ** -0.5, (h, 2 * h)))
+    out["mtp.norm.weight"] = rng.normal(0.0, 0.1, (h,)).astype(np_dtype)
+    keep.append("mtp.norm")
+    if cfg.layout == "vlm":
+        keep.append("model.visual")
+    return out, keep
+
+
 def write_random_checkpoint(
     directory: str | Path,
     config: dict,
@@ -137,12 +194,16 @@ def write_random_checkpoint(
     dtype: str = "float32",
     shards: int = 1,
     tokenizer: bool = False,
+    fp8: bool = False,
+    scale_dtype: str = "float32",
 ) -> Path:
     """Write config.json and random weights for `config` (an HF config.json dict) into `directory`.
 
     Args:
       dtype: "float32" or "bfloat16" on disk. shards: > 1 writes model-0000k-of-0000n.safetensors and
         an index. tokenizer: also write the real Qwen3.5 tokenizer files.
+      fp8: write a block-FP8 pack (the same random weights quantized per 128 x 128 block, `quantization_config`
+        in config.json); dtype is then that of the unquantized tensors and scale_dtype that of the scales.
     Returns:
       The directory.
     """
@@ -155,7 +216,16 @@ def write_random_checkpoint(
     tensors = {}
     for name, shape in hf_tensor_shapes(cfg).items():
         out = prefix + name[len("model."):] if name.startswith("model.") else name
-        tensors[out] = _random_tensor(rng, name, shape).astype(np_dtype)
+        tensors[out] = _random_tensor(rng, name, shape)
+    if fp8:
+        scales = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
+        tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales, rng)
+        config = {**config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": keep,
+        }}
+    else:
+        tensors = {name: t.astype(np_dtype) for name, t in tensors.items()}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = list(tensors)
     if shards <= 1:

@@ -1,0 +1,209 @@
+"""Block-FP8 checkpoints (Qwen's FP8 packs): refusals naming the field, the loader's FP8 weights and scales, and the
+model on them against the same weights dequantized by numpy (our forward and engine, and transformers)."""
+
+import json
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from oracle import ORACLE_VOCAB, dequantized_copy, hf_model, oracle_config
+from safetensors.torch import load_file
+
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.model import (
+    CheckpointError,
+    ConfigError,
+    KernelConfig,
+    forward,
+    load_checkpoint,
+)
+from ninfer_jax.model.ops import dequantize
+from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
+from ninfer_jax.model.tiny import write_random_checkpoint
+
+CASES = [
+    # preset, layout, shards, scale dtype
+    pytest.param("tiny-dense", "text", 1, "float32", id="dense-text"),
+    pytest.param("tiny-dense", "vlm", 3, "bfloat16", id="dense-vlm-sharded-bf16-scales"),
+    pytest.param("tiny-moe", "text", 2, "float32", id="moe-text-sharded"),
+    pytest.param("tiny-moe", "vlm", 1, "float32", id="moe-vlm"),
+]
+PROMPT_LEN = 203
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    """pack(preset, layout, shards, scale_dtype) -> (FP8 pack, its numpy-dequantized float32 copy)."""
+    made = {}
+
+    def pack(preset, layout="text", shards=1, scale_dtype="float32"):
+        key = (preset, layout, shards, scale_dtype)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"fp8-{preset}-{layout}")
+            fp8 = write_random_checkpoint(root / "fp8", oracle_config(preset, layout), seed=21, shards=shards,
+                                          fp8=True, scale_dtype=scale_dtype)
+            made[key] = fp8, dequantized_copy(fp8, root / "dequantized")
+        return made[key]
+
+    return pack
+
+
+def _copy_with_quantization(packs, tmp_path, **fields):
+    directory = shutil.copytree(packs("tiny-dense")[0], tmp_path / "pack")
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"].update(fields)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        pytest.param("quant_method", "gptq", "'quantization_config.quant_method' 'gptq'", id="method"),
+        pytest.param("fmt", "e5m2", "'quantization_config.fmt' 'e5m2'", id="fmt"),
+        pytest.param("activation_scheme", "static", "'quantization_config.activation_scheme' 'static'", id="static"),
+        pytest.param("weight_block_size", [64, 64], r"'quantization_config.weight_block_size' \[64, 64\]", id="block"),
+        pytest.param("weight_block_size", None, "'quantization_config.weight_block_size' None", id="per-tensor"),
+        pytest.param("modules_to_not_convert", "lm_head", "'quantization_config.modules_to_not_convert'", id="skip"),
+    ],
+)
+def test_unsupported_quantization_field_is_named(packs, tmp_path, field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_checkpoint(_copy_with_quantization(packs, tmp_path, **{field: value}), "float32")
+
+
+def test_fp8_tensors_without_quantization_config_are_refused(packs, tmp_path):
+    directory = shutil.copytree(packs("tiny-dense")[0], tmp_path / "pack")
+    raw = json.loads((directory / "config.json").read_text())
+    del raw["quantization_config"]
+    (directory / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="'model.layers.0.linear_attn.in_proj_qkv.weight' is float8_e4m3fn, "
+                                              "but config.json has no 'quantization_config'"):
+        load_checkpoint(directory, "float32")
+
+
+def test_missing_and_misshaped_scales_are_named(packs, tmp_path):
+    from safetensors.torch import save_file
+
+    directory = shutil.copytree(packs("tiny-dense")[0], tmp_path / "pack")
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()  # down_proj [128, 256]: blocks [1, 2]
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(1, 1\), expected \(1, 2\)"):
+        load_checkpoint(directory, "float32")
+    del tensors[name]
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        load_checkpoint(directory, "float32")
+
+
+@pytest.mark.parametrize("preset,layout,shards,scale_dtype", CASES)
+def test_fp8_pack_loads_fp8_values_and_block_scales(packs, preset, layout, shards, scale_dtype):
+    fp8_dir, deq_dir = packs(preset, layout, shards, scale_dtype)
+    assert len(list(fp8_dir.glob("*.safetensors"))) == shards
+    cfg, params = load_checkpoint(fp8_dir, "float32")
+    assert cfg.quantization.weight_block_size == (128, 128)
+    assert "model.layers.0.linear_attn.in_proj_a".replace("model.", "model.language_model." if layout == "vlm"
+                                                          else "model.") in cfg.quantization.modules_to_not_convert
+    h, e = cfg.hidden_size, cfg.num_experts
+    gdn, attn = params.layers[0], params.layers[3]
+    # GDN: [qkv | z] quantized (256 + 128 outputs, three blocks), [b | a] unquantized as the packs keep them
+    in_proj = gdn.mixer.in_proj
+    assert isinstance(in_proj, ConcatWeight) and isinstance(in_proj.parts[0], QuantizedWeight)
+    chex.assert_shape([in_proj.parts[0].values, in_proj.parts[0].scales, in_proj.parts[1]],
+                      [(h, cfg.conv_dim + cfg.value_dim), (1, 3), (h, 2 * cfg.linear_num_value_heads)])
+    assert in_proj.parts[0].values.dtype == jnp.float8_e4m3fn and in_proj.parts[1].dtype == jnp.float32
+    assert in_proj.parts[0].scales.dtype == jnp.float32
+    qkv = attn.mixer.qkv_proj  # q + gate 512, k 128, v 128: one block grid
+    assert isinstance(qkv, QuantizedWeight) and qkv.scales.shape == (1, 6)
+    if cfg.is_moe:
+        ffn = gdn.ffn
+        # Per-expert FP8 stacked [E, ...]; gate and up (64 outputs each, one partial block) stay two parts
+        assert isinstance(ffn.gate_up, ConcatWeight)
+        chex.assert_shape([ffn.gate_up.parts[0].values, ffn.gate_up.parts[0].scales, ffn.down.values,
+                           ffn.down.scales], [(e, h, 64), (e, 1, 1), (e, 64, h), (e, 1, 1)])
+        assert ffn.router.dtype == jnp.float32 and ffn.shared_gate.dtype == jnp.float32
+        assert isinstance(ffn.shared.down, QuantizedWeight)
+    else:
+        assert isinstance(gdn.ffn.gate_up, QuantizedWeight) and gdn.ffn.gate_up.scales.shape == (1, 4)
+        assert gdn.ffn.down.scales.shape == (2, 1)  # in 256 (two blocks), out 128
+    assert params.embed.dtype == jnp.float32 and params.lm_head.dtype == jnp.float32
+    assert params.mtp["mtp.fc.weight"].dtype == jnp.float8_e4m3fn and params.mtp["mtp.norm.weight"].dtype == jnp.float32
+    # Every FP8 weight dequantizes to the oracle's numpy dequantization, partial blocks included
+    _, plain = load_checkpoint(deq_dir, "float32")
+    quantized = lambda x: isinstance(x, (QuantizedWeight, ConcatWeight))
+    ours = jax.tree_util.tree_leaves(jax.tree_util.tree_map(dequantize, params.layers, is_leaf=quantized))
+    for a, b in zip(ours, jax.tree_util.tree_leaves(plain.layers), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_fp8_values_are_the_bytes_on_disk(packs):
+    fp8_dir, _ = packs("tiny-dense")
+    _, params = load_checkpoint(fp8_dir, "bfloat16")
+    disk = load_file(str(fp8_dir / "model.safetensors"))
+    values = disk["model.layers.3.self_attn.o_proj.weight"].view(torch.uint8).numpy()
+    o_proj = params.layers[3].mixer.o_proj
+    np.testing.assert_array_equal(np.asarray(o_proj.values).view(np.uint8), values.T)
+    assert params.layers[3].mixer.q_norm.dtype == jnp.bfloat16 and o_proj.scales.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("preset,layout,shards,scale_dtype", CASES)
+def test_fp8_logits_equal_the_dequantized_checkpoints(packs, preset, layout, shards, scale_dtype):
+    fp8_dir, deq_dir = packs(preset, layout, shards, scale_dtype)
+    tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, PROMPT_LEN)
+    cfg, params = load_checkpoint(fp8_dir, "float32")
+    ours = np.asarray(forward(params, cfg, tokens))
+    plain = np.asarray(forward(*reversed(load_checkpoint(deq_dir, "float32")), tokens))
+    assert np.abs(plain).max() > 1.0
+    chex.assert_trees_all_close(ours, plain, atol=2e-5, rtol=0)  # float32 rounding: the same products, reordered
+    if layout == "vlm":  # transformers on the dequantized checkpoint, one layout of each kind
+        with torch.no_grad():
+            theirs = hf_model(deq_dir, layout)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy()
+        chex.assert_trees_all_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_engine_on_fp8_pack_matches_dequantized_checkpoint_and_transformers(packs):
+    fp8_dir, deq_dir = packs("tiny-moe", "text", 2, "float32")
+    prompts = [np.random.default_rng(s).integers(0, ORACLE_VOCAB, n).tolist() for s, n in ((1, 70), (2, 131))]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for directory in (fp8_dir, deq_dir):
+        engine = Engine.from_pretrained(directory, dtype="float32", kernels="reference", max_concurrency=2,
+                                        prefill_chunk=64, max_model_len=256, kv_capacity=8 * 64, warmup=False)
+        try:
+            outputs.append([engine.generate(p, greedy).token_ids for p in prompts])
+            if directory == fp8_dir:
+                assert isinstance(engine.runner.params.layers[0].ffn.down, QuantizedWeight)
+        finally:
+            engine.stop()
+    assert outputs[0] == outputs[1]
+    model = hf_model(deq_dir)
+    for prompt, tokens in zip(prompts, outputs[0]):
+        with torch.no_grad():
+            logits = model(torch.tensor(prompt + list(tokens))[None]).logits[0]
+        assert tuple(tokens) == tuple(int(logits[len(prompt) - 1 + i].argmax()) for i in range(len(tokens)))
+
+
+def test_pallas_kernels_refuse_fp8_experts(packs):
+    cfg, params = load_checkpoint(packs("tiny-moe", "vlm")[0], "float32")
+    with pytest.raises(NotImplementedError, match="FP8 MoE experts have no Pallas kernel yet"):
+        forward(params, cfg, np.arange(8), KernelConfig("pallas", interpret=True))
+
+
+def test_unquantized_checkpoints_load_plain_arrays_as_before(tmp_path):
+    directory = write_random_checkpoint(tmp_path / "b", oracle_config("tiny-moe", "text"), seed=6, dtype="bfloat16")
+    cfg, params = load_checkpoint(directory, "bfloat16")
+    assert cfg.quantization is None
+    # Every projection is a plain array, as before FP8 existed: no quantized node anywhere
+    quantized = lambda x: isinstance(x, (QuantizedWeight, ConcatWeight))
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=quantized)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+    assert params.layers[0].mixer.in_proj.shape == (cfg.hidden_size, cfg.conv_dim + cfg.value_dim
+                                                    + 2 * cfg.linear_num_value_heads)
