@@ -3,7 +3,7 @@
     python scripts/chat_demo.py                        # the built-in tiny checkpoint, CPU-friendly settings
     python scripts/chat_demo.py -- /path/to/Qwen3.5-27B --dtype bfloat16   # any ninfer-serve arguments
 
-It starts the server as a subprocess on a free loopback port, waits for /health, runs the conversation
+It starts the server as a subprocess on a free loopback port, waits for /health/ready, runs the conversation
 (streaming, with `stream_options.include_usage`, so TTFT is the client's time to the first token and
 `cached_tokens` is what the prefix cache reused), then stops the server with SIGTERM and waits for it to
 exit. The built-in checkpoint has random weights: its words are noise; the numbers are the point.

@@ -39,6 +39,11 @@ ENGINE_OPTIONS = dict(dtype="float32", max_concurrency=4, prefill_chunk=256, max
 SERVE_FLAGS = ["--dtype", "float32", "--max-concurrency", "4", "--prefill-chunk", "256", "--max-model-len", "2048",
                "--no-warmup"]
 
+# A Qwen3.5 tool call as the model writes it, and its rendering in the next prompt.
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+        "</parameter>\n</function>\n</tool_call>")
+RENDERED_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+
 
 def subprocess_env() -> dict[str, str]:
     """Environment for a server subprocess: CPU jax, sharing the session's compiled programs."""

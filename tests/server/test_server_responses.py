@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_support import LiveServer, ScriptedEngine, oai, real_engine, server  # noqa: F401 (fixtures)
-from test_server_tools import CALL, RENDERED_CALL
+from server_support import CALL, RENDERED_CALL, LiveServer, ScriptedEngine, oai, real_engine, server  # noqa: F401
 
 NO_THINKING = {"effort": "none"}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from server_support import ScriptedEngine, claude, oai, server  # noqa: F401 (fixtures)
+from server_support import CALL, RENDERED_CALL, ScriptedEngine, claude, oai, server  # noqa: F401 (fixtures)
 
 MODEL = ScriptedEngine.model_name
 OPENAI_TOOLS = [{"type": "function", "function": {
@@ -16,9 +16,6 @@ OPENAI_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
-CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
-        "</parameter>\n</function>\n</tool_call>")
-RENDERED_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
 
 
 @pytest.fixture(scope="module")
