@@ -3,7 +3,7 @@ instead of compiling them again (about 3 minutes for the 35B-A3B's buckets on th
 
 It is a process-wide jax setting, so the library never turns it on by itself: the server and `ninfer-generate`
 call `enable_compile_cache` with their `--compile-cache-dir` (default: $JAX_COMPILATION_CACHE_DIR if set, else
-$XDG_CACHE_HOME/ninfer_jax/xla or ~/.cache/ninfer_jax/xla; "none" turns it off). Library users can set
+the `xla` folder of `ninfer_jax.home.ninfer_home()`, ~/.cache/ninfer_jax/xla by default; "none" turns it off). Library users can set
 JAX_COMPILATION_CACHE_DIR themselves. Entries are keyed by jax on the program, the compiler options and the
 device, so a changed model, option or jax version compiles again rather than loading a wrong program. Entries
 that no longer decompress (a disk error, a copy cut short) are dropped at start, so they are written again.
@@ -16,6 +16,8 @@ import os
 import zlib
 from pathlib import Path
 
+from ninfer_jax.home import ninfer_home
+
 log = logging.getLogger("ninfer_jax.compile_cache")
 
 OFF = ("", "none", "off")
@@ -25,8 +27,7 @@ def default_compile_cache_dir() -> str:
     """$JAX_COMPILATION_CACHE_DIR, else the user's cache folder for ninfer_jax."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(base / "ninfer_jax" / "xla")
+    return str(ninfer_home() / "xla")
 
 
 def add_compile_cache_argument(parser) -> None:

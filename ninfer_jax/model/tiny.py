@@ -3,8 +3,8 @@
 Every parameter is randomised, the (1 + w) norm weights included (HF initialises those to zero, which
 would hide a missing "1 +"), deterministically from a seed. The configs come from `configs/*.json`
 (real HF config.json files) with optional overrides of text-config fields. The built-in default is
-`configs/tiny-dense.json` at seed 0, written once under $NINFER_HOME (default ~/.cache/ninfer-jax) with a
-real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
+`configs/tiny-dense.json` at seed 0, written once under `ninfer_jax.home.ninfer_home()` (~/.cache/ninfer_jax by
+default) with a real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
 checkpoints.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +22,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ninfer_jax.config import ModelConfig
+
+from ninfer_jax.home import ninfer_home
 
 log = logging.getLogger("ninfer_jax.tiny")
 
@@ -244,10 +245,6 @@ def write_random_checkpoint(
 
         write_qwen35_tokenizer_files(directory)
     return directory
-
-
-def ninfer_home() -> Path:
-    return Path(os.environ.get("NINFER_HOME", Path.home() / ".cache" / "ninfer-jax"))
 
 
 def default_checkpoint(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:

@@ -14,7 +14,8 @@ from ninfer_jax.compile_cache import default_compile_cache_dir, drop_damaged_ent
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_default_folder_follows_jax_then_xdg_then_home(monkeypatch, tmp_path):
+def test_the_default_folder_follows_jax_then_ninfer_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("NINFER_HOME", raising=False)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert default_compile_cache_dir() == str(tmp_path / "jax")
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
@@ -23,6 +24,8 @@ def test_the_default_folder_follows_jax_then_xdg_then_home(monkeypatch, tmp_path
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_compile_cache_dir() == str(tmp_path / "home" / ".cache" / "ninfer_jax" / "xla")
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "ours"))  # one folder for the checkpoint and the programs
+    assert default_compile_cache_dir() == str(tmp_path / "ours" / "xla")
 
 
 @pytest.mark.parametrize("off", [None, "", "none", "OFF"])
