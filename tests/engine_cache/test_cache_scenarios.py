@@ -316,7 +316,7 @@ def test_coalesced_sibling_waits_for_the_boundary_at_the_divergence(special, roo
 def test_n_samples_of_one_prompt_compute_it_once(hpc, root):
     # The first sample prefills; the others wait for its Boundary tap at their divergence (the prompt's last full
     # block) and resume there: each computes fewer than 64 prompt tokens, and a greedy sample equals no reuse.
-    prompt = tokens(700, 40)
+    prompt = tokens(700, 77)
     samplings = [GREEDY, GREEDY] + [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True)
                                     for s in (1, 2)]
     boxes = [queue.SimpleQueue() for _ in samplings]

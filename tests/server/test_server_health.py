@@ -110,6 +110,7 @@ def test_the_tokenizing_pool_drops_calls_whose_request_left_and_refuses_past_its
         with pytest.raises(ApiError) as refused:
             await pool.run(ran.append, "over the queue")
         waiting.cancel()  # its client left before a thread took it
+        await asyncio.gather(waiting, return_exceptions=True)  # the cancel reaches the pool's queue
         release.set()
         await blocking
         await pool.run(ran.append, "next")
