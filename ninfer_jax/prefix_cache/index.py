@@ -37,7 +37,7 @@ from .admission import AdmissionQuote, MatchResult, Readiness, StaleQuoteError
 from .cost import CacheCostModel
 from .eviction import EvictionLists, GdsfPolicy
 from .hashing import HashFn, default_hash_fn
-from .host_slabs import MAX_CHUNK_BYTES, HostSlabPool, SlabState
+from .host_slabs import MAX_CHUNK_BYTES, HostSlabPool
 from .invariants import check_invariants
 from .lookup import match_prompt
 from .options import PrefixCacheOptions
@@ -50,7 +50,7 @@ from .reclaim import Reclaimer
 from .staging import AdmissionStager
 from .results import (BlockCommit, HostWrite, PageGrant, Prefetch, PrefixCacheStats,
                       PublishResult, Reclaimed, SlotGrant, Staging)
-from .tree import ABSENT, RESIDENT, BlockNode, BlockTree, Snapshot, SnapshotKind
+from .tree import BlockNode, BlockTree, Snapshot, SnapshotKind
 
 _ACTIVE, _CACHED = OwnerState.ACTIVE, OwnerState.CACHED
 
@@ -95,7 +95,7 @@ class PrefixIndex:
                                            self.reclaimer, self.stats)
         self.stager = AdmissionStager(self.pages, self.lists, self.reclaimer, self.publisher, self.stats)
         self.prefetcher = Prefetcher(self.pages, self.lists, self.reclaimer, self.stats)
-        self.paths = PathKeeper(self.tree, self.pages, self.slabs, self.lists, self.reclaimer, self.stats)
+        self.paths = PathKeeper(self.tree, self.pages, self.slabs, self.lists, self.gdsf, self.reclaimer, self.stats)
         self._epoch = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -341,14 +341,7 @@ class PrefixIndex:
         if write.done or write.empty:
             write.done = True
             return
-        for node, slab in zip(write.nodes, write.node_slabs):
-            if ok:
-                node.host_state = RESIDENT
-                self.slabs.set_state(slab, SlabState.NODE)
-                self.gdsf.mark_node_owner(node)
-            else:
-                self.slabs.free((slab,))
-                node.host_slab, node.host_state = -1, ABSENT
+        self.paths.complete_write(write, ok)
         if write.snapshot is not None:
             self.publisher.complete_write(write, ok)
         self.lists.pin_nodes(write.pinned, -1)
@@ -375,12 +368,7 @@ class PrefixIndex:
         """Drops the Device copy of every unheld cache entry that also has a Host copy: blocks, tails and
         snapshot images (an operator's "move the cache to the Host", and the Host-restore benchmark's setup).
         Entries without a Host copy, and whatever a lane or a copy holds, stay as they are."""
-        out = Reclaimed()
-        for entry in list(self.lists.backed):
-            self.reclaimer.drop_device_entry(entry, out)
-        for s in list(self.tree.snapshots.values()):
-            if s.device_slot >= 0 and s.image_host is RESIDENT and s.pins == 0:
-                self.reclaimer.drop_snapshot_image_device(s, out)  # list membership does not depend on it
+        out = self.reclaimer.demote_device()
         self._epoch += 1
         return out
 

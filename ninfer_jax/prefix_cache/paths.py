@@ -3,7 +3,7 @@ the write-through of its Device-only blocks (spec §7.5-§7.7). The index bumps 
 
 from __future__ import annotations
 
-from .eviction import EvictionLists
+from .eviction import EvictionLists, GdsfPolicy
 from .hashing import BLOCK_TOKEN_BYTES, encode_tokens
 from .host_slabs import HostSlabPool, SlabState
 from .pools import DevicePagePool, OwnerState
@@ -16,8 +16,8 @@ class PathKeeper:
     """Active refs on the nodes of lanes' paths, block commits, and path release."""
 
     def __init__(self, tree: BlockTree, pages: DevicePagePool, slabs: HostSlabPool, lists: EvictionLists,
-                 reclaimer: Reclaimer, stats: PrefixCacheStats):
-        self.tree, self.pages, self.slabs, self.lists = tree, pages, slabs, lists
+                 gdsf: GdsfPolicy, reclaimer: Reclaimer, stats: PrefixCacheStats):
+        self.tree, self.pages, self.slabs, self.lists, self.gdsf = tree, pages, slabs, lists, gdsf
         self.reclaimer, self.stats = reclaimer, stats
 
     def acquire(self, path: list[BlockNode]) -> None:
@@ -92,3 +92,14 @@ class PathKeeper:
             node.host_slab, node.host_state = slab, FILLING
         self.stats.host_block_writes += len(chosen)
         return HostWrite(chosen, slabs, None, [], -1, list(path), out)
+
+    def complete_write(self, write: HostWrite, ok: bool) -> None:
+        """The written blocks' Host copies become Resident (``ok``) or are freed."""
+        for node, slab in zip(write.nodes, write.node_slabs):
+            if ok:
+                node.host_state = RESIDENT
+                self.slabs.set_state(slab, SlabState.NODE)
+                self.gdsf.mark_node_owner(node)
+            else:
+                self.slabs.free((slab,))
+                node.host_slab, node.host_state = -1, ABSENT

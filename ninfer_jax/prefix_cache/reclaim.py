@@ -253,3 +253,14 @@ class Reclaimer:
                 stats.host_gdsf_evicted += 1
                 self.delete_snapshot(victim, out)
         return True
+
+    def demote_device(self) -> Reclaimed:
+        """PrefixIndex.demote_device: the Device copy of every unheld entry that has a Host copy goes."""
+        out = Reclaimed()
+        for entry in list(self.lists.backed):
+            self.drop_device_entry(entry, out)
+        for s in list(self.tree.snapshots.values()):
+            if s.device_slot >= 0 and s.image_host is RESIDENT and s.pins == 0:
+                self.drop_snapshot_image_device(s, out)  # list membership does not depend on it
+        return out
+

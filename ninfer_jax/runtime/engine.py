@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import IncrementalDetokenizer, PreparedPrompt, load_chat_template, load_tokenizer
-from ninfer_jax.frontend.prepared_prompt import prepare_tokens
 from ninfer_jax.model import load_checkpoint
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE
@@ -33,11 +31,11 @@ from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.device.cache_file import checkpoint_identity
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.request import (
-    EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent,
-    Usage,
+    EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent, Usage,
+    prepare_prompt,
 )
 from ninfer_jax.runtime.sampling import SamplingParams
-from ninfer_jax.runtime.scheduler import Scheduler, pages_for
+from ninfer_jax.runtime.scheduler import Scheduler
 from ninfer_jax.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("ninfer_jax.engine")
@@ -198,37 +196,8 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------
     def _prepare(self, prompt) -> PreparedPrompt:
-        if isinstance(prompt, PreparedPrompt):
-            prepared = prompt
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this checkpoint has no tokenizer files; send token ids")
-            prepared = prepare_tokens(self.tokenizer.encode(prompt))
-        else:
-            try:
-                ids = np.asarray(prompt)
-            except Exception:
-                raise InvalidRequestError("prompt must be text, a list of token ids or a PreparedPrompt") from None
-            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-                raise InvalidRequestError("prompt token ids must be a flat list of integers")
-            if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-            prepared = prepare_tokens(ids)
-        ids = prepared.token_ids
-        n = len(ids)
-        if n == 0:
-            raise InvalidRequestError("prompt is empty")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        if n + 1 > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens; max_model_len is {self.max_model_len}, leaving no room for output"
-            )
-        if pages_for(n + 1) > self.scheduler.pages.capacity:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens; the KV pool holds {self.scheduler.pages.capacity * PAGE} tokens"
-            )
-        return prepared
+        return prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
+                              self.scheduler.pages.capacity * PAGE)
 
     def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                sink=None) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, prepare_tokens
 from ninfer_jax.runtime.sampling import SamplingParams
 
 
@@ -21,6 +22,36 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is stopping or stopped and takes no new requests."""
+
+
+def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_tokens: int) -> PreparedPrompt:
+    """A request's prompt (text, token ids or a PreparedPrompt) checked before any work: non-empty ids in the
+    vocabulary, room for one output token in the context, and a fit in a KV pool of `pool_tokens`."""
+    if isinstance(prompt, PreparedPrompt):
+        prepared = prompt
+    elif isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer files; send token ids")
+        prepared = prepare_tokens(tokenizer.encode(prompt))
+    else:
+        try:
+            ids = np.asarray(prompt)
+        except Exception:
+            raise InvalidRequestError("prompt must be text, a list of token ids or a PreparedPrompt") from None
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidRequestError("prompt token ids must be a flat list of integers")
+        prepared = prepare_tokens(ids)
+    ids = prepared.token_ids
+    n = len(ids)
+    if n == 0:
+        raise InvalidRequestError("prompt is empty")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+    if n + 1 > max_model_len:
+        raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is {max_model_len}, leaving no room for output")
+    if n + 1 > pool_tokens:
+        raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens")
+    return prepared
 
 
 @dataclasses.dataclass(frozen=True)
