@@ -72,18 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-prompt-chars", type=int, metavar="N",
                         help="most characters of text in a request, checked before tokenizing; default "
                              f"{CHARS_PER_TOKEN} per token of --max-model-len")
-    limits.add_argument("--max-json-depth", type=int, default=default.max_json_depth, metavar="N",
-                        help=f"deepest nesting of the JSON body; default {default.max_json_depth}")
-    limits.add_argument("--max-prompts", type=int, default=default.max_prompts, metavar="N",
-                        help=f"prompts in one /v1/completions request; default {default.max_prompts}")
-    limits.add_argument("--max-stop-strings", type=int, default=default.max_stop_strings, metavar="N",
-                        help=f"stop strings in one request; default {default.max_stop_strings}")
-    limits.add_argument("--max-stop-chars", type=int, default=default.max_stop_chars, metavar="N",
-                        help=f"characters in one stop string; default {default.max_stop_chars}")
-    limits.add_argument("--max-tools", type=int, default=default.max_tools, metavar="N",
-                        help=f"tools in one request; default {default.max_tools}")
-    limits.add_argument("--max-n", type=int, default=default.max_n, metavar="N",
-                        help=f"samples of one prompt (the request's n); default {default.max_n}")
+    for flag, field, what in (("--max-json-depth", "max_json_depth", "deepest nesting of the JSON body"),
+                              ("--max-prompts", "max_prompts", "prompts in one /v1/completions request"),
+                              ("--max-stop-strings", "max_stop_strings", "stop strings in one request"),
+                              ("--max-stop-chars", "max_stop_chars", "characters in one stop string"),
+                              ("--max-tools", "max_tools", "tools in one request"),
+                              ("--max-n", "max_n", "samples of one prompt (the request's n)")):
+        value = getattr(default, field)
+        limits.add_argument(flag, type=int, default=value, metavar="N", help=f"{what}; default {value}")
     engine, _ = add_engine_arguments(parser)
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
