@@ -1,4 +1,5 @@
-"""Engine throughput at the real Qwen3.5 shapes with random bf16 weights, against rooflines and the HF peer.
+"""Engine throughput at the real Qwen3.5 shapes with random weights (bf16, and block-FP8 with --weights bf16,fp8),
+against rooflines and the HF peer.
 
 One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
   * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request): the first request of each
@@ -11,6 +12,7 @@ One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
 Writes docs/benchmarks/engine.{json,md} (or --out DIR).
 
     python scripts/bench_engine.py --models 27b,35b-a3b --out docs/benchmarks
+    python scripts/bench_engine.py --models 27b --weights bf16,fp8 --part ours-only   # FP8 beside bf16
     python scripts/bench_engine.py --smoke            # the tiny MoE shape on CPU, no peer, a temporary folder
 """
 
@@ -45,9 +47,10 @@ def bench_ours(name: str, args) -> dict:
 
     cfg = model_config(name)
     tflops, tbps = measure_ceilings(*((256, 1) if args.smoke else ()))
-    total, active, decode_bytes = param_counts(cfg)
+    total, active, decode_bytes = param_counts(cfg, fp8=args.weights == "fp8")
     sizes = SMOKE if args.smoke else FULL
-    engine, init_s = random_engine(name, kernels=args.kernels, max_concurrency=sizes["max_concurrency"],
+    engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights,
+                                   max_concurrency=sizes["max_concurrency"],
                                    prefill_chunk=args.prefill_chunk, max_model_len=sizes["max_model_len"],
                                    no_prefix_reuse=True)
     chunk = engine.options.prefill_chunk  # --prefill-chunk, or the engine's default for this model
@@ -59,7 +62,8 @@ def bench_ours(name: str, args) -> dict:
     engine.generate(rng.integers(0, cfg.vocab_size, chunk).tolist(),
                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     compile_s = time.perf_counter() - t
-    result = {"model": name, "device": str(jax.devices()[0].device_kind), "prefill_chunk": chunk,
+    result = {"model": name, "weights": args.weights, "device": str(jax.devices()[0].device_kind),
+              "prefill_chunk": chunk,
               "idle_prefill_chunk": engine.options.idle_prefill_chunk, "init_s": init_s, "compile_s": compile_s,
               "matmul_tflops": tflops,
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
@@ -180,18 +184,21 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
     compile (first-request) times."""
     device = next((r["ours"].get("device") for r in rows if r.get("ours", {}).get("device")), "")
     meta = report.run_meta(command, device=device)
-    lines = report.header("Engine throughput", meta, "random bf16 weights; steady-state figures (compiles apart)")
+    lines = report.header("Engine throughput", meta, "random weights (bf16; fp8: block-FP8 projections and experts, "
+                          "as Qwen's FP8 packs); steady-state figures (compiles apart); rooflines per weight format")
     lines += ["| model | engine | prefill 8k tok/s | prefill 32k tok/s | % compute roofline @32k | decode 1 lane tok/s "
               "| % bandwidth roofline | decode 8 lanes tok/s |", "|---|---|---|---|---|---|---|---|"]
-    compiles = []
+    compiles, ratios = [], []
     for r in rows:
         ours = r.get("ours", {})
         peer = r.get("peer", {})
-        for label, d in (("ninfer-jax", ours), (peer.get("peer", "peer"), peer)):
+        fp8 = r.get("ours_fp8", {})
+        for label, d in (("ninfer-jax", ours), ("ninfer-jax, FP8 weights", fp8), (peer.get("peer", "peer"), peer)):
             if not d or "error" in d:
                 continue
-            pct_p = d.get("prefill_32k_tok_s", 0) / ours["prefill_roofline_tok_s"] * 100 if ours else 0
-            pct_d = d.get("decode_1lane_tok_s", 0) / ours["decode_roofline_tok_s_1lane"] * 100 if ours else 0
+            roofs = d if "prefill_roofline_tok_s" in d else ours
+            pct_p = d.get("prefill_32k_tok_s", 0) / roofs["prefill_roofline_tok_s"] * 100 if roofs else 0
+            pct_d = d.get("decode_1lane_tok_s", 0) / roofs["decode_roofline_tok_s_1lane"] * 100 if roofs else 0
             lines.append(f"| {r['model']} | {label} | {d.get('prefill_8k_tok_s', 0):.0f} | "
                          f"{d.get('prefill_32k_tok_s', 0):.0f} | {pct_p:.0f}% | {d.get('decode_1lane_tok_s', 0):.1f} "
                          f"| {pct_d:.0f}% | {d.get('decode_8lane_tok_s', 0):.1f} |")
@@ -200,15 +207,23 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
             lines.append(f"| {r['model']} | ninfer-jax, prefill attention {impl} | "
                          f"{ours.get(f'prefill_8k_tok_s_{impl}', 0):.0f} | {ours[key]:.0f} | "
                          f"{ours[key] / ours['prefill_roofline_tok_s'] * 100:.0f}% | - | - | - |")
+        if ours.get("prefill_32k_tok_s") and fp8.get("prefill_32k_tok_s"):
+            prefill = fp8["prefill_32k_tok_s"] / ours["prefill_32k_tok_s"]
+            ratios.append(f"- {r['model']}: FP8 / bf16 = prefill 32k {prefill:.2f}x, "
+                          + ", ".join(f"decode {n} lane{'s' * (n > 1)} "
+                                      f"{fp8[f'decode_{n}lane_tok_s'] / ours[f'decode_{n}lane_tok_s']:.2f}x"
+                                      for n in (1, 8) if f"decode_{n}lane_tok_s" in fp8))
         if "compile_s" in ours:
             firsts = ", ".join(f"{k.removeprefix('prefill_').removesuffix('_first_ttft_s')} {v:.1f} s "
                                f"({ours[k.replace('_ttft_s', '_compiles')]} programs)"
                                for k, v in ours.items() if k.endswith("_first_ttft_s"))
             compiles.append(f"- {r['model']}: first request (one chunk, 3 tokens) {ours['compile_s']:.1f} s; first "
                             f"request of each prefill length (TTFT, its compiles included): {firsts}")
-        for part in ("ours", "peer"):
+        for part in ("ours", "ours_fp8", "peer"):
             if "error" in r.get(part, {}):
                 lines.append(f"| {r['model']} | {part}: not measured | {r[part]['error'][-200:]!r} |")
+    if ratios:
+        lines += ["", "## FP8 weights against bf16 (same run)", "", *ratios]
     lines += ["", "## Compile (first-run) times", "", "The engine runs without warmup here: the first request of "
               "each kind compiles the programs it is the first to use. The table's figures are the best of "
               "the requests after it.", "", *compiles, ""]
@@ -223,7 +238,9 @@ def main() -> int:
                    help="tokens per prefill pass (default: the engine's, 2048 for a dense model and 8192 for MoE)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--peer-decode-tokens", type=int, default=16)
-    p.add_argument("--part", choices=["ours", "peer", "all"], default="all")
+    p.add_argument("--part", choices=["ours", "peer", "all", "ours-only"], default="all",
+                   help="all: ours (each --weights) then the peer; ours-only: ours for each --weights, no peer")
+    p.add_argument("--weights", default="bf16", help="comma-separated weight formats of ours: bf16, fp8")
     p.add_argument("--prefill-attention-variants", default="pallas",
                    help="prefill attentions timed after the default (cuDNN on a GPU) on the same engine ('' for none)")
     p.add_argument("--decode-logprobs", action=argparse.BooleanOptionalAction, default=True,
@@ -238,16 +255,19 @@ def main() -> int:
         args.prefill_attention_variants = ""
     names = args.models.split(",")
     out = Path(args.out or (tempfile.mkdtemp(prefix="engine_smoke-") if args.smoke else report.DOCS))
-    if args.part != "all":
+    if args.part in ("ours", "peer"):
         fn = bench_ours if args.part == "ours" else bench_peer
         print(json.dumps([fn(n, args) for n in names]), flush=True)
         return 0
     rows = []
     for name in names:
         row = {"model": name}
-        for part in ("ours", "peer"):
+        parts = [("ours" if w == "bf16" else f"ours_{w}", w) for w in args.weights.split(",")]
+        for key, weights in parts + ([("peer", "bf16")] if args.part == "all" else []):
+            part = key.split("_")[0]
             # One process per part: jax and torch each take the GPU's memory for themselves.
             cmd = [sys.executable, __file__, "--part", part, "--models", name, "--kernels", args.kernels,
+                   "--weights", weights,
                    *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                    "--decode-tokens", str(args.decode_tokens),
                    "--peer-decode-tokens", str(args.peer_decode_tokens),
@@ -260,13 +280,13 @@ def main() -> int:
             sys.stdout.write(proc.stdout[-4000:])
             sys.stderr.write(proc.stderr[-4000:])
             try:
-                row[part] = json.loads(proc.stdout.strip().splitlines()[-1])[0]
+                row[key] = json.loads(proc.stdout.strip().splitlines()[-1])[0]
             except Exception:
-                row[part] = {"error": proc.stderr[-500:]}
+                row[key] = {"error": proc.stderr[-500:]}
         rows.append(row)
         write_report(rows, out, report.command_line())
     print(json.dumps(rows, indent=1))
-    return 1 if any("error" in row.get(part, {}) for row in rows for part in ("ours", "peer")) else 0
+    return 1 if any("error" in part for row in rows for part in row.values() if isinstance(part, dict)) else 0
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ def model_config(name: str):
     return ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
 
 
-def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, tokenizer=None, **options):
-    """An Engine on random bf16 weights at the shapes of `name`. On a CPU the Pallas kernels run in interpret
-    mode (a smoke run). Returns (engine, seconds to make the weights)."""
+def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, tokenizer=None, weights: str = "bf16",
+                  **options):
+    """An Engine on random weights at the shapes of `name`: bf16, or with weights="fp8" the projections and experts
+    block-FP8 as in Qwen's FP8 packs. On a CPU the Pallas kernels run in interpret mode (a smoke run). Returns
+    (engine, seconds to make the weights)."""
     import jax
 
     from ninfer_jax import Engine
@@ -29,7 +31,7 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
 
     cfg = model_config(name)
     start = time.perf_counter()
-    params = random_params(cfg, seed=0)
+    params = random_params(cfg, seed=0, fp8=weights == "fp8")
     jax.block_until_ready(params)
     init_s = time.perf_counter() - start
     interpret = kernels == "pallas" and jax.default_backend() == "cpu"
@@ -52,8 +54,9 @@ def tiny_checkpoint_config():
     return ModelConfig.from_file(default_checkpoint() / "config.json")
 
 
-def param_counts(cfg) -> tuple[int, int, int]:
-    """(total params, active params per token, active weight bytes per decode token at 1 lane in bf16)."""
+def param_counts(cfg, fp8: bool = False) -> tuple[int, int, int]:
+    """(total params, active params per token, active weight bytes per decode token at 1 lane): bf16 weights, or with
+    fp8 the linears the FP8 packs quantize at one byte (their block scales add 1/4096 and are left out)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     attn = h * (cfg.num_attention_heads * 2 * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim) \
         + cfg.num_attention_heads * cfg.head_dim * h
@@ -68,7 +71,9 @@ def param_counts(cfg) -> tuple[int, int, int]:
     head = v * h * (1 if cfg.tie_word_embeddings else 2)
     total = mixers + cfg.num_layers * ffn_total + head
     active = mixers + cfg.num_layers * ffn_active + v * h  # embedding is a lookup, lm_head a matmul
-    return total, active, 2 * active
+    # GDN's b and a projections and the lm_head stay bf16 in the packs
+    unquantized = len(cfg.gdn_layers) * 2 * cfg.linear_num_value_heads * h + v * h
+    return total, active, 2 * active - (active - unquantized if fp8 else 0)
 
 
 def best_seconds(fn, *args, batches: int = 3, calls: int = 10) -> float:

@@ -164,7 +164,7 @@ def _stack(parts: list, what: str) -> np.ndarray | _Fp8:
 
 
 def _fuse(parts: list, put):
-    """Linears that read one input ([..., out_i, in] each, on disk) -> one weight [..., in, sum out_i] (x @ w).
+    """Linears that read one input ([..., out_i, in] each, on disk) -> one weight of x @ w shape [..., in, sum out_i].
 
     Unquantized parts are concatenated as they always were. FP8 parts share one QuantizedWeight while the
     outputs before each start on a block boundary; otherwise, and next to an unquantized part, the result is
@@ -187,9 +187,8 @@ def _fuse(parts: list, put):
     def one(run):
         if not isinstance(run[0], _Fp8):
             return put(np.swapaxes(cat(run), -1, -2))
-        values = np.swapaxes(cat([q.values for q in run]), -1, -2)
-        scales = np.swapaxes(cat([q.scales for q in run]), -1, -2)
-        return QuantizedWeight(jnp.asarray(np.ascontiguousarray(values)), jnp.asarray(np.ascontiguousarray(scales)))
+        # FP8 stays [out, in] as on disk: the kernels stream each row's 128-blocks (QuantizedWeight)
+        return QuantizedWeight(jnp.asarray(cat([q.values for q in run])), jnp.asarray(cat([q.scales for q in run])))
 
     weights = tuple(one(run) for run in runs)
     return weights[0] if len(weights) == 1 else ConcatWeight(weights)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ninfer_jax.model.params import FP8_BLOCK, ConcatWeight, QuantizedWeight
 from pallas_kernels import reference as ref
@@ -237,25 +238,40 @@ def is_quantized(w) -> bool:
     return isinstance(w, (QuantizedWeight, ConcatWeight))
 
 
+def _dequantize_rows(w: QuantizedWeight, dtype):
+    """A QuantizedWeight in its own [..., N, K] layout, in `dtype`: each FP8 value times its block's scale."""
+    n, k = w.values.shape[-2:]
+    scales = jnp.repeat(jnp.repeat(w.scales, FP8_BLOCK, axis=-2)[..., :n, :], FP8_BLOCK, axis=-1)[..., :k]
+    return (w.values.astype(jnp.float32) * scales).astype(dtype)
+
+
 def dequantize(w):
-    """A weight of any kind -> a plain float32 array [..., K, N]: each FP8 value times its block's scale."""
+    """A weight of any kind -> a plain float32 array [..., K, N] (x @ w layout)."""
     if isinstance(w, ConcatWeight):
         return jnp.concatenate([dequantize(p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):
         return w.astype(jnp.float32)
-    k, n = w.values.shape[-2:]
-    scales = jnp.repeat(jnp.repeat(w.scales, FP8_BLOCK, axis=-2)[..., :k, :], FP8_BLOCK, axis=-1)[..., :n]
-    return w.values.astype(jnp.float32) * scales
+    return jnp.swapaxes(_dequantize_rows(w, jnp.float32), -1, -2)
 
 
-def quantized_dot(x, w):
-    """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype: the weight dequantized per block and the
-    product accumulated in float32. The reference the GPU FP8 kernels are to be checked against."""
+def quantized_dot(kc: KernelConfig, x, w):
+    """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation.
+
+    The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's few
+    rows (pallas_kernels/fp8_matmul.py) and otherwise dequantizes to x's dtype for XLA's matmul, which measured
+    faster than an FP8 x FP8 kernel at prefill sizes (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):
-        return jnp.concatenate([quantized_dot(x, p) for p in w.parts], axis=-1)
+        return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
-    return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
+    if kc.backend != "pallas":
+        return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
+    from pallas_kernels import fp8_matmul
+
+    n, k = w.values.shape
+    if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(k, n):
+        return fp8_matmul.fp8_matmul(x, w.values, w.scales, interpret=kc.interpret)
+    return lax.dot_general(x, _dequantize_rows(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 
 
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,

@@ -25,16 +25,19 @@ FP8_BLOCK = 128
 
 @struct.dataclass
 class QuantizedWeight:
-    """A block-FP8 weight in the x @ w layout: w[..., k, n] = values[..., k, n] * scales[..., k // 128, n // 128].
+    """A block-FP8 weight, kept in the checkpoint's own [out, in] layout: the product x @ w reads
+    w[..., k, n] = values[..., n, k] * scales[..., n // 128, k // 128]. Each 128-block of a row is contiguous, as
+    the FP8 kernels stream it (pallas_kernels/fp8_matmul.py). A dimension that is not a multiple of 128 ends in a
+    partial block. Stacked MoE experts lead with [E]."""
 
-    A dimension that is not a multiple of 128 ends in a partial block. Stacked MoE experts lead with [E]."""
-
-    values: jax.Array  # float8_e4m3fn [..., K, N]
-    scales: jax.Array  # float32 [..., ceil(K / 128), ceil(N / 128)]
+    values: jax.Array  # float8_e4m3fn [..., N, K]
+    scales: jax.Array  # float32 [..., ceil(N / 128), ceil(K / 128)]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        """The logical x @ w shape [..., K, N], as a plain weight's."""
+        *lead, n, k = self.values.shape
+        return (*lead, k, n)
 
 
 @struct.dataclass

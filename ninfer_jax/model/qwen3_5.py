@@ -51,11 +51,11 @@ F32 = jnp.float32
 _XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
 
 
-def dot(x, w, *, to_norm: bool = False):
+def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
-        return ops.quantized_dot(x, w)
+        return ops.quantized_dot(kc, x, w)
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
     one_row = x.ndim == 2 and x.shape[0] == 1
@@ -103,10 +103,10 @@ def rope(x, positions, cfg: ModelConfig):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def mlp(p: MLPParams, x):
-    gu = dot(x, p.gate_up)
+def mlp(p: MLPParams, x, kc: KernelConfig):
+    gu = dot(kc, x, p.gate_up)
     inter = p.down.shape[0]
-    return dot(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
+    return dot(kc, jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
@@ -118,7 +118,7 @@ def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
 
 
 def ffn(p, x, cfg, kc):
-    return moe(p, x, cfg, kc) if isinstance(p, MoEParams) else mlp(p, x)
+    return moe(p, x, cfg, kc) if isinstance(p, MoEParams) else mlp(p, x, kc)
 
 
 # --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
@@ -159,9 +159,9 @@ def gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
     return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
 
 
-def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, dtype):
+def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
     y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
-    return dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
+    return dot(kc, y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
 
 
 def _conv(window, conv_w):
@@ -176,7 +176,7 @@ def _conv(window, conv_w):
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     t = x.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
-    proj = dot(x, p.in_proj)
+    proj = dot(kc, x, p.in_proj)
     qkv, z, a, b = _gdn_split(proj, cfg)
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
     history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
@@ -203,7 +203,7 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
         rows = jax.lax.dynamic_slice_in_dim(window, jnp.clip(pos - base, 0, t), km1, axis=0)
         target = jnp.where(ok, ctx["tap_slots"][j], conv.shape[0])
         conv = conv.at[target].set(rows.astype(conv.dtype), mode="drop")
-    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
+    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
 
 
 def _attn_split(proj, cfg: ModelConfig):
@@ -232,9 +232,9 @@ def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_
     return q, _write_kv(k_pages, k, page_ids, positions % PAGE), _write_kv(v_pages, v, page_ids, positions % PAGE)
 
 
-def _attn_out(p: AttnParams, core, gate, dtype):
+def _attn_out(p: AttnParams, core, gate, kc: KernelConfig, dtype):
     y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
-    return dot(y, p.o_proj, to_norm=True)
+    return dot(kc, y, p.o_proj, to_norm=True)
 
 
 def _write_kv(pages, rows, page_ids, offsets):
@@ -245,13 +245,13 @@ def _write_kv(pages, rows, page_ids, offsets):
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     t = x.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(x, p.qkv_proj), positions, cfg)
+    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(kc, x, p.qkv_proj), positions, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
     v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
     core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
-    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
+    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
 
 
 def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
@@ -319,12 +319,12 @@ def prefill(
 # --- decode ------------------------------------------------------------------------------------------
 def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
     slots, active = ctx["slots"], ctx["active"]
-    proj = dot(x, p.in_proj)
+    proj = dot(kc, x, p.in_proj)
     if kc.fuse_gdn_decode:  # the rest of this function, up to out_proj, as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
         conv = conv.at[slots].set(tail.astype(conv.dtype))
-        return dot(y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
+        return dot(kc, y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
@@ -335,12 +335,12 @@ def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
     core, ssm = ops.gdn_decode(kc, q, k, v, g * m, beta * m, ssm, slots)
     new_hist = jnp.where(active[:, None, None], window[:, 1:], history)
     conv = conv.at[slots].set(new_hist.astype(conv.dtype))
-    return _gdn_out(p, core, z, cfg, x.dtype), ssm, conv
+    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
 
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
-    proj = dot(x, p.qkv_proj)
+    proj = dot(kc, x, p.qkv_proj)
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
     fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
                                 k_pages, v_pages, cfg)
@@ -349,7 +349,7 @@ def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     q, k_pages, v_pages = fused
     gate = _attn_split(proj, cfg)[3]
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
-    return _attn_out(p, core, gate, x.dtype), k_pages, v_pages
+    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
 
 
 def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, active,

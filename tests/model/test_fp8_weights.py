@@ -117,22 +117,22 @@ def test_fp8_pack_loads_fp8_values_and_block_scales(packs, preset, layout, shard
     in_proj = gdn.mixer.in_proj
     assert isinstance(in_proj, ConcatWeight) and isinstance(in_proj.parts[0], QuantizedWeight)
     chex.assert_shape([in_proj.parts[0].values, in_proj.parts[0].scales, in_proj.parts[1]],
-                      [(h, cfg.conv_dim + cfg.value_dim), (1, 3), (h, 2 * cfg.linear_num_value_heads)])
+                      [(cfg.conv_dim + cfg.value_dim, h), (3, 1), (h, 2 * cfg.linear_num_value_heads)])
     assert in_proj.parts[0].values.dtype == jnp.float8_e4m3fn and in_proj.parts[1].dtype == jnp.float32
     assert in_proj.parts[0].scales.dtype == jnp.float32
     qkv = attn.mixer.qkv_proj  # q + gate 512, k 128, v 128: one block grid
-    assert isinstance(qkv, QuantizedWeight) and qkv.scales.shape == (1, 6)
+    assert isinstance(qkv, QuantizedWeight) and qkv.scales.shape == (6, 1)
     if cfg.is_moe:
         ffn = gdn.ffn
-        # Per-expert FP8 stacked [E, ...]; gate and up (64 outputs each, one partial block) stay two parts
+        # Per-expert FP8 stacked [E, out, in]; gate and up (64 outputs each, one partial block) stay two parts
         assert isinstance(ffn.gate_up, ConcatWeight)
         chex.assert_shape([ffn.gate_up.parts[0].values, ffn.gate_up.parts[0].scales, ffn.down.values,
-                           ffn.down.scales], [(e, h, 64), (e, 1, 1), (e, 64, h), (e, 1, 1)])
+                           ffn.down.scales], [(e, 64, h), (e, 1, 1), (e, h, 64), (e, 1, 1)])
         assert ffn.router.dtype == jnp.float32 and ffn.shared_gate.dtype == jnp.float32
         assert isinstance(ffn.shared.down, QuantizedWeight)
     else:
-        assert isinstance(gdn.ffn.gate_up, QuantizedWeight) and gdn.ffn.gate_up.scales.shape == (1, 4)
-        assert gdn.ffn.down.scales.shape == (2, 1)  # in 256 (two blocks), out 128
+        assert isinstance(gdn.ffn.gate_up, QuantizedWeight) and gdn.ffn.gate_up.scales.shape == (4, 1)
+        assert gdn.ffn.down.scales.shape == (1, 2)  # out 128, in 256 (two blocks)
     assert params.embed.dtype == jnp.float32 and params.lm_head.dtype == jnp.float32
     assert params.mtp["mtp.fc.weight"].dtype == jnp.float8_e4m3fn and params.mtp["mtp.norm.weight"].dtype == jnp.float32
     # Every FP8 weight dequantizes to the oracle's numpy dequantization, partial blocks included
@@ -149,7 +149,7 @@ def test_fp8_values_are_the_bytes_on_disk(packs):
     disk = load_file(str(fp8_dir / "model.safetensors"))
     values = disk["model.layers.3.self_attn.o_proj.weight"].view(torch.uint8).numpy()
     o_proj = params.layers[3].mixer.o_proj
-    np.testing.assert_array_equal(np.asarray(o_proj.values).view(np.uint8), values.T)
+    np.testing.assert_array_equal(np.asarray(o_proj.values).view(np.uint8), values)  # kept [out, in], as on disk
     assert params.layers[3].mixer.q_norm.dtype == jnp.bfloat16 and o_proj.scales.dtype == jnp.float32
 
 

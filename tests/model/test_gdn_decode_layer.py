@@ -65,7 +65,7 @@ def test_heads_split_over_programs_equal_whole_heads(dtype):
     cfg = ModelConfig.from_file("configs/tiny-moe.json")
     lanes = 3
     layer, x, ssm, conv, ctx = _layer_inputs(cfg, dtype, lanes, seed=7)
-    proj = qwen3_5.dot(x, layer.in_proj)
+    proj = qwen3_5.dot(KernelConfig(), x, layer.in_proj)
     args = (proj, ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w, ssm, ctx["slots"])
     kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
     whole = gdn_decode_layer(*args, **kw, config=GdnDecodeLayerConfig(min_programs=0))

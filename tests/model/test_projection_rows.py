@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ninfer_jax.model.ops import REFERENCE
 from ninfer_jax.model.qwen3_5 import dot
 
 
 def _operands(x, w):
-    text = jax.jit(dot).lower(x, w).as_text()
+    text = jax.jit(dot, static_argnums=0).lower(REFERENCE, x, w).as_text()
     return text, re.findall(r"stablehlo\.dot_general.*?: \(tensor<([0-9x]+)xbf16>", text)
 
 
@@ -25,7 +26,7 @@ def test_one_row_projection_is_a_two_row_matmul_behind_a_barrier():
     text, lhs_shapes = _operands(x, w)
     assert lhs_shapes == ["2x64"]
     assert "optimization_barrier" in text
-    got = np.asarray(dot(x, w), np.float32)
+    got = np.asarray(dot(REFERENCE, x, w), np.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (1, 48)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-1)
@@ -37,12 +38,12 @@ def test_a_product_for_the_norm_keeps_its_duplicate_row():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
-    got = np.asarray(dot(x, w, to_norm=True), np.float32)
+    got = np.asarray(dot(REFERENCE, x, w, to_norm=True), np.float32)
     assert got.shape == (2, 48)
     np.testing.assert_array_equal(got[0], got[1])
-    np.testing.assert_array_equal(got[:1], np.asarray(dot(x, w), np.float32))
+    np.testing.assert_array_equal(got[:1], np.asarray(dot(REFERENCE, x, w), np.float32))
     three = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
-    assert dot(three, w, to_norm=True).shape == (3, 48)  # more rows: a plain matmul, nothing attached
+    assert dot(REFERENCE, three, w, to_norm=True).shape == (3, 48)  # more rows: a plain matmul, nothing attached
 
 
 @pytest.mark.parametrize("rows, k, n", [(3, 64, 48), (1, 6144, 5120)], ids=["three-rows", "27b-o-proj"])

@@ -1,0 +1,100 @@
+"""The block-FP8 projection at the 27B's and 35B-A3B's shapes, side by side in one run on the GPU: the bf16 matmul on
+bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our decode kernels
+(pallas_kernels/fp8_matmul.py, a few configs) and torch's row-scaled FP8 GEMM (`torch._scaled_mm`, cuBLASLt).
+
+    python scripts/bench_fp8_kernels.py --out docs/benchmarks        # fp8_kernels.{json,md}
+
+Times are per call (median of 5 batches; a call repeated 10 times inside one jit, so dispatch is not timed); GB/s
+count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_kernels import time_pure, time_torch  # noqa: E402
+
+from ninfer_jax.benchmarks import report  # noqa: E402
+from ninfer_jax.model import ops  # noqa: E402
+from ninfer_jax.model.params import QuantizedWeight  # noqa: E402
+from ninfer_jax.model.random_init import fp8_normal  # noqa: E402
+from pallas_kernels import fp8_matmul  # noqa: E402
+
+# name -> (K, N): the 27B's MLP, GDN in-projection and attention output, the 35B-A3B's shared expert gate_up
+SHAPES = {"27b mlp gate_up": (5120, 34816), "27b mlp down": (17408, 5120), "27b gdn in [qkv|z]": (5120, 16384),
+          "27b o_proj": (6144, 5120), "35b shared gate_up": (2048, 1024)}
+CONFIGS = {"default": fp8_matmul.DEFAULT_CONFIG,
+           "cuda-core to 8 rows": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, cuda_core_max_rows=8),
+           "swap-AB block_n 128": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, block_n=128, cuda_core_max_rows=0),
+           "swap-AB splits 16": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, splits=16, cuda_core_max_rows=0)}
+
+
+def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
+    w = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+    bf16 = ops.dequantize(w).astype(jnp.bfloat16)
+    pallas = ops.KernelConfig("pallas")
+    out = []
+    for m in rows:
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        row = {"shape": name, "K": k, "N": n, "M": m}
+        row["bf16_us"] = time_pure(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16), (x, bf16),
+                                   unroll=10) * 1e6
+        row["xla_dequantized_us"] = time_pure(lambda a, v, s: ops.quantized_dot(
+            ops.REFERENCE, a, QuantizedWeight(v, s)), (x, w.values, w.scales), unroll=10) * 1e6
+        row["engine_us"] = time_pure(lambda a, v, s: ops.quantized_dot(pallas, a, QuantizedWeight(v, s)),
+                                     (x, w.values, w.scales), unroll=10) * 1e6
+        if m <= fp8_matmul.DEFAULT_CONFIG.max_rows:
+            for label, cfg in CONFIGS.items():
+                row[f"{label}_us"] = time_pure(lambda a, v, s, cfg=cfg: fp8_matmul.fp8_matmul(a, v, s, config=cfg),
+                                               (x, w.values, w.scales), unroll=10) * 1e6
+        row["torch_rowwise_us"] = _torch_rowwise(m, k, n)
+        got = np.asarray(ops.quantized_dot(pallas, x, w), np.float64)
+        want = np.asarray(jnp.dot(x.astype(jnp.float32), ops.dequantize(w), precision="highest"), np.float64)
+        row["rel_err"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        row["engine_vs_bf16"] = row["bf16_us"] / row["engine_us"]
+        row["engine_vs_torch"] = row["torch_rowwise_us"] / row["engine_us"] if row["torch_rowwise_us"] else None
+        row["engine_gbps"] = k * n / row["engine_us"] / 1e3
+        print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+        out.append(row)
+    return out
+
+
+def _torch_rowwise(m: int, k: int, n: int) -> float | None:
+    try:
+        import torch
+
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        return time_torch(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)) * 1e6
+    except Exception as e:  # no torch, or no FP8 GEMM on this GPU: the row goes without the anchor
+        print(f"torch anchor: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--rows", default="1,2,8,16,2048,8192")
+    args = p.parse_args()
+    rows = [r for name, (k, n) in SHAPES.items()
+            for r in bench_shape(name, k, n, tuple(int(m) for m in args.rows.split(",")))]
+    meta = report.run_meta(report.command_line())
+    cols = ["shape", "M", "bf16_us", "xla_dequantized_us", "engine_us", "engine_vs_bf16", "engine_gbps",
+            "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err"]
+    lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
+                          "kernel up to 16 rows, dequantize + XLA's bf16 matmul above); torch_rowwise: cuBLASLt FP8 "
+                          "with one scale per row and column (coarser than the packs' 128-blocks)")
+    lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
+    report.write_report(args.out, "fp8_kernels", {**meta, "rows": rows}, lines)
+
+
+if __name__ == "__main__":
+    main()

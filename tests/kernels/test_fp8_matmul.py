@@ -1,0 +1,67 @@
+"""The block-FP8 weight-only decode kernels against a float64 reference of the same weights, and the model's FP8
+product (`ops.quantized_dot`) on the pallas backend against its reference at decode and prefill row counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_support import lower_for_h200
+from ninfer_jax.model import ops
+from ninfer_jax.model.params import QuantizedWeight
+from ninfer_jax.model.tiny import quantize_fp8_blocks
+from pallas_kernels import fp8_matmul
+
+INTERPRET = jax.default_backend() == "cpu"
+K, N = 384, 256  # three 128-blocks of contraction, two of output: every program reads several scales
+
+
+def _weight(seed=0, k=K, n=N):
+    """A block-FP8 weight [N, K] whose blocks' scales differ by orders of magnitude, and its float64 value."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * np.repeat(np.repeat(10.0 ** rng.uniform(-3, 0, (n // 128, k // 128)), 128, 0),
+                                                128, 1)
+    values, scales = quantize_fp8_blocks(w.astype(np.float32))
+    exact = values.astype(np.float64) * np.repeat(np.repeat(scales.astype(np.float64), 128, 0), 128, 1)
+    return jnp.asarray(values), jnp.asarray(scales), exact
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16], ids=lambda r: f"{r}rows")
+def test_weight_only_kernels_match_float64_reference(rows):
+    """1-2 rows take the CUDA-core kernel, 3-16 the swap-AB tensor-core one; both equal x @ W in float64 to float32
+    accumulation error (W's FP8 values are exact in float32, times their own block's scale)."""
+    values, scales, exact = _weight(rows)
+    x = np.random.default_rng(10 + rows).standard_normal((rows, K)).astype(np.float32)
+    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, interpret=INTERPRET), np.float64)
+    want = x.astype(np.float64) @ exact.T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_refuses_shapes_outside_whole_blocks_and_too_many_rows():
+    values, scales, _ = _weight()
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_matmul.fp8_matmul(jnp.zeros((1, K - 64)), values[:, : K - 64], scales, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="exceed Fp8Config.max_rows"):
+        fp8_matmul.fp8_matmul(jnp.zeros((17, K)), values, scales, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("rows", [2, 40], ids=["decode-kernel", "prefill-dequantized"])
+def test_pallas_quantized_dot_matches_the_reference(rows):
+    """The model's product on the pallas backend: a decode round's rows through the kernel, a prefill chunk's
+    through the dequantized matmul; both equal the float32 reference."""
+    values, scales, _ = _weight(7)
+    w = QuantizedWeight(values, scales)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, K)), jnp.float32)
+    got = ops.quantized_dot(ops.KernelConfig("pallas", interpret=INTERPRET), x, w)
+    want = ops.quantized_dot(ops.REFERENCE, x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_lowers_to_triton_at_the_27b_mlp_shape(rows):
+    lower_for_h200()
+    spec = jax.ShapeDtypeStruct
+    fn = jax.jit(fp8_matmul.fp8_matmul)
+    text = fn.trace(spec((rows, 5120), jnp.bfloat16), spec((34816, 5120), jnp.float8_e4m3fn),
+                    spec((272, 40), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("fp8_gemv" if rows == 1 else "fp8_swap_ab") in text
