@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, fp8_matmul
 from pallas_kernels import reference as ref
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
@@ -97,6 +97,8 @@ class MoeConfig:
     gemv_down_splits: int = 4  # pieces of the I contraction in down
     gemv_num_warps: int = 2
     gemv_num_stages: int = 4
+    # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
+    fp8_dequantize_rows_per_expert: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -144,32 +146,72 @@ def dot(a, b):
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    """One weight operand inside a kernel: a plain ref [(E,) K, N], or a block-FP8 one, its values ref
+    [(E,) N, K] and scales ref [(E,) N / 128, K / 128]. A tile never straddles two 128-blocks (its sides divide
+    128 and start on their multiples), so its scale is one number, applied to the tile's product."""
+
+    ref: object
+    scales: object = None
+
+    @staticmethod
+    def take(refs, fp8: bool):
+        """The first weight of `refs` and the refs after it."""
+        n = 2 if fp8 else 1
+        return _Weight(*refs[:n]), refs[n:]
+
+    def dot(self, xt, e, k0, c0, block_k: int, block_n: int):
+        """xt [BM, BK] @ the [BK, BN] tile at rows k0, columns c0 of expert e, float32."""
+        if self.scales is None:
+            return dot(xt, self.ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
+        w = self.ref[e, pl.ds(c0, block_n), pl.ds(k0, block_k)].astype(xt.dtype)  # [BN, BK]
+        precision = lax.Precision.HIGHEST if xt.dtype == jnp.float32 else None
+        d = lax.dot_general(xt, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+        return d * self.scales[e, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK]
+
+    def vec(self, xv, e, k0, c0, block_k: int, block_n: int):
+        """xv [BK] float32 against the tile at rows k0, columns c0 ([BN] float32); e None for a weight without
+        an expert axis (the shared expert's)."""
+        lead = () if e is None else (e,)
+        if self.scales is None:
+            tile = self.ref[(*lead, pl.ds(k0, block_k), pl.ds(c0, block_n))].astype(jnp.float32)
+            return jnp.sum(xv[:, None] * tile, axis=0)
+        tile = self.ref[(*lead, pl.ds(c0, block_n), pl.ds(k0, block_k))].astype(jnp.float32)  # [BN, BK]
+        scale = self.scales[(*lead, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK)]
+        return jnp.sum(tile * xv[None, :], axis=1) * scale
+
+
+def _operands(w) -> tuple:
+    """A weight's arrays as kernel inputs: (array,) or (FP8 values, scales)."""
+    return tuple(w) if isinstance(w, fp8_matmul.BlockFp8) else (w,)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels: grouped matmul over row tiles of one expert each.
 
 
-def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, gate_up_ref, act_ref, *,
-                    top_k: int, num_rows: int, block_m: int, block_n: int, block_k: int):
+def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, top_k: int, num_rows: int,
+                    block_m: int, block_n: int, block_k: int):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
-    # x_ref: [T, H]                       gate_up_ref: [E, H, 2I]
+    # x_ref: [T, H]                       refs: the gate_up weight [E, H, 2I] (see _Weight), then act_ref
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n)
+    gate_up, (act_ref,) = _Weight.take(refs, fp8)
     n, m = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[m]
-    hidden, inter = gate_up_ref.shape[1], act_ref.shape[1]
+    hidden, inter = x_ref.shape[1], act_ref.shape[1]
 
     @pl.when(e >= 0)
     def _():
         rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
         tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding reads token 0
-        cdt = gate_up_ref.dtype
 
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of(i * block_k, block_k)
-            xt = x_ref[tokens, pl.ds(k0, block_k)].astype(cdt)  # [BM, BK]
-            wg = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
-            wu = gate_up_ref[e, pl.ds(k0, block_k), pl.ds(inter + n * block_n, block_n)]  # [BK, BN]
-            return acc_g + dot(xt, wg), acc_u + dot(xt, wu)
+            xt = x_ref[tokens, pl.ds(k0, block_k)].astype(act_ref.dtype)  # [BM, BK]
+            return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n),
+                    acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n))
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
@@ -177,32 +219,33 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, gate_up_ref, act_re
         act_ref[pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n)] = act.astype(act_ref.dtype)
 
 
-def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, top_k, num_rows, block_m, block_n, block_k,
-                  num_warps, num_stages, interpret):
-    num_tiles, inter = tile_expert.shape[0], gate_up.shape[2] // 2
-    kernel = functools.partial(_gate_up_kernel, top_k=top_k, num_rows=num_rows, block_m=block_m,
-                               block_n=block_n, block_k=block_k)
+def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
+                 block_k, num_warps, num_stages, interpret):
+    num_tiles = tile_expert.shape[0]
+    kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), top_k=top_k,
+                               num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
     # run together, and neighbouring row tiles of one expert re-read its weights from L2.
     # No BlockSpecs: every ref is the whole array; the kernel indexes it with the ids it loads.
     return pl.pallas_call(
         kernel,
         grid=(inter // block_n, num_tiles),
-        out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, inter), gate_up.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, inter), act_dtype),
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_gate_up",
-    )(tile_expert, sorted_rows, x, gate_up)
+    )(tile_expert, sorted_rows, x, *_operands(gate_up))
 
 
-def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down_ref, y_ref, *,
-                 num_rows: int, block_m: int, block_n: int, block_k: int):
+def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *refs, fp8: bool, num_rows: int,
+                 block_m: int, block_n: int, block_k: int):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32     row_weight_ref: [R + 1] f32 (0 at R)
-    # act_ref: [P, I]                     down_ref: [E, I, H]
+    # act_ref: [P, I]                     refs: the down weight [E, I, H] (see _Weight), then y_ref
     # y_ref (out): [R + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
+    down, (y_ref,) = _Weight.take(refs, fp8)
     n, m = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[m]
-    inter = down_ref.shape[1]
+    inter = act_ref.shape[1]
 
     @pl.when(e >= 0)
     def _():
@@ -211,8 +254,7 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
-            wd = down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]  # [BK, BN]
-            return acc + dot(at, wd)
+            return acc + down.dot(at, e, k0, n * block_n, block_k, block_n)
 
         acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         weight = row_weight_ref[rows]  # [BM]
@@ -220,83 +262,79 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, down
         y_ref[rows, pl.ds(n * block_n, block_n)] = (acc * weight[:, None]).astype(y_ref.dtype)
 
 
-def down_call(tile_expert, sorted_rows, row_weight, act, down, *, y_dtype, block_m, block_n, block_k,
-               num_warps, num_stages, interpret):
-    num_tiles, hidden = tile_expert.shape[0], down.shape[2]
+def down_call(tile_expert, sorted_rows, row_weight, act, down, *, hidden, block_m, block_n, block_k,
+              num_warps, num_stages, interpret):
+    num_tiles = tile_expert.shape[0]
     num_rows = row_weight.shape[0] - 1
-    kernel = functools.partial(_down_kernel, num_rows=num_rows, block_m=block_m, block_n=block_n,
-                               block_k=block_k)
+    kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), num_rows=num_rows,
+                               block_m=block_m, block_n=block_n, block_k=block_k)
     # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
         kernel,
         grid=(hidden // block_n, num_tiles),
-        out_shape=jax.ShapeDtypeStruct((num_rows + 1, hidden), y_dtype),
+        out_shape=jax.ShapeDtypeStruct((num_rows + 1, hidden), act.dtype),
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_down",
-    )(tile_expert, sorted_rows, row_weight, act, down)
+    )(tile_expert, sorted_rows, row_weight, act, *_operands(down))
 
 
-def _gemv_gate_up_kernel(expert_ids_ref, x_ref, gate_up_ref, *refs, top_k: int, block_n: int, block_k: int,
-                         steps: int):
-    # expert_ids_ref: [T K] int32      x_ref: [T, H]            gate_up_ref: [E, H, 2I]
-    # refs: (shared_gate_up_ref [H, 2I], part_ref) when the shared expert rides along, else (part_ref,).
+def _gemv_gate_up_kernel(expert_ids_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
+                         block_k: int, steps: int):
+    # expert_ids_ref: [T K] int32      x_ref: [T, H]
+    # refs: the gate_up weight [E, H, 2I], the shared expert's [H, 2I] when it rides along (see _Weight), part_ref
     # part_ref (out): [S, T J, 2I] f32, this program writes the gate and the up columns of its block n for row r
     # (token r // J's expert r % J, see _row), summed over its split s of H (steps * block_k rows of the weights)
-    *shared_ref, part_ref = refs
+    gate_up, refs = _Weight.take(refs, fp8)
+    shared, refs = _Weight.take(refs, fp8) if with_shared else (None, refs)
+    (part_ref,) = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t, j, routed_id = _row(r, top_k, bool(shared_ref))
+    t, j, routed_id = _row(r, top_k, with_shared)
     inter = part_ref.shape[2] // 2
-    cdt = gate_up_ref.dtype
+    cdt = x_ref.dtype if fp8 else gate_up.ref.dtype
 
-    def accumulate(tile):  # tile(k0, c0): the [block_k, block_n] weight tile at rows k0, columns c0
+    def accumulate(weight, e):
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-            xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)[:, None]  # [BK, 1]
-            wg = tile(k0, n * block_n).astype(jnp.float32)
-            wu = tile(k0, inter + n * block_n).astype(jnp.float32)
-            return acc_g + jnp.sum(xv * wg, axis=0), acc_u + jnp.sum(xv * wu, axis=0)
+            xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)  # [BK]
+            return (acc_g + weight.vec(xv, e, k0, n * block_n, block_k, block_n),
+                    acc_u + weight.vec(xv, e, k0, inter + n * block_n, block_k, block_n))
 
         zero = jnp.zeros((block_n,), jnp.float32)
         g, u = lax.fori_loop(0, steps, body, (zero, zero))
         part_ref[s, r, pl.ds(n * block_n, block_n)] = g
         part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
 
-    def routed():
-        e = expert_ids_ref[routed_id]
-        accumulate(lambda k0, c0: gate_up_ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
-
-    _routed_or_shared(j, top_k, shared_ref, routed, lambda: accumulate(
-        lambda k0, c0: shared_ref[0][pl.ds(k0, block_k), pl.ds(c0, block_n)]))
+    _routed_or_shared(j, top_k, with_shared, lambda: accumulate(gate_up, expert_ids_ref[routed_id]),
+                      lambda: accumulate(shared, None))
 
 
-def _gemv_down_kernel(expert_ids_ref, route_w_ref, act_ref, down_ref, *refs, top_k: int, block_n: int,
-                      block_k: int, steps: int):
-    # expert_ids_ref, route_w_ref: [T K] int32 / f32    act_ref: [T J, I]    down_ref: [E, I, H]
-    # refs: (shared_down_ref [I, H], shared_w_ref [T] f32, part_ref) or (part_ref,), as in the gate_up kernel.
-    # part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s of I, times
-    # the row's weight (its routing weight, or the shared expert's gate)
-    *shared_ref, part_ref = refs
+def _gemv_down_kernel(expert_ids_ref, route_w_ref, act_ref, *refs, fp8: bool, with_shared: bool, top_k: int,
+                      block_n: int, block_k: int, steps: int):
+    # expert_ids_ref, route_w_ref: [T K] int32 / f32    act_ref: [T J, I]
+    # refs: the down weight [E, I, H], with the shared expert its down [I, H] (see _Weight) and shared_w_ref [T]
+    # f32, then part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s
+    # of I, times the row's weight (its routing weight, or the shared expert's gate)
+    down, refs = _Weight.take(refs, fp8)
+    shared, refs = _Weight.take(refs, fp8) if with_shared else (None, refs)
+    *shared_w_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t, j, routed_id = _row(r, top_k, bool(shared_ref))
+    t, j, routed_id = _row(r, top_k, with_shared)
 
-    def accumulate(tile, weight):  # tile(k0): the [block_k, block_n] weight tile at rows k0 of this column block
+    def accumulate(weight, e, row_weight):
         def body(i, acc):
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-            av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)[:, None]  # [BK, 1]
-            return acc + jnp.sum(av * tile(k0).astype(jnp.float32), axis=0)
+            av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)  # [BK]
+            return acc + weight.vec(av, e, k0, n * block_n, block_k, block_n)
 
         acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
-        part_ref[s, r, pl.ds(n * block_n, block_n)] = acc * weight
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = acc * row_weight
 
-    def routed():
-        e = expert_ids_ref[routed_id]
-        accumulate(lambda k0: down_ref[e, pl.ds(k0, block_k), pl.ds(n * block_n, block_n)], route_w_ref[routed_id])
-
-    _routed_or_shared(j, top_k, shared_ref, routed, lambda: accumulate(
-        lambda k0: shared_ref[0][pl.ds(k0, block_k), pl.ds(n * block_n, block_n)], shared_ref[1][t]))
+    _routed_or_shared(j, top_k, with_shared,
+                      lambda: accumulate(down, expert_ids_ref[routed_id], route_w_ref[routed_id]),
+                      lambda: accumulate(shared, None, shared_w_ref[0][t]))
 
 
 def _row(r, top_k: int, with_shared: bool):
@@ -307,31 +345,31 @@ def _row(r, top_k: int, with_shared: bool):
     return t, j, t * top_k + j
 
 
-def _routed_or_shared(j, top_k: int, shared_ref, routed, shared):
+def _routed_or_shared(j, top_k: int, with_shared: bool, routed, shared):
     """Run a matrix-vector program for its token's expert j: `routed()` for the K routed experts, `shared()` for
-    the shared expert past them (only when its weights were passed, in `shared_ref`)."""
-    if not shared_ref:
+    the shared expert past them (only when it rides along)."""
+    if not with_shared:
         routed()
         return
     pl.when(j < top_k)(routed)
     pl.when(j >= top_k)(shared)
 
 
-def _gemv_call(kernel, name, inputs, weights, *, rows, out_cols, block_n, block_k, splits, num_warps, num_stages,
-               interpret, **kw):
-    """One split-K matrix-vector kernel over `weights` ([E, contraction, columns]): grid (column block, row,
-    split), whole-array refs, f32 partial sums [splits, rows, columns]. `inputs` are the kernel's refs in order."""
-    contraction = weights.shape[1]
+def _gemv_call(kernel, name, inputs, *, fp8, with_shared, rows, contraction, out_cols, width, block_n, block_k,
+               splits, num_warps, num_stages, interpret, **kw):
+    """One split-K matrix-vector kernel over weights of `contraction` rows: grid (column block of `out_cols`, row,
+    split), whole-array refs, f32 partial sums [splits, rows, width]. `inputs` are the kernel's refs in order."""
     splits = min(splits, contraction // block_k)  # small shapes: fewer, whole pieces
     steps = contraction // (splits * block_k)
     if contraction % (splits * block_k):
         raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of "
                          f"splits {splits} x block_k {block_k}")
-    kernel = functools.partial(kernel, block_n=block_n, block_k=block_k, steps=steps, **kw)
+    kernel = functools.partial(kernel, fp8=fp8, with_shared=with_shared, block_n=block_n, block_k=block_k,
+                               steps=steps, **kw)
     return pl.pallas_call(
         kernel,
         grid=(out_cols // block_n, rows, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, weights.shape[2]), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, width), jnp.float32),
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
@@ -395,20 +433,31 @@ def _block(want: int, dim: int, name: str) -> int:
     return b
 
 
+def _shape(w) -> tuple[int, ...]:
+    """A weight's x @ w shape [..., K, N] (a BlockFp8 stores [..., N, K])."""
+    if isinstance(w, fp8_matmul.BlockFp8):
+        *lead, n, k = w.values.shape
+        return (*lead, k, n)
+    return w.shape
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up: jax.Array,
-                down: jax.Array, shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
+def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up, down,
+                shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
                 interpret: bool = False) -> jax.Array:
     """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
-      x: [T, H] bfloat16 or float32 (cast to the weights' dtype for the matrix products).
+      x: [T, H] bfloat16 or float32 (cast to the weights' dtype for the matrix products; FP8 weights multiply in
+        x's dtype).
       expert_ids: [T, K] int32 in [0, E).
       expert_weights: [T, K] float32 routing weights (already renormalised by the router).
-      gate_up: [E, H, 2I] (gate columns first, then up); down: [E, I, H]; same dtype (bf16 or f32).
-      shared: the shared expert (`reference.SharedExpert`: gate_up [H, 2Is], down [Is, H], weight [T]) or None.
-        Narrow decode runs it as T more rows of its two kernels (one lane's round then reads its weights in
-        the same kernels as the routed experts'; Is must equal I); the other paths add it as two matmuls.
+      gate_up: [E, H, 2I] (gate columns first, then up); down: [E, I, H]; same dtype (bf16 or f32), or both
+        `fp8_matmul.BlockFp8` (values [E, 2I, H] and [E, H, I], 128-block scales; H and I multiples of 128).
+      shared: the shared expert (`reference.SharedExpert`: gate_up [H, 2Is], down [Is, H], weight [T], of the
+        experts' kind) or None. Narrow decode runs it as T more rows of its two kernels (one lane's round then
+        reads its weights in the same kernels as the routed experts'; Is must equal I); the other paths add it as
+        two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E)`.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
@@ -418,96 +467,120 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
       ~1e-3 against the float32 reference); the narrow decode path keeps the expert outputs in float32.
     """
     t, h = x.shape
-    num_experts, inter = down.shape[0], down.shape[1]
+    fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
+    (num_experts, inter), gate_up_shape = _shape(down)[:2], _shape(gate_up)
     k = expert_ids.shape[1] if expert_ids.ndim == 2 else -1
     if expert_ids.shape != (t, k) or expert_weights.shape != (t, k):
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} and expert_weights "
                          f"{expert_weights.shape} must both be [T={t}, K]")
-    if gate_up.shape != (num_experts, h, 2 * inter) or down.shape != (num_experts, inter, h):
-        raise ValueError(f"moe_experts: gate_up {gate_up.shape} must be [E, H, 2I] and down {down.shape} "
+    if gate_up_shape != (num_experts, h, 2 * inter) or _shape(down) != (num_experts, inter, h):
+        raise ValueError(f"moe_experts: gate_up {gate_up_shape} must be [E, H, 2I] and down {_shape(down)} "
                          f"[E, I, H] with H={h}")
-    if gate_up.dtype != down.dtype or gate_up.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"moe_experts: weights must share dtype bf16 or f32, got {gate_up.dtype}, "
-                         f"{down.dtype}")
+    if fp8 != isinstance(down, fp8_matmul.BlockFp8) or (not fp8 and (
+            gate_up.dtype != down.dtype or gate_up.dtype not in (jnp.bfloat16, jnp.float32))):
+        raise ValueError("moe_experts: gate_up and down must both be block-FP8, or share dtype bf16 or f32")
+    if fp8 and (h % fp8_matmul.BLOCK or inter % fp8_matmul.BLOCK):
+        raise ValueError(f"moe_experts: FP8 experts need H={h} and I={inter} to be multiples of {fp8_matmul.BLOCK}")
     if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"moe_experts: expert_ids must be integers, got {expert_ids.dtype}")
     if h % 16 or inter % 16:
         raise ValueError(f"moe_experts: H={h} and I={inter} must be multiples of 16")
     if shared is not None:
-        si = shared.down.shape[0]
-        if shared.gate_up.shape != (h, 2 * si) or shared.down.shape != (si, h) or shared.weight.shape != (t,):
-            raise ValueError(f"moe_experts: shared gate_up {shared.gate_up.shape}, down {shared.down.shape}, "
+        si = _shape(shared.down)[0]
+        if _shape(shared.gate_up) != (h, 2 * si) or _shape(shared.down) != (si, h) or shared.weight.shape != (t,):
+            raise ValueError(f"moe_experts: shared gate_up {_shape(shared.gate_up)}, down {_shape(shared.down)}, "
                              f"weight {shared.weight.shape} must be [H, 2Is], [Is, H], [T] with H={h}, T={t}")
-        if shared.gate_up.dtype != gate_up.dtype or shared.down.dtype != gate_up.dtype:
-            raise ValueError(f"moe_experts: the shared expert's weights must be {gate_up.dtype} like the experts'")
+        kinds = {type(w) for w in (gate_up, shared.gate_up, shared.down)}
+        if len(kinds) != 1 or (not fp8 and {shared.gate_up.dtype, shared.down.dtype} != {gate_up.dtype}):
+            raise ValueError("moe_experts: the shared expert's weights must be of the experts' kind and dtype")
 
     rows = t * k
     cfg = default_config(rows, num_experts) if config is None else config
     flat_ids = expert_ids.reshape(rows).astype(jnp.int32)
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
+    dtype = x.dtype if fp8 else gate_up.dtype  # what the products multiply in, and act's
 
-    if rows <= cfg.gemv_max_rows and (shared is None or shared.down.shape == down.shape[1:]):
-        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, cfg=cfg, interpret=interpret)
-    out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, cfg=cfg, interpret=interpret)
-    return out if shared is None else out + _shared_dense(x, shared, gate_up.dtype)
+    if fp8 and rows >= num_experts * cfg.fp8_dequantize_rows_per_expert:
+        # A long prefill: every expert's bf16 tiles beat converting FP8 tiles in the kernels (a 35B-A3B layer at 8192
+        # tokens: 0.57x of bf16 weights converting in-kernel; docs/kernels_notes.md, "FP8 weights"), and the one
+        # pass that dequantizes the experts is small beside the pass's matmuls.
+        gate_up, down = (fp8_matmul.dequantize(w).astype(dtype) for w in (gate_up, down))
+    if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
+        return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
+                         interpret=interpret)
+    out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter, dtype=dtype,
+                     cfg=cfg, interpret=interpret)
+    return out if shared is None else out + _shared_dense(x, shared, dtype)
 
 
-def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, cfg, interpret):
+def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
+    """Block sides as configured, at most one 128-block for FP8 weights (a tile reads one scale)."""
+    return tuple(min(b, fp8_matmul.BLOCK) if fp8 else b for b in sides)
+
+
+def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype, cfg, interpret):
     """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles."""
-    h, (num_experts, inter) = x.shape[1], down.shape[:2]
+    h = x.shape[1]
     rows = t * k
+    fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
         sorted_rows, tile_expert = _rows_as_tiles(flat_ids, block_m)
-        bn, bk = cfg.decode_block_n, cfg.decode_block_k
-        dbn, dbk = cfg.decode_down_block_n, cfg.decode_down_block_k
+        bn, bk, dbn, dbk = _blocks(fp8, cfg.decode_block_n, cfg.decode_block_k, cfg.decode_down_block_n,
+                                   cfg.decode_down_block_k)
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_m = cfg.block_m
         sorted_rows, tile_expert = align_rows(flat_ids, num_experts, block_m)
-        bn, bk, dbn, dbk = cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k
+        bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
     act = gate_up_call(
-        tile_expert, sorted_rows, x, gate_up, top_k=k, num_rows=rows, block_m=block_m,
-        block_n=_block(bn, inter, "I"), block_k=_block(bk, h, "H"), num_warps=warps, num_stages=stages,
-        interpret=interpret)
+        tile_expert, sorted_rows, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
+        block_m=block_m, block_n=_block(bn, inter, "I"), block_k=_block(bk, h, "H"), num_warps=warps,
+        num_stages=stages, interpret=interpret)
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
     y = down_call(
-        tile_expert, sorted_rows, row_weight, act, down, y_dtype=gate_up.dtype, block_m=block_m,
+        tile_expert, sorted_rows, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret)
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
-def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, cfg, interpret):
+def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype, cfg, interpret):
     """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
     given) as one more row per token in the same two kernels."""
-    h, inter = x.shape[1], down.shape[1]
+    h = x.shape[1]
+    fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
     per_token = k + (1 if shared is not None else 0)
     rows = t * per_token
-    common = dict(rows=rows, top_k=k, num_warps=cfg.gemv_num_warps, num_stages=cfg.gemv_num_stages,
-                  interpret=interpret)
-    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up",
-                      (flat_ids, x, gate_up) + (() if shared is None else (shared.gate_up,)), gate_up,
-                      out_cols=inter, block_n=_block(cfg.gemv_block_n, inter, "I"),
-                      block_k=_block(cfg.gemv_block_k, h, "H"), splits=cfg.gemv_splits, **common)
+    common = dict(fp8=fp8, with_shared=shared is not None, rows=rows, top_k=k, num_warps=cfg.gemv_num_warps,
+                  num_stages=cfg.gemv_num_stages, interpret=interpret)
+    bn, bk, dbn, dbk = _blocks(fp8, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_down_block_n, cfg.gemv_down_block_k)
+    shared_gate_up = () if shared is None else _operands(shared.gate_up)
+    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up),
+                      contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),
+                      block_k=_block(bk, h, "H"), splits=cfg.gemv_splits, **common)
     gu = part.sum(axis=0)  # [rows, 2I] float32
-    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(down.dtype)
-    shared_down = () if shared is None else (shared.down, shared.weight.astype(jnp.float32))
-    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, act, down) + shared_down, down,
-                      out_cols=h, block_n=_block(cfg.gemv_down_block_n, h, "H"),
-                      block_k=_block(cfg.gemv_down_block_k, inter, "I"), splits=cfg.gemv_down_splits, **common)
+    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
+    shared_down = () if shared is None else (*_operands(shared.down), shared.weight.astype(jnp.float32))
+    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, act, *_operands(down), *shared_down),
+                      contraction=inter, out_cols=h, width=h, block_n=_block(dbn, h, "H"),
+                      block_k=_block(dbk, inter, "I"), splits=cfg.gemv_down_splits, **common)
     # the weighted rows' pieces [S2, T, J, H]: one reduction over splits and each token's experts
     return part.reshape(part.shape[0], t, per_token, h).sum(axis=(0, 2))
 
 
 def _shared_dense(x, shared: SharedExpert, dtype):
     """The shared expert as plain matmuls (the paths whose kernels have no rows for it): float32 products,
-    act rounded to the weights' dtype as the routed rows' is."""
-    inter = shared.down.shape[0]
-    gu = jnp.dot(x.astype(dtype), shared.gate_up, preferred_element_type=jnp.float32)
+    act rounded to `dtype` as the routed rows' is (FP8 weights dequantized to it first)."""
+    def plain(w):
+        return fp8_matmul.dequantize(w).astype(dtype) if isinstance(w, fp8_matmul.BlockFp8) else w
+
+    gate_up, down = plain(shared.gate_up), plain(shared.down)
+    inter = down.shape[0]
+    gu = jnp.dot(x.astype(dtype), gate_up, preferred_element_type=jnp.float32)
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
-    return jnp.dot(act, shared.down, preferred_element_type=jnp.float32) * shared.weight[:, None]
+    return jnp.dot(act, down, preferred_element_type=jnp.float32) * shared.weight[:, None]
 
 
 # The plain-jnp reference these kernels match lives with the others in `reference.py`.

@@ -47,9 +47,11 @@ def bench_ours(name: str, args) -> dict:
 
     cfg = model_config(name)
     tflops, tbps = measure_ceilings(*((256, 1) if args.smoke else ()))
-    total, active, decode_bytes = param_counts(cfg, fp8=args.weights == "fp8")
+    fp8 = args.weights.startswith("fp8")
+    total, active, decode_bytes = param_counts(cfg, fp8=fp8)
     sizes = SMOKE if args.smoke else FULL
-    engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights,
+    engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
+                                   **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
                                    max_concurrency=sizes["max_concurrency"],
                                    prefill_chunk=args.prefill_chunk, max_model_len=sizes["max_model_len"],
                                    no_prefix_reuse=True)
@@ -192,8 +194,9 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
     for r in rows:
         ours = r.get("ours", {})
         peer = r.get("peer", {})
-        fp8 = r.get("ours_fp8", {})
-        for label, d in (("ninfer-jax", ours), ("ninfer-jax, FP8 weights", fp8), (peer.get("peer", "peer"), peer)):
+        labels = {"ours": "ninfer-jax", "ours_fp8": "ninfer-jax, FP8 weights",
+                  "ours_fp8-dynamic": "ninfer-jax, FP8 weights and decode activations"}
+        for label, d in [(text, r.get(key, {})) for key, text in labels.items()] + [(peer.get("peer", "peer"), peer)]:
             if not d or "error" in d:
                 continue
             roofs = d if "prefill_roofline_tok_s" in d else ours
@@ -207,19 +210,22 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
             lines.append(f"| {r['model']} | ninfer-jax, prefill attention {impl} | "
                          f"{ours.get(f'prefill_8k_tok_s_{impl}', 0):.0f} | {ours[key]:.0f} | "
                          f"{ours[key] / ours['prefill_roofline_tok_s'] * 100:.0f}% | - | - | - |")
-        if ours.get("prefill_32k_tok_s") and fp8.get("prefill_32k_tok_s"):
-            prefill = fp8["prefill_32k_tok_s"] / ours["prefill_32k_tok_s"]
-            ratios.append(f"- {r['model']}: FP8 / bf16 = prefill 32k {prefill:.2f}x, "
-                          + ", ".join(f"decode {n} lane{'s' * (n > 1)} "
-                                      f"{fp8[f'decode_{n}lane_tok_s'] / ours[f'decode_{n}lane_tok_s']:.2f}x"
-                                      for n in (1, 8) if f"decode_{n}lane_tok_s" in fp8))
+        for key in ("ours_fp8", "ours_fp8-dynamic"):
+            fp8 = r.get(key, {})
+            if ours.get("prefill_32k_tok_s") and fp8.get("prefill_32k_tok_s"):
+                prefill = fp8["prefill_32k_tok_s"] / ours["prefill_32k_tok_s"]
+                ratios.append(f"- {r['model']}: {labels[key].removeprefix('ninfer-jax, ')} / bf16 = prefill 32k "
+                              f"{prefill:.2f}x, " + ", ".join(
+                                  f"decode {n} lane{'s' * (n > 1)} "
+                                  f"{fp8[f'decode_{n}lane_tok_s'] / ours[f'decode_{n}lane_tok_s']:.2f}x"
+                                  for n in (1, 8) if f"decode_{n}lane_tok_s" in fp8))
         if "compile_s" in ours:
             firsts = ", ".join(f"{k.removeprefix('prefill_').removesuffix('_first_ttft_s')} {v:.1f} s "
                                f"({ours[k.replace('_ttft_s', '_compiles')]} programs)"
                                for k, v in ours.items() if k.endswith("_first_ttft_s"))
             compiles.append(f"- {r['model']}: first request (one chunk, 3 tokens) {ours['compile_s']:.1f} s; first "
                             f"request of each prefill length (TTFT, its compiles included): {firsts}")
-        for part in ("ours", "ours_fp8", "peer"):
+        for part in ("ours", "ours_fp8", "ours_fp8-dynamic", "peer"):
             if "error" in r.get(part, {}):
                 lines.append(f"| {r['model']} | {part}: not measured | {r[part]['error'][-200:]!r} |")
     if ratios:
@@ -240,7 +246,8 @@ def main() -> int:
     p.add_argument("--peer-decode-tokens", type=int, default=16)
     p.add_argument("--part", choices=["ours", "peer", "all", "ours-only"], default="all",
                    help="all: ours (each --weights) then the peer; ours-only: ours for each --weights, no peer")
-    p.add_argument("--weights", default="bf16", help="comma-separated weight formats of ours: bf16, fp8")
+    p.add_argument("--weights", default="bf16", help="comma-separated weight formats of ours: bf16, fp8, "
+                   "fp8-dynamic (FP8 weights with fp8_activations 'dynamic')")
     p.add_argument("--prefill-attention-variants", default="pallas",
                    help="prefill attentions timed after the default (cuDNN on a GPU) on the same engine ('' for none)")
     p.add_argument("--decode-logprobs", action=argparse.BooleanOptionalAction, default=True,

@@ -1,8 +1,10 @@
 """The block-FP8 projection at the 27B's and 35B-A3B's shapes, side by side in one run on the GPU: the bf16 matmul on
 bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our decode kernels
 (pallas_kernels/fp8_matmul.py, a few configs) and torch's row-scaled FP8 GEMM (`torch._scaled_mm`, cuBLASLt).
+Then one 35B-A3B MoE layer (256 experts, top 8, the shared expert) on bf16 against block-FP8 experts.
 
-    python scripts/bench_fp8_kernels.py --out docs/benchmarks        # fp8_kernels.{json,md}
+    python scripts/bench_fp8_kernels.py --out docs/benchmarks/fp8                # fp8_kernels.{json,md}
+    python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
 
 Times are per call (median of 5 batches; a call repeated 10 times inside one jit, so dispatch is not timed); GB/s
 count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
@@ -66,6 +68,43 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
     return out
 
 
+def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
+    """One 35B-A3B MoE layer's experts (pallas_kernels/moe.py) on bf16 and on block-FP8 weights; the FP8 bytes a
+    decode call reads are the distinct experts its tokens route to, plus the shared expert."""
+    from pallas_kernels import moe
+    from pallas_kernels import reference as ref
+
+    e, k, h, i = 256, 8, 2048, 512
+    gate_up, down = fp8_normal(jax.random.key(1), (e, 2 * i, h), h**-0.5), fp8_normal(jax.random.key(2), (e, h, i),
+                                                                                       i**-0.5)
+    s_gate_up, s_down = fp8_normal(jax.random.key(3), (2 * i, h), h**-0.5), fp8_normal(jax.random.key(4), (h, i),
+                                                                                        i**-0.5)
+    fp8 = [ops.block_fp8(w) for w in (gate_up, down, s_gate_up, s_down)]
+    bf16 = [ops.dequantize(w).astype(jnp.bfloat16) for w in (gate_up, down, s_gate_up, s_down)]
+    router = jax.random.normal(jax.random.key(5), (e, h), jnp.float32)
+    out = []
+    for t in tokens:
+        x = jax.random.normal(jax.random.key(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+        ids, w = ref.moe_route_ref(x.astype(jnp.float32), router, k)
+        gate = jnp.full((t,), 0.5, jnp.float32)
+
+        def run(a, i_, w_, g, d, sg, sd):
+            return moe.moe_experts(a, i_, w_, g, d, ref.SharedExpert(sg, sd, gate))
+
+        row = {"shape": "35b-a3b moe layer", "M": t}
+        row["bf16_us"] = time_pure(run, (x, ids, w, *bf16), unroll=10 if t <= 8 else 1) * 1e6
+        row["engine_us"] = time_pure(run, (x, ids, w, *fp8), unroll=10 if t <= 8 else 1) * 1e6
+        row["engine_vs_bf16"] = row["bf16_us"] / row["engine_us"]
+        used = len(set(np.asarray(ids).reshape(-1).tolist()))
+        row["engine_gbps"] = (used + 1) * 3 * h * i / row["engine_us"] / 1e3
+        got = np.asarray(run(x, ids, w, *fp8), np.float64)
+        want = np.asarray(run(x, ids, w, *bf16), np.float64)
+        row["rel_err"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))  # bf16 rounding of W, act
+        print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+        out.append(row)
+    return out
+
+
 def _torch_rowwise(m: int, k: int, n: int) -> float | None:
     try:
         import torch
@@ -83,17 +122,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--rows", default="1,2,8,16,2048,8192")
+    p.add_argument("--moe-tokens", default="1,8,512,8192")
+    p.add_argument("--only", choices=["dense", "moe"], help="one section")
     args = p.parse_args()
-    rows = [r for name, (k, n) in SHAPES.items()
+    rows = [r for name, (k, n) in SHAPES.items() if args.only != "moe"
             for r in bench_shape(name, k, n, tuple(int(m) for m in args.rows.split(",")))]
+    if args.only != "dense":
+        rows += bench_moe(tuple(int(t) for t in args.moe_tokens.split(",")))
     meta = report.run_meta(report.command_line())
     cols = ["shape", "M", "bf16_us", "xla_dequantized_us", "engine_us", "engine_vs_bf16", "engine_gbps",
             "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err"]
     lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
-                          "kernel up to 16 rows, dequantize + XLA's bf16 matmul above); torch_rowwise: cuBLASLt FP8 "
-                          "with one scale per row and column (coarser than the packs' 128-blocks)")
+                          "kernel up to 16 rows, dequantize + XLA's bf16 matmul above; for the MoE layer, the expert "
+                          "kernels reading FP8 tiles); torch_rowwise: cuBLASLt FP8 with one scale per row and column "
+                          "(coarser than the packs' 128-blocks)")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
-    report.write_report(args.out, "fp8_kernels", {**meta, "rows": rows}, lines)
+    report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

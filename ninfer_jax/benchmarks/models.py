@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ninfer_jax.benchmarks.report import ROOT
@@ -26,10 +27,13 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
     import jax
 
     from ninfer_jax import Engine
+    from ninfer_jax.config import QuantizationConfig
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.runtime.options import EngineOptions
 
     cfg = model_config(name)
+    if weights == "fp8":  # as the config.json of an FP8 pack says
+        cfg = dataclasses.replace(cfg, quantization=QuantizationConfig())
     start = time.perf_counter()
     params = random_params(cfg, seed=0, fp8=weights == "fp8")
     jax.block_until_ready(params)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ninfer_jax.model.params import FP8_BLOCK, ConcatWeight, QuantizedWeight
+from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
+from pallas_kernels import fp8_matmul
 from pallas_kernels import reference as ref
 
 if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by the reference path
@@ -49,6 +50,9 @@ class KernelConfig:
     # norms, the padding's zeros) as one kernel (pallas_kernels/gdn_conv.py); the engine turns it on with the pallas
     # backend
     fuse_gdn_conv: bool = False
+    # Block-FP8 weights: a decode round's 2-16 rows quantized to FP8 for an FP8 x FP8 product
+    # (pallas_kernels/fp8_matmul.py); the engine turns it on with fp8_activations "dynamic"
+    fp8_activations: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
@@ -238,20 +242,18 @@ def is_quantized(w) -> bool:
     return isinstance(w, (QuantizedWeight, ConcatWeight))
 
 
-def _dequantize_rows(w: QuantizedWeight, dtype):
-    """A QuantizedWeight in its own [..., N, K] layout, in `dtype`: each FP8 value times its block's scale."""
-    n, k = w.values.shape[-2:]
-    scales = jnp.repeat(jnp.repeat(w.scales, FP8_BLOCK, axis=-2)[..., :n, :], FP8_BLOCK, axis=-1)[..., :k]
-    return (w.values.astype(jnp.float32) * scales).astype(dtype)
-
-
 def dequantize(w):
     """A weight of any kind -> a plain float32 array [..., K, N] (x @ w layout)."""
     if isinstance(w, ConcatWeight):
         return jnp.concatenate([dequantize(p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):
         return w.astype(jnp.float32)
-    return jnp.swapaxes(_dequantize_rows(w, jnp.float32), -1, -2)
+    return fp8_matmul.dequantize(block_fp8(w))
+
+
+def block_fp8(w: QuantizedWeight) -> fp8_matmul.BlockFp8:
+    """The kernels' view of a QuantizedWeight (the same arrays)."""
+    return fp8_matmul.BlockFp8(w.values, w.scales)
 
 
 def quantized_dot(kc: KernelConfig, x, w):
@@ -266,27 +268,33 @@ def quantized_dot(kc: KernelConfig, x, w):
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
         return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
-    from pallas_kernels import fp8_matmul
-
     n, k = w.values.shape
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(k, n):
-        return fp8_matmul.fp8_matmul(x, w.values, w.scales, interpret=kc.interpret)
-    return lax.dot_general(x, _dequantize_rows(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+        return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
+                                     interpret=kc.interpret)
+    rows = fp8_matmul.dequantize_rows(block_fp8(w), x.dtype)
+    return lax.dot_general(x, rows, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 
 
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
-    gate_up [E, H, 2I], down [E, I, H] (FP8 ones dequantized by the reference). Returns [T, H] float32."""
+    gate_up [E, H, 2I], down [E, I, H] (plain, or block-FP8: the Pallas kernels read FP8 tiles, the reference
+    dequantizes). Returns [T, H] float32."""
     weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
     if any(is_quantized(w) for w in weights):
-        if kc.backend == "pallas":
-            raise NotImplementedError(
-                "FP8 MoE experts have no Pallas kernel yet: run this checkpoint with kernels='reference'"
-            )
-        gate_up, down = dequantize(gate_up), dequantize(down)
-        if shared is not None:
-            shared = shared._replace(gate_up=dequantize(shared.gate_up), down=dequantize(shared.down))
+        if kc.backend != "pallas":
+            gate_up, down = dequantize(gate_up), dequantize(down)
+            if shared is not None:
+                shared = shared._replace(gate_up=dequantize(shared.gate_up), down=dequantize(shared.down))
+        elif not all(isinstance(w, QuantizedWeight) for w in weights):
+            raise ValueError("FP8 MoE experts run on the Pallas kernels only when every expert and shared-expert "
+                             "projection is one block-FP8 weight (H and I multiples of 128); this checkpoint's are "
+                             "not: run it with kernels='reference'")
+        else:
+            gate_up, down = block_fp8(gate_up), block_fp8(down)
+            if shared is not None:
+                shared = shared._replace(gate_up=block_fp8(shared.gate_up), down=block_fp8(shared.down))
     if kc.backend == "pallas":
         from pallas_kernels import moe
 

@@ -35,7 +35,7 @@ def is_hopper(device) -> bool:
 def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOptions:
     """The options with every derived value filled in for this model on this process's first device."""
     return options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe,
-                           hopper=is_hopper(jax.devices()[0]))
+                           hopper=is_hopper(jax.devices()[0]), quantized=config.quantization is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def kernel_config(options: EngineOptions) -> KernelConfig:
     fused = options.kernels == "pallas"
     return KernelConfig(options.kernels, options.interpret, PrefillConfig(impl=options.prefill_attention),
                         fuse_gdn_decode=fused, fuse_add_norm=fused, fuse_moe_route=fused, fuse_attn_qkv=fused,
-                        fuse_gdn_conv=fused)
+                        fuse_gdn_conv=fused, fp8_activations=options.fp8_activations == "dynamic")
 
 
 def open_host_tier(runner: ModelRunner, index: PrefixIndex) -> HostTier | None:

@@ -37,6 +37,23 @@ def test_weight_only_kernels_match_float64_reference(rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows", [2, 16], ids=lambda r: f"{r}rows")
+def test_fp8_activations_match_float64_reference_of_the_quantized_rows(rows):
+    """With quantize_activations the product is FP8 x FP8: it equals, to float32 accumulation error, x quantized per
+    token and 128-group (dequantized in float64) times W; and x's own product differs by the quantization's error."""
+    values, scales, exact = _weight(20 + rows)
+    x = np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)
+    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, quantize_activations=True,
+                                           interpret=INTERPRET), np.float64)
+    xq, xs = (np.asarray(a, np.float64) for a in fp8_matmul.quantize_rows(jnp.asarray(x)))
+    x_seen = (xq.reshape(rows, K // 128, 128) * xs.T[..., None]).reshape(rows, K)
+    want = x_seen @ exact.T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # e4m3 keeps 3 mantissa bits: each activation within 2^-4 of itself, so the product within about 2^-4 / 2
+    plain = x.astype(np.float64) @ exact.T
+    assert 1e-3 < np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2**-5
+
+
 def test_refuses_shapes_outside_whole_blocks_and_too_many_rows():
     values, scales, _ = _weight()
     with pytest.raises(ValueError, match="multiples of 128"):

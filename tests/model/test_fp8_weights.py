@@ -24,6 +24,8 @@ from ninfer_jax.model import (
 from ninfer_jax.model.ops import dequantize
 from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
 from ninfer_jax.model.tiny import write_random_checkpoint
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from ninfer_jax.runtime.startup import kernel_config
 
 CASES = [
     # preset, layout, shards, scale dtype
@@ -190,9 +192,10 @@ def test_engine_on_fp8_pack_matches_dequantized_checkpoint_and_transformers(pack
         assert tuple(tokens) == tuple(int(logits[len(prompt) - 1 + i].argmax()) for i in range(len(tokens)))
 
 
-def test_pallas_kernels_refuse_fp8_experts(packs):
+def test_pallas_kernels_refuse_fp8_experts_off_the_block_grid(packs):
+    """The tiny MoE's experts (I = 64) are not whole 128-blocks: the Pallas kernels name the way out."""
     cfg, params = load_checkpoint(packs("tiny-moe", "vlm")[0], "float32")
-    with pytest.raises(NotImplementedError, match="FP8 MoE experts have no Pallas kernel yet"):
+    with pytest.raises(ValueError, match="run it with kernels='reference'"):
         forward(params, cfg, np.arange(8), KernelConfig("pallas", interpret=True))
 
 
@@ -207,3 +210,14 @@ def test_unquantized_checkpoints_load_plain_arrays_as_before(tmp_path):
     assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
     assert params.layers[0].mixer.in_proj.shape == (cfg.hidden_size, cfg.conv_dim + cfg.value_dim
                                                     + 2 * cfg.linear_num_value_heads)
+
+
+def test_fp8_activations_dynamic_is_refused_without_fp8_weights_or_pallas():
+    with pytest.raises(OptionsError, match="fp8_activations 'dynamic' runs in the Pallas decode kernels"):
+        EngineOptions(fp8_activations="dynamic", kernels="reference").check_conflicts()
+    with pytest.raises(OptionsError, match="needs a block-FP8 checkpoint"):
+        EngineOptions(fp8_activations="dynamic", kernels="pallas").resolve(4096, "gpu", quantized=False)
+    on, off = (EngineOptions(fp8_activations=a, kernels="pallas").resolve(4096, "gpu", quantized=True)
+               for a in ("dynamic", "weight-only"))
+    assert kernel_config(on).fp8_activations and not kernel_config(off).fp8_activations
+

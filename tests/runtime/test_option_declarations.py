@@ -23,7 +23,7 @@ def _engine_actions(parser):
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
         "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "max_model_len", "kernels",
-        "prefill_attention", "interpret", "output_window", "memory_fraction", "batch_invariant", "no_prefix_reuse",
+        "prefill_attention", "fp8_activations", "interpret", "output_window", "memory_fraction", "batch_invariant", "no_prefix_reuse",
         "host_cache_mib", "device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
     for field in dataclasses.fields(EngineOptions):
@@ -35,6 +35,7 @@ def test_the_flags_are_the_spec_names():
         "--dtype": "dtype", "--max-concurrency": "max_concurrency", "--prefill-chunk": "prefill_chunk",
         "--idle-prefill-chunk": "idle_prefill_chunk", "--kv-capacity": "kv_capacity",
         "--max-model-len": "max_model_len", "--kernels": "kernels", "--prefill-attention": "prefill_attention",
+        "--fp8-activations": "fp8_activations",
         "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",
         "--host-cache-mib": "host_cache_mib", "--device-snapshot-slots": "device_snapshot_slots",
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
