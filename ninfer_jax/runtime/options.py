@@ -21,7 +21,8 @@ from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCac
                                              default_tap_min_gap_tokens, tap_spacing_problem)
 
 __all__ = [
-    "DENSE_PREFILL_CHUNK", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
+    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_PREFILL_CHUNK", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN",
+    "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
     "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "default_max_new_taps",
     "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
 ]
@@ -40,6 +41,11 @@ MOE_PREFILL_CHUNK = 8192
 # its prefill chunk (docs/benchmarks/prefill_profile.md).
 MOE_IDLE_PREFILL_CHUNK = 32768
 MAX_DEFAULT_MODEL_LEN = 32768  # the default context: the model's limit, at most this
+MAX_CONCURRENCY = 256  # vLLM's and SGLang's default running sequences; a decode round's weights serve them all
+CPU_CONCURRENCY = 4  # max_concurrency auto where the device reports no memory (a CPU)
+# max_concurrency auto on a GPU gives each lane room for this much context in the KV pool (max_model_len if
+# shorter): lanes share the pool, so one long prompt still fits while the others are short.
+AUTO_LANE_KV_TOKENS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +131,12 @@ class EngineOptions:
     dtype: str = _option(
         str, "bfloat16", "weights and KV cache precision; auto: float32 on a CPU, bfloat16 on a GPU",
         flag="--dtype", choices=("bfloat16", "float32"), cli_default="auto")
-    max_concurrency: int = _option(
-        int, 4, "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1, maximum=64)
+    max_concurrency: int | str = _option(
+        int, "auto", "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1,
+        maximum=MAX_CONCURRENCY, auto=True,
+        rule=f"auto: on a GPU the most lanes (at most {MAX_CONCURRENCY}) whose state slots (C + D) and "
+             f"{AUTO_LANE_KV_TOKENS} KV tokens each (max_model_len if shorter) fit the memory left after the "
+             f"weights and the longest prefill pass; {CPU_CONCURRENCY} on a CPU")
     prefill_chunk: int | None = _option(
         int, None, "prompt tokens per prefill pass; a longer pass keeps running requests' decode waiting longer",
         flag="--prefill-chunk", minimum=64, multiple_of=64,
@@ -189,11 +199,12 @@ class EngineOptions:
         choices=("hpc", "align"), cache=True)
 
     def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
-                hopper: bool = True) -> "EngineOptions":
+                hopper: bool = True, auto_lanes: int | None = None) -> "EngineOptions":
         """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
-        known, its rules skipped), whether the model routes to experts and whether a GPU is a Hopper are
-        arguments."""
+        known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper and what
+        max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY) are arguments."""
         self.check_conflicts(backend)
+        lanes = self.max_concurrency if self.max_concurrency != "auto" else auto_lanes or CPU_CONCURRENCY
         chunk = self.prefill_chunk or (MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK)
         idle = self.idle_prefill_chunk or (max(chunk, MOE_IDLE_PREFILL_CHUNK) if moe else chunk)
         _check_idle_chunk(idle, chunk)
@@ -209,13 +220,14 @@ class EngineOptions:
             attention = "cudnn" if hopper and self.cudnn_conflict(backend) is None else "pallas"
         return dataclasses.replace(
             self,
+            max_concurrency=lanes,
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,
             prefill_chunk=min(chunk, longest),
             idle_prefill_chunk=min(idle, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
-            else default_snapshot_slots(self.max_concurrency, host),
+            else default_snapshot_slots(lanes, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
             tap_ladder_tokens=self.tap_ladder_tokens or default_tap_ladder_tokens(chunk),
             tap_min_gap_tokens=self.tap_min_gap_tokens or default_tap_min_gap_tokens(chunk),

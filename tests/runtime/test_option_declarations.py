@@ -56,7 +56,9 @@ def test_help_shows_every_default_in_plain_words(prog, capsys):
     with pytest.raises(SystemExit):
         PARSERS[prog]().parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("--max-concurrency N requests decoded together (lanes, spec C), 1..64; default 4",
+    for shown in ("--max-concurrency N requests decoded together (lanes, spec C), 1..256; default auto: on a GPU "
+                  "the most lanes (at most 256) whose state slots (C + D) and 8192 KV tokens each",
+                  "4 on a CPU",
                   "default 2048, or 8192 for a model with routed experts",
                   "default 32768 for a model with routed experts, else the prefill chunk",
                   "default the model's limit, at most 32768",
@@ -112,7 +114,7 @@ def test_the_declared_bounds():
     def accepted(name, values):
         return [v for v in values if OPTIONS[name].problem(v) is None]
 
-    assert accepted("max_concurrency", range(-1, 70)) == list(range(1, 65))
+    assert accepted("max_concurrency", ["auto", *range(-1, 260)]) == ["auto", *range(1, 257)]
     assert accepted("prefill_chunk", range(0, 260, 32)) == [64, 128, 192, 256]
     assert accepted("host_cache_mib", (-1, 0, 1)) == [0, 1]
     assert accepted("kv_capacity", ("auto", "all", 0, 1)) == ["auto", 1]

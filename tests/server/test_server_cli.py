@@ -135,8 +135,8 @@ def test_refused_options_exit_with_status_2_and_say_why(capsys):
     (["--host-cache-mib", "-1"], "--host-cache-mib: must be >= 0, got -1"),
     (["--prefill-chunk", "0"], "--prefill-chunk: must be a positive multiple of 64, got 0"),
     (["--prefill-chunk", "100"], "--prefill-chunk: must be a positive multiple of 64, got 100"),
-    (["--max-concurrency", "0"], "--max-concurrency: must be in 1..64, got 0"),
-    (["--max-concurrency", "65"], "--max-concurrency: must be in 1..64, got 65"),
+    (["--max-concurrency", "0"], "--max-concurrency: must be 'auto' or in 1..256, got 0"),
+    (["--max-concurrency", "257"], "--max-concurrency: must be 'auto' or in 1..256, got 257"),
     (["--cache-tap-ladder", "32"], "--cache-tap-ladder: must be >= 64, got 32"),
     (["--kernels", "triton"], "--kernels: invalid choice: 'triton'"),
 ])
