@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -89,6 +90,7 @@ class EngineRun:
         self._admitted: Any = None  # the first event's usage (cached tokens are fixed at admission)
         self._refused = False  # the engine refused it before any work
         self._counted = False
+        self._last_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -104,13 +106,18 @@ class EngineRun:
             raise _refusal(error) from None
         if self._admitted is None and event.usage is not None:
             self._admitted = event.usage
+        if event.token_ids:  # the inter-token latency as the client sees it, from the second token on
+            now = time.perf_counter()
+            if self._last_token_at is not None:
+                self.metrics.observe_tokens(len(event.token_ids), now - self._last_token_at)
+            self._last_token_at = now
         self.token_ids += event.token_ids
         self.text += event.text
         self.logprobs += event.logprobs or ()
         if event.finish_reason is not None:
             self.last = event
             outcome = self.outcome()
-            self._count(outcome.finish_reason, outcome.completion_tokens, outcome.ttft_s)
+            self._count(outcome.finish_reason, outcome.completion_tokens, event.metrics)
         return event
 
     async def events(self, first: Any) -> AsyncIterator[Any]:
@@ -164,12 +171,12 @@ class EngineRun:
             self._queue, queue = None, self._queue
             queue.leave()
 
-    def _count(self, finish_reason: str, completion_tokens: int, ttft_s: float | None) -> None:
+    def _count(self, finish_reason: str, completion_tokens: int, timing: Any) -> None:
         self._leave_queue()
         if not self._counted:
             self._counted = True
             self.metrics.observe_finish(finish_reason, self.prompt_tokens, completion_tokens, self.cached_tokens,
-                                        ttft_s)
+                                        timing)
 
 
 def sample_runs(engine: Any, prompt: Any, sampling: SamplingParams, n: int, request_id: str,

@@ -188,7 +188,7 @@ def test_sigterm_answers_in_flight_requests_as_unavailable_then_exits_cleanly(tm
         for thread in threads:
             thread.start()
         started.wait(timeout=120)
-        wait_for(lambda: "ninfer_engine_requests_running 3" in httpx.get(f"{url}/metrics").text)
+        wait_for(lambda: "ninfer_num_requests_running 3.0" in httpx.get(f"{url}/metrics").text)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(120)
