@@ -21,9 +21,9 @@ from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCac
                                              default_tap_min_gap_tokens, tap_spacing_problem)
 
 __all__ = [
-    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_PREFILL_CHUNK", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN",
-    "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
-    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "default_max_new_taps",
+    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB", "HOST_CACHE_SHARE",
+    "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
+    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "auto_host_cache_mib", "default_max_new_taps",
     "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
 ]
 
@@ -46,6 +46,11 @@ CPU_CONCURRENCY = 4  # max_concurrency auto where the device reports no memory (
 # max_concurrency auto on a GPU gives each lane room for this much context in the KV pool (max_model_len if
 # shorter): lanes share the pool, so one long prompt still fits while the others are short.
 AUTO_LANE_KV_TOKENS = 8192
+# host_cache_mib auto: this share of the memory available at startup, at most HOST_CACHE_CAP_MIB. The rest stays to
+# the process (weights on their way to the device, the tokenizer's threads) and to other processes; the cap keeps
+# the page-locking of the tier at startup short.
+HOST_CACHE_SHARE = 0.25
+HOST_CACHE_CAP_MIB = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +120,8 @@ class Option:
             text += f", {self.minimum}..{self.maximum}"
         if self.multiple_of:
             text += f", a multiple of {self.multiple_of}"
-        default = None if self.kind is bool else self.cli_default or self.rule or self.default
+        default = ("on" if self.default else None) if self.kind is bool \
+            else self.cli_default or self.rule or self.default
         return text if default is None else f"{text}; default {default}"
 
 
@@ -172,9 +178,11 @@ class EngineOptions:
         bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
         "(slower at low concurrency)", flag="--batch-invariant")
     no_prefix_reuse: bool = _option(bool, False, "turn the prefix cache off", flag="--no-prefix-reuse", cache=True)
-    host_cache_mib: int = _option(
-        int, DEFAULT_HOST_CACHE_BYTES >> 20, "host memory for the prefix cache in MiB (the Host tier, spec §5.4); "
-        "0: device memory only", flag="--host-cache-mib", minimum=0, cache=True)
+    host_cache_mib: int | str = _option(
+        int, "auto", "host memory for the prefix cache in MiB (the Host tier, spec §5.4); 0: device memory only",
+        flag="--host-cache-mib", minimum=0, cache=True, auto=True,
+        rule=f"auto: {HOST_CACHE_SHARE:g} x the memory available at startup, at most {HOST_CACHE_CAP_MIB} "
+             f"({DEFAULT_HOST_CACHE_BYTES >> 20} where the machine does not say)")
     device_snapshot_slots: int | None = _option(
         int, None, "device slots for saved conversation states (snapshot slots, spec D)",
         flag="--device-snapshot-slots", minimum=1, cache=True,
@@ -192,17 +200,19 @@ class EngineOptions:
         Path, None, "save the host prefix cache here at an orderly stop and load it at the next start (spec §5.5)",
         flag="--prefix-cache-file", cache=True, metavar="FILE")
     concurrent_prefill: bool = _option(
-        bool, False, "admit a request while another prefills (needed for in-flight coalescing, spec §12.2)",
-        flag="--concurrent-prefill", cache=True)
+        bool, True, "a request whose prompt shares a prefix with one prefilling waits for that prefix instead of "
+        "computing it again (in-flight coalescing, spec §12.2)", flag="--concurrent-prefill", cache=True)
     cache_policy: str = _option(
         str, "hpc", "prefix cache policy: hpc (the spec's) or align (vLLM's, for comparison only)",
         choices=("hpc", "align"), cache=True)
 
     def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
-                hopper: bool = True, auto_lanes: int | None = None) -> "EngineOptions":
+                hopper: bool = True, auto_lanes: int | None = None,
+                available_memory: int | None = None) -> "EngineOptions":
         """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
-        known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper and what
-        max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY) are arguments."""
+        known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper, what
+        max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY) and the host memory
+        available in bytes (None: not known) are arguments."""
         self.check_conflicts(backend)
         lanes = self.max_concurrency if self.max_concurrency != "auto" else auto_lanes or CPU_CONCURRENCY
         chunk = self.prefill_chunk or (MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK)
@@ -211,8 +221,9 @@ class EngineOptions:
         max_len = self.max_model_len or min(config_max_positions, MAX_DEFAULT_MODEL_LEN)
         if not 2 <= max_len <= config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
+        host_mib = self.host_cache_mib if self.host_cache_mib != "auto" else auto_host_cache_mib(available_memory)
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
-        host = self.host_cache_mib > 0 and not self.no_prefix_reuse
+        host = host_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
         longest = -(-max_len // 64) * 64  # no pass outgrows the context (the idle one stays >= prefill_chunk)
         attention = self.prefill_attention
@@ -221,6 +232,7 @@ class EngineOptions:
         return dataclasses.replace(
             self,
             max_concurrency=lanes,
+            host_cache_mib=host_mib,
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,
@@ -305,6 +317,13 @@ OPTIONS: dict[str, Option] = {f.name: dataclasses.replace(f.metadata["option"], 
                               for f in dataclasses.fields(EngineOptions)}
 
 
+def auto_host_cache_mib(available_memory: int | None) -> int:
+    """host_cache_mib auto for `available_memory` bytes (None: not known)."""
+    if available_memory is None:
+        return DEFAULT_HOST_CACHE_BYTES >> 20
+    return min(HOST_CACHE_CAP_MIB, int(available_memory * HOST_CACHE_SHARE) >> 20)
+
+
 def _check_idle_chunk(idle: int, chunk: int) -> None:
     """A pass while nobody waits is never shorter than one while a decode waits."""
     if idle < chunk:
@@ -330,9 +349,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
         if option.flag is None:
             continue
         group = cache if option.cache else engine
-        if option.kind is bool:
-            group.add_argument(option.flag, dest=option.name, action="store_true", default=None,
-                               help=option.help_text())
+        if option.kind is bool:  # one that is on by default is turned off with --no-<flag>
+            group.add_argument(option.flag, dest=option.name, default=None, help=option.help_text(),
+                               action=argparse.BooleanOptionalAction if option.default else "store_true")
         elif option.choices:
             choices = option.choices if option.cli_default in (None, *option.choices) \
                 else (option.cli_default, *option.choices)

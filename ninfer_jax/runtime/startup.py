@@ -40,11 +40,24 @@ def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOption
 
     def resolve(lanes: int | None) -> EngineOptions:
         return options.resolve(config.max_position_embeddings, backend, moe=config.is_moe,
-                               hopper=is_hopper(jax.devices()[0]), auto_lanes=lanes)
+                               hopper=is_hopper(jax.devices()[0]), auto_lanes=lanes,
+                               available_memory=available_memory_bytes())
 
     if options.max_concurrency != "auto" or backend != "gpu":
         return resolve(None)
     return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None))
+
+
+def available_memory_bytes() -> int | None:
+    """The host memory available for new allocations without swapping (MemAvailable); None where not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def device_budget(options: EngineOptions, fixed_bytes: int, activation_bytes: int) -> int | None:

@@ -101,7 +101,7 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
     (dict(dtype="auto"), "dtype must be 'bfloat16' or 'float32', got 'auto'"),
     (dict(kv_capacity=0), "kv_capacity must be 'auto' or a positive integer, got 0"),
     (dict(kv_capacity="all"), "kv_capacity must be 'auto' or a positive integer, got 'all'"),
-    (dict(host_cache_mib=-1), "host_cache_mib must be >= 0, got -1"),
+    (dict(host_cache_mib=-1), "host_cache_mib must be 'auto' or >= 0, got -1"),
     (dict(memory_fraction=0), "memory_fraction must be in (0, 1], got 0"),
     (dict(memory_fraction=1.5), "memory_fraction must be in (0, 1], got 1.5"),
     (dict(output_window=0), "output_window must be a positive integer, got 0"),
@@ -116,7 +116,7 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
     (dict(batch_invariant=1), "batch_invariant must be True or False, got 1"),
     (dict(no_prefix_reuse=True, host_cache_mib=64, max_new_taps=2),
      "no_prefix_reuse conflicts with host_cache_mib, max_new_taps: there is no prefix cache to configure"),
-    (dict(no_prefix_reuse=True, concurrent_prefill=True), "no_prefix_reuse conflicts with concurrent_prefill"),
+    (dict(no_prefix_reuse=True, concurrent_prefill=False), "no_prefix_reuse conflicts with concurrent_prefill"),
     (dict(no_prefix_reuse=True, cache_policy="align"), "no_prefix_reuse conflicts with cache_policy"),
     (dict(prefix_cache_file="x.cache", host_cache_mib=0),
      "prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0"),
@@ -145,6 +145,17 @@ def test_max_concurrency_takes_1_to_256_or_auto():
     assert accepted == list(range(1, 257))
     assert EngineOptions().resolve(4096).max_concurrency == 4  # auto on a CPU
     assert EngineOptions().resolve(4096, "gpu", auto_lanes=200).device_snapshot_slots == 201  # C + 1
+
+
+def test_auto_host_cache_takes_a_quarter_of_the_available_memory_at_most_64_gib():
+    gib = 2**30
+    assert EngineOptions().resolve(4096, available_memory=20 * gib).host_cache_mib == 5 << 10
+    assert EngineOptions().resolve(4096, available_memory=2048 * gib).host_cache_mib == 64 << 10
+    assert EngineOptions().resolve(4096).host_cache_mib == 8 << 10  # the machine does not say
+    assert EngineOptions(host_cache_mib=0).resolve(4096, available_memory=20 * gib).host_cache_mib == 0
+    resolved = EngineOptions(host_cache_mib=0, max_concurrency=3).resolve(4096, available_memory=20 * gib)
+    assert resolved.prefix_cache_options().host_cache_bytes == 0 and resolved.device_snapshot_slots == 5
+    assert EngineOptions(host_cache_mib=100).resolve(4096, available_memory=20 * gib).host_cache_mib == 100
 
 
 def test_the_prefix_cache_values_follow_the_host_tier_and_the_chunk():

@@ -46,7 +46,7 @@ def test_both_command_lines_take_the_same_engine_flags_with_the_declared_help():
     serve, gen = _engine_actions(cli.build_parser()), _engine_actions(generate.build_parser())
     assert serve.keys() == gen.keys() == {name for name, o in OPTIONS.items() if o.flag}
     for name, action in serve.items():
-        assert action.option_strings == gen[name].option_strings == [OPTIONS[name].flag]
+        assert action.option_strings[0] == gen[name].option_strings[0] == OPTIONS[name].flag
         assert action.help == gen[name].help == OPTIONS[name].help_text()
         assert action.default is None and gen[name].default is None  # unset: the engine's default or rule
 
@@ -62,7 +62,9 @@ def test_help_shows_every_default_in_plain_words(prog, capsys):
                   "default 2048, or 8192 for a model with routed experts",
                   "default 32768 for a model with routed experts, else the prefill chunk",
                   "default the model's limit, at most 32768",
-                  "0: device memory only; default 8192",
+                  "0: device memory only; default auto: 0.25 x the memory available at startup, at most 65536 "
+                  "(8192 where the machine does not say)",
+                  "(in-flight coalescing, spec §12.2); default on",
                   "default lanes + 1 with host memory, lanes + 2 without (C+1 / C+2)",
                   "default 8 with host memory, 2 without",
                   "default max(4096, 2 x prefill chunk)",
@@ -123,7 +125,7 @@ def test_the_declared_bounds():
 
 @pytest.mark.parametrize("argv", [
     ["--no-prefix-reuse", "--host-cache-mib", "64", "--cache-taps-per-request", "2"],
-    ["--no-prefix-reuse", "--concurrent-prefill"],
+    ["--no-prefix-reuse", "--no-concurrent-prefill"],
     ["--prefix-cache-file", "x.cache", "--host-cache-mib", "0"],
     ["--kernels", "reference", "--prefill-attention", "cudnn"],
     ["--dtype", "float32", "--prefill-attention", "cudnn"],

@@ -132,7 +132,7 @@ def test_refused_options_exit_with_status_2_and_say_why(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--kv-capacity", "lots"], "--kv-capacity: must be 'auto' or a positive integer, got 'lots'"),
     (["--kv-capacity", "0"], "--kv-capacity: must be 'auto' or a positive integer, got 0"),
-    (["--host-cache-mib", "-1"], "--host-cache-mib: must be >= 0, got -1"),
+    (["--host-cache-mib", "-1"], "--host-cache-mib: must be 'auto' or >= 0, got -1"),
     (["--prefill-chunk", "0"], "--prefill-chunk: must be a positive multiple of 64, got 0"),
     (["--prefill-chunk", "100"], "--prefill-chunk: must be a positive multiple of 64, got 100"),
     (["--max-concurrency", "0"], "--max-concurrency: must be 'auto' or in 1..256, got 0"),
