@@ -1,5 +1,5 @@
-"""The server's Prometheus metrics, through prometheus_client, named after vLLM's `vllm:` series (docs/server.md
-lists each).
+"""The server's Prometheus metrics, through prometheus_client, named after vLLM's `vllm:` series
+(docs/engine_notes.md lists each).
 
 Two sources: what the server observes of each request on the event loop (HTTP responses, finishes, token counts,
 the latency histograms), and the engine's numbers (running and waiting requests, KV and snapshot occupancy, the
@@ -107,6 +107,7 @@ class _EngineCollector:
                      busy / pages["capacity"] if pages["capacity"] else 0.0)
         yield _by_state("ninfer_kv_cache_pages", "KV pages by owner: free, active (a lane's), cached (the prefix "
                         "cache's), filling.", pages)
+        yield _gauge("ninfer_kv_cache_capacity_pages", "KV pages in the pool (64 tokens each).", pages["capacity"])
         if "snapshot_slots" in cache:
             yield _by_state("ninfer_snapshot_slots", "Device snapshot slots (saved conversation states) by owner: "
                             "free, active (a tap's staging), cached, filling.", cache["snapshot_slots"])

@@ -53,7 +53,8 @@ def test_metrics_count_requests_tokens_and_latencies_and_read_the_engines_publis
     assert samples["ninfer_request_queue_time_seconds_count"] == 0
     # the engine's published stats: the scripted engine's 8 pages, none held, and its prefix cache counters
     assert samples["ninfer_num_requests_running"] == 0 and samples["ninfer_num_requests_waiting"] == 0
-    assert samples['ninfer_kv_cache_pages{state="free"}'] == 8 and samples["ninfer_kv_cache_usage_perc"] == 0
+    assert samples['ninfer_kv_cache_pages{state="free"}'] == samples["ninfer_kv_cache_capacity_pages"] == 8
+    assert samples["ninfer_kv_cache_usage_perc"] == 0
     assert samples["ninfer_server_ready"] == 1 and samples["ninfer_server_requests_in_flight"] == 0
 
 
