@@ -253,9 +253,9 @@ class EngineOptions:
             problem = option.problem(getattr(self, option.name))
             if problem:
                 raise OptionsError(f"{option.name} {problem}")
-        if self.no_prefix_reuse:
+        if self.no_prefix_reuse:  # a cache switch (coalescing) means nothing without a cache, on or off
             given = [o.name for o in OPTIONS.values()
-                     if o.cache and o.name != "no_prefix_reuse" and getattr(self, o.name) != o.default]
+                     if o.cache and o.kind is not bool and getattr(self, o.name) != o.default]
             if given:
                 raise OptionsError(f"no_prefix_reuse conflicts with {', '.join(given)}: there is no prefix cache "
                                    f"to configure")

@@ -116,7 +116,6 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
     (dict(batch_invariant=1), "batch_invariant must be True or False, got 1"),
     (dict(no_prefix_reuse=True, host_cache_mib=64, max_new_taps=2),
      "no_prefix_reuse conflicts with host_cache_mib, max_new_taps: there is no prefix cache to configure"),
-    (dict(no_prefix_reuse=True, concurrent_prefill=False), "no_prefix_reuse conflicts with concurrent_prefill"),
     (dict(no_prefix_reuse=True, cache_policy="align"), "no_prefix_reuse conflicts with cache_policy"),
     (dict(prefix_cache_file="x.cache", host_cache_mib=0),
      "prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0"),

@@ -125,7 +125,6 @@ def test_the_declared_bounds():
 
 @pytest.mark.parametrize("argv", [
     ["--no-prefix-reuse", "--host-cache-mib", "64", "--cache-taps-per-request", "2"],
-    ["--no-prefix-reuse", "--no-concurrent-prefill"],
     ["--prefix-cache-file", "x.cache", "--host-cache-mib", "0"],
     ["--kernels", "reference", "--prefill-attention", "cudnn"],
     ["--dtype", "float32", "--prefill-attention", "cudnn"],

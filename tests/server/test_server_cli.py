@@ -82,11 +82,17 @@ def test_prefix_cache_file_is_resolved_to_an_absolute_path(tmp_path, monkeypatch
     assert _options("--prefix-cache-file", "cache.bin").engine["prefix_cache_file"] == str(tmp_path / "cache.bin")
 
 
-@pytest.mark.parametrize("flag", CACHE_FLAGS)
-def test_no_prefix_reuse_conflicts_with_every_cache_option(flag, tmp_path):
-    value = {"--prefix-cache-file": [str(tmp_path / "f")], "--concurrent-prefill": []}.get(flag, ["64"])
+@pytest.mark.parametrize("flag", [f for f in CACHE_FLAGS if f != "--concurrent-prefill"])
+def test_no_prefix_reuse_conflicts_with_every_cache_setting(flag, tmp_path):
+    value = {"--prefix-cache-file": [str(tmp_path / "f")]}.get(flag, ["64"])
     with pytest.raises(UsageError, match=f"--no-prefix-reuse conflicts with {flag}: there is no prefix cache"):
         _options("--no-prefix-reuse", flag, *value)
+
+
+def test_no_prefix_reuse_takes_coalescing_on_or_off():
+    # coalescing is on by default: without a cache it has nothing to coalesce, whichever way it is set
+    for switch in ("--concurrent-prefill", "--no-concurrent-prefill"):
+        assert _options("--no-prefix-reuse", switch).engine["no_prefix_reuse"]
 
 
 def test_every_prefix_cache_flag_is_a_spec_name():
