@@ -5,6 +5,12 @@ bodies arrive.
     python scripts/load_test.py --out docs/benchmarks   # the built-in tiny checkpoint; server_load.{json,md}
     python scripts/load_test.py --smoke                 # levels 1 and 4, 2 requests each, short probes, a temp folder
     python scripts/load_test.py --levels 1 8 --requests-per-client 2 -- --max-concurrency 4   # serve args after --
+    python scripts/load_test.py --serving -- /path/to/Qwen3.5-35B-A3B --max-concurrency 256   # the serving benchmark
+    python scripts/load_test.py --serving --url http://127.0.0.1:8000   # the same against a server already running
+
+With --serving it runs the serving benchmark instead (`ninfer_jax/benchmarks/serving.py`): ShareGPT-like and fixed
+1k-in/1k-out token-id completions at --concurrency 1 16 64 256, output and total tok/s, TTFT and TPOT p50/p99,
+written to serving_benchmark.{json,md}.
 
 The server runs as a subprocess on a free loopback port. Each level starts C clients at once; each client
 sends its requests one after another: streamed chat completions (short distinct prompts, greedy, a fixed
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -35,10 +42,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
 from ninfer_jax.benchmarks import report as reports
+from ninfer_jax.benchmarks import serving
 from ninfer_jax.server.subprocess_server import ServerProcess
 
 DEFAULT_SERVER_ARGS = ["--max-model-len", "2048", "--prefill-chunk", "256", "--max-concurrency", "8"]
@@ -57,7 +66,16 @@ def main() -> int:
     parser.add_argument("--probe-prefill-tokens", type=int, default=32000)
     parser.add_argument("--probe-body-mib", type=float, default=5.0)
     parser.add_argument("--probe-requests", type=int, default=20)
+    serving = parser.add_argument_group("the serving benchmark (--serving)")
+    serving.add_argument("--serving", action="store_true", help="run the serving benchmark instead")
+    serving.add_argument("--url", help="a server already running (default: start ninfer-serve with the args after --)")
+    serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    serving.add_argument("--workloads", nargs="+", default=["sharegpt", "fixed"], choices=["sharegpt", "fixed"])
+    serving.add_argument("--requests", type=int, help="requests per level; default 4 per client, at least 32")
+    serving.add_argument("--seed", type=int, default=0, help="the workloads' seed; default 0")
     args = parser.parse_args()
+    if args.serving:
+        return _serving_benchmark(args)
     if args.smoke:
         args.levels, args.requests_per_client = [1, 4], 2
         args.probe_prefill_tokens, args.probe_body_mib, args.probe_requests = 4096, 1.0, 5
@@ -253,6 +271,39 @@ def _token_prompt(seed: int, tokens: int) -> list[int]:
     return [1000 + (seed * 7919 + i * 104729) % 100_000 for i in range(tokens)]
 
 
+def _serving_benchmark(args: argparse.Namespace) -> int:
+    """Each workload at each concurrency, on a server started here (or at --url); every request must succeed."""
+    server = None if args.url else ServerProcess(args.server_args)
+    with server or contextlib.nullcontext(SimpleNamespace(url=args.url.rstrip("/"))) as running:
+        model = httpx.get(f"{running.url}/v1/models").json()["data"][0]["id"]
+        levels: dict[str, list[dict]] = {}
+        for name in args.workloads:
+            asyncio.run(serving.run_level(running.url, model, serving.workload(name, 1, args.seed + 1), 1))  # warm
+            for clients in args.concurrency:
+                count = args.requests or max(32, 4 * clients)
+                level = asyncio.run(serving.run_level(running.url, model, serving.workload(name, count, args.seed),
+                                                      clients))
+                print(f"{name} | {clients:>3} clients | {level['requests']} requests | {level['errors']} errors | "
+                      f"{level['output_tok_s']} output tok/s | {level['total_tok_s']} total tok/s | TTFT p50 "
+                      f"{level['ttft_p50_ms']} p99 {level['ttft_p99_ms']} ms | TPOT p50 {level['tpot_p50_ms']} p99 "
+                      f"{level['tpot_p99_ms']} ms", flush=True)
+                levels.setdefault(name, []).append(level)
+    report = {**reports.run_meta(), "server_args": args.server_args, "url": args.url, "model": model,
+              "seed": args.seed, "workloads": levels}
+    out = args.out or reports.DOCS
+    reports.write_report(out, "serving_benchmark", report, [
+        *reports.header("ninfer-serve serving benchmark", report,
+                        f"server: {'`ninfer-serve ' + ' '.join(args.server_args) + '`' if server else args.url}, "
+                        f"model `{model}`",
+                        "load: streamed /v1/completions of token-id prompts, greedy, ignore_eos; C clients each send "
+                        "the next request when their last ends; TTFT to the first chunk with text, TPOT (latency - "
+                        "TTFT) / (output tokens - 1)",
+                        f"workloads (seed {args.seed}): {serving.WORKLOADS}"),
+        *serving.markdown(report)])
+    errors = sum(lv["errors"] for lvs in levels.values() for lv in lvs)
+    return 1 if errors or (server is not None and server.exit_status != 0) else 0
+
+
 def _ms(values: list[float], q: float) -> float:
     return round(1000 * _percentile(sorted(values), q), 1) if values else float("nan")
 
@@ -265,13 +316,13 @@ def _ledger(metrics: str) -> dict:
     # The readiness polls while the server started answer 503 by design.
     statuses = re.findall(r'^ninfer_requests_total\{endpoint="(?!/health/ready")[^"]*",status="(\d+)"\} (\S+)$',
                           metrics, flags=re.M)
-    return {"pages_active": value("ninfer_engine_pages_active"), "pages_free": value("ninfer_engine_pages_free"),
-            "pages_cached": value("ninfer_engine_pages_cached"),
-            "pages_capacity": value("ninfer_engine_pages_capacity"),
-            "running": value("ninfer_engine_requests_running"), "waiting": value("ninfer_engine_requests_waiting"),
+    pages = {state: value(f'ninfer_kv_cache_pages{{state="{state}"}}') for state in ("active", "free", "cached")}
+    capacity = value("ninfer_kv_cache_capacity_pages")
+    return {"pages_active": pages["active"], "pages_free": pages["free"], "pages_cached": pages["cached"],
+            "pages_capacity": capacity, "running": value("ninfer_num_requests_running"),
+            "waiting": value("ninfer_num_requests_waiting"),
             "non_200_responses": sum(float(n) for status, n in statuses if status != "200"),
-            "ledger_closes": value("ninfer_engine_pages_free") + value("ninfer_engine_pages_cached")
-            == value("ninfer_engine_pages_capacity")}
+            "ledger_closes": pages["free"] + pages["cached"] == capacity}
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -111,7 +111,7 @@ class Engine:
         log.info("engine ready | %s | max_model_len %d | %d lanes", model_name, o.max_model_len, o.max_concurrency)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", max_concurrency: int = 4,
+    def from_pretrained(cls, path: str | Path | None = None, dtype: str = "auto", max_concurrency: int | str = "auto",
                         prefill_chunk: int | None = None, kv_capacity: int | str = "auto",
                         no_prefix_reuse: bool = False, warmup: bool = True, progress=None,
                         **other_options) -> "Engine":

@@ -21,8 +21,9 @@ from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCac
                                              default_tap_min_gap_tokens, tap_spacing_problem)
 
 __all__ = [
-    "DENSE_PREFILL_CHUNK", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
-    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "default_max_new_taps",
+    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB", "HOST_CACHE_SHARE",
+    "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
+    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "auto_host_cache_mib", "default_max_new_taps",
     "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
 ]
 
@@ -40,6 +41,16 @@ MOE_PREFILL_CHUNK = 8192
 # its prefill chunk (docs/benchmarks/prefill_profile.md).
 MOE_IDLE_PREFILL_CHUNK = 32768
 MAX_DEFAULT_MODEL_LEN = 32768  # the default context: the model's limit, at most this
+MAX_CONCURRENCY = 256  # vLLM's and SGLang's default running sequences; a decode round's weights serve them all
+CPU_CONCURRENCY = 4  # max_concurrency auto where the device reports no memory (a CPU)
+# max_concurrency auto on a GPU gives each lane room for this much context in the KV pool (max_model_len if
+# shorter): lanes share the pool, so one long prompt still fits while the others are short.
+AUTO_LANE_KV_TOKENS = 8192
+# host_cache_mib auto: this share of the memory available at startup, at most HOST_CACHE_CAP_MIB. The rest stays to
+# the process (weights on their way to the device, the tokenizer's threads) and to other processes; the cap keeps
+# the page-locking of the tier at startup short.
+HOST_CACHE_SHARE = 0.25
+HOST_CACHE_CAP_MIB = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +120,8 @@ class Option:
             text += f", {self.minimum}..{self.maximum}"
         if self.multiple_of:
             text += f", a multiple of {self.multiple_of}"
-        default = None if self.kind is bool else self.cli_default or self.rule or self.default
+        default = ("on" if self.default else None) if self.kind is bool \
+            else self.cli_default or self.rule or self.default
         return text if default is None else f"{text}; default {default}"
 
 
@@ -125,8 +137,12 @@ class EngineOptions:
     dtype: str = _option(
         str, "bfloat16", "weights and KV cache precision; auto: float32 on a CPU, bfloat16 on a GPU",
         flag="--dtype", choices=("bfloat16", "float32"), cli_default="auto")
-    max_concurrency: int = _option(
-        int, 4, "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1, maximum=64)
+    max_concurrency: int | str = _option(
+        int, "auto", "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1,
+        maximum=MAX_CONCURRENCY, auto=True,
+        rule=f"auto: on a GPU the most lanes (at most {MAX_CONCURRENCY}) whose state slots (C + D) and "
+             f"{AUTO_LANE_KV_TOKENS} KV tokens each (max_model_len if shorter) fit the memory left after the "
+             f"weights and the longest prefill pass; {CPU_CONCURRENCY} on a CPU")
     prefill_chunk: int | None = _option(
         int, None, "prompt tokens per prefill pass; a longer pass keeps running requests' decode waiting longer",
         flag="--prefill-chunk", minimum=64, multiple_of=64,
@@ -169,9 +185,11 @@ class EngineOptions:
         bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
         "(slower at low concurrency)", flag="--batch-invariant")
     no_prefix_reuse: bool = _option(bool, False, "turn the prefix cache off", flag="--no-prefix-reuse", cache=True)
-    host_cache_mib: int = _option(
-        int, DEFAULT_HOST_CACHE_BYTES >> 20, "host memory for the prefix cache in MiB (the Host tier, spec §5.4); "
-        "0: device memory only", flag="--host-cache-mib", minimum=0, cache=True)
+    host_cache_mib: int | str = _option(
+        int, "auto", "host memory for the prefix cache in MiB (the Host tier, spec §5.4); 0: device memory only",
+        flag="--host-cache-mib", minimum=0, cache=True, auto=True,
+        rule=f"auto: {HOST_CACHE_SHARE:g} x the memory available at startup, at most {HOST_CACHE_CAP_MIB} "
+             f"({DEFAULT_HOST_CACHE_BYTES >> 20} where the machine does not say)")
     device_snapshot_slots: int | None = _option(
         int, None, "device slots for saved conversation states (snapshot slots, spec D)",
         flag="--device-snapshot-slots", minimum=1, cache=True,
@@ -189,29 +207,33 @@ class EngineOptions:
         Path, None, "save the host prefix cache here at an orderly stop and load it at the next start (spec §5.5)",
         flag="--prefix-cache-file", cache=True, metavar="FILE")
     concurrent_prefill: bool = _option(
-        bool, False, "admit a request while another prefills (needed for in-flight coalescing, spec §12.2)",
-        flag="--concurrent-prefill", cache=True)
+        bool, True, "a request whose prompt shares a prefix with one prefilling waits for that prefix instead of "
+        "computing it again (in-flight coalescing, spec §12.2)", flag="--concurrent-prefill", cache=True)
     cache_policy: str = _option(
         str, "hpc", "prefix cache policy: hpc (the spec's) or align (vLLM's, for comparison only)",
         choices=("hpc", "align"), cache=True)
 
     def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
-                hopper: bool = True, quantized: bool = False) -> "EngineOptions":
+                hopper: bool = True, auto_lanes: int | None = None, available_memory: int | None = None,
+                quantized: bool = False) -> "EngineOptions":
         """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
-        known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper and whether the
-        checkpoint's weights are block-FP8 are arguments."""
+        known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper, what
+        max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY), the host memory
+        available in bytes (None: not known) and whether the checkpoint's weights are block-FP8 are arguments."""
         self.check_conflicts(backend)
         if self.fp8_activations == "dynamic" and not quantized:
             raise OptionsError("fp8_activations 'dynamic' needs a block-FP8 checkpoint; this one's weights are "
                                "unquantized")
+        lanes = self.max_concurrency if self.max_concurrency != "auto" else auto_lanes or CPU_CONCURRENCY
         chunk = self.prefill_chunk or (MOE_PREFILL_CHUNK if moe else DENSE_PREFILL_CHUNK)
         idle = self.idle_prefill_chunk or (max(chunk, MOE_IDLE_PREFILL_CHUNK) if moe else chunk)
         _check_idle_chunk(idle, chunk)
         max_len = self.max_model_len or min(config_max_positions, MAX_DEFAULT_MODEL_LEN)
         if not 2 <= max_len <= config_max_positions:
             raise OptionsError(f"max_model_len must be in 2..{config_max_positions}, got {max_len}")
+        host_mib = self.host_cache_mib if self.host_cache_mib != "auto" else auto_host_cache_mib(available_memory)
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
-        host = self.host_cache_mib > 0 and not self.no_prefix_reuse
+        host = host_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
         longest = -(-max_len // 64) * 64  # no pass outgrows the context (the idle one stays >= prefill_chunk)
         attention = self.prefill_attention
@@ -219,13 +241,15 @@ class EngineOptions:
             attention = "cudnn" if hopper and self.cudnn_conflict(backend) is None else "pallas"
         return dataclasses.replace(
             self,
+            max_concurrency=lanes,
+            host_cache_mib=host_mib,
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,
             prefill_chunk=min(chunk, longest),
             idle_prefill_chunk=min(idle, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
-            else default_snapshot_slots(self.max_concurrency, host),
+            else default_snapshot_slots(lanes, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
             tap_ladder_tokens=self.tap_ladder_tokens or default_tap_ladder_tokens(chunk),
             tap_min_gap_tokens=self.tap_min_gap_tokens or default_tap_min_gap_tokens(chunk),
@@ -239,9 +263,9 @@ class EngineOptions:
             problem = option.problem(getattr(self, option.name))
             if problem:
                 raise OptionsError(f"{option.name} {problem}")
-        if self.no_prefix_reuse:
+        if self.no_prefix_reuse:  # a cache switch (coalescing) means nothing without a cache, on or off
             given = [o.name for o in OPTIONS.values()
-                     if o.cache and o.name != "no_prefix_reuse" and getattr(self, o.name) != o.default]
+                     if o.cache and o.kind is not bool and getattr(self, o.name) != o.default]
             if given:
                 raise OptionsError(f"no_prefix_reuse conflicts with {', '.join(given)}: there is no prefix cache "
                                    f"to configure")
@@ -306,6 +330,13 @@ OPTIONS: dict[str, Option] = {f.name: dataclasses.replace(f.metadata["option"], 
                               for f in dataclasses.fields(EngineOptions)}
 
 
+def auto_host_cache_mib(available_memory: int | None) -> int:
+    """host_cache_mib auto for `available_memory` bytes (None: not known)."""
+    if available_memory is None:
+        return DEFAULT_HOST_CACHE_BYTES >> 20
+    return min(HOST_CACHE_CAP_MIB, int(available_memory * HOST_CACHE_SHARE) >> 20)
+
+
 def _check_idle_chunk(idle: int, chunk: int) -> None:
     """A pass while nobody waits is never shorter than one while a decode waits."""
     if idle < chunk:
@@ -331,9 +362,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
         if option.flag is None:
             continue
         group = cache if option.cache else engine
-        if option.kind is bool:
-            group.add_argument(option.flag, dest=option.name, action="store_true", default=None,
-                               help=option.help_text())
+        if option.kind is bool:  # one that is on by default is turned off with --no-<flag>
+            group.add_argument(option.flag, dest=option.name, default=None, help=option.help_text(),
+                               action=argparse.BooleanOptionalAction if option.default else "store_true")
         elif option.choices:
             choices = option.choices if option.cli_default in (None, *option.choices) \
                 else (option.cli_default, *option.choices)

@@ -18,7 +18,8 @@ from ninfer_jax.runtime.device.cache_file import FORMAT, LoadReport, PrefixCache
 from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
 from ninfer_jax.runtime.device.host_tier import HostTier
 from ninfer_jax.runtime.device.runner import ModelRunner
-from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from ninfer_jax.runtime.options import (AUTO_LANE_KV_TOKENS, CPU_CONCURRENCY, MAX_CONCURRENCY, EngineOptions,
+                                        OptionsError, default_snapshot_slots)
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.scheduler import Scheduler, pages_for
 from pallas_kernels.paged_attention import PrefillConfig
@@ -33,9 +34,65 @@ def is_hopper(device) -> bool:
 
 
 def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOptions:
-    """The options with every derived value filled in for this model on this process's first device."""
-    return options.resolve(config.max_position_embeddings, jax.default_backend(), moe=config.is_moe,
-                           hopper=is_hopper(jax.devices()[0]), quantized=config.quantization is not None)
+    """The options with every derived value filled in for this model on this process's first device (after the
+    weights are loaded: max_concurrency auto counts the memory they leave)."""
+    backend = jax.default_backend()
+
+    def resolve(lanes: int | None) -> EngineOptions:
+        return options.resolve(config.max_position_embeddings, backend, moe=config.is_moe,
+                               hopper=is_hopper(jax.devices()[0]), auto_lanes=lanes,
+                               available_memory=available_memory_bytes(), quantized=config.quantization is not None)
+
+    if options.max_concurrency != "auto" or backend != "gpu":
+        return resolve(None)
+    return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None))
+
+
+def available_memory_bytes() -> int | None:
+    """The host memory available for new allocations without swapping (MemAvailable); None where not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_budget(options: EngineOptions, fixed_bytes: int, activation_bytes: int) -> int | None:
+    """The bytes the pools may take beyond `fixed_bytes`: the device memory free now, less a reserve for the
+    longest prefill pass's activations and the compiler's scratch, times memory_fraction. None on a backend that
+    reports no memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    free = limit - stats.get("bytes_in_use", 0) - fixed_bytes
+    reserve = max(2 << 30, int(0.05 * limit), activation_bytes)  # activations, compiler scratch
+    return int((free - reserve) * options.memory_fraction)
+
+
+def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_given: bool) -> int:
+    """max_concurrency auto: the most lanes C, at most MAX_CONCURRENCY, whose C + D state slots and a KV pool of
+    AUTO_LANE_KV_TOKENS per lane (max_model_len if shorter; kv_capacity's pool when given) fit `device_budget`.
+    `options` is resolved with any lane count; D is its device_snapshot_slots when given, else the default rule."""
+    dtype = kv_dtype(options)
+    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype))
+    budget = device_budget(options, 0, prefill_activation_bytes(config, options.idle_prefill_chunk, dtype))
+    if budget is None:
+        return CPU_CONCURRENCY
+    host = options.host_cache_mib > 0 and not options.no_prefix_reuse
+    per_lane = min(options.max_model_len, AUTO_LANE_KV_TOKENS)
+    for lanes in range(MAX_CONCURRENCY, 1, -1):
+        snapshots = options.device_snapshot_slots if snapshot_slots_given else default_snapshot_slots(lanes, host)
+        pages = pages_for(max(lanes * per_lane, options.max_model_len) if options.kv_capacity == "auto"
+                          else options.kv_capacity)
+        if (lanes + snapshots) * per_slot + pages * per_page <= budget and pages >= lanes:
+            return lanes
+    return 1
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +116,9 @@ def kv_dtype(options: EngineOptions):
 def auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int, activation_bytes: int) -> int:
     """KV capacity for kv_capacity="auto": the device memory left after weights, state and the longest prefill
     pass's activations, or (on a backend that reports no memory) enough for every lane to reach max_model_len."""
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
+    usable = device_budget(options, fixed_bytes, activation_bytes)
+    if usable is None:
         return options.max_concurrency * options.max_model_len
-    free = limit - stats.get("bytes_in_use", 0) - fixed_bytes
-    reserve = max(2 << 30, int(0.05 * limit), activation_bytes)  # activations, compiler scratch
-    usable = int((free - reserve) * options.memory_fraction)
     return max(PAGE, usable // bytes_per_page * PAGE)
 
 

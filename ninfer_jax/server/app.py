@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +39,8 @@ def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits
     `default_thinking`: whether OpenAI-protocol requests think when they do not say."""
     app = FastAPI(title="ninfer-jax", docs_url=None, redoc_url=None, openapi_url=None)
     ctx = ServerContext(engine, api_key, limits or Limits(), default_thinking=default_thinking)
+    ctx.metrics.watch_engine(lambda: ctx.engine.published_stats() if ctx.engine is not None else None,
+                             lambda: ctx.queue.in_flight)
     app.state.context = ctx
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
@@ -57,9 +59,8 @@ def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits
         return _probe(ctx, readiness=True)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        stats = ctx.engine.published_stats() if ctx.engine is not None else {}
-        return PlainTextResponse(ctx.metrics.render(stats, ready=ctx.engine is not None), media_type=CONTENT_TYPE)
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, error: ApiError) -> Response:

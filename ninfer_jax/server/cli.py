@@ -24,7 +24,7 @@ from typing import Any
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
-from .limits import CHARS_PER_TOKEN, Limits
+from .limits import CHARS_PER_TOKEN, MIN_DEFAULT_WAITING, WAITING_PER_LANE, Limits
 
 log = logging.getLogger("ninfer_jax.server")
 
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                               ("--max-n", "max_n", "samples of one prompt (the request's n)")):
         value = getattr(default, field)
         limits.add_argument(flag, type=int, default=value, metavar="N", help=f"{what}; default {value}")
+    server.add_argument("--max-waiting-requests", type=int, metavar="N",
+                        help="requests that may wait for a lane; past them the server answers 503 with Retry-After; "
+                             f"default {WAITING_PER_LANE} per lane (--max-concurrency), at least {MIN_DEFAULT_WAITING}")
     engine, _ = add_engine_arguments(parser)
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")

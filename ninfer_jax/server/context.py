@@ -1,5 +1,5 @@
 """What every handler shares: the engine (once built), its startup, the request limits, the tokenizing threads,
-the server's metrics, the API key, and whether it is stopping."""
+the server's metrics, the API key, the bounded request queue, and whether it is stopping."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi import Request
 
 from .errors import ApiError
 from .frontend_pool import FrontendPool
-from .limits import Limits
+from .limits import Limits, RequestQueue
 from .metrics import ServerMetrics
 from .readiness import Startup
 
@@ -28,6 +28,14 @@ class ServerContext:
     frontend: FrontendPool = dataclasses.field(default_factory=FrontendPool)
     stopping: bool = False  # set when the orderly stop begins; /health reports it
     default_thinking: bool = True  # --default-thinking: OpenAI-protocol requests think unless they say otherwise
+    queue: RequestQueue = dataclasses.field(init=False)  # engine requests in flight, bounded (--max-waiting-requests)
+
+    def __post_init__(self) -> None:
+        self.queue = RequestQueue(self.limits.max_waiting_requests)
+
+    def enter_queue(self, count: int) -> None:
+        """Takes `count` places in the request queue for the engine's lanes (raises ApiError when it is full)."""
+        self.queue.enter(count, self.engine.published_stats()["slots"]["active"])
 
     def attach(self, engine: Any) -> None:
         """The engine is built: the server is ready (called from the startup thread)."""

@@ -14,6 +14,7 @@ protocol the request path belongs to. Status codes and `type` strings follow eac
   too_large         413 invalid_request_error               413 request_too_large
   media_type        415 invalid_request_error               415 invalid_request_error
   loading           503 server_error                        503 overloaded_error
+  overloaded        503 server_error                        503 overloaded_error
   unavailable       503 server_error                        529 overloaded_error
   server_error      500 server_error                        500 api_error
 """
@@ -33,6 +34,7 @@ OPENAI_STATUS_TYPE = {
     "too_large": (413, "invalid_request_error"),
     "media_type": (415, "invalid_request_error"),
     "loading": (503, "server_error"),
+    "overloaded": (503, "server_error"),
     "unavailable": (503, "server_error"),
     "server_error": (500, "server_error"),
 }
@@ -44,6 +46,7 @@ ANTHROPIC_STATUS_TYPE = {
     "too_large": (413, "request_too_large"),
     "media_type": (415, "invalid_request_error"),
     "loading": (503, "overloaded_error"),
+    "overloaded": (503, "overloaded_error"),
     "unavailable": (529, "overloaded_error"),
     "server_error": (500, "api_error"),
 }
@@ -57,7 +60,7 @@ class ApiError(Exception):
     message: str
     param: str | None = None  # OpenAI's `param` (the offending field), when known
     code: str | None = None  # OpenAI's `code`, when it has one
-    retry_after: int | None = None  # seconds, sent as Retry-After (the server is still loading)
+    retry_after: int | None = None  # seconds, sent as Retry-After (the server is loading, or its queue is full)
 
     def __str__(self) -> str:
         return self.message

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -17,8 +18,8 @@ from fastapi import Request
 
 from ninfer_jax import EngineStoppedError, InvalidRequestError, PromptTooLongError, SamplingParams
 
+from .context import ServerContext
 from .errors import ApiError, ClientGone
-from .metrics import ServerMetrics
 
 T = TypeVar("T")
 
@@ -70,12 +71,16 @@ def failure(finish_reason: str, error: str | None) -> ApiError:
 
 
 class EngineRun:
-    """The events of one engine request, what they added up to, and its count in the server metrics (once:
-    at its final event, or when cancelled first)."""
+    """The events of one engine request, what they added up to, and its count in the server metrics and place in
+    the request queue (both settled once: at its final event, its refusal, or when cancelled first)."""
 
     def __init__(self, engine: Any, prompt: Any, sampling: SamplingParams, request_id: str,
-                 metrics: ServerMetrics, events: AsyncIterator[Any] | None = None):
-        self.engine, self.request_id, self.metrics = engine, request_id, metrics
+                 ctx: ServerContext, events: AsyncIterator[Any] | None = None):
+        """Submits the request unless `events` are given (one of a group `sample_runs` submitted, which took the
+        group's places). Raises ApiError when the request queue is full."""
+        if events is None:
+            ctx.enter_queue(1)
+        self.engine, self.request_id, self.metrics, self._queue = engine, request_id, ctx.metrics, ctx.queue
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict] = []  # the engine's entries, when the request asked for logprobs
@@ -85,6 +90,7 @@ class EngineRun:
         self._admitted: Any = None  # the first event's usage (cached tokens are fixed at admission)
         self._refused = False  # the engine refused it before any work
         self._counted = False
+        self._last_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,16 +102,22 @@ class EngineRun:
             event = await self._events.__anext__()
         except (PromptTooLongError, InvalidRequestError, EngineStoppedError) as error:
             self._refused = True
+            self._leave_queue()
             raise _refusal(error) from None
         if self._admitted is None and event.usage is not None:
             self._admitted = event.usage
+        if event.token_ids:  # the inter-token latency as the client sees it, from the second token on
+            now = time.perf_counter()
+            if self._last_token_at is not None:
+                self.metrics.observe_tokens(len(event.token_ids), now - self._last_token_at)
+            self._last_token_at = now
         self.token_ids += event.token_ids
         self.text += event.text
         self.logprobs += event.logprobs or ()
         if event.finish_reason is not None:
             self.last = event
             outcome = self.outcome()
-            self._count(outcome.finish_reason, outcome.completion_tokens, outcome.ttft_s)
+            self._count(outcome.finish_reason, outcome.completion_tokens, event.metrics)
         return event
 
     async def events(self, first: Any) -> AsyncIterator[Any]:
@@ -154,30 +166,38 @@ class EngineRun:
         if self.last is not None and self.last.finish_reason not in ANSWERED:
             raise failure(self.last.finish_reason, self.last.error)
 
-    def _count(self, finish_reason: str, completion_tokens: int, ttft_s: float | None) -> None:
+    def _leave_queue(self) -> None:
+        if self._queue is not None:
+            self._queue, queue = None, self._queue
+            queue.leave()
+
+    def _count(self, finish_reason: str, completion_tokens: int, timing: Any) -> None:
+        self._leave_queue()
         if not self._counted:
             self._counted = True
             self.metrics.observe_finish(finish_reason, self.prompt_tokens, completion_tokens, self.cached_tokens,
-                                        ttft_s)
+                                        timing)
 
 
 def sample_runs(engine: Any, prompt: Any, sampling: SamplingParams, n: int, request_id: str,
-                metrics: ServerMetrics) -> list[EngineRun]:
+                ctx: ServerContext) -> list[EngineRun]:
     """The `n` samples of one prompt (OpenAI's `n`). n = 1: one request named `request_id`; more: one group of
     `engine.submit_samples`, which computes the prompt once. With a seed s, sample i draws with seed s + i (vLLM's
-    rule), so each differs and all repeat. Raises ApiError for a refusal."""
+    rule), so each differs and all repeat. Raises ApiError for a refusal or a full request queue."""
     if n == 1:
-        return [EngineRun(engine, prompt, sampling, request_id, metrics)]
+        return [EngineRun(engine, prompt, sampling, request_id, ctx)]
     loop = asyncio.get_running_loop()
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
     samplings = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                  for i in range(n)]
     sinks = [lambda event, q=q: loop.call_soon_threadsafe(q.put_nowait, event) for q in queues]
+    ctx.enter_queue(n)
     try:
         ids = engine.submit_samples(prompt, samplings, sinks)
     except (PromptTooLongError, InvalidRequestError, EngineStoppedError) as error:
+        ctx.queue.leave(n)
         raise _refusal(error) from None
-    return [EngineRun(engine, prompt, s, rid, metrics, events=_drain(q)) for s, rid, q in zip(samplings, ids, queues)]
+    return [EngineRun(engine, prompt, s, rid, ctx, events=_drain(q)) for s, rid, q in zip(samplings, ids, queues)]
 
 
 async def _drain(events: asyncio.Queue) -> AsyncIterator[Any]:

@@ -19,6 +19,12 @@ MAX_REQUEST_BYTES = 8 << 20
 # A token of the Qwen3.5 tokenizer covers about 4 characters of prose and rarely more than 16 of anything
 # (long runs of spaces): a prompt with more characters than 16 per token of context cannot fit it.
 CHARS_PER_TOKEN = 16
+# What waits for a lane when max_waiting_requests is unset: four requests per lane, so a queued request waits about
+# four requests' time before it starts (a client does better retrying elsewhere past that), and at least 256, so a
+# small engine still takes a burst of an agent fleet's requests at once.
+WAITING_PER_LANE = 4
+MIN_DEFAULT_WAITING = 256
+RETRY_AFTER_BUSY_S = 1  # what a 503 for a full queue tells clients to wait: lanes free within a second or so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Limits:
     max_stop_chars: int = 256  # --max-stop-chars: each string is matched against the text after every token
     max_tools: int = 128  # --max-tools (OpenAI's own limit)
     max_n: int = 16  # --max-n: samples of one prompt; each holds a lane while it decodes
+    max_waiting_requests: int | None = None  # --max-waiting-requests; None: default_max_waiting(lanes)
 
     def prompt_chars(self, max_model_len: int) -> int:
         """The bound on a request's characters of text for a context of `max_model_len` tokens."""
@@ -49,6 +56,39 @@ class Limits:
             raise _over("stop", f"a stop string of {longest} characters", self.max_stop_chars, "--max-stop-chars")
         if tools > self.max_tools:
             raise _over("tools", f"{tools} tools", self.max_tools, "--max-tools")
+
+
+def default_max_waiting(lanes: int) -> int:
+    """Engine requests that may wait for a lane when --max-waiting-requests is unset."""
+    return max(MIN_DEFAULT_WAITING, WAITING_PER_LANE * lanes)
+
+
+@dataclasses.dataclass
+class RequestQueue:
+    """The engine requests the server submitted and has not seen end (in a lane, or waiting for one), bounded by
+    the engine's lanes plus max_waiting (None: `default_max_waiting`). Used on the event loop only."""
+
+    max_waiting: int | None = None
+    in_flight: int = 0
+
+    def bound(self, lanes: int) -> int:
+        return lanes + (self.max_waiting if self.max_waiting is not None else default_max_waiting(lanes))
+
+    def enter(self, count: int, lanes: int) -> None:
+        """Takes `count` places. Raises ApiError: 503 with Retry-After while the queue is full; 400 for more
+        requests than it ever holds."""
+        bound = self.bound(lanes)
+        if count > bound:
+            raise ApiError("invalid_request", f"the request runs {count} generations at once; this server queues at "
+                           f"most {bound} ({lanes} lanes and --max-waiting-requests {bound - lanes})", param="n")
+        if self.in_flight + count > bound:
+            raise ApiError("overloaded", f"the server is busy: {self.in_flight} requests are running or waiting "
+                           f"for one of {lanes} lanes, the most it queues (--max-waiting-requests {bound - lanes}); "
+                           f"retry shortly", retry_after=RETRY_AFTER_BUSY_S)
+        self.in_flight += count
+
+    def leave(self, count: int = 1) -> None:
+        self.in_flight -= count
 
 
 def check_context(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> None:

@@ -1,102 +1,143 @@
-"""Server counters and their Prometheus text exposition (format 0.0.4), written by hand.
+"""The server's Prometheus metrics, through prometheus_client, named after vLLM's `vllm:` series
+(docs/engine_notes.md lists each).
 
-The server's own series: requests by endpoint and HTTP status, finished requests by finish reason,
-prompt / completion / cached (reused) tokens, a time-to-first-token histogram, and whether the engine is
-loaded. The stats the engine's thread last published (`published_stats()`) follow as gauges: `ninfer_prefix_cache_<counter>` for its prefix-cache counters and
-`ninfer_engine_<section>_<key>` for every other number (pages, slots, requests, tokens).
+Two sources: what the server observes of each request on the event loop (HTTP responses, finishes, token counts,
+the latency histograms), and the engine's numbers (running and waiting requests, KV and snapshot occupancy, the
+prefix cache's hits), read at each scrape from `engine.published_stats()`, which never waits on the engine's
+thread and walks no tier.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# From a millisecond (a cached short prompt) to tens of minutes (a long prompt queued behind others).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class ServerMetrics:
-    """Updated on the event loop only (no lock)."""
+    """The series the server observes, in a registry of its own (one per app). Updated on the event loop only."""
 
     def __init__(self) -> None:
-        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
-        self.finished: collections.Counter[str] = collections.Counter()
-        self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # the last is +Inf
-        self.ttft_sum = 0.0
+        self.registry = CollectorRegistry()
+        self.responses = 0  # HTTP responses answered, for the stop's log line
+        r = self.registry
+        self.requests = Counter("ninfer_requests", "HTTP responses by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("ninfer_request_finish", "Engine requests finished, by finish reason.", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("ninfer_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("ninfer_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.cached_tokens = Counter("ninfer_cached_tokens", "Prompt tokens of finished requests reused from the "
+                                     "prefix cache.", registry=r)
+        self.ttft = Histogram("ninfer_time_to_first_token_seconds", "Time from arrival to the first generated "
+                              "token (engine-measured).", buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("ninfer_inter_token_latency_seconds", "Time between successive generated "
+                                     "tokens as the server receives them.", buckets=INTER_TOKEN_BUCKETS, registry=r)
+        self.queue_time = Histogram("ninfer_request_queue_time_seconds", "Time from arrival to getting a lane.",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.e2e = Histogram("ninfer_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=REQUEST_BUCKETS, registry=r)
 
     def observe_response(self, endpoint: str, status: int) -> None:
-        self.requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint, str(status)).inc()
+        self.responses += 1
 
-    def observe_finish(self, finish_reason: str, prompt: int, completion: int, cached: int,
-                       ttft_s: float | None) -> None:
-        self.finished[finish_reason] += 1
-        self.tokens["prompt"] += prompt
-        self.tokens["completion"] += completion
-        self.tokens["cached"] += cached
-        if ttft_s is not None:
-            self.ttft_counts[bisect.bisect_left(TTFT_BUCKETS, ttft_s)] += 1
-            self.ttft_sum += ttft_s
+    def observe_tokens(self, count: int, seconds: float) -> None:
+        """`count` tokens that arrived together `seconds` after the previous ones: each took seconds / count."""
+        for _ in range(count):
+            self.inter_token.observe(seconds / count)
 
-    def render(self, engine_stats: Mapping[str, Any], ready: bool = True) -> str:
-        lines: list[str] = []
-        _family(lines, "ninfer_server_ready", "gauge", "1 once the engine is loaded and serves, else 0.",
-                [({}, ready)])
-        _family(lines, "ninfer_requests_total", "counter", "HTTP responses by endpoint and status code.",
-                [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.requests.items())])
-        _family(lines, "ninfer_request_finish_total", "counter", "Engine requests finished, by finish reason.",
-                [({"reason": r}, n) for r, n in sorted(self.finished.items())])
-        for kind, help_text in (("prompt", "Prompt tokens of finished requests."),
-                                ("completion", "Generated tokens of finished requests."),
-                                ("cached", "Prompt tokens reused from the prefix cache.")):
-            _family(lines, f"ninfer_{kind}_tokens_total", "counter", help_text, [({}, self.tokens[kind])])
-        self._render_ttft(lines)
-        for section, values in engine_stats.items():
-            if not isinstance(values, Mapping):
-                if _is_number(values):
-                    _family(lines, f"ninfer_engine_{_name(section)}", "gauge", f"Engine stats: {section}.",
-                            [({}, values)])
-                continue
-            prefix = "ninfer_prefix_cache" if section == "prefix_cache" else f"ninfer_engine_{_name(section)}"
-            for key, value in values.items():
-                if _is_number(value):
-                    _family(lines, f"{prefix}_{_name(key)}", "gauge", f"Engine stats: {section}.{key}.",
-                            [({}, value)])
-        return "\n".join(lines) + "\n"
+    def observe_finish(self, finish_reason: str, prompt: int, completion: int, cached: int, timing: Any) -> None:
+        """A request's end; `timing` is its final event's Metrics (None: it ended before the engine did)."""
+        self.finished.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+        for histogram, seconds in ((self.ttft, getattr(timing, "ttft_s", None)),
+                                   (self.queue_time, getattr(timing, "queue_s", None)),
+                                   (self.e2e, getattr(timing, "latency_s", None))):
+            if seconds is not None:
+                histogram.observe(seconds)
 
-    def _render_ttft(self, lines: list[str]) -> None:
-        name = "ninfer_time_to_first_token_seconds"
-        lines += [f"# HELP {name} Time from arrival to the first generated token (engine-measured).",
-                  f"# TYPE {name} histogram"]
-        running = 0
-        for bound, count in zip((*TTFT_BUCKETS, float("inf")), self.ttft_counts):
-            running += count
-            label = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{label}"}} {running}')
-        lines += [f"{name}_sum {self.ttft_sum!r}", f"{name}_count {running}"]
+    def watch_engine(self, published: Callable[[], Mapping[str, Any] | None], in_flight: Callable[[], int]) -> None:
+        """Adds the engine's series, read at each scrape: `published()` is the engine's published stats (None
+        until it is built), `in_flight()` the server's engine requests in flight."""
+        self.registry.register(_EngineCollector(published, in_flight))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
-def _family(lines: list[str], name: str, kind: str, help_text: str,
-            samples: list[tuple[dict[str, str], float]]) -> None:
-    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        lines.append(f"{name}{{{rendered}}} {_number(value)}" if rendered else f"{name} {_number(value)}")
+class _EngineCollector:
+    """The engine's series from its published stats, at scrape time."""
+
+    def __init__(self, published: Callable[[], Mapping[str, Any] | None], in_flight: Callable[[], int]):
+        self.published, self.in_flight = published, in_flight
+
+    def describe(self) -> list[Metric]:
+        return []  # names checked at scrape, not at registration (which would read the stats)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.published()
+        yield _gauge("ninfer_server_ready", "1 once the engine is loaded and serves, else 0.", stats is not None)
+        yield _gauge("ninfer_server_requests_in_flight", "Engine requests the server submitted and has not seen "
+                     "end (running or waiting); bounded by --max-waiting-requests.", self.in_flight())
+        if stats is None:
+            return
+        requests, pages = stats["requests"], stats["pages"]
+        cache = stats.get("prefix_cache", {})
+        yield _gauge("ninfer_num_requests_running", "Requests in a lane (prefilling or decoding).",
+                     requests["running"])
+        yield _gauge("ninfer_num_requests_waiting", "Requests waiting for a lane or for KV pages.",
+                     requests["waiting"])
+        busy = pages["active"] + pages["filling"]
+        yield _gauge("ninfer_kv_cache_usage_perc", "Share of the KV pages held by running requests (0 to 1).",
+                     busy / pages["capacity"] if pages["capacity"] else 0.0)
+        yield _by_state("ninfer_kv_cache_pages", "KV pages by owner: free, active (a lane's), cached (the prefix "
+                        "cache's), filling.", pages)
+        yield _gauge("ninfer_kv_cache_capacity_pages", "KV pages in the pool (64 tokens each).", pages["capacity"])
+        if "snapshot_slots" in cache:
+            yield _by_state("ninfer_snapshot_slots", "Device snapshot slots (saved conversation states) by owner: "
+                            "free, active (a tap's staging), cached, filling.", cache["snapshot_slots"])
+        if cache.get("host_tier"):
+            yield _by_state("ninfer_host_cache_slabs", "Host tier slabs by content: free, node (KV blocks), image "
+                            "(snapshots), tail, filling.", cache["host_slabs"])
+        hits = cache.get("reuse_tokens", 0)
+        queries = hits + stats.get("tokens", {}).get("prompt", 0)  # every admitted prompt token: reused or computed
+        yield _counter("ninfer_prefix_cache_queries", "Prompt tokens the engine needed: reused from the prefix "
+                       "cache or computed.", queries)
+        yield _counter("ninfer_prefix_cache_hits", "Prompt tokens reused from the prefix cache.", hits)
+        yield _gauge("ninfer_prefix_cache_hit_rate", "Prefix cache hits over queries since the start (0 to 1).",
+                     hits / queries if queries else 0.0)
+        yield _gauge("ninfer_engine_compiles_since_warmup", "Programs compiled while serving (0 when warmup "
+                     "compiled every reachable shape).", stats.get("compiles_since_warmup", 0))
+        yield _gauge("ninfer_engine_stats_age_seconds", "Age of the engine's published stats.",
+                     stats.get("stats_age_s", 0.0))
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float))  # bools too: they render as 0 / 1
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if isinstance(value, bool) or float(value).is_integer() else repr(float(value))
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=float(value))
 
 
-def _name(key: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(key)).lower()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _by_state(name: str, documentation: str, ledger: Mapping[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["state"])
+    for state, count in ledger.items():
+        if state != "capacity":
+            family.add_metric([state], float(count))
+    return family

@@ -63,7 +63,7 @@ async def chat_completions(request: Request):
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx.metrics)
+    runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
     parsers = [OutputParser(thinking=thinking, tools=chat.tools) for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
@@ -99,7 +99,7 @@ async def completions(request: Request):
     runs = []
     try:
         for p, prompt in enumerate(prepared):
-            runs += sample_runs(engine, prompt, sampling, body.n, f"{request_id}-{p}", ctx.metrics)
+            runs += sample_runs(engine, prompt, sampling, body.n, f"{request_id}-{p}", ctx)
     except ApiError:
         for run in runs:
             run.cancel()

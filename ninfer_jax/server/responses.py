@@ -81,7 +81,7 @@ async def create_response(request: Request):
         temperature=body.temperature, top_p=body.top_p, response_format=response_format)
     await prepare_sampling(ctx, sampling)
     response_id = f"resp_{uuid.uuid4().hex}"
-    run = EngineRun(engine, prepared, sampling, response_id, ctx.metrics)
+    run = EngineRun(engine, prepared, sampling, response_id, ctx)
     output = _Output(OutputParser(thinking=thinking, tools=tools), _think_close_id(engine.tokenizer))
     shell = _response(body, response_id, engine.model_name)
     if body.stream:

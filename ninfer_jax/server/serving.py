@@ -54,7 +54,7 @@ class OrderlyServer(uvicorn.Server):
             await asyncio.to_thread(engine.stop)
         self.ctx.frontend.shutdown()
         await super().shutdown(sockets)
-        log.info("stopped | %d responses served", sum(self.ctx.metrics.requests.values()))
+        log.info("stopped | %d responses served", self.ctx.metrics.responses)
 
 
 def server_config(app: Any, host: str, port: int, **kwargs: Any) -> uvicorn.Config:

@@ -11,7 +11,7 @@ from ninfer_jax.runtime.device.runner import DECODE_COLUMNS, pack_decode_inputs
 from ninfer_jax.runtime.sampling import SamplerInputs, grouped_top_k
 
 
-@pytest.mark.parametrize("lanes, sizes", [(8, (1, 2, 4, 8)), (6, (1, 2, 4, 6)), (1, (1,))])
+@pytest.mark.parametrize("lanes, sizes", [(256, (1, 2, 4, 8, 16, 32, 64, 128, 256)), (6, (1, 2, 4, 6)), (1, (1,))])
 def test_round_sizes_are_powers_of_two_up_to_the_lane_count(lanes, sizes):
     assert pow2_buckets(lanes) == sizes
 

@@ -96,12 +96,12 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(max_concurrency=0), "max_concurrency must be in 1..64, got 0"),
-    (dict(max_concurrency=65), "max_concurrency must be in 1..64, got 65"),
+    (dict(max_concurrency=0), "max_concurrency must be 'auto' or in 1..256, got 0"),
+    (dict(max_concurrency=257), "max_concurrency must be 'auto' or in 1..256, got 257"),
     (dict(dtype="auto"), "dtype must be 'bfloat16' or 'float32', got 'auto'"),
     (dict(kv_capacity=0), "kv_capacity must be 'auto' or a positive integer, got 0"),
     (dict(kv_capacity="all"), "kv_capacity must be 'auto' or a positive integer, got 'all'"),
-    (dict(host_cache_mib=-1), "host_cache_mib must be >= 0, got -1"),
+    (dict(host_cache_mib=-1), "host_cache_mib must be 'auto' or >= 0, got -1"),
     (dict(memory_fraction=0), "memory_fraction must be in (0, 1], got 0"),
     (dict(memory_fraction=1.5), "memory_fraction must be in (0, 1], got 1.5"),
     (dict(output_window=0), "output_window must be a positive integer, got 0"),
@@ -116,7 +116,6 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
     (dict(batch_invariant=1), "batch_invariant must be True or False, got 1"),
     (dict(no_prefix_reuse=True, host_cache_mib=64, max_new_taps=2),
      "no_prefix_reuse conflicts with host_cache_mib, max_new_taps: there is no prefix cache to configure"),
-    (dict(no_prefix_reuse=True, concurrent_prefill=True), "no_prefix_reuse conflicts with concurrent_prefill"),
     (dict(no_prefix_reuse=True, cache_policy="align"), "no_prefix_reuse conflicts with cache_policy"),
     (dict(prefix_cache_file="x.cache", host_cache_mib=0),
      "prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0"),
@@ -135,14 +134,27 @@ def test_a_prefix_cache_file_must_name_a_file_in_an_existing_folder(tmp_path):
         str(tmp_path / "x.cache")
 
 
-def test_max_concurrency_takes_1_to_64():
+def test_max_concurrency_takes_1_to_256_or_auto():
     accepted = []
-    for c in range(-1, 70):
+    for c in range(-1, 260):
         try:
             accepted.append(EngineOptions(max_concurrency=c).resolve(4096).max_concurrency)
         except OptionsError:
             pass
-    assert accepted == list(range(1, 65))
+    assert accepted == list(range(1, 257))
+    assert EngineOptions().resolve(4096).max_concurrency == 4  # auto on a CPU
+    assert EngineOptions().resolve(4096, "gpu", auto_lanes=200).device_snapshot_slots == 201  # C + 1
+
+
+def test_auto_host_cache_takes_a_quarter_of_the_available_memory_at_most_64_gib():
+    gib = 2**30
+    assert EngineOptions().resolve(4096, available_memory=20 * gib).host_cache_mib == 5 << 10
+    assert EngineOptions().resolve(4096, available_memory=2048 * gib).host_cache_mib == 64 << 10
+    assert EngineOptions().resolve(4096).host_cache_mib == 8 << 10  # the machine does not say
+    assert EngineOptions(host_cache_mib=0).resolve(4096, available_memory=20 * gib).host_cache_mib == 0
+    resolved = EngineOptions(host_cache_mib=0, max_concurrency=3).resolve(4096, available_memory=20 * gib)
+    assert resolved.prefix_cache_options().host_cache_bytes == 0 and resolved.device_snapshot_slots == 5
+    assert EngineOptions(host_cache_mib=100).resolve(4096, available_memory=20 * gib).host_cache_mib == 100
 
 
 def test_the_prefix_cache_values_follow_the_host_tier_and_the_chunk():
@@ -208,3 +220,43 @@ def test_auto_kv_capacity_leaves_room_for_the_longest_prefill_pass(monkeypatch):
     tokens = startup.auto_kv_tokens(options, page, 0, bound)
     assert tokens == (14 * gib - bound) // page * 64  # not 14 GiB less the 4 GiB (5%) floor
     assert startup.auto_kv_tokens(options, page, 0, 1 * gib) == 10 * gib // page * 64  # a small pass: the floor
+
+
+def test_auto_max_concurrency_takes_the_most_lanes_whose_slots_and_kv_fit_the_gpu(monkeypatch):
+    """On a GPU, max_concurrency auto is the most lanes (at most 256) whose C + D state slots and 8192 KV tokens
+    each fit what the weights leave; the pools then sized hold them. The 35B-A3B's shapes on an H200's memory."""
+    import jax
+    import jax.numpy as jnp
+
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
+    from ninfer_jax.runtime import startup
+
+    cfg = ModelConfig.from_file("configs/qwen3.5-35b-a3b.json")
+    gib = 2**30
+    in_use = {"bytes": 0}
+
+    class Device:
+        platform, compute_capability = "gpu", "9.0"
+
+        def memory_stats(self):
+            return {"bytes_limit": 140 * gib, "bytes_in_use": in_use["bytes"]}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    slot, page = slot_bytes(cfg, jnp.bfloat16), page_bytes(cfg, jnp.bfloat16)
+    reserve = max(7 * gib, prefill_activation_bytes(cfg, 32768, jnp.bfloat16))  # 5% of 140 GiB, or the pass
+
+    def fits(lanes):  # the rule in words: 2C + 1 slots (a Host tier) and C x 8192 tokens within 90% of the rest
+        return (2 * lanes + 1) * slot + lanes * 8192 // PAGE * page <= int((140 * gib - in_use["bytes"] - reserve) * 0.9)
+
+    in_use["bytes"] = 67 * gib  # the bf16 weights
+    lanes = startup.resolve_options(EngineOptions(), cfg).max_concurrency
+    assert fits(lanes) and not fits(lanes + 1) and 16 < lanes < 256
+    resolved = startup.resolve_options(EngineOptions(), cfg)
+    sizes = startup.size_pools(cfg, resolved)
+    assert sizes.num_slots == 2 * lanes + 1 and sizes.num_pages * PAGE >= lanes * 8192
+    in_use["bytes"] = 35 * gib  # FP8 weights: more lanes, still at most 256
+    assert startup.resolve_options(EngineOptions(), cfg).max_concurrency == min(256, max(
+        c for c in range(1, 300) if fits(c)))
+    assert startup.resolve_options(EngineOptions(max_concurrency=8), cfg).max_concurrency == 8  # given: kept

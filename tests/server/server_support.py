@@ -226,7 +226,7 @@ class ScriptedEngine:
         self._stopping = True
 
     def stats(self) -> dict:
-        return {"requests": {"running": self.running, **self.counters},
+        return {"requests": {"running": self.running, "waiting": 0, **self.counters},
                 "tokens": {"prompt": sum(p.num_tokens for p in self.prompts)},
                 "pages": {"free": 8, "active": 0, "cached": 0, "filling": 0, "capacity": 8},
                 "slots": {"active": 4, "snapshot": 5},

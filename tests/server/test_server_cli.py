@@ -82,11 +82,17 @@ def test_prefix_cache_file_is_resolved_to_an_absolute_path(tmp_path, monkeypatch
     assert _options("--prefix-cache-file", "cache.bin").engine["prefix_cache_file"] == str(tmp_path / "cache.bin")
 
 
-@pytest.mark.parametrize("flag", CACHE_FLAGS)
-def test_no_prefix_reuse_conflicts_with_every_cache_option(flag, tmp_path):
-    value = {"--prefix-cache-file": [str(tmp_path / "f")], "--concurrent-prefill": []}.get(flag, ["64"])
+@pytest.mark.parametrize("flag", [f for f in CACHE_FLAGS if f != "--concurrent-prefill"])
+def test_no_prefix_reuse_conflicts_with_every_cache_setting(flag, tmp_path):
+    value = {"--prefix-cache-file": [str(tmp_path / "f")]}.get(flag, ["64"])
     with pytest.raises(UsageError, match=f"--no-prefix-reuse conflicts with {flag}: there is no prefix cache"):
         _options("--no-prefix-reuse", flag, *value)
+
+
+def test_no_prefix_reuse_takes_coalescing_on_or_off():
+    # coalescing is on by default: without a cache it has nothing to coalesce, whichever way it is set
+    for switch in ("--concurrent-prefill", "--no-concurrent-prefill"):
+        assert _options("--no-prefix-reuse", switch).engine["no_prefix_reuse"]
 
 
 def test_every_prefix_cache_flag_is_a_spec_name():
@@ -132,11 +138,11 @@ def test_refused_options_exit_with_status_2_and_say_why(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--kv-capacity", "lots"], "--kv-capacity: must be 'auto' or a positive integer, got 'lots'"),
     (["--kv-capacity", "0"], "--kv-capacity: must be 'auto' or a positive integer, got 0"),
-    (["--host-cache-mib", "-1"], "--host-cache-mib: must be >= 0, got -1"),
+    (["--host-cache-mib", "-1"], "--host-cache-mib: must be 'auto' or >= 0, got -1"),
     (["--prefill-chunk", "0"], "--prefill-chunk: must be a positive multiple of 64, got 0"),
     (["--prefill-chunk", "100"], "--prefill-chunk: must be a positive multiple of 64, got 100"),
-    (["--max-concurrency", "0"], "--max-concurrency: must be in 1..64, got 0"),
-    (["--max-concurrency", "65"], "--max-concurrency: must be in 1..64, got 65"),
+    (["--max-concurrency", "0"], "--max-concurrency: must be 'auto' or in 1..256, got 0"),
+    (["--max-concurrency", "257"], "--max-concurrency: must be 'auto' or in 1..256, got 257"),
     (["--cache-tap-ladder", "32"], "--cache-tap-ladder: must be >= 64, got 32"),
     (["--kernels", "triton"], "--kernels: invalid choice: 'triton'"),
 ])
@@ -188,7 +194,7 @@ def test_sigterm_answers_in_flight_requests_as_unavailable_then_exits_cleanly(tm
         for thread in threads:
             thread.start()
         started.wait(timeout=120)
-        wait_for(lambda: "ninfer_engine_requests_running 3" in httpx.get(f"{url}/metrics").text)
+        wait_for(lambda: "ninfer_num_requests_running 3.0" in httpx.get(f"{url}/metrics").text)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(120)

@@ -33,7 +33,8 @@ class BusyEngine(ScriptedEngine):
         raise AssertionError("stats() was called")
 
     def published_stats(self) -> dict:
-        return {"requests": {"running": 1}, "pages": {"capacity": 8}, "failed": self.failed, "stats_age_s": 0.1}
+        return {**ScriptedEngine.stats(self), "requests": {"running": 1, "waiting": 0}, "failed": self.failed,
+                "stats_age_s": 0.1}
 
 
 def test_readiness_reports_the_startup_until_the_engine_is_attached():
@@ -52,13 +53,13 @@ def test_readiness_reports_the_startup_until_the_engine_is_attached():
         message = httpx.post(f"{live.url}/v1/messages", json={**CHAT, "max_tokens": 4})
         assert message.status_code == 503 and message.json()["error"]["type"] == "overloaded_error"
         assert httpx.get(f"{live.url}/v1/models").status_code == 503
-        assert "ninfer_server_ready 0" in httpx.get(f"{live.url}/metrics").text
+        assert "ninfer_server_ready 0.0" in httpx.get(f"{live.url}/metrics").text
 
         ctx.attach(ScriptedEngine())
         assert httpx.get(f"{live.url}/health/ready").json() == {"status": "ready", "model": MODEL}
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok", "model": MODEL}
         assert httpx.post(f"{live.url}/v1/chat/completions", json=CHAT).status_code == 200
-        assert "ninfer_server_ready 1" in httpx.get(f"{live.url}/metrics").text
+        assert "ninfer_server_ready 1.0" in httpx.get(f"{live.url}/metrics").text
 
 
 def test_health_and_metrics_answer_at_once_while_the_engines_thread_is_busy():
@@ -68,7 +69,7 @@ def test_health_and_metrics_answer_at_once_while_the_engines_thread_is_busy():
         metrics = httpx.get(f"{live.url}/metrics", timeout=5)
         assert time.monotonic() - started < 2.0
     assert health.json() == {"status": "ok", "model": MODEL}
-    assert "ninfer_engine_requests_running 1" in metrics.text and "ninfer_engine_stats_age_s 0.1" in metrics.text
+    assert "ninfer_num_requests_running 1.0" in metrics.text and "ninfer_engine_stats_age_seconds 0.1" in metrics.text
 
 
 def test_a_failed_engine_is_503_on_both_probes():

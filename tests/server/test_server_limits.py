@@ -4,6 +4,7 @@ usable."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from ninfer_jax.server.limits import Limits
-from server_support import LiveServer, ScriptedEngine
+from server_support import LiveServer, ScriptedEngine, wait_for
 
 MODEL = ScriptedEngine.model_name
 USER = [{"role": "user", "content": "Hi"}]
@@ -224,3 +225,31 @@ def _on_one_connection(server, requests: list[tuple[str, str, bytes]]) -> list[t
     finally:
         connection.close()
     return results
+
+
+def test_a_full_request_queue_answers_503_with_retry_after_and_disconnects_give_places_back():
+    """4 lanes and --max-waiting-requests 2: a seventh request in flight gets 503 with Retry-After, in OpenAI's and
+    Anthropic's shapes; streams whose clients leave give their places back, and the next request is served."""
+    engine = ScriptedEngine(token_delay=0.05)
+    engine.default_text = "word " * 400  # each stream stays open until its client leaves
+    with LiveServer(engine, limits=Limits(max_waiting_requests=2)) as live:
+        with contextlib.ExitStack() as clients:  # each stream's client leaves mid-stream when it closes
+            for _ in range(6):
+                stream = clients.enter_context(httpx.stream("POST", live.url + CHAT, timeout=30, json={
+                    "model": MODEL, "messages": USER, "stream": True}))
+                assert stream.status_code == 200
+            assert live.context.queue.in_flight == 6
+            busy = httpx.post(live.url + CHAT, json={"model": MODEL, "messages": USER}, timeout=30)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["type"] == "server_error"
+            assert "--max-waiting-requests 2" in busy.json()["error"]["message"]
+            busy = httpx.post(live.url + MESSAGES, timeout=30, json={"model": MODEL, "max_tokens": 8,
+                                                                      "messages": USER})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.json()["type"] == "error" and busy.json()["error"]["type"] == "overloaded_error"
+            n = httpx.post(live.url + COMPLETIONS, json={"model": MODEL, "prompt": "Hi", "n": 7}, timeout=30)
+            assert n.status_code == 400 and "queues at most 6" in n.json()["error"]["message"]
+        wait_for(lambda: live.context.queue.in_flight == 0 and engine.running == 0)
+        assert len(engine._cancelled) == 6
+        served = httpx.post(live.url + CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 3}, timeout=30)
+        assert served.status_code == 200 and live.context.queue.in_flight == 0

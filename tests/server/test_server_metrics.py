@@ -1,5 +1,6 @@
-"""GET /health and GET /metrics: the Prometheus exposition of requests by status, token counters, the TTFT
-histogram, and the engine's own stats (prefix-cache counters, pages) as gauges."""
+"""GET /health and GET /metrics: the Prometheus exposition of requests by status, token counters, the latency
+histograms, and the engine's published stats (requests running and waiting, KV and snapshot occupancy, prefix-cache
+hits)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import httpx
 import pytest
 
+from ninfer_jax.runtime.request import Metrics
 from ninfer_jax.server.metrics import ServerMetrics
 from server_support import ScriptedEngine, oai, server  # noqa: F401 (fixtures)
 
@@ -30,37 +32,60 @@ def test_health_reports_ok_and_the_model(server):
     assert response.status_code == 200 and response.json() == {"status": "ok", "model": MODEL}
 
 
-def test_metrics_count_requests_tokens_and_time_to_first_token(server, oai, engine):
+def test_metrics_count_requests_tokens_and_latencies_and_read_the_engines_published_stats(server, oai, engine):
     for _ in range(2):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     httpx.get(f"{server.url}/v1/nothing-here")
     response = httpx.get(f"{server.url}/metrics")
-    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert response.headers["content-type"].startswith("text/plain; version=")
     samples = _samples(response.text)
+    generated = len(engine.tokenizer.encode(engine.default_text))
     assert samples['ninfer_requests_total{endpoint="/v1/chat/completions",status="200"}'] == 2
     assert samples['ninfer_requests_total{endpoint="unmatched",status="404"}'] == 1
     assert samples['ninfer_request_finish_total{reason="stop"}'] == 2
     assert samples["ninfer_prompt_tokens_total"] == sum(p.num_tokens for p in engine.prompts)
-    assert samples["ninfer_completion_tokens_total"] == 2 * len(engine.tokenizer.encode(engine.default_text))
+    assert samples["ninfer_generation_tokens_total"] == 2 * generated
     assert samples["ninfer_cached_tokens_total"] == sum(engine.cached)
-    assert samples['ninfer_time_to_first_token_seconds_bucket{le="+Inf"}'] == 2
-    assert samples["ninfer_time_to_first_token_seconds_count"] == 2
-    assert samples["ninfer_prefix_cache_hits"] == 2  # engine.stats()["prefix_cache"], as gauges
-    assert samples["ninfer_engine_pages_active"] == 0 and samples["ninfer_engine_pages_capacity"] == 8
+    for histogram in ("time_to_first_token", "e2e_request_latency"):
+        assert samples[f'ninfer_{histogram}_seconds_bucket{{le="+Inf"}}'] == 2
+    # each token after a request's first is one inter-token interval; the scripted engine gives no queue time
+    assert samples["ninfer_inter_token_latency_seconds_count"] == 2 * (generated - 1)
+    assert samples["ninfer_request_queue_time_seconds_count"] == 0
+    # the engine's published stats: the scripted engine's 8 pages, none held, and its prefix cache counters
+    assert samples["ninfer_num_requests_running"] == 0 and samples["ninfer_num_requests_waiting"] == 0
+    assert samples['ninfer_kv_cache_pages{state="free"}'] == samples["ninfer_kv_cache_capacity_pages"] == 8
+    assert samples["ninfer_kv_cache_usage_perc"] == 0
+    assert samples["ninfer_server_ready"] == 1 and samples["ninfer_server_requests_in_flight"] == 0
 
 
-def test_every_family_is_declared_once_with_help_and_type():
+def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_the_stats():
     metrics = ServerMetrics()
     metrics.observe_response("/v1/messages", 200)
-    metrics.observe_finish("length", 10, 3, 0, 0.2)
-    text = metrics.render({"prefix_cache": {"hits": 1}, "pages": {"free": 3}, "failed": None, "compiles": 2})
+    metrics.observe_finish("length", 10, 3, 0, Metrics(ttft_s=0.2, latency_s=0.5, queue_s=0.01))
+    metrics.observe_tokens(2, 0.03)
+    stats = {"requests": {"running": 3, "waiting": 5}, "tokens": {"prompt": 300},
+             "pages": {"free": 2, "active": 5, "cached": 2, "filling": 1, "capacity": 10},
+             "prefix_cache": {"reuse_tokens": 100, "snapshot_slots": {"free": 1, "active": 0, "cached": 4,
+                                                                       "filling": 0, "capacity": 5},
+                              "host_tier": True, "host_slabs": {"free": 7, "node": 1, "capacity": 8}},
+             "compiles_since_warmup": 0, "failed": None, "stats_age_s": 0.1}
+    metrics.watch_engine(lambda: stats, lambda: 8)
+    text = metrics.render().decode()
     declared = re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M)
     names = [name for name, _ in declared]
     assert len(names) == len(set(names))
     for line in text.splitlines():
         if not line.startswith("#"):
-            family = re.match(r"[a-z_]+", line).group(0)
+            family = re.match(r"[a-z0-9_]+", line).group(0)
             assert any(family == n or family.startswith(n + "_") for n in names), line
-    assert 'ninfer_time_to_first_token_seconds_bucket{le="0.25"} 1' in text
-    assert 'ninfer_time_to_first_token_seconds_bucket{le="0.1"} 0' in text
-    assert "ninfer_engine_compiles 2" in text and "failed" not in text
+    samples = _samples(text)
+    assert samples['ninfer_time_to_first_token_seconds_bucket{le="0.25"}'] == 1
+    assert samples['ninfer_time_to_first_token_seconds_bucket{le="0.1"}'] == 0
+    assert samples['ninfer_inter_token_latency_seconds_bucket{le="0.01"}'] == 0
+    assert samples['ninfer_inter_token_latency_seconds_bucket{le="0.025"}'] == 2  # 0.015 s each
+    assert samples["ninfer_kv_cache_usage_perc"] == 0.6  # active + filling of 10
+    assert samples["ninfer_prefix_cache_queries_total"] == 400 and samples["ninfer_prefix_cache_hits_total"] == 100
+    assert samples["ninfer_prefix_cache_hit_rate"] == 0.25
+    assert samples['ninfer_snapshot_slots{state="cached"}'] == 4 and samples['ninfer_host_cache_slabs{state="node"}'] == 1
+    assert samples["ninfer_num_requests_waiting"] == 5 and samples["ninfer_server_requests_in_flight"] == 8
+    assert "failed" not in text

@@ -25,7 +25,7 @@ def _long_message() -> str:
 
 
 def test_n_4_chat_computes_the_prompt_once(oai, engine, server):
-    computed, reused = engine.stats()["tokens"]["prompt"], server.context.metrics.tokens["cached"]
+    computed, reused = engine.stats()["tokens"]["prompt"], server.context.metrics.registry.get_sample_value("ninfer_cached_tokens_total")
     response = oai.chat.completions.create(
         model=engine.model_name, messages=[{"role": "user", "content": _long_message()}], n=4, max_tokens=6,
         temperature=1.0, seed=11, extra_body={**NO_THINKING, "ignore_eos": True})
@@ -37,7 +37,7 @@ def test_n_4_chat_computes_the_prompt_once(oai, engine, server):
     assert response.usage.completion_tokens == 4 * 6
     assert response.usage.prompt_tokens_details.cached_tokens == 0
     computed = engine.stats()["tokens"]["prompt"] - computed
-    reused = server.context.metrics.tokens["cached"] - reused
+    reused = server.context.metrics.registry.get_sample_value("ninfer_cached_tokens_total") - reused
     # The first sample computes the prompt; the others reuse all of it but the tail after its last full block.
     assert computed == prompt + 3 * (prompt % 64)
     assert reused == 3 * (prompt // 64 * 64)

@@ -244,6 +244,7 @@ class PrefixCacheManager:
             "snapshots": len(tree.snapshots),
             "device_pages_cached": self.pages.count(OwnerState.CACHED),
             "device_snapshot_slots": self.index.options.device_snapshot_slots,
+            "snapshot_slots": self.index.slots.ledger(),
             "host_tier": self.host is not None,
             "host_slabs": self.index.slabs.ledger(),
             **(self.host.stats() if self.host is not None else {}),

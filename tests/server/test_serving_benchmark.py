@@ -1,0 +1,38 @@
+"""The serving benchmark's workloads (the same requests for a seed, ShareGPT's published means, vLLM's bounds) and
+its client's measures against a live server."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ninfer_jax.benchmarks import serving
+from server_support import LiveServer, ScriptedEngine
+
+
+def test_the_workloads_repeat_for_a_seed_and_keep_sharegpts_means_within_the_bounds():
+    first, again = serving.workload("sharegpt", 2000, seed=3), serving.workload("sharegpt", 2000, seed=3)
+    assert first == again and first != serving.workload("sharegpt", 2000, seed=4)
+    inputs = np.array([len(r.prompt) for r in first])
+    outputs = np.array([r.output_tokens for r in first])
+    assert inputs.min() >= 4 and outputs.min() >= 4 and inputs.max() <= 1024 and (inputs + outputs).max() <= 2048
+    # the bounds cut the long tail, so the means land a little below the published 161 and 338
+    assert 120 < inputs.mean() < 162 and 250 < outputs.mean() < 338
+    assert len({tuple(r.prompt[:8]) for r in first}) == 2000  # no two share a prefix
+    fixed = serving.workload("fixed", 3)
+    assert [(len(r.prompt), r.output_tokens) for r in fixed] == [(1024, 1024)] * 3
+    with pytest.raises(ValueError, match="workload must be"):
+        serving.workload("alpaca", 1)
+
+
+def test_a_level_counts_every_token_and_measures_ttft_before_tpot():
+    engine = ScriptedEngine(token_delay=0.01)
+    engine.default_text = "one two three four five six seven eight nine ten " * 4
+    requests = [serving.BenchRequest(list(range(1000, 1000 + n)), 6) for n in (5, 9, 17, 30, 41)]
+    with LiveServer(engine) as live:
+        level = asyncio.run(serving.run_level(live.url, engine.model_name, requests, concurrency=2))
+    assert level["requests"] == 5 and level["errors"] == 0 and level["output_tokens"] == 30
+    assert level["input_tokens"] == 5 + 9 + 17 + 30 + 41
+    assert level["output_tok_s"] * level["wall_s"] == pytest.approx(30, rel=0.01)
+    assert 10 <= level["tpot_p50_ms"] <= level["tpot_p99_ms"] < 200  # about the engine's 10 ms between tokens
+    assert level["ttft_p50_ms"] is not None and engine.prompts[0].num_tokens == 5
