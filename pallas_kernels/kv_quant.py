@@ -127,6 +127,11 @@ def empty_pool(fmt: Format | None, shape: tuple[int, ...], dtype) -> jax.Array |
                       jnp.zeros((*shape[:-1], d // fmt.group_of(d)), fmt.scale_dtype), fmt.name)
 
 
+def format_of(pool) -> Format | None:
+    """A pool's format (None: plain)."""
+    return pool.format if isinstance(pool, QuantPages) else None
+
+
 def pool_pages(pool) -> int:
     return (pool.values if isinstance(pool, QuantPages) else pool).shape[0]
 
@@ -235,12 +240,12 @@ def write(pool, rows, page_ids, offsets):
                       pool.scales.at[page_ids, offsets].set(scales, mode="drop"), pool.fmt)
 
 
-def take_pages(pool, pages, dtype=None):
-    """Pages `pages` [n] of the pool -> [n, 64, Hkv, D] values (dequantized to `dtype`, float32 if None, for a
-    quantized pool): only the pages read are converted, never the pool."""
+def take(pool, index, dtype=None):
+    """pool[index] (an index into its leading axes: pages, or (pages, rows)) as values [..., D], dequantized to
+    `dtype` (float32 if None) for a quantized pool: only the rows read are converted, never the pool."""
     if not isinstance(pool, QuantPages):
-        return pool[pages]
-    return dequantize(pool.format, pool.values[pages], pool.scales[pages], pool.shape[-1], dtype or _F32)
+        return pool[index]
+    return dequantize(pool.format, pool.values[index], pool.scales[index], pool.shape[-1], dtype or _F32)
 
 
 def planes(pool) -> list[jax.Array]:

@@ -74,7 +74,7 @@ def size_pools(config: ModelConfig, options: EngineOptions) -> PoolSizes:
     when the pool cannot give every lane a page."""
     dtype = kv_dtype(options)
     num_slots = options.max_concurrency + options.device_snapshot_slots
-    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype))
+    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype, options.kv_dtype))
     tokens = options.kv_capacity
     if tokens == "auto":
         longest_pass = prefill_activation_bytes(config, options.idle_prefill_chunk, dtype)  # >= prefill_chunk
@@ -133,7 +133,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     runner = ModelRunner(config, params, kernel_config(o), num_pages=sizes.num_pages, num_slots=sizes.num_slots,
                          max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
-                         batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk)
+                         batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
+                         kv_profile=o.kv_dtype)
     log.info("engine options | %s", o.summary())
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
@@ -152,7 +153,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
         if o.prefix_cache_file is not None and host is not None:
             cache_file = PrefixCacheFile(o.prefix_cache_file, {
                 "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
-                "dtype": o.dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
+                "dtype": o.dtype, "kv_dtype": o.kv_dtype, "kernels": o.kernels, "prefill_attention": o.prefill_attention,
                 "prefill_chunk": o.prefill_chunk, "idle_prefill_chunk": o.idle_prefill_chunk,
                 "source": source_identity()})
             if progress is not None:
