@@ -230,7 +230,8 @@ def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_
     -> (q normalised and rotated, the pools with each active lane's key and value at its position)."""
     q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions, cfg)
     page_ids = jnp.where(active, tables[jnp.arange(proj.shape[0]), positions // PAGE], k_pages.shape[0])
-    return q, kv_quant.write(k_pages, k, page_ids, positions % PAGE), kv_quant.write(v_pages, v, page_ids, positions % PAGE)
+    rows = positions % PAGE
+    return q, kv_quant.write(k_pages, k, page_ids, rows), kv_quant.write(v_pages, v, page_ids, rows)
 
 
 def _attn_out(p: AttnParams, core, gate, dtype):

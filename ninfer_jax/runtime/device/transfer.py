@@ -1,9 +1,9 @@
 """The Host tier's transfer programs: page bundles and state images as raw uint32 words in the slab layout.
 
-A page bundle is, for every attention layer in forward order, its K page's planes then its V page's (one plane for
-a plain pool; values then scales for a quantized one, `kv_quant`), so a page moves as its bytes lie; a state image is,
-for every GDN layer in forward order, its ssm row then its conv row, cut into rows of one slab. The gathers'
-output is what `HostTier` copies into the slabs; the scatters take the slabs' rows back into the donated pools.
+A page bundle is, for every attention layer in forward order, its K page's planes then its V page's (one plane
+for a plain pool; values then scales for a quantized one, `kv_quant`), so a page moves as its bytes lie; a state
+image is, for every GDN layer in forward order, its ssm row then its conv row, cut into rows of one slab. The
+gathers' output is what `HostTier` copies into the slabs; the scatters take the slabs' rows back into the donated pools.
 The runner jits these (`ModelRunner.enable_host_transfers`); tests and benchmarks call them directly.
 """
 
