@@ -132,10 +132,6 @@ def format_of(pool) -> Format | None:
     return pool.format if isinstance(pool, QuantPages) else None
 
 
-def pool_pages(pool) -> int:
-    return (pool.values if isinstance(pool, QuantPages) else pool).shape[0]
-
-
 # --- codec ----------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ class DeviceState:
 
     @property
     def num_pages(self) -> int:
-        return kv_quant.pool_pages(self.k_pages[0]) if self.k_pages else 0
+        return self.k_pages[0].shape[0] if self.k_pages else 0  # a QuantPages' shape is its logical one
 
     @property
     def num_slots(self) -> int:
