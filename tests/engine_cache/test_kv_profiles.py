@@ -1,7 +1,7 @@
 """The prefix cache in quantized KV profiles (spec §3.1, §11.2, §13.3) on the tiny model (fp32, 4 layers): a
 resumed request (a Device tap, a Device endpoint with its tail, a Host-only restore, a persisted file after a
-restart) gives the tokens and first logprobs the same profile gives without reuse, and the pages' bytes move
-unchanged.
+restart, in k8v4) gives the tokens and first logprobs the same profile gives without reuse, and the pages' bytes
+move unchanged.
 
 int8 and k8v4 between them store every format (INT8 groups with float16 scales, FP8 rows, NVFP4 nibbles with FP8
 scales) and a page whose K and V differ in format; fp8 and nvfp4 pages move through the same plane code."""
@@ -62,6 +62,8 @@ def test_resumes_inside_a_profile_equal_its_runs_without_reuse(checkpoint, tmp_p
     same_as_without_reuse(engine, edited, 256, "tap", host=True)
     settle(engine, warmed=False)
     engine.stop()  # saves the Host tier
+    if profile != "k8v4":  # the file holds slab bytes whatever the format: one profile restarts (CI time)
+        return
 
     restarted = Engine.from_pretrained(checkpoint, kv_dtype=profile, prefix_cache_file=str(path), **SMALL)
     assert restarted.stats()["prefix_cache"]["loaded"]["outcome"] == "restored"
