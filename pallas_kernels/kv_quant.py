@@ -21,7 +21,7 @@ order (values, then scales; K before V), so the Host tier and the cache file mov
   nvfp4      NVFP4-G16    NVFP4-G16     288
   auto       the activations' dtype
 
-Scales are rounded up to their dtype, so every scaled value lies inside the code's range and nothing clips;
+Scales are rounded up in their dtype, so every scaled value lies inside the code's range and nothing clips;
 `error_bound` gives each format's bound on |x - dequantize(quantize(x))|. NVFP4 has no second-level scale, so
 it holds magnitudes up to 6 x 448 = 2688; larger ones saturate there.
 """
@@ -135,16 +135,31 @@ def format_of(pool) -> Format | None:
 # --- codec ----------------------------------------------------------------------------------------
 
 
-def _scale_up(x, dtype):
-    """x (f32, >= 0) rounded up to the next value of `dtype` (saturating at its largest finite value)."""
-    x = jnp.minimum(x, float(jnp.finfo(dtype).max))
-    y = x.astype(dtype)
-    low = y.astype(_F32) < x
-    if jnp.dtype(dtype).itemsize == 1:
-        bumped = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(y, jnp.uint8) + jnp.uint8(1), dtype)
-    else:
-        bumped = jnp.nextafter(y, jnp.asarray(jnp.inf, dtype))
-    return jnp.where(low, bumped, y)
+def scale_for(fmt: Format, amax):
+    """The stored scale of groups whose largest magnitude is amax (f32): amax / qmax rounded up in the scale dtype.
+
+    Rounded up by arithmetic the kernels lower too (no bitcast, no nextafter): the nearest value to
+    max(s (1 + 2^-m), s + the dtype's smallest subnormal) is at least s, m the dtype's mantissa bits; it may be
+    one value above the least such. Saturates at the dtype's largest finite value."""
+    info = jnp.finfo(fmt.scale_dtype)
+    s = amax / fmt.qmax
+    z = jnp.maximum(s * (1.0 + 2.0 ** -info.nmant), s + float(info.smallest_subnormal))
+    return jnp.minimum(z, float(info.max)).astype(fmt.scale_dtype)
+
+
+def encode(fmt: Format, y):
+    """Scaled values y (f32, |y| <= qmax) -> their codes: int8 (round half up), float8_e4m3fn, or e2m1 codes
+    (uint8 0..15; `quantize` packs them two a byte)."""
+    if fmt is INT8_G64:
+        return jnp.clip(jnp.floor(y + 0.5), -127.0, 127.0).astype(jnp.int8)
+    if fmt is FP8_ROW256:
+        return jnp.clip(y, -448.0, 448.0).astype(FP8)
+    return _e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))
+
+
+def divide(x, s):
+    """x / s (f32), 0 where the scale is 0."""
+    return jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)
 
 
 def _e2m1_encode(y):
@@ -168,16 +183,10 @@ def quantize(fmt: Format, x):
     d = x.shape[-1]
     g = fmt.group_of(d)
     xg = x.astype(_F32).reshape(*x.shape[:-1], d // g, g)
-    scale = _scale_up(jnp.max(jnp.abs(xg), axis=-1) / fmt.qmax, fmt.scale_dtype)
-    s = scale.astype(_F32)[..., None]
-    y = jnp.where(s > 0, xg / jnp.where(s > 0, s, 1.0), 0.0).reshape(x.shape)
-    if fmt is INT8_G64:
-        values = jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8)
-    elif fmt is FP8_ROW256:
-        values = jnp.clip(y, -448.0, 448.0).astype(FP8)
-    else:
-        codes = _e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))
-        values = codes[..., : d // 2] | (codes[..., d // 2:] << 4)
+    scale = scale_for(fmt, jnp.max(jnp.abs(xg), axis=-1))
+    values = encode(fmt, divide(xg, scale.astype(_F32)[..., None]).reshape(x.shape))
+    if fmt.packed:
+        values = values[..., : d // 2] | (values[..., d // 2:] << 4)
     return values, scale
 
 
