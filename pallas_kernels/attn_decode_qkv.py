@@ -18,6 +18,11 @@ One program per (lane, head): query heads first, then KV heads. A head's D value
 them through a donated jit argument, as the engine's decode step does); an inactive lane writes nothing. The output
 gate stays in proj for the caller. The engine runs it with the Pallas kernels (`KernelConfig.fuse_attn_qkv`): it
 makes a one-lane decode round shorter, in fewer kernels (docs/kernels_notes.md).
+
+A quantized pool (`kv_quant.QuantPages`) is written as `kv_quant.quantize` writes it, from the same scale and code
+functions: each group's largest magnitude by masked reductions over the pieces, its scale, the codes piece by
+piece, and the scales as one small vector. An NVFP4 row is read in mirrored pieces (those of [0, D/2), then the
+same ones shifted by D/2), so each byte's two codes sit at one position of two pieces.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, kv_quant
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import PAGE
 
@@ -45,12 +50,54 @@ def _pieces(start: int, stop: int) -> list[tuple[int, int]]:
     return out
 
 
-def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_ref, inv_freq_ref, k_in_ref, v_in_ref,
-            q_ref, k_ref, v_ref, *, num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float):
+def _mirrored(pieces: list[tuple[int, int]], d: int) -> list[tuple[int, int]]:
+    """Pieces of [0, D/2), then the same shifted by D/2: an NVFP4 byte's two codes at one position of two pieces."""
+    return pieces + [(o + d // 2, n) for o, n in pieces]
+
+
+def _write_row(refs, fmt, page, row, j, xs: dict, spans, d: int):
+    """One token's row of one KV head, xs {piece offset: f32 values}, into a pool's planes: as they are (plain), or
+    quantized as `kv_quant.quantize` does it."""
+    if fmt is None:
+        for o, n in spans:
+            refs[0][page, row, j, pl.ds(o, n)] = xs[o].astype(refs[0].dtype)
+        return
+    g = fmt.group_of(d)
+    groups = range(d // g)
+
+    def overlaps(gi, o, n):
+        return o < (gi + 1) * g and o + n > gi * g
+
+    def in_group(gi, o, n):
+        cols = o + jnp.arange(n, dtype=jnp.int32)
+        return (cols >= gi * g) & (cols < (gi + 1) * g)
+
+    scales = []
+    for gi in groups:
+        parts = [jnp.max(jnp.where(in_group(gi, o, n), jnp.abs(xs[o]), 0.0)) for o, n in spans if overlaps(gi, o, n)]
+        scales.append(kv_quant.scale_for(fmt, functools.reduce(jnp.maximum, parts)).astype(_F32))
+    codes = {}
+    for o, n in spans:
+        per_col = sum(jnp.where(in_group(gi, o, n), scales[gi], 0.0) for gi in groups if overlaps(gi, o, n))
+        codes[o] = kv_quant.encode(fmt, kv_quant.divide(xs[o], per_col))
+    for o, n in spans:
+        if not fmt.packed:
+            refs[0][page, row, j, pl.ds(o, n)] = codes[o]
+        elif o < d // 2:
+            refs[0][page, row, j, pl.ds(o, n)] = codes[o] | (codes[o + d // 2] << 4)
+    ids = jnp.arange(len(groups), dtype=jnp.int32)
+    refs[1][page, row, j, pl.ds(0, len(groups))] = sum(jnp.where(ids == gi, scales[gi], 0.0)
+                                                      for gi in groups).astype(fmt.scale_dtype)
+
+
+def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_ref, inv_freq_ref, *refs,
+            num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float, k_fmt, v_fmt):
     # positions_ref, active_ref: [B] int32; tables_ref: [B, max_pages] int32; proj_ref: [B, Hq 2D + 2 Hkv D];
-    # q_norm_ref, k_norm_ref: [D]; inv_freq_ref: [rotary_dim / 2] f32; k_in_ref / v_in_ref: the pools [P, 64, Hkv, D]
-    # (aliased with k_ref / v_ref); q_ref (out): [B, Hq, D]
-    del k_in_ref, v_in_ref  # the same buffers as k_ref, v_ref
+    # q_norm_ref, k_norm_ref: [D]; inv_freq_ref: [rotary_dim / 2] f32; refs: the K pool's planes and the V pool's
+    # [P, 64, Hkv, *] (aliased with the outputs after q), q (out) [B, Hq, D], then the K and V planes (out)
+    n_k, n_v = (1 if f is None else 2 for f in (k_fmt, v_fmt))
+    q_ref = refs[n_k + n_v]
+    k_refs, v_refs = refs[n_k + n_v + 1:][:n_k], refs[n_k + n_v + 1:][n_k:]
     b, h = pl.program_id(0), pl.program_id(1)
     d = q_ref.shape[2]
     act = proj_ref.dtype
@@ -58,11 +105,13 @@ def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_
     pos = positions_ref[b]
     freqs = pos.astype(_F32) * inv_freq_ref[...]
     cos, sin = (f.astype(act).astype(_F32) for f in (jnp.cos(freqs), jnp.sin(freqs)))
-    rest = _pieces(rotary_dim, d)
 
-    def normed_and_rotated(offset, norm_ref):
-        """The head at proj columns [offset, offset + D): {piece offset: values in the activations' dtype}."""
-        spans = [(0, half), (half, half)] + rest
+    def normed_and_rotated(offset, norm_ref, packed=False):
+        """The head at proj columns [offset, offset + D): {piece offset: values in the activations' dtype}, and the
+        pieces (mirrored halves if packed)."""
+        spans = [(0, half), (half, half)]
+        spans = _mirrored(spans + _pieces(rotary_dim, d // 2), d) if packed else spans + _pieces(rotary_dim, d)
+        rest = spans[2:]
         xs = {o: proj_ref[b, pl.ds(offset + o, n)].astype(_F32) for o, n in spans}
         inv = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in xs.values()) / d + eps)
         ys = {o: (xs[o] * inv * (1.0 + norm_ref[pl.ds(o, n)].astype(_F32))).astype(act).astype(_F32) for o, n in spans}
@@ -80,18 +129,20 @@ def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_
     def _():
         j = h - num_heads
         page, row = tables_ref[b, pos // PAGE], pos % PAGE
-        values, spans = normed_and_rotated(num_heads * 2 * d + j * d, k_norm_ref)
-        for o, n in spans:
-            k_ref[page, row, j, pl.ds(o, n)] = values[o].astype(k_ref.dtype)
+        values, spans = normed_and_rotated(num_heads * 2 * d + j * d, k_norm_ref, k_fmt is not None and k_fmt.packed)
+        _write_row(k_refs, k_fmt, page, row, j, {o: v.astype(_F32) for o, v in values.items()}, spans, d)
         v0 = num_heads * 2 * d + num_kv_heads * d + j * d
-        for o, n in _pieces(0, d):
-            v_ref[page, row, j, pl.ds(o, n)] = proj_ref[b, pl.ds(v0 + o, n)].astype(v_ref.dtype)
+        spans = _mirrored(_pieces(0, d // 2), d) if v_fmt is not None and v_fmt.packed else _pieces(0, d)
+        xs = {o: proj_ref[b, pl.ds(v0 + o, n)].astype(_F32) for o, n in spans}
+        _write_row(v_refs, v_fmt, page, row, j, xs, spans, d)
 
 
-def supported(head_dim: int, rotary_dim: int) -> bool:
-    """Whether the kernel takes these head shapes: the rotated halves a power of two (each is one block)."""
+def supported(head_dim: int, rotary_dim: int, k_pages=None) -> bool:
+    """Whether the kernel takes these head shapes: the rotated halves a power of two (each is one block), within
+    the row's first half for an NVFP4 K pool (its pieces mirror that half)."""
     half = rotary_dim // 2
-    return rotary_dim % 2 == 0 and is_pow2(half) and rotary_dim <= head_dim
+    packed = kv_quant.format_of(k_pages) is not None and kv_quant.format_of(k_pages).packed
+    return rotary_dim % 2 == 0 and is_pow2(half) and rotary_dim <= (head_dim // 2 if packed else head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "rotary_dim", "eps", "interpret"))
@@ -105,13 +156,13 @@ def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, acti
         copies a custom call's sliced operand).
       q_norm, k_norm: [D] zero-centred norm weights. inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
       positions: [B] int32; page_tables: [B, max_pages] int32; active: [B] bool.
-      k_pages, v_pages: [P, 64, Hkv, D] (updated in place; donate them).
+      k_pages, v_pages: [P, 64, Hkv, D], plain or `kv_quant.QuantPages` (updated in place; donate them).
     """
     lanes = proj.shape[0]
     d = k_pages.shape[3]
     if (proj.shape[1] != num_heads * 2 * d + 2 * num_kv_heads * d or k_pages.shape != v_pages.shape
             or k_pages.shape[1:3] != (PAGE, num_kv_heads) or q_norm.shape != (d,) or k_norm.shape != (d,)
-            or inv_freq.shape != (rotary_dim // 2,) or not supported(d, rotary_dim)):
+            or inv_freq.shape != (rotary_dim // 2,) or not supported(d, rotary_dim, k_pages)):
         raise ValueError(f"attn_decode_qkv: proj {proj.shape}, pools {k_pages.shape}, norms {q_norm.shape} / "
                          f"{k_norm.shape}, inv_freq {inv_freq.shape} do not hold {num_heads} query heads and "
                          f"{num_kv_heads} KV heads of {d} with a rotary dim {rotary_dim} of power-of-two halves")
@@ -119,18 +170,20 @@ def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, acti
             or page_tables.shape[0] != lanes):
         raise ValueError(f"attn_decode_qkv: positions {positions.shape}, active {active.shape}, page_tables "
                          f"{page_tables.shape} must be per lane ({lanes})")
-    q, k_pages, v_pages = pl.pallas_call(
-        functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, eps=eps),
+    planes = kv_quant.planes(k_pages) + kv_quant.planes(v_pages)
+    n_k = len(kv_quant.planes(k_pages))
+    q, *planes = pl.pallas_call(
+        functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, eps=eps,
+                          k_fmt=kv_quant.format_of(k_pages), v_fmt=kv_quant.format_of(v_pages)),
         grid=(lanes, num_heads + num_kv_heads),
-        in_specs=[_compat.full_spec()] * 9,
-        out_specs=[_compat.full_spec()] * 3,
-        out_shape=[jax.ShapeDtypeStruct((lanes, num_heads, d), proj.dtype),
-                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={7: 1, 8: 2},
+        in_specs=[_compat.full_spec()] * (7 + len(planes)),
+        out_specs=[_compat.full_spec()] * (1 + len(planes)),
+        out_shape=[jax.ShapeDtypeStruct((lanes, num_heads, d), proj.dtype)]
+                  + [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
+        input_output_aliases={7 + i: 1 + i for i in range(len(planes))},
         compiler_params=_compat.triton_params(2, 1),
         interpret=interpret,
         name="attn_decode_qkv",
     )(positions.astype(jnp.int32), page_tables.astype(jnp.int32), active.astype(jnp.int32), proj, q_norm, k_norm,
-      inv_freq.astype(_F32), k_pages, v_pages)
-    return q, k_pages, v_pages
+      inv_freq.astype(_F32), *planes)
+    return q, kv_quant.with_planes(k_pages, planes[:n_k]), kv_quant.with_planes(v_pages, planes[n_k:])

@@ -18,6 +18,10 @@ prefetch): row r of a key block of `pages_per_block` pages is token r % 64 of pa
 
 Keys at or past the valid length are never loaded (masked loads), so stale or poisoned pool rows cannot
 leak into the softmax. Outputs are float32.
+
+A pool may be quantized (`kv_quant.QuantPages`, a KV storage profile): the kernels read its value and scale planes
+for the rows of each key block and dequantize them there, into the queries' dtype, so no full-precision copy of a
+pool exists; a plain pool is read as it is, the queries rounded to its dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, kv_quant
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import PAGE
 
@@ -47,7 +51,56 @@ def dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _load_kv_block(k_ref, v_ref, page_of, first_page, n_valid_pages, kv_len, kvh, pages_per_block, mask_keys):
+@dataclasses.dataclass(frozen=True)
+class _Pools:
+    """How a kernel reads its K and V pools: their formats (None: plain) and plane counts, static."""
+
+    k_fmt: kv_quant.Format | None
+    v_fmt: kv_quant.Format | None
+
+    @staticmethod
+    def of(k_pages, v_pages) -> _Pools:
+        return _Pools(kv_quant.format_of(k_pages), kv_quant.format_of(v_pages))
+
+    @property
+    def num_k(self) -> int:
+        return 1 if self.k_fmt is None else 2
+
+    @property
+    def num_planes(self) -> int:
+        return self.num_k + (1 if self.v_fmt is None else 2)
+
+    def split(self, refs):
+        """The kernel's plane refs -> (K refs, V refs, the rest)."""
+        k, n = self.num_k, self.num_planes
+        return refs[:k], refs[k:n], refs[n:]
+
+    def compute_dtype(self, k_refs, q_dtype):
+        """The products' operand dtype: a plain K pool's, else the queries'."""
+        return k_refs[0].dtype if self.k_fmt is None else q_dtype
+
+
+def _load_rows(refs, fmt, page, row, kvh, d, valid, mask_keys, dtype):
+    """Rows (page[i], row[i], kvh) [BK, D] of one pool, dequantized to `dtype` if quantized (plain: as stored)."""
+    cols = jnp.arange(d, dtype=jnp.int32)
+
+    def load(ref, c):
+        idx = (page[:, None], row[:, None], kvh, c[None, :])
+        if not mask_keys:
+            return ref[idx]
+        # Triton casts no integer constant to fp8: a float one for float planes
+        other = 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+        return _compat.load(ref.at[idx], mask=valid[:, None], other=other)
+
+    if fmt is None:
+        return load(refs[0], cols)
+    raw = load(refs[0], kv_quant.value_col(fmt, cols, d))
+    scales = load(refs[1], cols // fmt.group_of(d))
+    return kv_quant.decode(fmt, raw, scales, cols[None, :], d).astype(dtype)
+
+
+def _load_kv_block(k_refs, v_refs, pools, page_of, first_page, n_valid_pages, kv_len, kvh, pages_per_block,
+                   mask_keys, d, dtype):
     """Gather keys/values of pages [first_page, first_page + pages_per_block) of one lane.
 
     page_of: logical block indices [BK] -> page ids [BK] (a gathered load of the lane's page table).
@@ -60,13 +113,8 @@ def _load_kv_block(k_ref, v_ref, page_of, first_page, n_valid_pages, kv_len, kvh
     pos = logical * PAGE + r % PAGE
     valid = (logical < n_valid_pages) & (pos < kv_len)
     page = page_of(logical)
-    cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
-    idx = (page[:, None], (r % PAGE)[:, None], kvh, cols[None, :])
-    if mask_keys:
-        k = _compat.load(k_ref.at[idx], mask=valid[:, None], other=0)
-        v = _compat.load(v_ref.at[idx], mask=valid[:, None], other=0)
-    else:
-        k, v = k_ref[idx], v_ref[idx]
+    k = _load_rows(k_refs, pools.k_fmt, page, r % PAGE, kvh, d, valid, mask_keys, dtype)
+    v = _load_rows(v_refs, pools.v_fmt, page, r % PAGE, kvh, d, valid, mask_keys, dtype)
     return k, v, pos, valid
 
 
@@ -92,28 +140,29 @@ def _decode_kernel(
     lengths_ref,  # [B] int32 (whole array)
     tables_ref,  # [B, max_pages] int32 (whole array)
     q_ref,  # [B, Hq, D] (whole array)
-    k_ref,  # [P, 64, Hkv, D] (whole pool)
-    v_ref,  # [P, 64, Hkv, D] (whole pool)
-    o_ref,  # out [B, NS, Hkv, G', D] f32 (whole array): unnormalised partial outputs of the group's G query heads
-    #         (G' = G + 1 when the group is padded to R rows: row G takes the padding rows)
-    m_ref,  # out [B, NS, Hkv, G'] f32: running max of each partial
-    l_ref,  # out [B, NS, Hkv, G'] f32: softmax denominator of each partial
-    *,
+    *refs,  # the K pool's planes, the V pool's (whole pools, `_Pools`), then the outputs:
+    # o [B, NS, Hkv, G', D] f32 (whole array): unnormalised partial outputs of the group's G query heads
+    #   (G' = G + 1 when the group is padded to R rows: row G takes the padding rows)
+    # m [B, NS, Hkv, G'] f32: running max of each partial
+    # l [B, NS, Hkv, G'] f32: softmax denominator of each partial
+    pools: _Pools,
     group: int,
     rows: int,
     num_splits: int,
     pages_per_block: int,
     scale: float,
 ):
+    k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
+    dtype = pools.compute_dtype(k_refs, q_ref.dtype)
     length = lengths_ref[b]
     r = jnp.arange(rows, dtype=jnp.int32)
     cols = jnp.arange(d, dtype=jnp.int32)
     head_ok = r < group
     heads = kvh * group + jnp.minimum(r, group - 1)
     q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
-    q = (q.astype(_F32) * scale).astype(k_ref.dtype)
+    q = (q.astype(_F32) * scale).astype(dtype)
 
     n_pages = (length + PAGE - 1) // PAGE
     # The lane's own pages spread over the splits (not max_pages'): a short context still uses many programs
@@ -128,7 +177,8 @@ def _decode_kernel(
 
     def body(i, carry):
         k, v, _, valid = _load_kv_block(
-            k_ref, v_ref, page_of, first + i * pages_per_block, last, length, kvh, pages_per_block, True
+            k_refs, v_refs, pools, page_of, first + i * pages_per_block, last, length, kvh, pages_per_block, True,
+            d, dtype
         )
         s = jnp.where(valid[None, :], _dot_nt(q, k), _NEG)
         return _online_softmax_step(carry, s, v, valid[None, :])
@@ -192,6 +242,7 @@ def _combine_splits(o, m, l):
 def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, interpret):
     lanes, hq, d = q.shape
     hkv = k_pages.shape[2]
+    pools = _Pools.of(k_pages, v_pages)
     group = hq // hkv
     rows = max(_MIN_ROWS, pl.next_power_of_2(group))
     stored = group if rows == group else group + 1  # the partials' rows: the group's, and a spare for the padding
@@ -202,6 +253,7 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
     o, m, l = pl.pallas_call(
         functools.partial(
             _decode_kernel,
+            pools=pools,
             group=group,
             rows=rows,
             num_splits=n_splits,
@@ -209,8 +261,8 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
             scale=d**-0.5,
         ),
         grid=(lanes, hkv, n_splits),
-        # lengths, tables, q, K pool, V pool: whole arrays; pages gathered by table lookups in-kernel
-        in_specs=[full] * 5,
+        # lengths, tables, q, the pools' planes: whole arrays; pages gathered by table lookups in-kernel
+        in_specs=[full] * (3 + pools.num_planes),
         out_specs=[full] * 3,  # partials written at [lane, split, kv head]
         out_shape=[
             jax.ShapeDtypeStruct((lanes, n_splits, hkv, stored, d), _F32),
@@ -220,13 +272,13 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(kv_lengths, page_tables, q, k_pages, v_pages)
+    )(kv_lengths, page_tables, q, *kv_quant.planes(k_pages), *kv_quant.planes(v_pages))
     o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]  # slices fused into the combine
     return _combine_splits(o, m, l).reshape(lanes, hq, d)  # [B, Hkv, group, D] -> [B, Hq, D]
 
 
 def _check_pool(q, k_pages, v_pages):
-    if k_pages.shape != v_pages.shape or k_pages.ndim != 4 or k_pages.shape[1] != PAGE:
+    if k_pages.shape != v_pages.shape or len(k_pages.shape) != 4 or k_pages.shape[1] != PAGE:
         raise ValueError(f"K/V pools must both be [P, {PAGE}, Hkv, D], got {k_pages.shape}, {v_pages.shape}")
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k_pages.shape[2]
@@ -241,7 +293,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
     """One query per lane over its pages, split over the context (flash-decoding).
 
     Args:
-      q: [B, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D]; page_tables: [B, max_pages] int32;
+      q: [B, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D], plain or `kv_quant.QuantPages`;
+      page_tables: [B, max_pages] int32;
       kv_lengths: [B] int32 >= 1, valid keys per lane (the query sits at kv_lengths - 1; its key is
         already written).
       interpret: run the Pallas interpreter (CPU tests). config: `DecodeConfig` (None: defaults).
@@ -271,26 +324,27 @@ def _prefill_kernel(
     base_ref,  # [1] int32: absolute position of query 0
     table_ref,  # [max_pages] int32 (whole array)
     q_ref,  # [T, Hq, D] (whole array)
-    k_ref,  # [P, 64, Hkv, D] (whole pool)
-    v_ref,  # [P, 64, Hkv, D] (whole pool)
-    o_ref,  # out [T (+1 trash row in interpret mode), Hq, D] f32 (whole array)
-    *,
+    *refs,  # the K pool's planes, the V pool's (whole pools, `_Pools`), then the output
+    # o [T (+1 trash row in interpret mode), Hq, D] f32 (whole array)
+    pools: _Pools,
     t_len: int,
     group: int,
     block_q: int,
     pages_per_block: int,
     scale: float,
 ):
+    k_refs, v_refs, (o_ref,) = pools.split(refs)
     qb, h = pl.program_id(0), pl.program_id(1)
     kvh = h // group
     d = q_ref.shape[-1]
+    dtype = pools.compute_dtype(k_refs, q_ref.dtype)
     base = base_ref[0]
     bk = pages_per_block * PAGE
     qi = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
     q_ok = qi < t_len
     cols = jnp.arange(d, dtype=jnp.int32)
     q = _compat.load(q_ref.at[jnp.minimum(qi, t_len - 1)[:, None], h, cols[None, :]], mask=q_ok[:, None], other=0)
-    q = (q.astype(_F32) * scale).astype(k_ref.dtype)
+    q = (q.astype(_F32) * scale).astype(dtype)
     q_pos = base + qi
     kv_len = base + t_len
     n_pages = (kv_len + PAGE - 1) // PAGE
@@ -304,13 +358,13 @@ def _prefill_kernel(
     n_total = (base + jnp.minimum(qb * block_q + block_q, t_len) + bk - 1) // bk
 
     def unmasked(j, carry):
-        k, v, _, _ = _load_kv_block(k_ref, v_ref, page_of, j * pages_per_block, n_pages, kv_len, kvh,
-                                    pages_per_block, False)
+        k, v, _, _ = _load_kv_block(k_refs, v_refs, pools, page_of, j * pages_per_block, n_pages, kv_len, kvh,
+                                    pages_per_block, False, d, dtype)
         return _online_softmax_step(carry, _dot_nt(q, k), v, None)
 
     def masked(j, carry):
-        k, v, pos, valid = _load_kv_block(k_ref, v_ref, page_of, j * pages_per_block, n_pages, kv_len, kvh,
-                                          pages_per_block, True)
+        k, v, pos, valid = _load_kv_block(k_refs, v_refs, pools, page_of, j * pages_per_block, n_pages, kv_len,
+                                          kvh, pages_per_block, True, d, dtype)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = jnp.where(visible, _dot_nt(q, k), _NEG)
         return _online_softmax_step(carry, s, v, visible)
@@ -354,10 +408,12 @@ def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interp
     t_len, hq, d = q.shape
     hkv = k_pages.shape[2]
     block_q = min(config.block_q, max(_MIN_ROWS, pl.next_power_of_2(t_len)))
+    pools = _Pools.of(k_pages, v_pages)
     full = _compat.full_spec()
     o = pl.pallas_call(
         functools.partial(
             _prefill_kernel,
+            pools=pools,
             t_len=t_len,
             group=hq // hkv,
             block_q=block_q,
@@ -365,14 +421,14 @@ def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interp
             scale=d**-0.5,
         ),
         grid=(pl.cdiv(t_len, block_q), hq),
-        # base, page table, q, K pool, V pool: whole arrays; query rows and pages gathered in-kernel
-        in_specs=[full] * 5,
+        # base, page table, q, the pools' planes: whole arrays; query rows and pages gathered in-kernel
+        in_specs=[full] * (3 + pools.num_planes),
         out_specs=full,  # rows of the query block, masked to [0, T)
         out_shape=jax.ShapeDtypeStruct((t_len + 1 if interpret else t_len, hq, d), _F32),
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_prefill_attention",
-    )(base.reshape(1), page_table, q, k_pages, v_pages)
+    )(base.reshape(1), page_table, q, *kv_quant.planes(k_pages), *kv_quant.planes(v_pages))
     return o[:t_len] if interpret else o
 
 
@@ -398,13 +454,18 @@ def _paged_prefill_gathered(q, k_pages, v_pages, page_table, base, segment_pages
     """jax.nn flash attention (cuDNN on the GPU) on gathered keys: the chunk's own rows (causal), then the prefix
     [0, base) in segments of `segment_pages` pages (no mask; the last one cut by its length), merged by
     log-sum-exp. Only the segments the prefix reaches are gathered, so the cost follows the lane's length, not
-    its page table's; gathered rows past the prefix are zeroed, so stale pool rows never reach the products."""
+    its page table's; gathered rows past the prefix are zeroed, so stale pool rows never reach the products. A
+    quantized pool's gathered rows are dequantized to the queries' dtype, a segment at a time."""
     t_len, hq, d = q.shape
     hkv = k_pages.shape[2]
-    qb = q.astype(k_pages.dtype)[None]
+    qb = q.astype(q.dtype if isinstance(k_pages, kv_quant.QuantPages) else k_pages.dtype)[None]
     pos = base + jnp.arange(t_len, dtype=jnp.int32)
     rows = (page_table[jnp.minimum(pos // PAGE, page_table.shape[0] - 1)], pos % PAGE)
-    acc = _flash_attention(qb, k_pages[rows][None], v_pages[rows][None], True, implementation)
+
+    def take(pool, index):
+        return kv_quant.take(pool, index, qb.dtype)
+
+    acc = _flash_attention(qb, take(k_pages, rows)[None], take(v_pages, rows)[None], True, implementation)
     seg = segment_pages * PAGE
     table = jnp.pad(page_table, (0, -page_table.shape[0] % segment_pages))
 
@@ -412,8 +473,8 @@ def _paged_prefill_gathered(q, k_pages, v_pages, page_table, base, segment_pages
         pages = lax.dynamic_slice_in_dim(table, i * segment_pages, segment_pages)
         n = jnp.minimum(base - i * seg, seg)
         keep = (jnp.arange(seg) < n)[None, :, None, None]
-        k = jnp.where(keep, k_pages[pages].reshape(1, seg, hkv, d), 0)
-        v = jnp.where(keep, v_pages[pages].reshape(1, seg, hkv, d), 0)
+        k = jnp.where(keep, take(k_pages, pages).reshape(1, seg, hkv, d), 0)
+        v = jnp.where(keep, take(v_pages, pages).reshape(1, seg, hkv, d), 0)
         return _merge(acc, _flash_attention(qb, k, v, False, implementation, n))
 
     o, _ = lax.fori_loop(0, (base + seg - 1) // seg, prefix_segment, acc)
@@ -425,7 +486,8 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, base, *, interpret=
     """Queries at absolute positions [base, base + T) attend causally over the lane's pages.
 
     Args:
-      q: [T, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D] with the chunk's own keys already written;
+      q: [T, Hq, D]; k_pages, v_pages: [P, 64, Hkv, D] (plain or `kv_quant.QuantPages`) with the chunk's own
+      keys already written;
       page_table: [max_pages] int32 (entries past the lane's length may be any valid page id);
       base: int32 scalar >= 0.
       interpret: run the Pallas interpreter (CPU tests); impl "cudnn" then runs XLA's attention instead.

@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 PAGE = 64
 
 
@@ -155,9 +157,10 @@ def attention_ref(q, k, v, q_positions, kv_length):
     return out.reshape(q.shape[0], hq, d)
 
 
-def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[P, PAGE, Hkv, D] pool and [n] page ids -> contiguous [n * PAGE, Hkv, D]."""
-    g = pages[page_table]
+def gather_pages(pages, page_table: jax.Array) -> jax.Array:
+    """[P, PAGE, Hkv, D] pool (plain, or quantized: dequantized to float32) and [n] page ids -> contiguous
+    [n * PAGE, Hkv, D]."""
+    g = kv_quant.take(pages, page_table)
     return g.reshape(-1, *pages.shape[2:])
 
 
@@ -165,7 +168,7 @@ def paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_length)
     """Causal attention of one lane's queries over its pages.
 
     Args:
-      q: [T, Hq, D]; k_pages, v_pages: [P, PAGE, Hkv, D]; page_table: [max_pages] int32 (the lane's
+      q: [T, Hq, D]; k_pages, v_pages: [P, PAGE, Hkv, D] (plain or quantized); page_table: [max_pages] int32 (the lane's
       page for logical block b at index b; entries past the lane's length may be anything valid);
       q_positions: [T]; kv_length: number of valid keys.
     Returns:

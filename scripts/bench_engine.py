@@ -5,7 +5,7 @@ One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
   * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request): the first request of each
     length compiles the passes it is the first to use, so its TTFT is reported apart ("first"); the steady
     figure is the best of --prefill-reps requests after it,
-  * decode tokens/s at 1 and 8 lanes,
+  * decode tokens/s at 1 and 8 lanes, each lane at a --decode-context prompt (1024 by default),
   * the two ceilings in the same run (a bf16 matmul through jax, a device-to-device copy) and the rooflines
     they give (prefill: 2 x active params FLOPs per token; decode: active weight bytes per token),
   * HF transformers (+ fla when it imports) on the same shapes, in a subprocess after ours exits.
@@ -14,6 +14,9 @@ Writes docs/benchmarks/engine.{json,md} (or --out DIR).
     python scripts/bench_engine.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/bench_engine.py --models 27b --weights bf16,fp8 --part ours-only   # FP8 beside bf16
     python scripts/bench_engine.py --smoke            # the tiny MoE shape on CPU, no peer, a temporary folder
+    python scripts/bench_engine.py --models 27b --part ours --kv-dtype int8 --decode-context 65536 --out DIR
+
+--kv-dtype stores the KV pools in that profile (spec §3.1); the result records engine.stats()["kv"].
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, measure_ceilings, model_config, param_counts
+from ninfer_jax.runtime.options import KV_DTYPES
 
 SMOKE = dict(models="tiny-moe", kernels="reference", prefill_lengths=(512, 1024), decode_tokens=8, lanes=(1, 4),
              max_model_len=2048, max_concurrency=4)
@@ -50,11 +54,11 @@ def bench_ours(name: str, args) -> dict:
     fp8 = args.weights.startswith("fp8")
     total, active, decode_bytes = param_counts(cfg, fp8=fp8)
     sizes = SMOKE if args.smoke else FULL
+    max_model_len = max(sizes["max_model_len"], args.decode_context + args.decode_tokens + 64)
     engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
                                    **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
-                                   max_concurrency=sizes["max_concurrency"],
-                                   prefill_chunk=args.prefill_chunk, max_model_len=sizes["max_model_len"],
-                                   no_prefix_reuse=True)
+                                   max_concurrency=sizes["max_concurrency"], prefill_chunk=args.prefill_chunk,
+                                   max_model_len=max_model_len, no_prefix_reuse=True, kv_dtype=args.kv_dtype)
     chunk = engine.options.prefill_chunk  # --prefill-chunk, or the engine's default for this model
     rng = __import__("numpy").random.default_rng(0)
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -67,6 +71,7 @@ def bench_ours(name: str, args) -> dict:
     result = {"model": name, "weights": args.weights, "device": str(jax.devices()[0].device_kind),
               "prefill_chunk": chunk,
               "idle_prefill_chunk": engine.options.idle_prefill_chunk, "init_s": init_s, "compile_s": compile_s,
+              "kv": engine.stats()["kv"], "decode_context": args.decode_context,
               "matmul_tflops": tflops,
               "hbm_tbps": tbps, "params_total": total, "params_active": active,
               "prefill_roofline_tok_s": tflops * 1e12 / (2 * active),
@@ -94,7 +99,7 @@ def bench_ours(name: str, args) -> dict:
     time_prefill()
 
     def time_decode(lanes: int, sampling: SamplingParams, suffix: str = "") -> None:
-        prompts = [rng.integers(0, cfg.vocab_size, 1024).tolist() for _ in range(lanes)]
+        prompts = [rng.integers(0, cfg.vocab_size, args.decode_context).tolist() for _ in range(lanes)]
         before = engine.stats()["scheduler"]
         outs = engine.generate_many(prompts, sampling)
         # The worker's seconds by phase over these requests, per decode round: round_dispatch and round_read are
@@ -255,6 +260,8 @@ def main() -> int:
     p.add_argument("--prefill-reps", type=int, default=2, help="steady-state prefill requests per length")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU, no peer")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV pools' storage profile")
+    p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode lane")
     args = p.parse_args()
     if args.smoke:
         args.models, args.kernels, args.decode_tokens = SMOKE["models"], SMOKE["kernels"], SMOKE["decode_tokens"]
@@ -280,6 +287,7 @@ def main() -> int:
                    "--peer-decode-tokens", str(args.peer_decode_tokens),
                    "--prefill-attention-variants", args.prefill_attention_variants,
                    "--prefill-reps", str(args.prefill_reps), *(["--smoke"] if args.smoke else []),
+                   "--kv-dtype", args.kv_dtype, "--decode-context", str(args.decode_context),
                    "--decode-logprobs" if args.decode_logprobs else "--no-decode-logprobs"]
             if part == "peer" and args.smoke:
                 continue

@@ -9,8 +9,10 @@ Sections (real model shapes, bf16 inputs, f32 state):
              reference, fla 0.6 chunk_gated_delta_rule (CUDA graph); checks vs the reference and the
              bitwise tap == truncated-call property at one real shape.
   gdn_decode one token per lane at 1, 8, 32 lanes: ours, the XLA reference, fla fused_recurrent.
-  decode     paged decode attention, 24/4 heads, D256, 8 lanes, ctx 4k/32k/128k: ours, the XLA
-             reference, jax.experimental.pallas.ops.gpu.paged_attention (best of a few configs).
+  decode     paged decode attention, 24/4 heads, D256, 8 lanes, ctx 4k/32k/128k (--decode-contexts): ours, the
+             XLA reference, jax.experimental.pallas.ops.gpu.paged_attention (best of a few configs); per KV
+             profile (--kv-dtype bfloat16,int8,...): the bytes the kernel reads (values and scales) per
+             second, and that rate over the device copy's.
   prefill    paged prefill attention, 2k and 8k chunks over prefixes 0/32k/128k: ours (Pallas),
              gather + cuDNN, the XLA reference where it fits.
 Timing: median of 5 repeats; small ops run `unroll` times inside one jit (no host gaps); torch anchors
@@ -36,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ninfer_jax.benchmarks import report  # noqa: E402
-from pallas_kernels import gdn_chunk, gdn_decode, paged_attention  # noqa: E402
+from pallas_kernels import gdn_chunk, gdn_decode, kv_quant, paged_attention  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
 RESULTS: dict = {"rows": [], "checks": [], "errors": [], "ceilings": {}}
@@ -487,17 +489,33 @@ def _kv_pool(key, pages, hkv, d, dtype=jnp.bfloat16):
     return (jax.random.normal(k1, (pages, 64, hkv, d), dtype), jax.random.normal(k2, (pages, 64, hkv, d), dtype))
 
 
+def _profile_pools(profile, k_pages, v_pages):
+    """The bf16 pools stored in a KV profile (quantized where it says so)."""
+    quantize = jax.jit(kv_quant.quantize, static_argnums=0)
+    return tuple(pool if fmt is None else kv_quant.QuantPages(*quantize(fmt, pool), fmt.name)
+                 for fmt, pool in zip(kv_quant.PROFILES[profile], (k_pages, v_pages)))
+
+
 def run_decode():
+    for profile in ARGS.kv_dtype.split(","):
+        run_decode_profile(profile)
+
+
+def run_decode_profile(profile):
     interp = ARGS.smoke
     lanes, hq, hkv, d = 8, 24, 4, 256
-    ctxs = [32768, 4096, 131072]
+    ctxs = [int(c) for c in ARGS.decode_contexts.split(",")] if ARGS.decode_contexts else [32768, 4096, 131072]
     if ARGS.smoke:
         lanes, hq, hkv, d, ctxs = 3, 4, 2, 32, [200, 700]
     elif ARGS.quick:
-        ctxs = [32768]
+        ctxs = ctxs[:1]
+    kv_quant.check_profile(profile, d)
     max_ctx = max(ctxs)
-    pages_per_lane = max_ctx // 64
-    k_pages, v_pages = _kv_pool(jax.random.key(20), lanes * pages_per_lane + 8, hkv, d)
+    pages_per_lane = -(-max_ctx // 64)
+    k_pages, v_pages = _profile_pools(profile, *_kv_pool(jax.random.key(20), lanes * pages_per_lane + 8, hkv, d))
+    plain = not isinstance(k_pages, kv_quant.QuantPages) and not isinstance(v_pages, kv_quant.QuantPages)
+    per_token = hkv * kv_quant.bytes_per_token_head(profile, d)  # K + V of every KV head, scales included
+    copy = RESULTS["ceilings"].get("copy_tbps")
     perm = jax.random.permutation(jax.random.key(21), lanes * pages_per_lane + 8)[: lanes * pages_per_lane]
     configs = [paged_attention.DecodeConfig()]
     if not ARGS.smoke:
@@ -505,7 +523,7 @@ def run_decode():
                     paged_attention.DecodeConfig(target_programs=1024)]
     jax_pa = None
     best_cfg = configs[0]
-    if not ARGS.smoke:
+    if not ARGS.smoke and plain:
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
     for ctx in ctxs:
         n_pages = -(-ctx // 64)
@@ -515,10 +533,10 @@ def run_decode():
         ours_o = paged_attention.paged_decode_attention(q, k_pages, v_pages, tables, lengths, interpret=interp)
         if ctx <= 32768:
             ref_o = ref.paged_decode_attention_ref(q, k_pages, v_pages, tables, lengths)
-            check(f"paged decode ctx={ctx} rel err vs XLA ref", rel_err(ours_o, ref_o), 1e-2)
-        kv_bytes = int(jnp.sum(lengths)) * hkv * d * 2 * 2
+            check(f"paged decode {profile} ctx={ctx} rel err vs XLA ref", rel_err(ours_o, ref_o), 1e-2)
+        kv_bytes = int(jnp.sum(lengths)) * per_token
         best = best_of(
-            f"decode ctx={ctx}", configs if ctx == ctxs[0] else [best_cfg],
+            f"decode {profile} ctx={ctx}", configs if ctx == ctxs[0] else [best_cfg],
             lambda *a, config: paged_attention.paged_decode_attention(*a, interpret=interp, config=config),
             (q, k_pages, v_pages, tables, lengths), lambda t: f"{t * 1e6:.1f} us {kv_bytes / t / 1e12:.2f} TB/s")
         best_cfg = best[1] if ctx == ctxs[0] and best else best_cfg
@@ -545,9 +563,10 @@ def run_decode():
                         check(f"jax paged_attention ctx={ctx} rel err vs XLA ref", rel_err(jfn(*jargs), ref_o), 1e-2)
                     jax_best = t if jax_best is None else min(jax_best, t)
             del k_t, v_t
-        r = dict(kernel="paged_decode", ctx=ctx, lanes=lanes)
+        r = dict(kernel="paged_decode", kv_dtype=profile, ctx=ctx, lanes=lanes)
         if best:
-            r.update(ours_us=best[0] * 1e6, ours_tbps=kv_bytes / best[0] / 1e12, ours_config=str(best[1]))
+            r.update(ours_us=best[0] * 1e6, ours_tbps=kv_bytes / best[0] / 1e12, ours_config=str(best[1]),
+                     frac_of_copy=kv_bytes / best[0] / 1e12 / copy if copy else None)
         if xla:
             r.update(xla_us=xla * 1e6)
         if jax_best:
@@ -656,9 +675,10 @@ def write_report(out_dir, command, quiet=False):
           "ours_tok_s", "ours_tflops", "ours_tbps"]),
         ("GDN decode (one token per lane)", "gdn_decode",
          ["shape", "lanes", "ours_us", "xla_us", "fla_us", "time_vs_fla", "ours_tbps", "fla_tbps"]),
-        ("Paged decode attention (24/4 heads, D256)", "paged_decode",
-         ["ctx", "lanes", "ours_us", "ours_tbps", "jax_pallas_us", "jax_pallas_tbps", "ratio_vs_jax", "xla_us",
-          "ours_config"]),
+        ("Paged decode attention (24/4 heads, D256; ours_tbps: the profile's bytes read, values and scales)",
+         "paged_decode",
+         ["kv_dtype", "ctx", "lanes", "ours_us", "ours_tbps", "frac_of_copy", "jax_pallas_us", "jax_pallas_tbps",
+          "ratio_vs_jax", "xla_us", "ours_config"]),
         ("Paged prefill attention (24/4 heads, D256, causal)", "paged_prefill",
          ["T", "prefix", "ours_ms", "ours_tflops", "frac_of_matmul", "cudnn_ms", "cudnn_tflops", "ratio_vs_cudnn",
           "xla_ms", "ours_config"]),
@@ -694,6 +714,10 @@ def main():
     p.add_argument("--skip-ref", action="store_true", help="skip timing the XLA references")
     p.add_argument("--quick", action="store_true", help="one size per kernel, fewer configs")
     p.add_argument("--deadline", type=float, default=0, help="skip measurements after this many seconds")
+    p.add_argument("--kv-dtype", default="bfloat16",
+                   help=f"decode: KV profiles, comma-separated, of {', '.join(kv_quant.PROFILES)}")
+    p.add_argument("--decode-contexts", default="",
+                   help="decode: contexts, comma-separated (default 32768,4096,131072)")
     ARGS = p.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     LOG = open(os.path.join(ARGS.out, "bench_log.txt"), "w")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS
+from ninfer_jax.runtime.options import KV_DTYPES
 from ninfer_jax.benchmarks.profiling import summarize_device_trace, trace_difference, trace_line
 from ninfer_jax.benchmarks.trace import DEFAULT_SHAPE, SMOKE_SHAPE, Trace, TraceShape, generate_trace, \
     sanitize_reply, turn_messages
@@ -66,9 +67,11 @@ def build_engine(arm: str, args):
     from ninfer_jax.frontend import load_tokenizer
     from ninfer_jax.prefix_cache.options import default_max_new_taps, default_snapshot_slots
 
-    overrides = dict(ARM_OPTIONS[arm])
+    overrides = dict(ARM_OPTIONS[arm], kv_dtype=args.kv_dtype)
     if args.kv_tokens:  # every arm: the same Device capacity
         overrides["kv_capacity"] = args.kv_tokens
+    elif args.kv_mib:  # every arm: the same Device bytes, as many tokens as the profile fits in them
+        overrides["kv_capacity"] = kv_budget_tokens(args)
     if args.snapshot_slots:
         overrides["device_snapshot_slots"] = args.snapshot_slots
     if arm == "align_device":  # the cache arms' pool and tap layout (see ARM_OPTIONS)
@@ -81,6 +84,18 @@ def build_engine(arm: str, args):
                    max_model_len=args.max_model_len, **overrides)
     engine = random_engine(args.model, args, options, load_tokenizer(tokenizer_dir(args)) if not args.smoke else None)
     return engine, engine.tokenizer, time.perf_counter() - start
+
+
+def kv_budget_tokens(args) -> int:
+    """The tokens --kv-mib MiB of Device KV hold in --kv-dtype's pages (whole pages)."""
+    import jax.numpy as jnp
+
+    from ninfer_jax.benchmarks import models
+    from ninfer_jax.model.state import PAGE, page_bytes
+
+    cfg = models.tiny_checkpoint_config() if args.smoke else models.model_config(args.model)
+    act = jnp.float32 if args.smoke else jnp.bfloat16  # the smoke run's CPU engine computes in float32
+    return (args.kv_mib << 20) // page_bytes(cfg, act, args.kv_dtype) * PAGE
 
 
 def random_engine(model: str, args, options: dict, tokenizer=None):
@@ -560,8 +575,8 @@ def targets(results: dict, host_heavy: bool = False) -> list[tuple[str, str, boo
 
 PAGE = "prefix_cache"  # the page of the Device-tier and the Host-heavy runs
 RUN_NAMES = ("prefix_cache", "prefix_cache_host")  # their JSON reports, in the page's order
-REPORT_ARGS = ("smoke", "model", "seed", "kv_tokens", "host_heavy", "report_name", "probe_reps", "probe_tokens",
-               "decode_tokens", "decode_prompt")  # what a page needs of a run's arguments
+REPORT_ARGS = ("smoke", "model", "seed", "kv_tokens", "kv_mib", "kv_dtype", "host_heavy", "report_name", "probe_reps",
+               "probe_tokens", "decode_tokens", "decode_prompt")  # what a page needs of a run's arguments
 
 
 def write_report(results: dict, args, out: Path, command: str, started: str) -> None:
@@ -607,6 +622,13 @@ def render_page(out: Path, name: str) -> Path:
     return report.write_page(out, page, lines)
 
 
+def _kv_capacity_words(args) -> str:
+    """--kv-tokens, --kv-mib (of the profile's pages) or auto, as the page states it."""
+    if getattr(args, "kv_mib", None) and not args.kv_tokens:
+        return f"{args.kv_mib} MiB of the profile's pages"
+    return str(args.kv_tokens or "auto")
+
+
 def _report_args(meta: dict, name: str) -> argparse.Namespace:
     """The arguments a page needs, from a JSON report (one written before they were recorded: from its command)."""
     if "args" in meta:
@@ -631,7 +653,7 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
         f"- {report.run_line(meta)}",
         f"- model: {meta['model']}, random weights, kernels {o.get('kernels')}; engine: {o.get('max_concurrency')} "
         f"lanes, prefill_chunk {o.get('prefill_chunk')}, max_model_len {o.get('max_model_len')}, Device KV capacity "
-        f"{where} (kv_capacity {args.kv_tokens or 'auto'})",
+        f"{where} (kv_capacity {_kv_capacity_words(args)}, kv_dtype {getattr(args, 'kv_dtype', None) or 'auto'})",
         f"- trace (seed {args.seed}): {shape.conversations} conversations x {shape.turns} turns behind a shared "
         f"system + tools preamble of {meta['preamble_tokens']} tokens (real Qwen3.5 chat template and tokenizer), "
         f"prompts up to {max((r['prompt_tokens'] for r in records), default=0)} tokens; turns: "
@@ -874,6 +896,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-tokens", type=int, help="kv_capacity (tokens) of every arm (default: auto)")
+    p.add_argument("--kv-mib", type=int, help="instead of --kv-tokens: the Device KV bytes of every arm, in MiB (the "
+                   "tokens they hold depend on --kv-dtype)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV pools' storage profile (spec §3.1)")
     p.add_argument("--host-heavy", action="store_true",
                    help="the trace with the Device capacity set low so that most reuse comes from the Host: "
                         "--kv-tokens 163840 (a prompt of up to max_model_len fits; 8 lanes only while prompts stay "

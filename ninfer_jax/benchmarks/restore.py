@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS
+from ninfer_jax.runtime.options import KV_DTYPES
 
 BLOCK = 64
 WARM_BLOCKS = 72  # restored as one batch of 64 slabs and one of 8
@@ -50,24 +51,26 @@ class ProbeError(RuntimeError):
     """The probe did not measure what it claims (no Host restore, a short cache hit): the run fails."""
 
 
-def probe_options(cfg, kv_dtype, prefix_tokens: int, prefill_chunk: int) -> dict:
+def probe_options(cfg, kv_dtype, prefix_tokens: int, prefill_chunk: int, kv_profile: str = "auto") -> dict:
     """EngineOptions fields for the probe: one lane; room for the prefix and a resume on the Device twice over
     (a resume's pages are taken before the demoted ones are reused); a Host tier for the prefix's blocks and the
     warm-up's, IMAGES state images and 1 GiB to spare, so nothing the probe needs is evicted.
 
     Args:
-        cfg: the ModelConfig; kv_dtype: the KV pool dtype (sizes the slabs).
+        cfg: the ModelConfig; kv_dtype: the activations' dtype; kv_profile: the KV storage profile (with kv_dtype,
+          it sizes the slabs).
         prefix_tokens: the requested prefix; prefill_chunk: the engine's chunk.
     """
     from ninfer_jax.model.state import page_bytes, slot_bytes
     from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
 
-    pool = HostSlabPool(0, page_bytes(cfg, kv_dtype), slot_bytes(cfg, kv_dtype))
+    pool = HostSlabPool(0, page_bytes(cfg, kv_dtype, kv_profile), slot_bytes(cfg, kv_dtype))
     blocks = math.ceil(prefix_tokens / BLOCK)
     slabs = blocks + WARM_BLOCKS + 64 + IMAGES * pool.image_slabs
     max_model_len = math.ceil((max(blocks, WARM_BLOCKS) * BLOCK + 2 * prefill_chunk) / 1024) * 1024
     return {"max_concurrency": 1, "prefill_chunk": prefill_chunk, "max_model_len": max_model_len,
-            "kv_capacity": 2 * max_model_len, "host_cache_mib": math.ceil(slabs * pool.slab_bytes / 2**20) + 1024}
+            "kv_capacity": 2 * max_model_len, "host_cache_mib": math.ceil(slabs * pool.slab_bytes / 2**20) + 1024,
+            "kv_dtype": kv_profile}
 
 
 def measure(engine, prefix_tokens: int, reps: int, label: str) -> dict:
@@ -200,6 +203,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", type=int, help="prefix length (default 100000; 2048 with --smoke)")
     p.add_argument("--prefill-chunk", type=int, help="default 2048; 256 with --smoke")
     p.add_argument("--reps", type=int, default=3, help="demote + resume rounds per model")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV pools' storage profile (spec §3.1)")
     p.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none)")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -221,7 +225,7 @@ def run_model(args) -> dict:
 
     cfg = models.tiny_checkpoint_config() if args.smoke else models.model_config(args.model)
     kv_dtype = jnp.float32 if args.smoke else jnp.bfloat16
-    options = probe_options(cfg, kv_dtype, args.prefix_tokens, args.prefill_chunk)
+    options = probe_options(cfg, kv_dtype, args.prefix_tokens, args.prefill_chunk, args.kv_dtype)
     label = "tiny" if args.smoke else args.model
     start = time.perf_counter()  # the engine's warmup compiles every program the run uses
     if args.smoke:

@@ -150,12 +150,13 @@ def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions,
                     v_pages, cfg):
     """The fused attention decode step up to the attention kernel (kc.fuse_attn_qkv): the qkv projection's output
     [B, Hq 2D + 2 Hkv D] -> (normalised, rotated q [B, Hq, D], the pools with each active lane's new key and value
-    written); None when the rows exceed DECODE_MAX_ROWS or the kernel does not take the head shapes."""
+    written, quantized for a quantized pool); None when the rows exceed DECODE_MAX_ROWS or the kernel does not take
+    the head shapes."""
     if not kc.fuse_attn_qkv or proj.shape[0] > DECODE_MAX_ROWS:
         return None
     from pallas_kernels import attn_decode_qkv as kernel
 
-    if not kernel.supported(cfg.head_dim, cfg.rotary_dim):
+    if not kernel.supported(cfg.head_dim, cfg.rotary_dim, k_pages):
         return None
     return kernel.attn_decode_qkv(proj, q_norm, k_norm, jnp.asarray(inv_freq), positions, page_tables, active,
                                   k_pages, v_pages, num_heads=cfg.num_attention_heads,

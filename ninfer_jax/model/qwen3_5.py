@@ -40,6 +40,7 @@ from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 # rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
+from pallas_kernels import kv_quant
 from pallas_kernels.reference import SharedExpert, l2_normalize, rms_norm
 
 F32 = jnp.float32
@@ -229,17 +230,13 @@ def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_
     -> (q normalised and rotated, the pools with each active lane's key and value at its position)."""
     q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions, cfg)
     page_ids = jnp.where(active, tables[jnp.arange(proj.shape[0]), positions // PAGE], k_pages.shape[0])
-    return q, _write_kv(k_pages, k, page_ids, positions % PAGE), _write_kv(v_pages, v, page_ids, positions % PAGE)
+    rows = positions % PAGE
+    return q, kv_quant.write(k_pages, k, page_ids, rows), kv_quant.write(v_pages, v, page_ids, rows)
 
 
 def _attn_out(p: AttnParams, core, gate, kc: KernelConfig, dtype):
     y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
     return dot(kc, y, p.o_proj, to_norm=True)
-
-
-def _write_kv(pages, rows, page_ids, offsets):
-    """Scatter rows [N, Hkv, D] into pages at (page_ids, offsets); out-of-range page ids are dropped."""
-    return pages.at[page_ids, offsets].set(rows.astype(pages.dtype), mode="drop")
 
 
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
@@ -248,8 +245,8 @@ def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(kc, x, p.qkv_proj), positions, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
-    k_pages = _write_kv(k_pages, k, page_ids, positions % PAGE)
-    v_pages = _write_kv(v_pages, v, page_ids, positions % PAGE)
+    k_pages = kv_quant.write(k_pages, k, page_ids, positions % PAGE)
+    v_pages = kv_quant.write(v_pages, v, page_ids, positions % PAGE)
     core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
     return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
 

@@ -1,7 +1,8 @@
 """DeviceState: the preallocated KV page pools and GDN state slots one model reads and writes.
 
 One array per layer (tuples in layer order of their kind):
-  k_pages[i], v_pages[i]: [P, 64, Hkv, D]       full-attention layer i's K and V pages (spec §5.4)
+  k_pages[i], v_pages[i]: [P, 64, Hkv, D]       full-attention layer i's K and V pages (spec §5.4): plain, or a
+                                                `kv_quant.QuantPages` of value and scale planes (a KV profile)
   ssm[j]:                 [S, Hv, Dk, Dv] f32   GDN layer j's recurrent state, one row per state slot
   conv[j]:                [S, K-1, conv_dim]    GDN layer j's conv history: pre-conv inputs of the
                                                 K-1 positions before the slot's frontier
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ninfer_jax.config import ModelConfig
+from pallas_kernels import kv_quant
 
 PAGE = 64
 
@@ -29,17 +31,18 @@ class DeviceState:
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages[0].shape[0] if self.k_pages else 0
+        return self.k_pages[0].shape[0] if self.k_pages else 0  # a QuantPages' shape is its logical one
 
     @property
     def num_slots(self) -> int:
         return self.ssm[0].shape[0] if self.ssm else 0
 
 
-def page_bytes(cfg: ModelConfig, kv_dtype) -> int:
-    """Bytes of one 64-token page bundle across all full-attention layers (K and V)."""
-    per = PAGE * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
-    return 2 * per * len(cfg.attn_layers)
+def page_bytes(cfg: ModelConfig, kv_dtype, kv_profile: str = "auto") -> int:
+    """Bytes of one 64-token page bundle across all full-attention layers (K and V, values and scales) in a KV
+    profile ("auto": plain, of kv_dtype)."""
+    per_head = kv_quant.bytes_per_token_head(kv_profile, cfg.head_dim, kv_dtype)
+    return PAGE * cfg.num_key_value_heads * per_head * len(cfg.attn_layers)
 
 
 def slot_bytes(cfg: ModelConfig, conv_dtype) -> int:
@@ -67,15 +70,20 @@ def prefill_activation_bytes(cfg: ModelConfig, tokens: int, act_dtype) -> int:
     return tokens * (2 * max(gdn, attn, ffn) + 3 * cfg.hidden_size * 4)
 
 
-def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype) -> DeviceState:
-    """Zero-filled pools. Zeros are only a start value: every reader masks what it has not written."""
+def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype,
+                      kv_profile: str = "auto") -> DeviceState:
+    """Zero-filled pools, the KV ones in `kv_profile`'s layout (plain ones of kv_dtype). Zeros are only a start
+    value: every reader masks what it has not written."""
+    kv_quant.check_profile(kv_profile, cfg.head_dim)
+    k_fmt, v_fmt = kv_quant.PROFILES[kv_profile]
+    plain = kv_quant.plain_dtype(kv_profile, kv_dtype)
     kv_shape = (num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim)
     ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
     return DeviceState(
-        k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
-        v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
+        k_pages=tuple(kv_quant.empty_pool(k_fmt, kv_shape, plain) for _ in range(n_attn)),
+        v_pages=tuple(kv_quant.empty_pool(v_fmt, kv_shape, plain) for _ in range(n_attn)),
         ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n_gdn)),
         conv=tuple(jnp.zeros(conv_shape, conv_dtype) for _ in range(n_gdn)),
     )

@@ -341,6 +341,7 @@ class Engine:
                          **{k: v for k, v in c.items() if k.startswith(("requests_", "finished_"))}},
             "tokens": {"prompt": c.get("prefill_tokens", 0), "generated": c.get("generated_tokens", 0)},
             "pages": scheduler["pages"],
+            "kv": self.runner.kv_stats(),
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
             "prefix_cache": {**self.cache_manager.stats(detail),

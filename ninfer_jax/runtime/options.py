@@ -51,6 +51,8 @@ AUTO_LANE_KV_TOKENS = 8192
 # the page-locking of the tier at startup short.
 HOST_CACHE_SHARE = 0.25
 HOST_CACHE_CAP_MIB = 64 << 10
+# The KV storage profiles of pallas_kernels.kv_quant (spec §3.1), named here so the options stay free of jax
+KV_DTYPES = ("auto", "bfloat16", "int8", "fp8", "k8v4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,10 @@ class EngineOptions:
     kv_capacity: int | str = _option(
         int, "auto", "KV cache size in tokens; auto: the device memory left after the weights",
         flag="--kv-capacity", minimum=1, auto=True, metavar="TOKENS")
+    kv_dtype: str = _option(
+        str, "auto", "KV cache storage (spec §3.1): the activations' dtype (auto), bfloat16, or quantized: int8 "
+        "(INT8, a scale per 64 values), fp8 (FP8-E4M3, a scale per 256), k8v4 (FP8 keys, NVFP4 values), nvfp4 "
+        "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES)
     max_model_len: int | None = _option(
         int, None, "longest prompt plus completion, in tokens (context length)", flag="--max-model-len",
         minimum=2, rule=f"the model's limit, at most {MAX_DEFAULT_MODEL_LEN}")

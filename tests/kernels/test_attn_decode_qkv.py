@@ -12,7 +12,7 @@ import pytest
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5, tiny
 from kernel_support import lower_for_h200
-from pallas_kernels import attn_decode_qkv
+from pallas_kernels import attn_decode_qkv, kv_quant
 from pallas_kernels.reference import PAGE
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -70,6 +70,34 @@ def test_fused_step_equals_the_models_composition(shape, dtype):
     assert {tuple(map(int, rc)) for rc in changed} <= written
 
 
+@pytest.mark.parametrize("profile", ["int8", "k8v4", "nvfp4"])  # K: INT8, FP8, NVFP4; V: INT8, NVFP4
+def test_fused_step_writes_quantized_pools_as_the_composition_does(profile):
+    """The written rows' values equal the composition's: V's planes bit for bit (the values are copied), K's within
+    twice the format's rounding bound (the keys themselves agree to float32 rounding, which may move a code by a
+    step); every other row is untouched."""
+    cfg = _cfg(4, 2, 128, 32)  # two INT8 groups a row, eight NVFP4 ones
+    proj, q_norm, k_norm, positions, tables, active, k_plain, v_plain = _case(cfg, jnp.float32, seed=5)
+    pools = [kv_quant.QuantPages(*kv_quant.quantize(fmt, x), fmt.name)
+             for fmt, x in zip(kv_quant.PROFILES[profile], (k_plain, v_plain))]
+    args = (proj, q_norm, k_norm, positions, tables, active, *pools)
+    want_q, want_k, want_v = _composition(cfg, *args)
+    got_q, got_k, got_v = _fused(cfg, *args)
+    np.testing.assert_allclose(np.asarray(got_q), np.asarray(want_q), rtol=1e-5, atol=1e-5)
+    for plane_got, plane_want in zip(kv_quant.planes(got_v), kv_quant.planes(want_v)):
+        np.testing.assert_array_equal(np.asarray(plane_got).view(np.uint8), np.asarray(plane_want).view(np.uint8))
+    fmt, d = got_k.format, cfg.head_dim
+    k_got, k_want = (np.asarray(kv_quant.take(k, jnp.arange(k.shape[0]))) for k in (got_k, want_k))
+    step = np.repeat(np.asarray(want_k.scales.astype(jnp.float32)), fmt.group_of(d), axis=-1)
+    bound = 2 * np.asarray(kv_quant.error_bound(fmt, jnp.asarray(k_want), jnp.asarray(step))) + 1e-5 * np.abs(k_want)
+    assert np.all(np.abs(k_got - k_want) <= bound)
+    written = np.zeros(k_got.shape[:2], bool)
+    for b in (0, 1):  # lane 2 is inactive
+        written[int(tables[b, positions[b] // PAGE]), int(positions[b] % PAGE)] = True
+    for before, after in zip(kv_quant.planes(pools[0]), kv_quant.planes(got_k)):
+        np.testing.assert_array_equal(np.asarray(after)[~written].view(np.uint8),
+                                      np.asarray(before)[~written].view(np.uint8))
+
+
 def test_model_decode_takes_it_only_when_asked_and_able():
     proj = jnp.zeros((2, TINY.num_attention_heads * 2 * TINY.head_dim + 2 * TINY.num_key_value_heads * TINY.head_dim))
     pools = jnp.zeros((4, PAGE, TINY.num_key_value_heads, TINY.head_dim))
@@ -88,15 +116,19 @@ def test_model_decode_takes_it_only_when_asked_and_able():
                                         eps=1e-6, interpret=True)
 
 
-@pytest.mark.parametrize("hq, hkv", [(16, 2), (24, 4)], ids=["35b-a3b", "27b"])
-def test_lowers_to_triton_at_the_real_head_shapes(hq, hkv):
+@pytest.mark.parametrize("hq, hkv, profile", [(16, 2, "bfloat16"), (24, 4, "bfloat16"), (24, 4, "int8"),
+                                               (24, 4, "k8v4"), (24, 4, "nvfp4")],
+                         ids=["35b-a3b", "27b", "27b-int8", "27b-k8v4", "27b-nvfp4"])
+def test_lowers_to_triton_at_the_real_head_shapes(hq, hkv, profile):
     lower_for_h200()
     spec = jax.ShapeDtypeStruct
     d, rot, lanes = 256, 64, 1
-    pool = spec((1024, PAGE, hkv, d), jnp.bfloat16)
+    k_pool, v_pool = (jax.tree.map(lambda a: spec((1024, *a.shape[1:]), a.dtype),
+                                   kv_quant.empty_pool(fmt, (1, PAGE, hkv, d), jnp.bfloat16))
+                      for fmt in kv_quant.PROFILES[profile])
     text = attn_decode_qkv.attn_decode_qkv.trace(
         spec((lanes, hq * 2 * d + 2 * hkv * d), jnp.bfloat16), spec((d,), jnp.bfloat16), spec((d,), jnp.bfloat16),
         spec((rot // 2,), jnp.float32), spec((lanes,), jnp.int32), spec((lanes, 528), jnp.int32),
-        spec((lanes,), jnp.bool_), pool, pool, num_heads=hq, num_kv_heads=hkv, rotary_dim=rot, eps=1e-6,
+        spec((lanes,), jnp.bool_), k_pool, v_pool, num_heads=hq, num_kv_heads=hkv, rotary_dim=rot, eps=1e-6,
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "attn_decode_qkv" in text

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ninfer_jax.model import ops
 from kernel_support import lower_for_h200
-from pallas_kernels import paged_attention
+from pallas_kernels import kv_quant, paged_attention
 from pallas_kernels import reference as ref
 
 PAGE = 64
@@ -142,21 +142,29 @@ def test_one_lanes_splits_keep_a_minimum_of_pages():
         paged_attention.DecodeConfig(min_pages_per_split=0)
 
 
-def test_lowers_to_triton_at_real_shapes():
+@pytest.mark.parametrize("profile", ["bfloat16", "int8", "k8v4"])  # plain; int8 planes; fp8 rows and e2m1 nibbles
+def test_lowers_to_triton_at_real_shapes(profile):
     lower_for_h200()
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    pool = sd((4096, PAGE, 4, 256), bf)
+
+    def pools(hkv):
+        """Abstract K and V pools of 4096 pages in the profile's layout."""
+        return tuple(jax.tree.map(lambda a: sd((4096, *a.shape[1:]), a.dtype),
+                                  kv_quant.empty_pool(fmt, (1, PAGE, hkv, 256), bf))
+                     for fmt in kv_quant.PROFILES[profile])
+
+    k, v = pools(4)
     text = paged_attention.paged_decode_attention.trace(
-        sd((8, 24, 256), bf), pool, pool, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
+        sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    pool_35b = sd((4096, PAGE, 2, 256), bf)  # 8 queries per KV head: a spare row for the padding
+    k_35b, v_35b = pools(2)  # 8 queries per KV head: a spare row for the padding
     text = paged_attention.paged_decode_attention.trace(
-        sd((1, 16, 256), bf), pool_35b, pool_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)
+        sd((1, 16, 256), bf), k_35b, v_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
     text = paged_attention.paged_prefill_attention.trace(
-        sd((2048, 24, 256), bf), pool, pool, sd((600,), jnp.int32), sd((), jnp.int32)
+        sd((2048, 24, 256), bf), k, v, sd((600,), jnp.int32), sd((), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text

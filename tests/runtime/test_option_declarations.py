@@ -12,6 +12,7 @@ from ninfer_jax.prefix_cache import options as prefix_cache_options
 from ninfer_jax.runtime import options as engine_options
 from ninfer_jax.runtime.options import OPTIONS, EngineOptions, OptionsError, engine_kwargs_from_args, flag_words
 from ninfer_jax.server import cli
+from pallas_kernels import kv_quant
 
 PARSERS = {"ninfer-serve": cli.build_parser, "ninfer-generate": generate.build_parser}
 
@@ -22,18 +23,20 @@ def _engine_actions(parser):
 
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "max_model_len", "kernels",
-        "prefill_attention", "fp8_activations", "interpret", "output_window", "memory_fraction", "batch_invariant",
-        "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps", "tap_ladder_tokens", "tap_min_gap_tokens",
+        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype", "max_model_len",
+        "kernels", "prefill_attention", "fp8_activations", "interpret", "output_window", "memory_fraction",
+        "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
+        "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
     for field in dataclasses.fields(EngineOptions):
         assert OPTIONS[field.name].default == field.default
+    assert OPTIONS["kv_dtype"].choices == tuple(kv_quant.PROFILES)  # the profiles the kernels store
 
 
 def test_the_flags_are_the_spec_names():
     assert {o.flag: name for name, o in OPTIONS.items() if o.flag} == {
         "--dtype": "dtype", "--max-concurrency": "max_concurrency", "--prefill-chunk": "prefill_chunk",
-        "--idle-prefill-chunk": "idle_prefill_chunk", "--kv-capacity": "kv_capacity",
+        "--idle-prefill-chunk": "idle_prefill_chunk", "--kv-capacity": "kv_capacity", "--kv-dtype": "kv_dtype",
         "--max-model-len": "max_model_len", "--kernels": "kernels", "--prefill-attention": "prefill_attention",
         "--fp8-activations": "fp8_activations",
         "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",

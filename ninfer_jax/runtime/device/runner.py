@@ -184,13 +184,14 @@ def _copy_slot(ssm, conv, src, dst):
 
 
 def _copy_page(k_pages, v_pages, src, dst, length):
-    """The first `length` positions of page src -> page dst (a tail copy-on-write), every attention layer."""
+    """The first `length` positions of page src -> page dst (a tail copy-on-write), every plane of every attention
+    layer (a quantized page's rows keep their bytes)."""
     keep = (jnp.arange(PAGE) < length)[:, None, None]
 
     def one(pages):
         return pages.at[dst].set(jnp.where(keep, pages[src], pages[dst]))
 
-    return tuple(map(one, k_pages)), tuple(map(one, v_pages))
+    return jax.tree.map(one, k_pages), jax.tree.map(one, v_pages)
 
 
 def _own(fn):
@@ -209,7 +210,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
-                 kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None):
+                 kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
+                 kv_profile: str = "auto"):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
@@ -222,7 +224,8 @@ class ModelRunner:
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
         # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
-        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype)
+        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile)
+        self.kv_profile = kv_profile
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
         self._layout_checked: set = set()
         # Penalty statistics and logit biases per lane, read and written only by the processing variants.
@@ -491,6 +494,15 @@ class ModelRunner:
                      time.perf_counter() - start)
         jax.block_until_ready(self.state)
         return time.perf_counter() - start
+
+    def kv_stats(self) -> dict:
+        """The KV pools' storage: `dtype` (the profile, or a plain pool's dtype for "auto"), `bytes_per_token`
+        (every attention layer, K + V with their scales, from the pools' own arrays) and `capacity_tokens`."""
+        pools = self.state.k_pages + self.state.v_pages
+        tokens = self.state.num_pages * PAGE
+        name = self.kv_profile if self.kv_profile != "auto" else jnp.dtype(pools[0].dtype).name if pools else "none"
+        return {"dtype": name, "bytes_per_token": sum(a.nbytes for a in jax.tree.leaves(pools)) // max(1, tokens),
+                "capacity_tokens": tokens}
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled programs per jitted step (grows only when a new shape or static value appears)."""

@@ -1,8 +1,9 @@
 """The Host tier's transfer programs: page bundles and state images as raw uint32 words in the slab layout.
 
-A page bundle is, for every attention layer in forward order, its K page then its V page; a state image is,
-for every GDN layer in forward order, its ssm row then its conv row, cut into rows of one slab. The gathers'
-output is what `HostTier` copies into the slabs; the scatters take the slabs' rows back into the donated pools.
+A page bundle is, for every attention layer in forward order, its K page's planes then its V page's (one plane
+for a plain pool; values then scales for a quantized one, `kv_quant`), so a page moves as its bytes lie; a state
+image is, for every GDN layer in forward order, its ssm row then its conv row, cut into rows of one slab. The
+gathers' output is what `HostTier` copies into the slabs; the scatters take the slabs' rows back into the donated pools.
 The runner jits these (`ModelRunner.enable_host_transfers`); tests and benchmarks call them directly.
 """
 
@@ -12,6 +13,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import kv_quant
 
 # Rows travel as uint32 words: byte-wise (uint8) gathers ran as slow fusions on the GPU (docs/benchmarks/prefix_cache.md).
 WORD_BYTES = 4
@@ -47,10 +50,11 @@ def words_per_row(pool) -> int:
 
 
 def gather_pages(k_pages, v_pages, pages):
-    """Page bundles of `pages` [B]: per attention layer in order, its K page then its V page, as words."""
+    """Page bundles of `pages` [B]: per attention layer in order, its K page's planes then its V page's, as
+    words."""
     parts = []
     for k, v in zip(k_pages, v_pages):
-        parts += [as_words(k[pages]), as_words(v[pages])]
+        parts += [as_words(plane[pages]) for plane in kv_quant.planes(k) + kv_quant.planes(v)]
     return jnp.concatenate(parts, axis=1)  # [B, bundle words]
 
 
@@ -59,9 +63,12 @@ def scatter_pages(k_pages, v_pages, pages, rows):
     offset, ks, vs = 0, [], []
     for k, v in zip(k_pages, v_pages):
         for pool, out in ((k, ks), (v, vs)):
-            width = words_per_row(pool)
-            out.append(pool.at[pages].set(from_words(rows[:, offset:offset + width], pool), mode="drop"))
-            offset += width
+            planes = []
+            for plane in kv_quant.planes(pool):
+                width = words_per_row(plane)
+                planes.append(plane.at[pages].set(from_words(rows[:, offset:offset + width], plane), mode="drop"))
+                offset += width
+            out.append(kv_quant.with_planes(pool, planes))
     return tuple(ks), tuple(vs)
 
 

@@ -1,0 +1,94 @@
+"""Paged attention over quantized KV pools (pallas_kernels.paged_attention with kv_quant.QuantPages), in Pallas
+interpret mode on CPU, against a float64 reference of the quantized format: the planes dequantized in numpy
+(a decoder of this test's own), then attention in float64. Rows a lane may not read hold NaN scales, so a read
+of them shows."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kv_quant, paged_attention
+
+PAGE = 64
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def dequantize64(pool: kv_quant.QuantPages) -> np.ndarray:
+    """float64 [P, 64, Hkv, D] of a quantized pool, from its planes' bytes."""
+    values = np.asarray(pool.values.astype(jnp.float32) if pool.values.dtype != jnp.uint8 else pool.values)
+    if pool.format.packed:
+        values = np.concatenate([E2M1[values & 15], E2M1[values >> 4]], axis=-1)
+    scales = np.asarray(pool.scales.astype(jnp.float32)).astype(np.float64)
+    d = values.shape[-1]
+    return values.astype(np.float64) * np.repeat(scales, d // scales.shape[-1], axis=-1)
+
+
+def attention64(q, k, v, q_pos, kv_len):
+    """q [T, Hq, D], k/v [S, Hkv, D] float64; query i sees keys j <= q_pos[i], j < kv_len."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)
+    s = np.einsum("tkgd,skd->tkgs", qg, k[:kv_len]) / np.sqrt(d)
+    s = np.where(np.arange(kv_len)[None, None, None, :] <= q_pos[:, None, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (np.einsum("tkgs,skd->tkgd", p / p.sum(-1, keepdims=True), v[:kv_len])).reshape(t, hq, d)
+
+
+def quantized_pool(r, profile_fmt, n_pages, hkv, d, scale):
+    x = r.standard_normal((n_pages, PAGE, hkv, d)).astype(np.float32) * scale
+    return kv_quant.QuantPages(*kv_quant.quantize(profile_fmt, jnp.asarray(x)), profile_fmt.name)
+
+
+def poison(pool: kv_quant.QuantPages, tables, lengths) -> kv_quant.QuantPages:
+    """NaN scales on every row outside the first lengths[b] rows of each lane's table."""
+    keep = np.zeros(pool.scales.shape[:2], bool)
+    for table, n in zip(tables, lengths):
+        for i, page in enumerate(table):
+            keep[page, : max(0, min(PAGE, n - i * PAGE))] = True
+    scales = jnp.where(jnp.asarray(keep)[:, :, None, None], pool.scales.astype(jnp.float32), jnp.nan)
+    return kv_quant.QuantPages(pool.values, scales.astype(pool.scales.dtype), pool.fmt)
+
+
+def pools(r, profile, n_pages, hkv, d):
+    k_fmt, v_fmt = kv_quant.PROFILES[profile]
+    return quantized_pool(r, k_fmt, n_pages, hkv, d, 2.0), quantized_pool(r, v_fmt, n_pages, hkv, d, 3.0)
+
+
+# Between them the cases read every format as K and as V: INT8 groups, FP8 rows, NVFP4 nibbles.
+@pytest.mark.parametrize("profile", ["int8", "k8v4"])
+def test_decode_over_quantized_pages_matches_float64(profile):
+    r = np.random.default_rng(1)
+    hq, hkv, d, lengths, max_pages = 4, 2, 32, [1, 130, 200], 4
+    n_pages = len(lengths) * max_pages + 3
+    tables = r.permutation(n_pages)[: len(lengths) * max_pages].reshape(len(lengths), max_pages).astype(np.int32)
+    k, v = pools(r, profile, n_pages, hkv, d)
+    q = r.standard_normal((len(lengths), hq, d)).astype(np.float32)
+    out = np.asarray(paged_attention.paged_decode_attention(
+        jnp.asarray(q), poison(k, tables, lengths), poison(v, tables, lengths), jnp.asarray(tables),
+        jnp.asarray(lengths, jnp.int32), interpret=True, config=paged_attention.DecodeConfig(num_splits=2)))
+    k64, v64 = dequantize64(k), dequantize64(v)
+    for b, n in enumerate(lengths):
+        kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
+        want = attention64(q[b][None].astype(np.float64), kb, vb, np.array([n - 1]), n)[0]
+        np.testing.assert_allclose(out[b], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("profile,config", [
+    (p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2)) for p in ("fp8", "nvfp4")
+] + [("k8v4", paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1))])  # the gathered path
+def test_prefill_over_quantized_pages_matches_float64(profile, config):
+    r = np.random.default_rng(2)
+    hq, hkv, d, t, base = 4, 2, 32, 40, 100
+    max_pages = (base + t + PAGE - 1) // PAGE + 1
+    table = r.permutation(max_pages + 3)[:max_pages].astype(np.int32)
+    k, v = pools(r, profile, max_pages + 3, hkv, d)
+    q = r.standard_normal((t, hq, d)).astype(np.float32)
+    out = np.asarray(paged_attention.paged_prefill_attention(
+        jnp.asarray(q), poison(k, [table], [base + t]), poison(v, [table], [base + t]), jnp.asarray(table),
+        jnp.int32(base), interpret=True, config=config))
+    kb, vb = dequantize64(k)[table].reshape(-1, hkv, d), dequantize64(v)[table].reshape(-1, hkv, d)
+    want = attention64(q.astype(np.float64), kb, vb, base + np.arange(t), base + t)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
