@@ -51,6 +51,7 @@ def _oracle_mtp(hf, directory, hidden, next_tokens):
 def test_mtp_layer_matches_transformers_modules(checkpoint_factory, preset, seed):
     directory = checkpoint_factory(preset, "text", seed=seed)
     cfg, params = load_checkpoint(directory, "float32")
+    chex.assert_shape(params.mtp.fc, (2 * cfg.hidden_size, cfg.hidden_size))
     assert isinstance(params.mtp.layer.mixer, AttnParams)
     assert isinstance(params.mtp.layer.ffn, MoEParams if cfg.is_moe else MLPParams)
     tokens = torch.tensor(np.random.default_rng(seed).integers(0, ORACLE_VOCAB, SEQ + 1))
