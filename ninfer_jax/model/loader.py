@@ -4,7 +4,8 @@ Accepts the VLM layout (`model.language_model.*`, vision tower `model.visual.*` 
 text layout (`model.*`), one file or many (with `model.safetensors.index.json`), MoE experts fused
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
 (`experts.{e}.gate_proj.weight`, ...), bf16 or fp32 on disk. Every tensor is checked for presence and
-shape; a problem raises CheckpointError naming the tensor. MTP weights (`mtp.*`) are kept raw.
+shape; a problem raises CheckpointError naming the tensor. The multi-token-prediction layer (`mtp.*`, the same
+in both layouts) loads when present, whole or refused; without it `Params.mtp` is None.
 
 Block-FP8 checkpoints (config.json `quantization_config`, Qwen's FP8 packs): a linear whose `weight` is
 float8_e4m3fn [out, in] comes with `weight_scale_inv` [ceil(out/128), ceil(in/128)] (float32 or bf16) and stays
@@ -35,6 +36,7 @@ from ninfer_jax.model.params import (
     LayerParams,
     MLPParams,
     MoEParams,
+    MTPParams,
     Params,
     QuantizedWeight,
 )
@@ -88,8 +90,8 @@ class _Tensors:
             self._headers[name] = _read_header(path)
         self.bytes_read = 0
 
-    def keys(self):
-        return self._where.keys()
+    def __iter__(self):
+        return iter(self._where)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -111,13 +113,6 @@ class _Tensors:
             raise CheckpointError(f"tensor {name!r}: file is truncated")
         self.bytes_read += raw.nbytes
         return raw.view(ml_dtypes.float8_e4m3fn).reshape(shape)
-
-    def read_any(self, name: str):
-        """A tensor as stored (FP8 included), for the raw MTP weights."""
-        info = self._info(name)
-        if info.get("dtype") == "F8_E4M3":
-            return self.get_fp8(name, tuple(info["shape"]))
-        return self.get(name, tuple(info["shape"]))
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._where:
@@ -204,13 +199,13 @@ def _prefix(cfg: ModelConfig, tensors: _Tensors) -> str:
     )
 
 
-def _load_layer(t: _Tensors, cfg: ModelConfig, i: int, p: str, put) -> LayerParams:
+def _load_layer(t: _Tensors, cfg: ModelConfig, pre: str, kind: str, put) -> LayerParams:
+    """The decoder layer whose tensors are named `pre`..., its mixer of `kind` (a config.layer_types entry)."""
     h = cfg.hidden_size
-    pre = f"{p}layers.{i}."
 
     def lin(name, shape):
         return _linear(t, cfg, name, shape)
-    if cfg.layer_types[i] == "linear_attention":
+    if kind == "linear_attention":
         a = pre + "linear_attn."
         cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
         in_proj = _fuse(
@@ -283,6 +278,20 @@ def _load_layer(t: _Tensors, cfg: ModelConfig, i: int, p: str, put) -> LayerPara
     )
 
 
+def _load_mtp(t: _Tensors, cfg: ModelConfig, put) -> MTPParams | None:
+    """The MTP layer: None when the checkpoint has no `mtp.*` tensor; one missing from a partial layer is named."""
+    if not any(k.startswith("mtp.") for k in t):
+        return None
+    h = cfg.hidden_size
+    return MTPParams(
+        fc=_fuse([_linear(t, cfg, "mtp.fc.weight", (h, 2 * h))], put),
+        pre_fc_norm_embedding=put(t.get("mtp.pre_fc_norm_embedding.weight", (h,))),
+        pre_fc_norm_hidden=put(t.get("mtp.pre_fc_norm_hidden.weight", (h,))),
+        layer=_load_layer(t, cfg, "mtp.layers.0.", "full_attention", put),
+        norm=put(t.get("mtp.norm.weight", (h,))),
+    )
+
+
 def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) -> tuple[ModelConfig, Params]:
     """Read an HF Qwen3.5 checkpoint directory.
 
@@ -314,7 +323,7 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
     embed = put(tensors.get(prefix + "embed_tokens.weight", (v, h)))
     layers = []
     for i in range(cfg.num_layers):
-        layers.append(_load_layer(tensors, cfg, i, prefix, put))
+        layers.append(_load_layer(tensors, cfg, f"{prefix}layers.{i}.", cfg.layer_types[i], put))
         log.info(
             "loading weights | layer %d/%d | %.2f GB read | %.1f s",
             i + 1, cfg.num_layers, tensors.bytes_read / 1e9, time.perf_counter() - start,
@@ -326,11 +335,8 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
         lm_head = None
     else:
         lm_head = put(tensors.get("lm_head.weight", (v, h)).T)
-    mtp_keys = [k for k in tensors.keys() if k.startswith("mtp.")]
-    # FP8 MTP tensors stay FP8 (their scales are separate tensors): kept, not used
-    mtp = {k: put(a) if a.dtype != ml_dtypes.float8_e4m3fn else jnp.asarray(a)
-           for k, a in ((k, tensors.read_any(k)) for k in mtp_keys)} or None
-    params = Params(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head, mtp=mtp)
+    params = Params(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head,
+                    mtp=_load_mtp(tensors, cfg, put))
     jax.block_until_ready(params)
     log.info(
         "weights loaded | %s | %d layers | %.2f GB | %.1f s",

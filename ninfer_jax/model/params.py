@@ -14,8 +14,6 @@ Only the model's `dot` and the MoE experts read them (docs/engine_notes.md, "FP8
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 from flax import struct
 
@@ -97,9 +95,20 @@ class LayerParams:
 
 
 @struct.dataclass
+class MTPParams:
+    """The multi-token-prediction layer (model/mtp.py): fc over [embedding | hidden], one full-attention layer."""
+
+    fc: Weight  # [2H, H], the embedding's rows first
+    pre_fc_norm_embedding: jax.Array  # [H] zero-centred
+    pre_fc_norm_hidden: jax.Array  # [H] zero-centred
+    layer: LayerParams  # mixer is AttnParams; ffn an MLP or MoE block, as the model's layers
+    norm: jax.Array  # [H] zero-centred, before the shared lm_head
+
+
+@struct.dataclass
 class Params:
     embed: jax.Array  # [V, H]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [H] zero-centred
     lm_head: jax.Array | None  # [H, V]; None when tied to embed
-    mtp: dict[str, Any] | None = None  # raw multi-token-prediction weights, when the checkpoint has them
+    mtp: MTPParams | None = None  # None when the checkpoint has no MTP layer

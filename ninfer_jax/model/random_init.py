@@ -18,6 +18,7 @@ from ninfer_jax.model.params import (
     LayerParams,
     MLPParams,
     MoEParams,
+    MTPParams,
     Params,
     QuantizedWeight,
 )
@@ -40,9 +41,10 @@ def fp8_normal(key, shape, scale):
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, fp8: bool = False) -> Params:
-    """Params with every weight ~ N(0, fan_in^-1/2) (norm weights ~ N(0, 0.1)), made on the device; fp8: the
-    projections and experts block-FP8 (their sides must be multiples of 128, as in the released models)."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64 * (cfg.num_layers + 2)))
+    """Params with every weight ~ N(0, fan_in^-1/2) (norm weights ~ N(0, 0.1)), the MTP layer included, made on the
+    device; fp8: the projections and experts block-FP8 (their sides must be multiples of 128, as in the released
+    models)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64 * (cfg.num_layers + 2)))  # ample for the MTP layer too
 
     def w(*shape, scale=None):
         return _normal(next(keys), shape, dtype, scale if scale is not None else shape[-2] ** -0.5
@@ -55,8 +57,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, fp8: bool
         return fp8_normal(next(keys), (*lead, n, k), k**-0.5)
 
     h = cfg.hidden_size
-    layers = []
-    for kind in cfg.layer_types:
+
+    def layer(kind):
         if kind == "linear_attention":
             hv = cfg.linear_num_value_heads
             mixer = GDNParams(
@@ -82,10 +84,13 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, fp8: bool
             )
         else:
             ffn = MLPParams(gate_up=lin(h, 2 * cfg.intermediate_size), down=lin(cfg.intermediate_size, h))
-        layers.append(LayerParams(input_norm=w(h), post_norm=w(h), mixer=mixer, ffn=ffn))
-    return Params(
-        embed=w(cfg.vocab_size, h, scale=1.0),
-        layers=tuple(layers),
-        final_norm=w(h),
-        lm_head=None if cfg.tie_word_embeddings else w(h, cfg.vocab_size),
+        return LayerParams(input_norm=w(h), post_norm=w(h), mixer=mixer, ffn=ffn)
+
+    layers = tuple(layer(kind) for kind in cfg.layer_types)
+    embed, final_norm = w(cfg.vocab_size, h, scale=1.0), w(h)
+    lm_head = None if cfg.tie_word_embeddings else w(h, cfg.vocab_size)
+    # The MTP layer's keys come after every other weight's, so those are the same as without it
+    mtp = MTPParams(  # fc unquantized, as the FP8 packs keep it
+        fc=w(2 * h, h), pre_fc_norm_embedding=w(h), pre_fc_norm_hidden=w(h), layer=layer("full_attention"), norm=w(h)
     )
+    return Params(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, mtp=mtp)

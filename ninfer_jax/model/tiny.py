@@ -1,8 +1,8 @@
 """Random Qwen3.5 checkpoints in real HF layout, written without torch: the built-in default and test models.
 
-Every parameter is randomised, the (1 + w) norm weights included (HF initialises those to zero, which
-would hide a missing "1 +"), deterministically from a seed. The configs come from `configs/*.json`
-(real HF config.json files) with optional overrides of text-config fields. The built-in default is
+Every parameter is randomised, the multi-token-prediction layer (`mtp.*`) and the (1 + w) norm weights included
+(HF initialises those to zero, which would hide a missing "1 +"), deterministically from a seed. The configs come
+from `configs/*.json` (real HF config.json files) with optional overrides of text-config fields. The built-in default is
 `configs/tiny-dense.json` at seed 0, written once under `ninfer_jax.home.ninfer_home()` (~/.cache/ninfer_jax by
 default) with a real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
 checkpoints.
@@ -61,51 +61,67 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     for i, kind in enumerate(cfg.layer_types):
-        pre = f"model.layers.{i}."
-        shapes[pre + "input_layernorm.weight"] = (h,)
-        shapes[pre + "post_attention_layernorm.weight"] = (h,)
-        if kind == "linear_attention":
-            a, hv = pre + "linear_attn.", cfg.linear_num_value_heads
-            shapes.update({
-                a + "in_proj_qkv.weight": (cfg.conv_dim, h),
-                a + "in_proj_z.weight": (cfg.value_dim, h),
-                a + "in_proj_b.weight": (hv, h),
-                a + "in_proj_a.weight": (hv, h),
-                a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-                a + "dt_bias": (hv,),
-                a + "A_log": (hv,),
-                a + "norm.weight": (cfg.linear_value_head_dim,),
-                a + "out_proj.weight": (h, cfg.value_dim),
-            })
-        else:
-            a, d = pre + "self_attn.", cfg.head_dim
-            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-            shapes.update({
-                a + "q_proj.weight": (hq * 2 * d, h),
-                a + "k_proj.weight": (hkv * d, h),
-                a + "v_proj.weight": (hkv * d, h),
-                a + "o_proj.weight": (h, hq * d),
-                a + "q_norm.weight": (d,),
-                a + "k_norm.weight": (d,),
-            })
-        m = pre + "mlp."
-        if cfg.is_moe:
-            e, inter, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-            shapes.update({
-                m + "gate.weight": (e, h),
-                m + "experts.gate_up_proj": (e, 2 * inter, h),
-                m + "experts.down_proj": (e, h, inter),
-                m + "shared_expert.gate_proj.weight": (si, h),
-                m + "shared_expert.up_proj.weight": (si, h),
-                m + "shared_expert.down_proj.weight": (h, si),
-                m + "shared_expert_gate.weight": (1, h),
-            })
-        else:
-            shapes.update({
-                m + "gate_proj.weight": (cfg.intermediate_size, h),
-                m + "up_proj.weight": (cfg.intermediate_size, h),
-                m + "down_proj.weight": (h, cfg.intermediate_size),
-            })
+        shapes.update(_layer_shapes(cfg, f"model.layers.{i}.", kind))
+    return shapes
+
+
+def mtp_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction layer's tensors (`mtp.*`, the same in both layouts), by name and shape: fc over
+    [embedding | hidden], its two input norms, one full-attention decoder layer, the final norm."""
+    h = cfg.hidden_size
+    # fc and norm first: the order the FP8 pack writer drew them in before the rest existed
+    shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
+              "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,)}
+    shapes.update(_layer_shapes(cfg, "mtp.layers.0.", "full_attention"))
+    return shapes
+
+
+def _layer_shapes(cfg: ModelConfig, pre: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors under the name prefix `pre`, its mixer of `kind` (a config.layer_types entry)."""
+    h = cfg.hidden_size
+    shapes = {pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,)}
+    if kind == "linear_attention":
+        a, hv = pre + "linear_attn.", cfg.linear_num_value_heads
+        shapes.update({
+            a + "in_proj_qkv.weight": (cfg.conv_dim, h),
+            a + "in_proj_z.weight": (cfg.value_dim, h),
+            a + "in_proj_b.weight": (hv, h),
+            a + "in_proj_a.weight": (hv, h),
+            a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+            a + "dt_bias": (hv,),
+            a + "A_log": (hv,),
+            a + "norm.weight": (cfg.linear_value_head_dim,),
+            a + "out_proj.weight": (h, cfg.value_dim),
+        })
+    else:
+        a, d = pre + "self_attn.", cfg.head_dim
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        shapes.update({
+            a + "q_proj.weight": (hq * 2 * d, h),
+            a + "k_proj.weight": (hkv * d, h),
+            a + "v_proj.weight": (hkv * d, h),
+            a + "o_proj.weight": (h, hq * d),
+            a + "q_norm.weight": (d,),
+            a + "k_norm.weight": (d,),
+        })
+    m = pre + "mlp."
+    if cfg.is_moe:
+        e, inter, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shapes.update({
+            m + "gate.weight": (e, h),
+            m + "experts.gate_up_proj": (e, 2 * inter, h),
+            m + "experts.down_proj": (e, h, inter),
+            m + "shared_expert.gate_proj.weight": (si, h),
+            m + "shared_expert.up_proj.weight": (si, h),
+            m + "shared_expert.down_proj.weight": (h, si),
+            m + "shared_expert_gate.weight": (1, h),
+        })
+    else:
+        shapes.update({
+            m + "gate_proj.weight": (cfg.intermediate_size, h),
+            m + "up_proj.weight": (cfg.intermediate_size, h),
+            m + "down_proj.weight": (h, cfg.intermediate_size),
+        })
     return shapes
 
 
@@ -133,7 +149,7 @@ def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) 
 
 
 # The linears Qwen's FP8 packs quantize; everything else (embeddings, lm_head, norms, the router and the shared
-# expert's gate, the GDN in_proj_a / in_proj_b, conv1d, A_log, dt_bias, the vision tower) stays unquantized.
+# expert's gate, the GDN in_proj_a / in_proj_b, conv1d, A_log, dt_bias, mtp.fc, the vision tower) stays unquantized.
 FP8_LINEARS = (
     "in_proj_qkv.weight", "in_proj_z.weight", "linear_attn.out_proj.weight", "q_proj.weight", "k_proj.weight",
     "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
@@ -155,9 +171,9 @@ def quantize_fp8_blocks(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np
     return q[:out, :inn].astype(ml_dtypes.float8_e4m3fn), scales
 
 
-def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype, rng) -> tuple[dict, list]:
-    """Random float tensors -> the FP8 pack's tensors (MoE experts one per expert, an MTP layer added) and its
-    modules_to_not_convert."""
+def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype) -> tuple[dict, list]:
+    """Random float tensors -> the FP8 pack's tensors (MoE experts one per expert) and its modules_to_not_convert.
+    The MTP layer follows the same rule, so mtp.fc stays unquantized, as Qwen's packs list it."""
     out, keep = {}, ["lm_head"]
 
     def quantized(name, w):
@@ -179,10 +195,6 @@ def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype, rng) -> tu
             out[name] = w.astype(np_dtype)
             if name != "lm_head.weight":
                 keep.append(name.removesuffix(".weight"))
-    h = cfg.hidden_size
-    quantized("mtp.fc.weight", rng.normal(0.0, (2 * h) ** -0.5, (h, 2 * h)))
-    out["mtp.norm.weight"] = rng.normal(0.0, 0.1, (h,)).astype(np_dtype)
-    keep.append("mtp.norm")
     if cfg.layout == "vlm":
         keep.append("model.visual")
     return out, keep
@@ -218,9 +230,12 @@ def write_random_checkpoint(
     for name, shape in hf_tensor_shapes(cfg).items():
         out = prefix + name[len("model."):] if name.startswith("model.") else name
         tensors[out] = _random_tensor(rng, name, shape)
+    # Drawn after every other tensor, so the rest are the same with or without an MTP layer
+    for name, shape in mtp_tensor_shapes(cfg).items():
+        tensors[name] = _random_tensor(rng, name, shape)
     if fp8:
         scales = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
-        tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales, rng)
+        tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales)
         config = {**config, "quantization_config": {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": keep,

@@ -136,12 +136,13 @@ def test_fp8_pack_loads_fp8_values_and_block_scales(packs, preset, layout, shard
         assert isinstance(gdn.ffn.gate_up, QuantizedWeight) and gdn.ffn.gate_up.scales.shape == (4, 1)
         assert gdn.ffn.down.scales.shape == (1, 2)  # out 128, in 256 (two blocks)
     assert params.embed.dtype == jnp.float32 and params.lm_head.dtype == jnp.float32
-    assert params.mtp["mtp.fc.weight"].dtype == jnp.float8_e4m3fn and params.mtp["mtp.norm.weight"].dtype == jnp.float32
+    # The MTP layer's linears FP8 as the model's, its fc unquantized (the packs list mtp.fc as not converted)
+    assert isinstance(params.mtp.layer.mixer.qkv_proj, QuantizedWeight) and params.mtp.fc.dtype == jnp.float32
     # Every FP8 weight dequantizes to the oracle's numpy dequantization, partial blocks included
     _, plain = load_checkpoint(deq_dir, "float32")
     quantized = lambda x: isinstance(x, (QuantizedWeight, ConcatWeight))
-    ours = jax.tree_util.tree_leaves(jax.tree_util.tree_map(dequantize, params.layers, is_leaf=quantized))
-    for a, b in zip(ours, jax.tree_util.tree_leaves(plain.layers), strict=True):
+    ours = jax.tree_util.tree_leaves(jax.tree_util.tree_map(dequantize, (params.layers, params.mtp), is_leaf=quantized))
+    for a, b in zip(ours, jax.tree_util.tree_leaves((plain.layers, plain.mtp)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

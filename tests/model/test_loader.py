@@ -53,12 +53,6 @@ def test_sharded_bf16_checkpoint_loads_in_requested_dtype(tmp_path):
     assert np.isfinite(np.asarray(forward(b, cfg, np.arange(10)))).all()
 
 
-def test_mtp_weights_are_kept_when_present(dense_dir):
-    _edit_tensors(dense_dir, lambda t: t.update({"mtp.fc.weight": np.ones((4, 4), np.float32)}))
-    _, params = load_checkpoint(dense_dir, "float32")
-    assert set(params.mtp) == {"mtp.fc.weight"}
-
-
 def test_missing_tensor_is_named(dense_dir):
     _edit_tensors(dense_dir, lambda t: t.pop("model.layers.2.linear_attn.A_log"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.linear_attn\.A_log'"):
