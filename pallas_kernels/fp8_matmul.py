@@ -33,6 +33,7 @@ from pallas_kernels import _compat
 from pallas_kernels._blocks import is_pow2
 
 BLOCK = 128  # the checkpoints' weight block, and each kernel's contraction step
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a block's or group's amax maps here
 _TC_ROWS = 16  # the smallest side of a tensor-core product
 
 
@@ -188,5 +189,5 @@ def quantize_rows(x):
     largest magnitude maps to 448, the largest finite e4m3 (a zero group keeps scale 1e-12 / 448 and zeros)."""
     m, k = x.shape
     groups = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
-    scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / 448.0
+    scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / FP8_MAX
     return (groups / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k), scale.T

@@ -284,18 +284,14 @@ def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
     dequantizes). Returns [T, H] float32."""
     weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
     if any(is_quantized(w) for w in weights):
-        if kc.backend != "pallas":
-            gate_up, down = dequantize(gate_up), dequantize(down)
-            if shared is not None:
-                shared = shared._replace(gate_up=dequantize(shared.gate_up), down=dequantize(shared.down))
-        elif not all(isinstance(w, QuantizedWeight) for w in weights):
+        if kc.backend == "pallas" and not all(isinstance(w, QuantizedWeight) for w in weights):
             raise ValueError("FP8 MoE experts run on the Pallas kernels only when every expert and shared-expert "
                              "projection is one block-FP8 weight (H and I multiples of 128); this checkpoint's are "
                              "not: run it with kernels='reference'")
-        else:
-            gate_up, down = block_fp8(gate_up), block_fp8(down)
-            if shared is not None:
-                shared = shared._replace(gate_up=block_fp8(shared.gate_up), down=block_fp8(shared.down))
+        convert = block_fp8 if kc.backend == "pallas" else dequantize
+        gate_up, down = convert(gate_up), convert(down)
+        if shared is not None:
+            shared = shared._replace(gate_up=convert(shared.gate_up), down=convert(shared.down))
     if kc.backend == "pallas":
         from pallas_kernels import moe
 

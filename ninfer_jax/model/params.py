@@ -17,8 +17,10 @@ from __future__ import annotations
 import jax
 from flax import struct
 
-# The FP8 checkpoints' weight block (quantization_config.weight_block_size [128, 128])
-FP8_BLOCK = 128
+from pallas_kernels import fp8_matmul
+
+# The FP8 checkpoints' weight block (quantization_config.weight_block_size [128, 128]), the kernels' own
+FP8_BLOCK = fp8_matmul.BLOCK
 
 
 @struct.dataclass

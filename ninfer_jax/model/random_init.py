@@ -22,6 +22,7 @@ from ninfer_jax.model.params import (
     Params,
     QuantizedWeight,
 )
+from pallas_kernels import fp8_matmul
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
@@ -35,7 +36,7 @@ def fp8_normal(key, shape, scale):
     *lead, n, k = shape
     blocks = (jax.random.normal(key, shape, jnp.float32) * scale).reshape(
         *lead, n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
-    scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) / 448.0
+    scales = jnp.max(jnp.abs(blocks), axis=(-3, -1)) / fp8_matmul.FP8_MAX
     values = (blocks / scales[..., :, None, :, None]).astype(jnp.float8_e4m3fn).reshape(shape)
     return QuantizedWeight(values, scales)
 
