@@ -22,6 +22,8 @@ Entry points:
   prefill(...)  one lane's chunk of T tokens at absolute positions [base, base + T), with in-kernel state
                 taps; returns final-normed hidden states [T, H] and the updated DeviceState.
   decode(...)   one token for each of B lanes.
+  verify(...)   T tokens for each of B lanes (speculative decoding), then `commit_verified` keeps each lane's
+                accepted rows.
   logits(...)   hidden -> float32 logits.
   forward(...)  whole-sequence forward without a cache (a fresh one-lane DeviceState).
 """
@@ -366,6 +368,84 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
         lambda p, h, ssm, conv: gdn_decode_mixer(p, h, cfg, kc, ssm, conv, ctx),
         lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, ctx),
     )
+
+
+# --- verify (speculative decoding) ---------------------------------------------------------------------
+def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx, replays: list):
+    """T rows per lane, each lane's rows in order from its slot's state, on a copy of the lanes' states: the pools
+    stay as they were (which row a lane keeps is known only from the logits). Appends to `replays` the rows'
+    delta-rule inputs and conv window, from which `commit_verified` advances the state to the kept row."""
+    b, t = ctx["shape"]
+    slots, m = ctx["slots"], ctx["active"][:, None]
+    proj = dot(kc, x, p.in_proj)
+    qkv, z, a, b_in = _gdn_split(proj, cfg)
+    window = jnp.concatenate([conv[slots].astype(qkv.dtype), qkv.reshape(b, t, -1)], axis=1)  # [B, K-1+T, C]
+    conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window).reshape(b * t, -1)
+    q, k, v, g, beta = _gdn_qkvgb(p, conv_out, a, b_in, cfg)
+    q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    q, k, v, g, beta = (y.reshape(b, t, *y.shape[1:]) for y in (q, k, v, g * m, beta * m))
+    core, _ = _gdn_rows(kc, q, k, v, g, beta, ssm[slots])
+    replays.append((k, v, g, beta, window))
+    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv
+
+
+def _gdn_rows(kc: KernelConfig, q, k, v, g, beta, states):
+    """The delta rule over T rows per lane in order (q, k, v, g, beta [B, T, ...]) from states [B, Hv, Dk, Dv], one
+    decode step per row (a loop, not T copies of the step, so the program stays small) -> (o [B, T, Hv, Dv], the
+    states after the last row)."""
+    lanes = jnp.arange(states.shape[0], dtype=jnp.int32)
+
+    def row(local, xs):
+        o, local = ops.gdn_decode(kc, *xs, local, lanes)
+        return local, o
+
+    states, o = jax.lax.scan(row, states, tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, g, beta)))
+    return jnp.swapaxes(o, 0, 1), states
+
+
+def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, counts,
+           state: DeviceState):
+    """T tokens for each of B lanes in one step (a speculative round: the last token, then the drafts).
+
+    Args:
+      tokens: [B, T] int32; lane b feeds tokens[b, :counts[b]] at positions[b], positions[b] + 1, ...
+      positions, slots, counts: [B] int32 (count 0: an inactive lane); page_tables: [B, max_pages] int32, mapping
+        every position a lane feeds.
+    Returns:
+      (hidden [B * T, H] after the final norm, lane-major; the DeviceState with every fed row's KV written and
+      the GDN pools unchanged; the replay that `commit_verified` takes).
+    """
+    b, t = tokens.shape
+    rows = jnp.arange(t, dtype=jnp.int32)
+    active = (rows[None, :] < counts[:, None]).reshape(-1)
+    # Every row is one decode query over its lane's pages: a row's own key and the earlier rows' are written
+    # before attention reads, so its length alone makes it causal.
+    attn_ctx = dict(positions=(positions[:, None] + rows[None, :]).reshape(-1), active=active,
+                    page_tables=jnp.repeat(page_tables, t, axis=0))
+    gdn_ctx = dict(shape=(b, t), slots=slots, active=active)
+    replays: list = []
+    hidden, state = _run_layers(
+        params, cfg, kc, params.embed[tokens.reshape(-1)], state,
+        lambda p, h, ssm, conv: _gdn_verify(p, h, cfg, kc, ssm, conv, gdn_ctx, replays),
+        lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, attn_ctx),
+    )
+    return hidden, state, tuple(replays)
+
+
+def commit_verified(kc: KernelConfig, state: DeviceState, replay, slots, kept, active) -> DeviceState:
+    """Advances each active lane's GDN states and conv histories over its verify rows 0..kept[b] (`verify`'s
+    replay): what a plain decode of those tokens would have left. Rows past kept[b] leave no trace."""
+    km1 = state.conv[0].shape[1] if state.conv else 0
+    ssms, convs = list(state.ssm), list(state.conv)
+    for j, (k, v, g, beta, window) in enumerate(replay):
+        m = active[:, None] & (jnp.arange(k.shape[1])[None, :] <= kept[:, None])  # [B, T]: the rows kept
+        k, v = k * m[..., None, None], v * m[..., None, None].astype(v.dtype)
+        _, states = _gdn_rows(kc, jnp.zeros_like(k), k, v, g * m[..., None], beta * m[..., None], ssms[j][slots])
+        ssms[j] = ssms[j].at[slots].set(states)
+        history = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n + 1, km1, axis=0))(window, kept)
+        old = convs[j][slots]
+        convs[j] = convs[j].at[slots].set(jnp.where(active[:, None, None], history.astype(old.dtype), old))
+    return DeviceState(state.k_pages, state.v_pages, tuple(ssms), tuple(convs))
 
 
 def logits(params: Params, hidden):

@@ -344,6 +344,7 @@ class Engine:
             "kv": self.runner.kv_stats(),
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
+            "speculative": scheduler["speculative"],
             "prefix_cache": {**self.cache_manager.stats(detail),
                              **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
             "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,

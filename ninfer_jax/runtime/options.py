@@ -51,6 +51,8 @@ AUTO_LANE_KV_TOKENS = 8192
 # the page-locking of the tier at startup short.
 HOST_CACHE_SHARE = 0.25
 HOST_CACHE_CAP_MIB = 64 << 10
+MAX_SPECULATIVE_TOKENS = 4
+DEFAULT_SPECULATIVE_TOKENS = 3
 # The KV storage profiles of pallas_kernels.kv_quant (spec §3.1), named here so the options stay free of jax
 KV_DTYPES = ("auto", "bfloat16", "int8", "fp8", "k8v4", "nvfp4")
 
@@ -179,6 +181,17 @@ class EngineOptions:
         "activations with the FP8 weights, or dynamic: activations quantized to FP8 per token and 128-group (the "
         "packs' activation_scheme; faster, about 0.026 relative error per projection)", flag="--fp8-activations",
         choices=("weight-only", "dynamic"))
+    speculative: str | None = _option(
+        str, None, "speculative decoding: ngram (drafts from the longest earlier match of the last tokens in the "
+        "prompt and output, prompt lookup) verified exactly by the model", flag="--speculative",
+        choices=("ngram", "mtp"))
+    num_speculative_tokens: int | None = _option(
+        int, None, "draft tokens per lane and round", flag="--num-speculative-tokens", minimum=1,
+        maximum=MAX_SPECULATIVE_TOKENS, rule="3 with speculative decoding")
+    prompt_lookup_max: int = _option(
+        int, 4, "longest n-gram that prompt lookup matches", flag="--prompt-lookup-max", minimum=1, maximum=16)
+    prompt_lookup_min: int = _option(
+        int, 2, "shortest n-gram that prompt lookup matches", flag="--prompt-lookup-min", minimum=1, maximum=16)
     interpret: bool = _option(bool, False, "run the Pallas kernels in interpret mode (CPU tests)")
     output_window: int = _option(
         int, 512, "completion tokens whose KV pages a request reserves ahead (bounded completion, spec §9.5)",
@@ -248,6 +261,8 @@ class EngineOptions:
         return dataclasses.replace(
             self,
             max_concurrency=lanes,
+            num_speculative_tokens=self.num_speculative_tokens or (DEFAULT_SPECULATIVE_TOKENS
+                                                                   if self.speculative else None),
             host_cache_mib=host_mib,
             kernels=kernels,
             prefill_attention=attention,
@@ -284,6 +299,7 @@ class EngineOptions:
             if not path.resolve().parent.is_dir():
                 raise OptionsError(f"prefix_cache_file {path}: the directory {path.resolve().parent} does not "
                                    f"exist")
+        self._check_speculative()
         if self.fp8_activations == "dynamic" and self.kernels == "reference":
             raise OptionsError("fp8_activations 'dynamic' runs in the Pallas decode kernels; it conflicts with "
                                "kernels 'reference'")
@@ -296,6 +312,21 @@ class EngineOptions:
             spacing = tap_spacing_problem(self.tap_ladder_tokens, self.tap_min_gap_tokens)
             if spacing:
                 raise OptionsError(spacing)
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            if self.num_speculative_tokens is not None:
+                raise OptionsError("num_speculative_tokens needs speculative decoding; set speculative")
+            return
+        if self.speculative == "mtp":
+            raise OptionsError("speculative 'mtp' is not available yet: the MTP layer loads and runs "
+                               "(ninfer_jax.model.mtp), its drafting and KV pages are not built; use 'ngram'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise OptionsError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                               f"({self.prompt_lookup_max})")
+        if self.batch_invariant:
+            raise OptionsError("speculative decoding conflicts with batch_invariant: a verify round's rows are "
+                               "not a plain round's")
 
     def cudnn_conflict(self, backend: str | None) -> str | None:
         """Why the cuDNN prefill attention cannot run with these options on `backend` (None: it can; a backend of

@@ -70,6 +70,8 @@ class Metrics:
     latency_s: float | None
     queue_s: float | None = None
     first_scheduled_s: float | None = None
+    drafted_tokens: int = 0  # speculative decoding: drafts verified for it, and those kept
+    accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,11 @@ class Request:
     first_token_at: float | None = None
     finish_reason: str | None = None
     grammar: Any | None = None  # structured.Grammar of a response_format; advanced by the OutputProcessor
+    # A verify round fed drafts past a stop the host found (a stop string): the lane's state is past `computed`, so
+    # its release takes no endpoint snapshot (its KV pages up to `computed` are exact).
+    state_ahead: bool = False
+    drafted: int = 0
+    accepted: int = 0
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""
@@ -156,4 +163,5 @@ class Request:
             return None if t is None else t - self.arrival
 
         end = time.perf_counter() if self.finish_reason else None
-        return Metrics(since(self.first_token_at), since(end), since(self.admitted_at), since(self.scheduled_at))
+        return Metrics(since(self.first_token_at), since(end), since(self.admitted_at), since(self.scheduled_at),
+                       self.drafted, self.accepted)

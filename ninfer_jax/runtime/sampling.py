@@ -198,6 +198,20 @@ def sample(logits, inputs, *, full: bool):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not full:
         return greedy
+    order, masked = filtered_sorted(logits, temperature, top_k, top_p)
+    picked = jax.vmap(lambda row, s, n: jax.random.categorical(sampling_key(s, n), row))(masked, seed, step)
+    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def sampling_key(seed, step):
+    """The key of a lane's draw for its `step`-th token: a token's randomness depends on its seed and place only."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+
+def filtered_sorted(logits, temperature, top_k, top_p):
+    """The distribution `sample` draws from, as (order [B, V]: token ids by falling logit, masked [B, V]: their
+    scaled logits, -inf where top-k or top-p cut them). A temperature of 0 scales by 1 (greedy rows take argmax)."""
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
     order = jnp.argsort(-scaled, axis=-1)
@@ -207,15 +221,7 @@ def sample(logits, inputs, *, full: bool):
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
     keep = keep & (before < top_p[:, None])  # the top token always survives
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-
-    def draw(row, s, n):
-        key = jax.random.fold_in(jax.random.PRNGKey(s), n)
-        return jax.random.categorical(key, row)
-
-    picked = jax.vmap(draw)(masked, seed, step)
-    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
 
 def token_logprobs(logits, tokens, *, num_logprobs: int = MAX_LOGPROBS, top_k_groups: int = 0):

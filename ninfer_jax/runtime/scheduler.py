@@ -34,6 +34,7 @@ from ninfer_jax.runtime.outputs import OutputProcessor
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.request import Request
 from ninfer_jax.runtime.sampling import SamplerInputs, lane_row
+from ninfer_jax.runtime.speculative import NgramProposer, SpeculativeStats
 from ninfer_jax.runtime.structured import allowed_tokens
 
 log = logging.getLogger("ninfer_jax.scheduler")
@@ -48,8 +49,9 @@ class _Round:
     """A decode round dispatched and not yet read back: its requests and its outputs on the device."""
 
     reqs: list[Request]
-    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None)
+    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: (emitted [C, T], kept [C])
     starved: set[int]  # lanes of this round that got no page for their next position: they end at its read
+    drafted: dict[int, int] | None = None  # a verify round's drafts per lane (None: a plain round)
 
 
 class _PhaseClock:
@@ -82,6 +84,13 @@ class Scheduler:
         self.counters = collections.Counter()
         self.outputs = OutputProcessor(stop_ids, options.max_model_len, self.counters)
         self.pending: _Round | None = None  # the decode round in flight (at most one)
+        k = options.num_speculative_tokens or 0
+        self.proposer = NgramProposer(k, options.prompt_lookup_min, options.prompt_lookup_max) \
+            if options.speculative == "ngram" else None
+        self.speculative = SpeculativeStats(k)
+        # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
+        # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
+        self.closing: set[int] = set()
         self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
 
     # --- queue -----------------------------------------------------------------------------------
@@ -130,6 +139,11 @@ class Scheduler:
         prefilled = self._prefill_pass(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
+        if previous is not None and self.proposer is not None:
+            # Drafts follow the tokens a round emits, so with speculation on a round is read before the next one.
+            self._retire(previous)
+            clock.lap("round_read")
+            previous = None
         self.pending = self._dispatch_round(previous)
         clock.lap("round_dispatch")
         if prefilled is not None:  # read after the round's dispatch, so the device goes on computing meanwhile
@@ -248,8 +262,12 @@ class Scheduler:
         positions = np.zeros(c, np.int32)
         starved: set[int] = set()
         for lane, req in enumerate(self.lanes):
-            if req is None or req.prefilling or not req.output or req.finish_reason is not None:
-                continue  # prefilling, its first token unread, or ended and waiting for its last round
+            if req is None or req.prefilling or not req.output:
+                continue  # prefilling, or its first token unread
+            if req.finish_reason is not None:
+                if lane in self.closing:  # ended in a verify round: this round feeds its last token
+                    active[lane], tokens[lane], positions[lane] = True, req.output[-1], req.computed
+                continue  # else ended, waiting for its last round
             k = int(ahead[lane])
             if k and req.grammar is not None:
                 continue  # its mask needs the token in flight: it decodes again once that token is read
@@ -269,6 +287,11 @@ class Scheduler:
             previous.starved |= starved
         if not active.any():
             return None
+        if self.proposer is not None:
+            verify = self._dispatch_verify(active)
+            if verify is not None:
+                return verify
+            self.speculative.plain_rounds += 1
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         out = self.runner.decode(
             tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
@@ -280,12 +303,86 @@ class Scheduler:
         self.counters["decode_rounds"] += 1
         return _Round(live, out, set())
 
+    def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
+        """A verify round over the `active` lanes (each fed its last token and its drafts), when every one can
+        speculate and one has a draft; None otherwise (the round decodes plainly)."""
+        live = [r for r in self.lanes if r is not None and active[r.lane]]
+        if len(live) > self.runner.verify_sizes[-1] or any(
+                r.sampling.processed or r.sampling.logprobs is not None or r.grammar is not None for r in live):
+            return None  # wider rounds pay for their extra rows; processing and logprobs run in plain rounds
+        c, t = len(self.lanes), self.runner.verify_rows
+        tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
+        positions, stops = np.zeros(c, np.int32), np.zeros(c, np.int32)
+        drafted = {}
+        for req in live:
+            lane = req.lane
+            if lane in self.closing:
+                tokens[lane, 0], counts[lane], positions[lane], drafted[lane] = req.output[-1], 1, req.computed, 0
+                continue
+            # Each emitted token must fit max_tokens and the context (as a plain round's would).
+            limit = min(req.sampling.max_tokens - len(req.output), self.options.max_model_len - 1 - req.computed) - 1
+            drafts = self.proposer.propose(req.token_slice(0, req.num_prompt + len(req.output)), limit)
+            n = len(drafts)
+            while n and not self._ensure_page(req, req.computed + n):
+                n -= 1  # the pool cannot extend the lane that far: fewer drafts
+            tokens[lane, 0], tokens[lane, 1:1 + n] = req.output[-1], drafts[:n]
+            counts[lane], positions[lane], stops[lane] = n + 1, req.computed, not req.sampling.ignore_eos
+            drafted[lane] = n
+        if not any(drafted.values()):
+            return None
+        out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
+                                 self.sampler.arrays(), full=any(not r.sampling.greedy for r in live))
+        self.cache_manager.flush()
+        self.counters["decode_rounds"] += 1
+        self.speculative.rounds += 1
+        return _Round(live, out, set(), drafted)
+
+    def _retire_verify(self, done: _Round) -> None:
+        """Reads a verify round back: each lane's kept drafts and the token after them, in order, until one ends
+        it. The lane's state holds rows 0..kept; a stop found on the host before them leaves it ahead."""
+        emitted, kept = (np.asarray(x) for x in done.out)
+        for req in done.reqs:
+            lane, base = req.lane, req.computed
+            if lane in self.closing:  # this round fed its last token
+                req.computed += 1
+                self.cache_manager.computed(req)
+                self._finish(req, req.finish_reason)
+                continue
+            n, a = done.drafted[lane], int(kept[lane])
+            req.drafted, req.accepted = req.drafted + n, req.accepted + a
+            if n:
+                self.speculative.record(n, a)
+            for i in range(a + 1):
+                req.computed = base + i + 1
+                self.outputs.accept(req, int(emitted[lane, i]), None, None, lane)
+                if req.finish_reason is not None:
+                    break
+            if i + 1 == a:  # it fed every token of its output: the state is exact one token further
+                req.computed = base + a + 1
+            req.state_ahead = req.computed < base + a + 1
+            self.cache_manager.computed(req)
+            if req.finish_reason is None:
+                self.outputs.progress(req)
+            elif self._can_close(req):
+                self.closing.add(lane)
+            else:
+                self._finish(req, req.finish_reason)
+
+    def _can_close(self, req: Request) -> bool:
+        """Whether a lane that stopped on a token it did not feed feeds it in one more round, as a plain lane does
+        (its round in flight feeds it; a lane that reaches max_tokens knows it and runs no round past it)."""
+        return (req.finish_reason == "stop" and not req.state_ahead
+                and req.computed == req.num_prompt + len(req.output) - 1
+                and req.computed + 1 < self.options.max_model_len and self._ensure_page(req, req.computed))
+
     def _retire(self, done: _Round) -> None:
         """Reads a decode round back: counts its tokens as computed, accepts them, settles finishes. A lane that
         ends here while the next round (in flight) feeds its token settles when that round is read.
 
         Every lane that ends gets its last event before any of them settles: settling is the cache's
         bookkeeping, and lanes ending together would otherwise hold the last answer back behind the others'."""
+        if done.drafted is not None:
+            return self._retire_verify(done)
         tokens_out, chosen, top = done.out
         tokens_out = np.asarray(tokens_out)
         following = {r.lane for r in self.pending.reqs} if self.pending is not None else set()
@@ -343,6 +440,7 @@ class Scheduler:
         """The cache keeps what the request computed (§7.7) and the lane is free; always within the step that
         sent the last event, so nothing (a stats call, the next admission) observes a finished lane."""
         if req.lane is not None:
+            self.closing.discard(req.lane)
             self.cache_manager.release(req, req.finish_reason)
             self.lanes[req.lane] = None
             req.lane, req.pages = None, []
@@ -358,4 +456,5 @@ class Scheduler:
             "running": sum(r is not None for r in self.lanes),
             "pages": self.pages.ledger(),
             "counters": dict(self.counters),
+            "speculative": self.speculative.as_dict() if self.proposer is not None else None,
         }

@@ -187,7 +187,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                          max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
-                         kv_profile=o.kv_dtype)
+                         kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
+                         stop_ids=stop_ids)
     log.info("engine options | %s", o.summary())
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,

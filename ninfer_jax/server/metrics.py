@@ -121,6 +121,17 @@ class _EngineCollector:
         yield _counter("ninfer_prefix_cache_hits", "Prompt tokens reused from the prefix cache.", hits)
         yield _gauge("ninfer_prefix_cache_hit_rate", "Prefix cache hits over queries since the start (0 to 1).",
                      hits / queries if queries else 0.0)
+        spec = stats.get("speculative")
+        if spec:  # vLLM's spec_decode series
+            yield _counter("ninfer_spec_decode_num_drafts", "Lane-rounds that verified at least one draft token.",
+                           sum(spec["accept_length_histogram"].values()))
+            yield _counter("ninfer_spec_decode_num_draft_tokens", "Draft tokens verified.", spec["drafted"])
+            yield _counter("ninfer_spec_decode_num_accepted_tokens", "Draft tokens the model kept.", spec["accepted"])
+            family = CounterMetricFamily("ninfer_spec_decode_accept_length", "Lane-rounds with drafts, by the tokens "
+                                         "they emitted (kept drafts + 1).", labels=["length"])
+            for length, count in spec["accept_length_histogram"].items():
+                family.add_metric([str(length)], float(count))
+            yield family
         yield _gauge("ninfer_engine_compiles_since_warmup", "Programs compiled while serving (0 when warmup "
                      "compiled every reachable shape).", stats.get("compiles_since_warmup", 0))
         yield _gauge("ninfer_engine_stats_age_seconds", "Age of the engine's published stats.",

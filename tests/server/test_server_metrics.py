@@ -68,6 +68,7 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
              "prefix_cache": {"reuse_tokens": 100, "snapshot_slots": {"free": 1, "active": 0, "cached": 4,
                                                                        "filling": 0, "capacity": 5},
                               "host_tier": True, "host_slabs": {"free": 7, "node": 1, "capacity": 8}},
+             "speculative": {"drafted": 30, "accepted": 21, "accept_length_histogram": {1: 2, 2: 3, 3: 1, 4: 4}},
              "compiles_since_warmup": 0, "failed": None, "stats_age_s": 0.1}
     metrics.watch_engine(lambda: stats, lambda: 8)
     text = metrics.render().decode()
@@ -88,4 +89,8 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
     assert samples["ninfer_prefix_cache_hit_rate"] == 0.25
     assert samples['ninfer_snapshot_slots{state="cached"}'] == 4 and samples['ninfer_host_cache_slabs{state="node"}'] == 1
     assert samples["ninfer_num_requests_waiting"] == 5 and samples["ninfer_server_requests_in_flight"] == 8
+    assert samples["ninfer_spec_decode_num_drafts_total"] == 10
+    assert samples["ninfer_spec_decode_num_draft_tokens_total"] == 30
+    assert samples["ninfer_spec_decode_num_accepted_tokens_total"] == 21
+    assert samples['ninfer_spec_decode_accept_length_total{length="4"}'] == 4
     assert "failed" not in text

@@ -36,8 +36,13 @@ from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
     token_logprobs,
 )
+from ninfer_jax.runtime.speculative import accept_drafts
 
 log = logging.getLogger("ninfer_jax.runner")
+
+# The most lanes a verify round takes: past them a round's k + 1 rows per lane stop riding on the weights' read for
+# free, so wider rounds decode plainly. Not measured yet on the H200 (docs/STATUS.md).
+SPECULATIVE_MAX_LANES = 16
 
 
 # A step's host inputs travel packed into one int32 array (floats bit-cast): one host-to-device copy per step
@@ -144,6 +149,42 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     return (_rows_to_lanes(tokens, lanes, prev_tokens.shape[0]), logits), state
 
 
+# position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns
+VERIFY_COLUMNS = 10
+
+
+def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler) -> np.ndarray:
+    """A verify round's rows as int32 [size, T + VERIFY_COLUMNS + max_pages]: row i is lane lanes[i] (tokens [C, T],
+    the rest [C] lane arrays), then padding rows of count 0 marked lane C, each on the state slot of a lane not in
+    the round (the GDN commit writes every row's slot back, so slots must be distinct)."""
+    lanes = np.asarray(lanes, np.int64)
+    n, (c, t) = len(lanes), np.shape(tokens)
+    columns = [np.asarray(col, np.int32) for col in (positions, slots, counts, stops, np.arange(c))]
+    columns += _sampler_columns(sampler)
+    packed = np.zeros((size, t + VERIFY_COLUMNS + page_tables.shape[1]), np.int32)
+    packed[:n, :t] = np.asarray(tokens, np.int32)[lanes]
+    packed[:n, t:t + VERIFY_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
+    packed[:n, t + VERIFY_COLUMNS:] = np.asarray(page_tables)[lanes]
+    if size > n:
+        packed[n:, t + 4] = c
+        packed[n:, t + 1] = np.asarray(slots, np.int32)[np.setdiff1d(np.arange(c), lanes)[:size - n]]
+    return packed
+
+
+def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask):
+    """One verify round (`qwen3_5.verify`, `speculative.accept_drafts`, `qwen3_5.commit_verified`) over a bucket of
+    rows -> ((emitted tokens by lane [C, T], drafts kept by lane [C]), state). layout: static (T, C)."""
+    t, width = layout
+    tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
+    positions, slots, counts, stops, lanes = col[:5]
+    sampler, page_tables = _sampler_from_columns(col[5:]), packed[:, t + VERIFY_COLUMNS:]
+    hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state)
+    logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
+    emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
+    state = qwen3_5.commit_verified(kc, state, replay, slots, kept, counts > 0)
+    return (_rows_to_lanes(emitted, lanes, width), _rows_to_lanes(kept, lanes, width)), state
+
+
 def _logprobs_step(logits, tokens, rows, top_k_groups):
     """`token_logprobs` of a step's rows, indexed like `tokens` ([W]): row i of logits chose tokens[rows[i]];
     rows at W or past it are padding, dropped. Entries no row names are zero."""
@@ -211,7 +252,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
                  kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
-                 kv_profile: str = "auto"):
+                 kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=()):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
@@ -222,6 +263,12 @@ class ModelRunner:
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
+        # Verify rounds (speculative decoding) feed k + 1 rows per lane, for up to SPECULATIVE_MAX_LANES lanes.
+        self.verify_rows = speculative_tokens + 1 if speculative_tokens else 0
+        self.verify_sizes = pow2_buckets(min(max_lanes, SPECULATIVE_MAX_LANES)) if speculative_tokens else ()
+        stop_mask = np.zeros(cfg.vocab_size, bool)
+        stop_mask[[i for i in stop_ids if 0 <= i < cfg.vocab_size]] = True
+        self._stop_mask = jnp.asarray(stop_mask)
         # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
         self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile)
@@ -241,6 +288,8 @@ class ModelRunner:
             "process": jax.jit(_own(_process_step), static_argnames=("width",), donate_argnames=("sampler_state",)),
             "sampler_lane": jax.jit(_own(set_lane_row), donate_argnames=("state",)),
             "decode": jit_decode_step(),
+            "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
+                              donate_argnames=("state",)),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
@@ -387,6 +436,29 @@ class ModelRunner:
             tokens = self._process(logits, extras, self.max_lanes)
         return self._with_logprobs(tokens, logits, packed[:, 5], logprobs)  # column 5: each row's lane
 
+    def verify_size(self, lanes: int) -> int:
+        """The compiled verify round size for `lanes` speculating lanes."""
+        return fit(lanes, self.verify_sizes, "verify round of {} lanes")
+
+    def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False):
+        """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
+        count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
+        lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C, T], kept [C]) on the device,
+        copying to the host."""
+        lanes = np.flatnonzero(np.asarray(counts) > 0)
+        packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
+                                    page_tables, slots, sampler)
+        return self._verify_packed(packed, full, np.shape(tokens)[1])
+
+    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int):
+        layout = (rows, self.max_lanes)
+        out, state = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state, packed,
+                                           self._stop_mask)
+        self._swap(state, ("verify", packed.shape[0], full))
+        for x in out:
+            x.copy_to_host_async()
+        return out
+
     def set_sampler_lane(self, lane: int, row: np.ndarray) -> None:
         """Writes a lane's SamplerState row (`sampling.lane_row`) and zeroes its output counts: at admission of a
         request that processes its logits."""
@@ -444,7 +516,8 @@ class ModelRunner:
         c = self.max_lanes
         variants = (False, True)
         # The model steps per sampler, then logit processing: one program per round size and one for a prefill.
-        total = (len(self.buckets) + len(self.decode_sizes)) * len(variants) + len(self.idle_sizes) \
+        total = (len(self.buckets) + len(self.decode_sizes) + len(self.verify_sizes)) * len(variants) \
+            + len(self.idle_sizes) \
             + len(self.decode_sizes) + 1
         done = 0
 
@@ -467,6 +540,12 @@ class ModelRunner:
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
                       f"decode {size} lanes sampler={'full' if full else 'greedy'}")
+            for size in self.verify_sizes:  # rounds of padding rows only: nothing is written
+                c_t = (c, self.verify_rows)
+                packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
+                                            table[None].repeat(c, 0), np.arange(c), lanes)
+                ready(self._verify_packed(packed, full, self.verify_rows),
+                      f"verify {size} lanes x {self.verify_rows} rows sampler={'full' if full else 'greedy'}")
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
         row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)

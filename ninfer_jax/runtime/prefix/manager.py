@@ -117,7 +117,8 @@ class PrefixCacheManager:
         write, endpoint = None, None
         if record.enabled:
             self.taps.drop_staged(record)
-            if reason in ("stop", "length", "cancelled") and self.policy == "hpc" and not self.write_back.failed:
+            if reason in ("stop", "length", "cancelled") and self.policy == "hpc" and not self.write_back.failed \
+                    and not req.state_ahead:
                 self._commit_blocks(req, record)
                 endpoint = self._endpoint(req, lane, record)
             write = self.index.release_path(record.path)

@@ -1,0 +1,113 @@
+"""Speculative decoding: drafts proposed on the host (prompt lookup), and the exact rule by which a verify step keeps
+them.
+
+A verify round feeds each lane its last token and up to k drafts; the target's logits at those rows decide how many
+drafts stand (`accept_drafts`, on the device, inside the step) and which token follows them. Greedy lanes keep the
+longest prefix of drafts equal to the target's argmax; sampling lanes run rejection sampling against a one-hot draft
+(vLLM's rule for drafts without probabilities), which leaves each token's distribution exactly the target's.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_jax.runtime.sampling import filtered_sorted, sampling_key
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's last n tokens, for the
+    longest n in [n_min, n_max] that occurs (vLLM's prompt_lookup_min / prompt_lookup_max)."""
+
+    def __init__(self, k: int, n_min: int, n_max: int):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"prompt lookup needs 1 <= min <= max, got {n_min}..{n_max}")
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+
+    def propose(self, tokens: np.ndarray, limit: int) -> np.ndarray:
+        """Up to min(k, limit) drafts to follow `tokens` (int32 [L]); empty when no n-gram recurs."""
+        want, size = min(self.k, limit), len(tokens)
+        if want <= 0 or size < 2:
+            return tokens[:0]
+        # Where an earlier n-gram could end: the last token's earlier occurrences (one pass over the sequence);
+        # the longer n-grams are checked at those places only.
+        ends = np.flatnonzero(tokens[:size - 1] == tokens[size - 1])
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            at = ends[ends >= n - 1]
+            for j in range(1, n):
+                at = at[tokens[at - j] == tokens[size - 1 - j]]
+            if len(at):
+                # The continuation, extended as a repeat of itself when the match ends less than `want` tokens
+                # before the end: what looking up again after each draft would propose.
+                start = at[-1] + 1
+                return tokens[start + np.arange(want) % (size - start)]
+        return tokens[:0]
+
+
+def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, *, full: bool):
+    """The verify rule for B lanes of T rows.
+
+    Args:
+      logits: [B, T, V] float32; row t of lane b was fed tokens[b, t] (row 0 the last token, rows 1.. the drafts).
+      tokens: [B, T] int32. counts: [B] rows fed (1 + drafts; 0: inactive).
+      sampler: (temperature, top_k, top_p, seed, step), each [B]; step is the index of the token row 0 emits.
+      stop_mask: [V] bool, the engine's stop tokens; stops: [B] bool, lanes those end (not ignore_eos).
+      full: static; False: every lane greedy.
+    Returns:
+      (emitted [B, T] int32: the lane's tokens, valid through row kept; kept [B] int32: the drafts kept, so
+      kept + 1 tokens are emitted and rows 0..kept are the ones the lane's state keeps). A stop token ends the
+      emitted tokens.
+    """
+    b, t, v = logits.shape
+    rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)  # row t's draft to judge
+    has_draft = rows < (counts - 1)[:, None]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ok, token = following == greedy, greedy
+    if full:
+        temperature, top_k, top_p, seed, step = sampler
+        each = lambda x: jnp.repeat(x, t)  # noqa: E731  (per lane -> per row)
+        flat_draft = following.reshape(-1)
+        order, masked = filtered_sorted(logits.reshape(b * t, v), each(temperature), each(top_k), each(top_p))
+        p_draft = jnp.sum(jnp.where(order == flat_draft[:, None], jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+        keys = jax.vmap(sampling_key)(each(seed), (step[:, None] + rows).reshape(-1))
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+        # A rejected draft: the next token from the target's distribution without it. A row with no draft to judge
+        # draws exactly as a plain round would (same key, same distribution).
+        judged = has_draft.reshape(-1)[:, None]
+        residual = jnp.where(judged & (order == flat_draft[:, None]), -jnp.inf, masked)
+        picked = jax.vmap(jax.random.categorical)(keys, residual)
+        drawn = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32).reshape(b, t)
+        sampling = (temperature > 0)[:, None]
+        ok = jnp.where(sampling, (u < p_draft).reshape(b, t), ok)
+        token = jnp.where(sampling, drawn, greedy)
+    kept = jnp.sum(jnp.cumprod((ok & has_draft).astype(jnp.int32), axis=1), axis=1)
+    emitted = jnp.where(rows < kept[:, None], following, token)
+    ends = stops[:, None] & stop_mask[emitted] & (rows <= kept[:, None])
+    kept = jnp.minimum(kept, jnp.where(ends.any(axis=1), jnp.argmax(ends, axis=1), t)).astype(jnp.int32)
+    return emitted, kept
+
+
+class SpeculativeStats:
+    """Counts of drafted and accepted tokens and the accept-length histogram (tokens emitted per lane and round)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.rounds = self.drafted = self.accepted = self.plain_rounds = 0
+        self.histogram = collections.Counter()
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.histogram[accepted + 1] += 1
+
+    def as_dict(self) -> dict:
+        lanes = sum(self.histogram.values())
+        return {"num_speculative_tokens": self.k, "verify_rounds": self.rounds, "plain_rounds": self.plain_rounds,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_accept_length": sum(n * c for n, c in self.histogram.items()) / lanes if lanes else 0.0,
+                "accept_length_histogram": {n: self.histogram[n] for n in range(1, self.k + 2)}}

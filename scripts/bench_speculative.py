@@ -1,0 +1,121 @@
+"""What a speculative verify round costs against a plain decode round, at the real shapes (random bf16 weights).
+
+On one idle engine per model, at each lane count: the runner's plain decode round back to back (how decoding runs
+with speculation off: each round dispatched before the previous one is read) and read back each round (as verify
+rounds run), then a verify round of k + 1 rows per lane read back each round, every draft kept (the commit replays
+every row: the dearest case). The projected speedup at an accept length L (tokens a lane emits per verify round) is
+L x plain / verify; the issue's published lengths are 1.9 at k = 1 and 3.2 at k = 3. Compile time is reported
+apart from the rounds.
+
+    python scripts/bench_speculative.py --models 27b,35b-a3b --out docs/benchmarks
+    python scripts/bench_speculative.py --smoke          # the tiny shape on CPU, a temporary folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.models import MODELS, random_engine
+from ninfer_jax.benchmarks.profiling import decode_inputs, time_rounds
+
+PUBLISHED_ACCEPT_LENGTH = {1: 1.9, 2: 2.6, 3: 3.2, 4: 3.6}  # peers' MTP on the large Qwen models (issue 30)
+
+
+def verify_inputs(engine, lanes: int, k: int, position: int):
+    """`runner.verify` arguments: `lanes` lanes at `position`, each fed 1 + k tokens whose drafts the round keeps
+    only if the model agrees (random weights rarely do; the kept count does not change the round's work but the
+    commit's, whose cost every row's replay bounds)."""
+    import numpy as np
+
+    tokens, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, position + k)
+    c = engine.runner.max_lanes
+    rows = np.ones((c, k + 1), np.int32)
+    counts = np.where(active, k + 1, 0).astype(np.int32)
+    positions = np.where(active, position, 0).astype(np.int32)
+    return rows, positions, counts, np.zeros(c, np.int32), tables, slots, sampler
+
+
+def time_verify(engine, lanes: int, k: int, rounds: int, position: int) -> tuple[float, float]:
+    """(seconds of the first call: compile and run; seconds per round after, each read back)."""
+    import jax
+    import numpy as np
+
+    args = verify_inputs(engine, lanes, k, position)
+    start = time.perf_counter()
+    jax.block_until_ready(engine.runner.verify(*args))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(rounds):
+        out = engine.runner.verify(*args)
+        np.asarray(out[1])
+    return first, (time.perf_counter() - start) / rounds
+
+
+def bench_model(name: str, args) -> dict:
+    lanes_list = [int(x) for x in args.lanes.split(",")]
+    ks = [int(x) for x in args.k.split(",")]
+    engine, init_s = random_engine(name, max_concurrency=max(lanes_list), max_model_len=args.context + 1024,
+                                   no_prefix_reuse=True, speculative="ngram", num_speculative_tokens=max(ks),
+                                   kernels=args.kernels)
+    rows, result = [], {"init_s": init_s, "rounds": []}
+    try:
+        for lanes in lanes_list:
+            time_rounds(engine, lanes, 2, True, args.context)  # compiles the plain round
+            pipelined = time_rounds(engine, lanes, args.rounds, False, args.context)
+            read_each = time_rounds(engine, lanes, args.rounds, True, args.context)
+            for k in ks:
+                compile_s, verify = time_verify(engine, lanes, k, args.rounds, args.context)
+                length = PUBLISHED_ACCEPT_LENGTH[k]
+                entry = {"lanes": lanes, "k": k, "plain_ms": pipelined * 1e3, "plain_read_each_ms": read_each * 1e3,
+                         "verify_ms": verify * 1e3, "cost": verify / pipelined, "accept_length": length,
+                         "speedup": length * pipelined / verify, "first_call_s": compile_s}
+                result["rounds"].append(entry)
+                rows.append([name, lanes, k, report.fmt(entry["plain_ms"]), report.fmt(entry["plain_read_each_ms"]),
+                             report.fmt(entry["verify_ms"]), f"{entry['cost']:.2f}x", length,
+                             f"{entry['speedup']:.2f}x", report.fmt(compile_s)])
+                print(f"[{name}] {lanes} lanes k={k}: plain {pipelined * 1e3:.2f} ms ({read_each * 1e3:.2f} read "
+                      f"each), verify {verify * 1e3:.2f} ms = {entry['cost']:.2f}x; at accept length {length}: "
+                      f"{entry['speedup']:.2f}x", flush=True)
+    finally:
+        engine.stop()
+    result["table"] = rows
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="27b,35b-a3b", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--lanes", default="1,8")
+    p.add_argument("--k", default="1,3", help="draft tokens per lane and round")
+    p.add_argument("--context", type=int, default=1024, help="tokens before the round")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--kernels", default="pallas", choices=("pallas", "reference"))
+    p.add_argument("--out", default=None, help="report folder (default: a temporary one)")
+    p.add_argument("--smoke", action="store_true", help="the tiny shape on the reference kernels (a CPU check)")
+    args = p.parse_args()
+    if args.smoke:
+        args.models, args.context, args.rounds, args.kernels = "tiny-dense", 128, 2, "reference"
+    out = args.out or tempfile.mkdtemp(prefix="bench_speculative_")
+    meta = report.run_meta()
+    data = {**meta, "models": {}}
+    rows = []
+    for name in args.models.split(","):
+        data["models"][name] = bench_model(name, args)
+        rows += data["models"][name]["table"]
+    lines = report.header("Speculative decoding: a verify round against a plain round", meta,
+                          f"context {args.context} tokens, {args.rounds} rounds each, random bf16 weights, "
+                          f"kernels {args.kernels}")
+    lines += report.table(["model", "lanes", "k", "plain ms (back to back)", "plain ms (read each)", "verify ms",
+                           "verify / plain", "accept length", "projected speedup", "verify first call s"], rows)
+    lines += ["", "Targets (issue 30): verify / plain <= 1.1 at k = 1 and <= 1.3 at k = 3; projected speedup >= 1.8 "
+              "(k = 1) and >= 2.3 (k = 3) for the 27B at 1 lane; at 8 lanes no slower than plain.", ""]
+    page = report.write_report(out, "speculative", data, lines)
+    print(f"report: {page}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Speculative decoding: prompt lookup, the verify rule (the longest matching prefix for greedy lanes, rejection
+sampling that keeps the target's distribution) and the engine's verify rounds, which emit exactly the tokens plain
+decoding does."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from oracle import ORACLE_VOCAB
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from ninfer_jax.runtime.speculative import NgramProposer, accept_drafts
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+COMMON = dict(prefill_chunk=64, max_model_len=512, kv_capacity=64 * 64, output_window=64, warmup=False)
+
+
+# --- prompt lookup -----------------------------------------------------------------------------------
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
+    lookup = NgramProposer(3, 1, 3)
+    seq = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 2, 3], np.int32)
+    # The 3-gram "4 2 3" never occurred before, the 2-gram "2 3" did (ending at 3 and 8): the latest is followed
+    # by 7 8 4.
+    assert lookup.propose(seq, 10).tolist() == [7, 8, 4]
+    assert lookup.propose(seq, 2).tolist() == [7, 8]  # the limit (max_tokens, context) caps the drafts
+    assert lookup.propose(seq, 0).tolist() == []
+    assert NgramProposer(3, 3, 3).propose(seq, 10).tolist() == []  # no 3-gram recurs
+    assert lookup.propose(np.array([1, 2, 3], np.int32), 10).tolist() == []
+
+
+def test_prompt_lookup_extends_a_cycle_shorter_than_the_drafts():
+    seq = np.array([9, 4, 6, 4, 6, 4], np.int32)  # "6 4" last seen ending at 3: only one token followed it
+    assert NgramProposer(4, 2, 2).propose(seq, 10).tolist() == [6, 4, 6, 4]
+
+
+# --- the verify rule -----------------------------------------------------------------------------------
+def _logits_preferring(choices, vocab=8):
+    """Logits [B, T, V] whose argmax at row t of lane b is choices[b][t]."""
+    out = np.zeros((len(choices), len(choices[0]), vocab), np.float32)
+    for b, row in enumerate(choices):
+        for t, c in enumerate(row):
+            out[b, t, c] = 5.0
+    return jnp.asarray(out)
+
+
+def _greedy_sampler(b):
+    zeros = jnp.zeros(b, jnp.int32)
+    return jnp.zeros(b, jnp.float32), zeros, jnp.ones(b, jnp.float32), zeros.astype(jnp.uint32), zeros
+
+
+def test_greedy_verify_keeps_the_longest_matching_prefix_and_ends_at_a_stop():
+    logits = _logits_preferring([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 7, 3, 4]])
+    tokens = jnp.asarray([[0, 1, 2, 3],   # every draft right: 3 kept, then the bonus 4
+                          [0, 1, 5, 3],   # the second draft wrong: 1 kept, then the target's 2
+                          [0, 1, 2, 3],   # only one draft fed (count 2): 1 kept, then 2
+                          [0, 1, 7, 3]],  # 7 is a stop token: it ends the lane there
+                         jnp.int32)
+    counts = jnp.asarray([4, 4, 2, 4], jnp.int32)
+    stop_mask = jnp.zeros(8, bool).at[7].set(True)
+    emitted, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.ones(4, bool),
+                                  full=False)
+    assert kept.tolist() == [3, 1, 1, 1]
+    assert emitted[0].tolist() == [1, 2, 3, 4] and emitted[1, :2].tolist() == [1, 2]
+    assert emitted[2, :2].tolist() == [1, 2] and emitted[3, :2].tolist() == [1, 7]
+    # ignore_eos: the stop token is just a token
+    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), full=False)
+    assert kept.tolist() == [3, 1, 1, 3]
+
+
+def _filtered(logits, temperature, top_k, top_p):
+    """The sampler's distribution in float64: temperature, then top-k, then top-p (mass strictly above < top_p)."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros(len(scaled), bool)
+    keep[order[:top_k]] = True
+    p = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    p /= p.sum()
+    above = np.cumsum(p[order]) - p[order]
+    keep[order[above >= top_p]] = False
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """40000 lanes (seeds) of one verify round whose drafts are one-hot guesses: the first token must follow the
+    target's filtered distribution, and so must the second among lanes that kept the first draft. A chi-square test
+    at alpha 1e-3: moving 0.02 of mass between two tokens of probability <= 0.25 gives a noncentrality >= 60 at
+    40000 samples (>= 25 for the second token's ~17000), a power above 0.99 (0.9) at 5 degrees of freedom."""
+    n, v = 40000, 8
+    rng = np.random.default_rng(0)
+    rows = rng.normal(0, 1.2, (3, v)).astype(np.float32)
+    temperature, top_k, top_p = 0.8, 6, 0.97
+    targets = [_filtered(r, temperature, top_k, top_p) for r in rows]
+    d1, d2 = int(np.argsort(-targets[0])[1]), int(np.argsort(-targets[1])[0])  # a likely and the likeliest guess
+    logits = jnp.asarray(np.broadcast_to(rows, (n, 3, v)))
+    tokens = jnp.asarray(np.broadcast_to(np.array([0, d1, d2], np.int32), (n, 3)))
+    sampler = (jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p),
+               jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
+    emitted, kept = accept_drafts(logits, tokens, jnp.full(n, 3, jnp.int32), sampler, jnp.zeros(v, bool),
+                                  jnp.zeros(n, bool), full=True)
+    emitted, kept = np.asarray(emitted), np.asarray(kept)
+
+    def chi_square_p(samples, p):
+        support = p > 0
+        counts = np.bincount(samples, minlength=v)
+        assert counts[~support].sum() == 0, "a token the filters cut was emitted"
+        return stats.chisquare(counts[support], p[support] * len(samples)).pvalue
+
+    assert chi_square_p(emitted[:, 0], targets[0]) > 1e-3
+    second = kept >= 1
+    assert abs(second.mean() - targets[0][d1]) < 4 * np.sqrt(targets[0][d1] * (1 - targets[0][d1]) / n)
+    assert chi_square_p(emitted[second, 1], targets[1]) > 1e-3
+    assert np.all(emitted[kept >= 1, 0] == d1)
+
+
+# --- options ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, words", [
+    (dict(num_speculative_tokens=2), "needs speculative decoding"),
+    (dict(speculative="ngram", batch_invariant=True), "conflicts with batch_invariant"),
+    (dict(speculative="ngram", prompt_lookup_min=5, prompt_lookup_max=3), "must not exceed"),
+    (dict(speculative="ngram", num_speculative_tokens=5), "num_speculative_tokens must be in 1..4"),
+    (dict(speculative="mtp"), "not available yet"),
+])
+def test_conflicting_speculative_options_are_refused(options, words):
+    with pytest.raises(OptionsError, match=words):
+        EngineOptions(**options).check_conflicts()
+
+
+# --- the engine -----------------------------------------------------------------------------------------
+class ScriptedProposer:
+    """Drafts a known continuation, its i-th proposal right in its first i % (k + 1) drafts only, so that rounds keep
+    every count of drafts from 0 to k."""
+
+    def __init__(self, runs: dict, k: int):
+        self.runs, self.k, self.calls = runs, k, 0
+
+    def propose(self, tokens, limit):
+        for prompt, out in self.runs.items():
+            if len(tokens) >= len(prompt) and tuple(tokens[:len(prompt)].tolist()) == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = np.asarray(out[done:done + min(self.k, limit)], np.int32)
+                self.calls += 1
+                wrong = np.arange(len(drafts)) == self.calls % (self.k + 1)
+                return np.where(wrong, (drafts + 1) % ORACLE_VOCAB, drafts)
+        return np.zeros(0, np.int32)
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, ORACLE_VOCAB, int(n)).tolist() for n in (53, 9, 70, 130, 33, 64, 5, 100)]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(checkpoint_factory):
+    """preset -> (checkpoint, prompts, the plain engine's greedy outputs of them at 8 lanes, that engine). The last
+    prompt is the model's own outputs of three others: the model falls back into that trajectory, so prompt lookup
+    finds drafts."""
+    made = {}
+
+    def get(preset):
+        if preset not in made:
+            path = checkpoint_factory(preset, "text", seed=17)
+            prompts = _prompts()
+            plain = Engine.from_pretrained(path, max_concurrency=8, no_prefix_reuse=True, **COMMON)
+            outs = [o.token_ids for o in plain.generate_many(prompts, GREEDY)]
+            prompts.append([t for o in outs[1:4] for t in o])
+            outs.append(plain.generate(prompts[-1], GREEDY).token_ids)
+            made[preset] = path, prompts, outs, plain
+        return made[preset]
+
+    yield get
+    for *_, engine in made.values():
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def speculative_engines(plain_runs):
+    """(preset, k) -> an engine with prompt lookup on, at 8 lanes (stopped at the module's end)."""
+    made = {}
+
+    def get(preset, k):
+        if (preset, k) not in made:
+            path = plain_runs(preset)[0]
+            made[preset, k] = Engine.from_pretrained(path, max_concurrency=8, speculative="ngram",
+                                                     num_speculative_tokens=k, **COMMON)
+        return made[preset, k]
+
+    yield get
+    for engine in made.values():
+        engine.stop()
+
+
+@pytest.mark.parametrize("preset, k", [("tiny-dense", 1), ("tiny-dense", 4), ("tiny-moe", 4)])
+def test_speculative_greedy_tokens_equal_plain_decoding(plain_runs, speculative_engines, preset, k):
+    """Eight requests arriving together (the first decodes alone while the others prefill, then eight lanes), with
+    drafts wrong at known places so that rounds keep every count of drafts from 0 to k. k sets only the verify
+    rows (k + 1 per lane), so the two ends of its range stand for the rest."""
+    path, prompts, plain, _ = plain_runs(preset)
+    engine = speculative_engines(preset, k)
+    engine.scheduler.proposer = ScriptedProposer({tuple(p): o for p, o in zip(prompts, plain)}, k)
+    before = engine.stats()["speculative"]
+    outs = engine.generate_many(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    spec = engine.stats()["speculative"]
+    assert all(spec["accept_length_histogram"][n] > before["accept_length_histogram"][n] for n in range(1, k + 2))
+    assert sum(o.metrics.accepted_tokens for o in outs) == spec["accepted"] - before["accepted"]
+    engine.check_ledger()
+    assert engine.stats()["pages"]["active"] == 0
+
+
+def test_prompt_lookup_drafts_are_kept_where_the_model_repeats_itself(plain_runs, speculative_engines):
+    path, prompts, plain, _ = plain_runs("tiny-dense")
+    engine = speculative_engines("tiny-dense", 4)
+    engine.scheduler.proposer = NgramProposer(4, 2, 4)
+    before = engine.stats()["speculative"]
+    out = engine.generate(prompts[-1], GREEDY)
+    assert out.token_ids == plain[-1]
+    spec = engine.stats()["speculative"]
+    assert spec["accepted"] - before["accepted"] == out.metrics.accepted_tokens > 0
+    assert out.metrics.accepted_tokens < out.metrics.drafted_tokens
+    engine.check_ledger()
+
+
+def test_sampled_lanes_verify_and_stop_within_their_limits(plain_runs, speculative_engines):
+    """Sampling lanes run the rejection rule in the engine: seeded runs repeat, and max_tokens holds."""
+    path, prompts, plain, _ = plain_runs("tiny-dense")
+    engine = speculative_engines("tiny-dense", 4)
+    engine.scheduler.proposer = ScriptedProposer({tuple(p): o for p, o in zip(prompts, plain)}, 4)
+    sampled = SamplingParams(max_tokens=13, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True)
+    first, second = (engine.generate_many(prompts[:2], sampled) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(len(o.token_ids) == 13 and o.metrics.drafted_tokens > 0 for o in first)
+    engine.check_ledger()
+
+
+@pytest.mark.parametrize("at", [5, 6, 7])
+def test_a_stop_inside_kept_drafts_ends_the_request_there_and_its_cache_stays_exact(plain_runs, speculative_engines,
+                                                                                    at):
+    """A stop token the host finds among a round's kept drafts (stop_token_ids) ends the output at it; the lane's
+    state ran ahead of it, so no endpoint is taken, or, when the stop was the round's last token, one more round
+    feeds it as plain decoding does. Either way the next turn, resumed from the cache, equals no reuse."""
+    path, prompts, plain, root = plain_runs("tiny-dense")
+    engine = speculative_engines("tiny-dense", 4)
+    engine.scheduler.proposer = ScriptedProposer({tuple(p): o for p, o in zip(prompts, plain)}, 4)
+    prompt, expected = prompts[3], plain[3]
+    stop = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[expected[at]])
+    out = engine.generate(prompt, stop)
+    first = expected.index(expected[at])
+    assert out.finish_reason == "stop" and out.token_ids == expected[:first + 1]
+    follow = list(prompt) + list(out.token_ids) + list(range(40, 110))
+    resumed = engine.generate(follow, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert resumed.usage.cached_tokens >= 128
+    assert resumed.token_ids == root.generate(follow, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                      ignore_eos=True)).token_ids
+    engine.check_ledger()
