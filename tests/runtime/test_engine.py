@@ -279,10 +279,11 @@ def test_a_cancel_mid_prompt_stops_it_within_a_pass_idle_passes_included(checkpo
 
 
 def test_published_stats_answer_while_the_engine_thread_is_busy(engine8, monkeypatch):
-    gate, step = threading.Event(), engine8.scheduler.step
-    monkeypatch.setattr(engine8.scheduler, "step", lambda: (gate.wait(10), step())[1])
+    entered, gate, step = threading.Event(), threading.Event(), engine8.scheduler.step
+    monkeypatch.setattr(engine8.scheduler, "step", lambda: (entered.set(), gate.wait(10), step())[2])
     try:
-        time.sleep(0.1)  # the engine's thread is now inside a step that waits for the gate
+        assert entered.wait(5)  # the engine's thread is now inside a step that waits for the gate
+        time.sleep(0.1)
         start = time.perf_counter()
         published = engine8.published_stats()
         assert time.perf_counter() - start < 1.0
