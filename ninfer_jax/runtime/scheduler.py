@@ -139,8 +139,8 @@ class Scheduler:
         prefilled = self._prefill_pass(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
-        if previous is not None and self.proposer is not None:
-            # Drafts follow the tokens a round emits, so with speculation on a round is read before the next one.
+        if previous is not None and self._may_speculate():
+            # Drafts follow the tokens a round emits, so a round that may verify drafts waits for the read.
             self._retire(previous)
             clock.lap("round_read")
             previous = None
@@ -288,10 +288,11 @@ class Scheduler:
         if not active.any():
             return None
         if self.proposer is not None:
-            verify = self._dispatch_verify(active)
+            verify = self._dispatch_verify(active) if previous is None and self._may_speculate() else None
             if verify is not None:
                 return verify
             self.speculative.plain_rounds += 1
+            self.speculative.pause = max(0, self.speculative.pause - 1)
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         out = self.runner.decode(
             tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
@@ -303,13 +304,22 @@ class Scheduler:
         self.counters["decode_rounds"] += 1
         return _Round(live, out, set())
 
+    def _may_speculate(self) -> bool:
+        """Whether the next round may verify drafts: speculation is on and not paused, and every decoding lane can
+        take part. Otherwise rounds run as with speculation off, one in flight while the previous is read: wider
+        rounds pay for their extra rows, and processing and logprobs run in plain rounds."""
+        if self.proposer is None or self.speculative.pause:
+            return False
+        live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
+        return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
+            r.sampling.processed or r.sampling.logprobs is not None or r.grammar is not None for r in live)
+
     def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
-        """A verify round over the `active` lanes (each fed its last token and its drafts), when every one can
-        speculate and one has a draft; None otherwise (the round decodes plainly)."""
+        """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
+        None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation until a lookup
+        finds one or for a while (`SpeculativeStats.idle`): reading each round back before the next costs the device
+        its idle gap."""
         live = [r for r in self.lanes if r is not None and active[r.lane]]
-        if len(live) > self.runner.verify_sizes[-1] or any(
-                r.sampling.processed or r.sampling.logprobs is not None or r.grammar is not None for r in live):
-            return None  # wider rounds pay for their extra rows; processing and logprobs run in plain rounds
         c, t = len(self.lanes), self.runner.verify_rows
         tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
         positions, stops = np.zeros(c, np.int32), np.zeros(c, np.int32)
@@ -329,7 +339,9 @@ class Scheduler:
             counts[lane], positions[lane], stops[lane] = n + 1, req.computed, not req.sampling.ignore_eos
             drafted[lane] = n
         if not any(drafted.values()):
+            self.speculative.idle()
             return None
+        self.speculative.dry = 0
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live))
         self.cache_manager.flush()
@@ -403,6 +415,15 @@ class Scheduler:
                 ended.append(req)
         for req in ended:
             self._settle(req)
+        if self.speculative.pause and self._drafts_found(done.reqs):
+            self.speculative.pause = 0  # the next round verifies them
+
+    def _drafts_found(self, reqs: list[Request]) -> bool:
+        """Whether prompt lookup has a draft for one of these running lanes (while speculation pauses)."""
+        if len(reqs) > self.runner.verify_sizes[-1]:
+            return False
+        return any(len(self.proposer.propose(r.token_slice(0, r.num_prompt + len(r.output)), 1))
+                   for r in reqs if r.finish_reason is None)
 
     def _read_pending(self) -> None:
         """Reads the round in flight, if any, with none following it (cancel, stop): every lane settles."""

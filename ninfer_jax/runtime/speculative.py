@@ -91,13 +91,27 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, *, full: bo
     return emitted, kept
 
 
+# Rounds in a row that found no draft, then how many rounds run plainly (pipelined) before drafts are looked up again.
+DRY_ROUNDS = 2
+PAUSE_ROUNDS = 16
+
+
 class SpeculativeStats:
-    """Counts of drafted and accepted tokens and the accept-length histogram (tokens emitted per lane and round)."""
+    """Counts of drafted and accepted tokens and the accept-length histogram (tokens emitted per lane and round), and
+    the pause that rounds without drafts start."""
 
     def __init__(self, k: int):
         self.k = k
-        self.rounds = self.drafted = self.accepted = self.plain_rounds = 0
+        self.rounds = self.drafted = self.accepted = self.plain_rounds = self.pauses = 0
+        self.dry = self.pause = 0  # rounds in a row without a draft; plain rounds left before looking again
         self.histogram = collections.Counter()
+
+    def idle(self) -> None:
+        """A round that could have speculated found no draft."""
+        self.dry += 1
+        if self.dry >= DRY_ROUNDS:
+            self.dry, self.pause = 0, PAUSE_ROUNDS
+            self.pauses += 1
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -107,6 +121,7 @@ class SpeculativeStats:
     def as_dict(self) -> dict:
         lanes = sum(self.histogram.values())
         return {"num_speculative_tokens": self.k, "verify_rounds": self.rounds, "plain_rounds": self.plain_rounds,
+                "pauses": self.pauses,
                 "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accept_length": sum(n * c for n, c in self.histogram.items()) / lanes if lanes else 0.0,

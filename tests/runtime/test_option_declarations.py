@@ -24,7 +24,8 @@ def _engine_actions(parser):
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
         "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype", "max_model_len",
-        "kernels", "prefill_attention", "fp8_activations", "interpret", "output_window", "memory_fraction",
+        "kernels", "prefill_attention", "fp8_activations", "speculative", "num_speculative_tokens",
+        "prompt_lookup_max", "prompt_lookup_min", "interpret", "output_window", "memory_fraction",
         "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
@@ -38,7 +39,9 @@ def test_the_flags_are_the_spec_names():
         "--dtype": "dtype", "--max-concurrency": "max_concurrency", "--prefill-chunk": "prefill_chunk",
         "--idle-prefill-chunk": "idle_prefill_chunk", "--kv-capacity": "kv_capacity", "--kv-dtype": "kv_dtype",
         "--max-model-len": "max_model_len", "--kernels": "kernels", "--prefill-attention": "prefill_attention",
-        "--fp8-activations": "fp8_activations",
+        "--fp8-activations": "fp8_activations", "--speculative": "speculative",
+        "--num-speculative-tokens": "num_speculative_tokens", "--prompt-lookup-max": "prompt_lookup_max",
+        "--prompt-lookup-min": "prompt_lookup_min",
         "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",
         "--host-cache-mib": "host_cache_mib", "--device-snapshot-slots": "device_snapshot_slots",
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
@@ -98,10 +101,14 @@ def _bound_cases():
             yield name, value
 
 
+# Options that mean something only beside another
+COMPANIONS = {"num_speculative_tokens": {"speculative": "ngram"}}
+
+
 @pytest.mark.parametrize("name, value", list(_bound_cases()))
 def test_the_command_lines_and_engine_options_agree_on_every_bound(name, value, capsys):
     try:
-        EngineOptions(**{name: value}).check_conflicts()
+        EngineOptions(**{name: value, **COMPANIONS.get(name, {})}).check_conflicts()
         library = True
     except OptionsError as error:
         assert str(error).startswith(f"{name} must be")

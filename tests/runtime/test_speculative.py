@@ -219,6 +219,11 @@ def test_prompt_lookup_drafts_are_kept_where_the_model_repeats_itself(plain_runs
     spec = engine.stats()["speculative"]
     assert spec["accepted"] - before["accepted"] == out.metrics.accepted_tokens > 0
     assert out.metrics.accepted_tokens < out.metrics.drafted_tokens
+    # where no n-gram recurs, speculation pauses and rounds run one in flight, as with it off
+    before = engine.stats()["speculative"]
+    assert engine.generate(prompts[4], GREEDY).token_ids == plain[4]
+    spec = engine.stats()["speculative"]
+    assert spec["pauses"] > before["pauses"] and spec["verify_rounds"] == before["verify_rounds"]
     engine.check_ledger()
 
 
