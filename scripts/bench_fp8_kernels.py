@@ -1,7 +1,8 @@
 """The block-FP8 projection at the 27B's and 35B-A3B's shapes, side by side in one run on the GPU: the bf16 matmul on
 bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our decode kernels
 (pallas_kernels/fp8_matmul.py, a few configs) and torch's row-scaled FP8 GEMM (`torch._scaled_mm`, cuBLASLt).
-Then one 35B-A3B MoE layer (256 experts, top 8, the shared expert) on bf16 against block-FP8 experts.
+At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then one 35B-A3B MoE layer (256 experts,
+top 8, the shared expert) on bf16 against block-FP8 experts.
 
     python scripts/bench_fp8_kernels.py --out docs/benchmarks/fp8                # fp8_kernels.{json,md}
     python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
@@ -56,6 +57,13 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
             for label, cfg in CONFIGS.items():
                 row[f"{label}_us"] = time_pure(lambda a, v, s, cfg=cfg: fp8_matmul.fp8_matmul(a, v, s, config=cfg),
                                                (x, w.values, w.scales), unroll=10) * 1e6
+            # --fp8-activations dynamic: the rows quantized per token and 128-group, an FP8 x FP8 product
+            row["dynamic_us"] = time_pure(lambda a, v, s: fp8_matmul.fp8_matmul(a, v, s, quantize_activations=True),
+                                          (x, w.values, w.scales), unroll=10) * 1e6
+            got = np.asarray(fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=True), np.float64)
+            want = np.asarray(jnp.dot(x.astype(jnp.float32), ops.dequantize(w), precision="highest"), np.float64)
+            row["dynamic_rel_err"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            row["dynamic_vs_engine"] = row["engine_us"] / row["dynamic_us"]
         row["torch_rowwise_us"] = _torch_rowwise(m, k, n)
         got = np.asarray(ops.quantized_dot(pallas, x, w), np.float64)
         want = np.asarray(jnp.dot(x.astype(jnp.float32), ops.dequantize(w), precision="highest"), np.float64)
@@ -131,11 +139,14 @@ def main() -> None:
         rows += bench_moe(tuple(int(t) for t in args.moe_tokens.split(",")))
     meta = report.run_meta(report.command_line())
     cols = ["shape", "M", "bf16_us", "xla_dequantized_us", "engine_us", "engine_vs_bf16", "engine_gbps",
-            "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err"]
+            "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err", "dynamic_us",
+            "dynamic_vs_engine", "dynamic_rel_err"]
     lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
                           "kernel up to 16 rows, dequantize + XLA's bf16 matmul above; for the MoE layer, the expert "
                           "kernels reading FP8 tiles); torch_rowwise: cuBLASLt FP8 with one scale per row and column "
-                          "(coarser than the packs' 128-blocks)")
+                          "(coarser than the packs' 128-blocks); dynamic: --fp8-activations dynamic, the rows "
+                          "quantized per token and 128-group for an FP8 x FP8 product (its error against the bf16 "
+                          "rows in dynamic_rel_err)")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
     report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 

@@ -50,7 +50,7 @@ def time_verify(engine, lanes: int, k: int, rounds: int, position: int) -> tuple
     start = time.perf_counter()
     for _ in range(rounds):
         out = engine.runner.verify(*args)
-        np.asarray(out[1])
+        np.asarray(out[3])
     return first, (time.perf_counter() - start) / rounds
 
 

@@ -49,7 +49,7 @@ class _Round:
     """A decode round dispatched and not yet read back: its requests and its outputs on the device."""
 
     reqs: list[Request]
-    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: (emitted [C, T], kept [C])
+    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: by lane and row, and kept
     starved: set[int]  # lanes of this round that got no page for their next position: they end at its read
     drafted: dict[int, int] | None = None  # a verify round's drafts per lane (None: a plain round)
 
@@ -265,7 +265,7 @@ class Scheduler:
             if req is None or req.prefilling or not req.output:
                 continue  # prefilling, or its first token unread
             if req.finish_reason is not None:
-                if lane in self.closing:  # ended in a verify round: this round feeds its last token
+                if lane in self.closing and not ahead[lane]:  # ended in a verify round: this round feeds its last token
                     active[lane], tokens[lane], positions[lane] = True, req.output[-1], req.computed
                 continue  # else ended, waiting for its last round
             k = int(ahead[lane])
@@ -307,12 +307,13 @@ class Scheduler:
     def _may_speculate(self) -> bool:
         """Whether the next round may verify drafts: speculation is on and not paused, and every decoding lane can
         take part. Otherwise rounds run as with speculation off, one in flight while the previous is read: wider
-        rounds pay for their extra rows, and processing and logprobs run in plain rounds."""
+        rounds pay for their extra rows, and logit processing runs in plain rounds (its statistics follow each
+        token)."""
         if self.proposer is None or self.speculative.pause:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
         return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
-            r.sampling.processed or r.sampling.logprobs is not None or r.grammar is not None for r in live)
+            r.sampling.processed or r.grammar is not None for r in live)
 
     def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
@@ -343,7 +344,8 @@ class Scheduler:
             return None
         self.speculative.dry = 0
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
-                                 self.sampler.arrays(), full=any(not r.sampling.greedy for r in live))
+                                 self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
+                                 logprobs=any(r.sampling.logprobs is not None for r in live))
         self.cache_manager.flush()
         self.counters["decode_rounds"] += 1
         self.speculative.rounds += 1
@@ -352,7 +354,9 @@ class Scheduler:
     def _retire_verify(self, done: _Round) -> None:
         """Reads a verify round back: each lane's kept drafts and the token after them, in order, until one ends
         it. The lane's state holds rows 0..kept; a stop found on the host before them leaves it ahead."""
-        emitted, kept = (np.asarray(x) for x in done.out)
+        emitted, chosen, top, kept = done.out
+        t = self.runner.verify_rows
+        emitted, kept = np.asarray(emitted), np.asarray(kept)
         for req in done.reqs:
             lane, base = req.lane, req.computed
             if lane in self.closing:  # this round fed its last token
@@ -366,7 +370,7 @@ class Scheduler:
                 self.speculative.record(n, a)
             for i in range(a + 1):
                 req.computed = base + i + 1
-                self.outputs.accept(req, int(emitted[lane, i]), None, None, lane)
+                self.outputs.accept(req, int(emitted[lane * t + i]), chosen, top, lane * t + i)
                 if req.finish_reason is not None:
                     break
             if i + 1 == a:  # it fed every token of its output: the state is exact one token further

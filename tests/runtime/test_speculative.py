@@ -2,6 +2,7 @@
 sampling that keeps the target's distribution) and the engine's verify rounds, which emit exactly the tokens plain
 decoding does."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,9 @@ from scipy import stats
 
 from oracle import ORACLE_VOCAB
 from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.model import init_device_state, load_checkpoint, qwen3_5
+from ninfer_jax.model.ops import REFERENCE
+from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from ninfer_jax.runtime.speculative import NgramProposer, accept_drafts
 
@@ -258,4 +262,66 @@ def test_a_stop_inside_kept_drafts_ends_the_request_there_and_its_cache_stays_ex
     assert resumed.usage.cached_tokens >= 128
     assert resumed.token_ids == root.generate(follow, SamplingParams(max_tokens=8, temperature=0.0,
                                                                       ignore_eos=True)).token_ids
+    engine.check_ledger()
+
+
+# --- the model's verify step ------------------------------------------------------------------------------
+def _verify_then_commit(params, cfg, kc, tokens, positions, tables, slots, counts, kept, state):
+    hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, tables, slots, counts, state)
+    return hidden, qwen3_5.commit_verified(kc, state, replay, slots, kept, counts > 0)
+
+
+def test_verify_rows_with_the_pallas_kernels_equal_decoding_them_one_by_one(checkpoint_factory):
+    """Two lanes past a prefilled prompt verify 4 rows (one lane feeds 3) and keep 2 and 1 of them, on the Pallas
+    kernels (interpret mode, the engine's fused decode kernels on): the rows' hidden states equal decoding the same
+    tokens one round at a time on the references, and the lanes' GDN states and conv histories equal decoding only
+    the kept rows (the rows past them left no trace), to float32 rounding (the programs fuse differently). The
+    engine's tests show the reference kernels' verify rounds give plain decoding's tokens."""
+    cfg, params = load_checkpoint(checkpoint_factory("tiny-dense", "text", seed=21), dtype="float32")
+    kc = startup.kernel_config(EngineOptions(kernels="pallas", interpret=True, dtype="float32",
+                                             prefill_attention="pallas"))
+    rng = np.random.default_rng(3)
+    tables = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4))
+    slots, base = jnp.asarray([1, 0], jnp.int32), 20
+    state = init_device_state(cfg, 8, 3, jnp.float32, jnp.float32)
+    no_taps = jnp.full((1,), -1, jnp.int32)
+    for lane in range(2):  # a prompt of `base` tokens in each lane
+        _, state = qwen3_5.prefill(params, cfg, REFERENCE, jnp.asarray(rng.integers(0, ORACLE_VOCAB, base), jnp.int32),
+                                   jnp.int32(base), jnp.int32(0), tables[lane], slots[lane], state, no_taps, no_taps)
+    tokens = jnp.asarray(rng.integers(0, ORACLE_VOCAB, (2, 4)), jnp.int32)
+    counts, kept = jnp.asarray([4, 3], jnp.int32), jnp.asarray([2, 1], jnp.int32)
+    positions = jnp.full(2, base, jnp.int32)
+    verify = jax.jit(_verify_then_commit, static_argnames=("cfg", "kc"))
+    hidden, verified = verify(params, cfg, kc, tokens, positions, tables, slots, counts, kept,
+                              jax.tree.map(jnp.copy, state))
+    step = jax.jit(qwen3_5.decode, static_argnames=("cfg", "kc"))
+    rows, kept_state = [], None
+    for t in range(4):
+        active = jnp.asarray([t < 4, t < 3])
+        h, state = step(params, cfg, REFERENCE, tokens[:, t], positions + t, tables, slots, active, state)
+        rows.append(h)
+        if t == 1:  # lane 0 keeps rows 0..2, lane 1 rows 0..1: lane 1's state now, lane 0's after row 2
+            kept_state = [s[slots[1]] for s in state.ssm + state.conv]
+        if t == 2:
+            kept_state = [np.stack([s[slots[0]], k]) for s, k in zip(state.ssm + state.conv, kept_state)]
+    tol = dict(rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(hidden).reshape(2, 4, -1)[0], np.stack(rows, 1)[0], **tol)
+    np.testing.assert_allclose(np.asarray(hidden).reshape(2, 4, -1)[1, :3], np.stack(rows, 1)[1, :3], **tol)
+    for got, want in zip(verified.ssm + verified.conv, kept_state):
+        np.testing.assert_allclose(np.asarray(got)[np.asarray(slots)], want, **tol)
+
+
+def test_logprobs_of_verified_tokens_equal_plain_decodings(plain_runs, speculative_engines):
+    path, prompts, plain, root = plain_runs("tiny-dense")
+    engine = speculative_engines("tiny-dense", 4)
+    engine.scheduler.proposer = ScriptedProposer({tuple(p): o for p, o in zip(prompts, plain)}, 4)
+    asked = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    before = engine.stats()["speculative"]["verify_rounds"]
+    got, want = engine.generate(prompts[2], asked), root.generate(prompts[2], asked)
+    assert engine.stats()["speculative"]["verify_rounds"] > before
+    assert got.token_ids == want.token_ids and len(got.logprobs) == 12
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a["token_id"] == b["token_id"] and [i for i, _ in a["top"]] == [i for i, _ in b["top"]]
+        np.testing.assert_allclose([a["logprob"], *(lp for _, lp in a["top"])],
+                                   [b["logprob"], *(lp for _, lp in b["top"])], rtol=0, atol=1e-5)
     engine.check_ledger()

@@ -173,7 +173,8 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
 
 def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask):
     """One verify round (`qwen3_5.verify`, `speculative.accept_drafts`, `qwen3_5.commit_verified`) over a bucket of
-    rows -> ((emitted tokens by lane [C, T], drafts kept by lane [C]), state). layout: static (T, C)."""
+    lanes -> ((emitted tokens [C T], lane l's row t at l T + t; drafts kept by lane [C]; the rows' logits [R T, V]),
+    state). layout: static (T, C)."""
     t, width = layout
     tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
     positions, slots, counts, stops, lanes = col[:5]
@@ -182,7 +183,8 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask):
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
     emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
     state = qwen3_5.commit_verified(kc, state, replay, slots, kept, counts > 0)
-    return (_rows_to_lanes(emitted, lanes, width), _rows_to_lanes(kept, lanes, width)), state
+    emitted = _rows_to_lanes(emitted, lanes, width).reshape(-1)  # lane l's row t at l T + t
+    return (emitted, _rows_to_lanes(kept, lanes, width), logits.reshape(-1, logits.shape[-1])), state
 
 
 def _logprobs_step(logits, tokens, rows, top_k_groups):
@@ -440,24 +442,26 @@ class ModelRunner:
         """The compiled verify round size for `lanes` speculating lanes."""
         return fit(lanes, self.verify_sizes, "verify round of {} lanes")
 
-    def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False):
+    def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False):
         """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
         count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
-        lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C, T], kept [C]) on the device,
-        copying to the host."""
+        lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C T], chosen logprobs [C T], top,
+        kept [C]) on the device, copying to the host: lane l's row t at l T + t; the logprobs None unless
+        `logprobs`."""
         lanes = np.flatnonzero(np.asarray(counts) > 0)
         packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
                                     page_tables, slots, sampler)
-        return self._verify_packed(packed, full, np.shape(tokens)[1])
+        return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
 
-    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int):
+    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
         layout = (rows, self.max_lanes)
-        out, state = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state, packed,
-                                           self._stop_mask)
+        (emitted, kept, logits), state = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout,
+                                                               self.state, packed, self._stop_mask)
         self._swap(state, ("verify", packed.shape[0], full))
-        for x in out:
-            x.copy_to_host_async()
-        return out
+        # row r's t-th logits chose emitted[lane r, t]: index l T + t of the flattened tokens (padding: past them)
+        places = (packed[:, rows + 4][:, None] * rows + np.arange(rows)).reshape(-1).astype(np.int32)
+        kept.copy_to_host_async()
+        return (*self._with_logprobs(emitted, logits, places, logprobs), kept)
 
     def set_sampler_lane(self, lane: int, row: np.ndarray) -> None:
         """Writes a lane's SamplerState row (`sampling.lane_row`) and zeroes its output counts: at admission of a
@@ -544,7 +548,7 @@ class ModelRunner:
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
                                             table[None].repeat(c, 0), np.arange(c), lanes)
-                ready(self._verify_packed(packed, full, self.verify_rows),
+                ready(self._verify_packed(packed, full, self.verify_rows, logprobs=True),
                       f"verify {size} lanes x {self.verify_rows} rows sampler={'full' if full else 'greedy'}")
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
