@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the run (this process and the servers it starts): the suite builds many engines of the
+# same shapes, and each would compile the same programs again (a restart test's engines load them instead).
+# Compile counts are unaffected: a loaded program enters a step's cache as a compiled one does.
+_XLA_CACHE = tempfile.mkdtemp(prefix="ninfer-jax-tests-xla-")
+atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 from ninfer_jax.model.tiny import write_random_checkpoint  # noqa: E402

@@ -32,11 +32,11 @@ def loaded(engine) -> dict:
     return engine.stats()["prefix_cache"]["loaded"]
 
 
-@pytest.fixture()
-def saved(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def saved_once(checkpoint, tmp_path_factory):
     """A file saved by an engine that served one 300-token prompt and 70 output tokens; (path, prompt, its
     output, the snapshots the engine held)."""
-    path = tmp_path / "prefix.cache"
+    path = tmp_path_factory.mktemp("saved") / "prefix.cache"
     engine = start(checkpoint, path)
     assert loaded(engine)["outcome"] == "not restored"  # no file yet
     prompt = tokens(300, 1)
@@ -45,6 +45,15 @@ def saved(checkpoint, tmp_path):
     engine.stop()
     assert path.exists() and not path.with_name(path.name + ".tmp").exists()
     return path, prompt, out, saved_snapshots
+
+
+@pytest.fixture()
+def saved(saved_once, tmp_path):
+    """`saved_once` with the file copied for this test, which may damage or replace it."""
+    path, *rest = saved_once
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    return copy, *rest
 
 
 def test_a_restarted_engine_resumes_a_conversation_from_the_saved_host_tier(checkpoint, saved):

@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from ninfer_jax.runtime.request import Metrics, StreamEvent, Usage
 from ninfer_jax.server.app import create_app
 from ninfer_jax.server.serving import OrderlyServer, server_config
 
-XLA_CACHE = Path(tempfile.gettempdir()) / "ninfer-jax-server-tests-xla-cache"
+XLA_CACHE = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the run's compilation cache (conftest.py)
 # The real engine's settings in these tests (and in the subprocess tests, as ninfer-serve flags).
 ENGINE_OPTIONS = dict(dtype="float32", max_concurrency=4, prefill_chunk=256, max_model_len=2048, warmup=False)
 SERVE_FLAGS = ["--dtype", "float32", "--max-concurrency", "4", "--prefill-chunk", "256", "--max-model-len", "2048",
@@ -54,12 +53,8 @@ def subprocess_env() -> dict[str, str]:
 @functools.cache
 def real_engine():
     """The built-in tiny checkpoint's Engine, shared by every server test module of the session."""
-    import jax
-
     from ninfer_jax import Engine
 
-    jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return Engine.from_pretrained(None, **ENGINE_OPTIONS)
 
 
