@@ -236,16 +236,97 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(path))
 
     def with_overrides(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config.json's object, or a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a JSON object")
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's hyperparameters (config.json `vision_config`; hashable: a static jit argument). A field
+    config.json leaves out takes transformers' Qwen3_5VisionConfig default, as transformers reads it."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """One row of pixel_values: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merged_dim(self) -> int:
+        """The merger's input: the hidden states of one spatial_merge_size^2 block, concatenated."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+    @property
+    def grid_side(self) -> int:
+        """The side of the square learned position table (transformers truncates a non-square count the same)."""
+        return int(self.num_position_embeddings**0.5)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VisionConfig:
+        """From a whole config.json object."""
+        vision = raw.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ConfigError("config.json: no 'vision_config' object (the checkpoint has no vision tower)")
+        fields = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "rope_theta" or f.name not in vision:
+                continue
+            value = vision[f.name]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config.json: field 'vision_config.{f.name}' must be a positive integer, "
+                                  f"got {value!r}")
+            fields[f.name] = value
+        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ConfigError(f"config.json: field 'vision_config.hidden_act' {act!r} is not supported "
+                              "(Qwen3.5 uses 'gelu_pytorch_tanh')")
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"config.json: field 'vision_config.rope_parameters.rope_type' "
+                              f"{rope['rope_type']!r} is not supported (only 'axial')")
+        theta = rope.get("rope_theta", cls.rope_theta)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ConfigError(f"config.json: field 'vision_config.rope_parameters.rope_theta' must be a positive "
+                              f"number, got {theta!r}")
+        vcfg = cls(**fields, rope_theta=float(theta))
+        if vcfg.hidden_size % vcfg.num_heads or vcfg.head_dim % 4:
+            raise ConfigError(
+                f"config.json: field 'vision_config.hidden_size' ({vcfg.hidden_size}) must be 'num_heads' "
+                f"({vcfg.num_heads}) heads of a multiple of 4 (the 2-D rotary splits each head in four)"
+            )
+        return vcfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> VisionConfig:
+        return cls.from_dict(read_config_json(path))

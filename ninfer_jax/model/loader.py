@@ -1,6 +1,7 @@
 """Load an HF Qwen3.5 checkpoint directory (config.json + *.safetensors) into a Params pytree.
 
-Accepts the VLM layout (`model.language_model.*`, vision tower `model.visual.*` skipped) and the plain
+Accepts the VLM layout (`model.language_model.*`; the vision tower `model.visual.*` loads on its own, by
+`load_vision_checkpoint`) and the plain
 text layout (`model.*`), one file or many (with `model.safetensors.index.json`), MoE experts fused
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
 (`experts.{e}.gate_proj.weight`, ...), bf16 or fp32 on disk. Every tensor is checked for presence and
@@ -27,7 +28,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from ninfer_jax.config import ConfigError, ModelConfig
+from ninfer_jax.config import ConfigError, ModelConfig, VisionConfig
 from ninfer_jax.model.params import (
     FP8_BLOCK,
     AttnParams,
@@ -40,6 +41,7 @@ from ninfer_jax.model.params import (
     Params,
     QuantizedWeight,
 )
+from ninfer_jax.model.vision import VisionParams, vision_params_from_tensors
 
 log = logging.getLogger("ninfer_jax.loader")
 
@@ -292,6 +294,22 @@ def _load_mtp(t: _Tensors, cfg: ModelConfig, put) -> MTPParams | None:
     )
 
 
+def _checkpoint_dir(path: str | Path, dtype: str) -> Path:
+    """The checkpoint directory, once it and `dtype` are checked."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a checkpoint directory")
+    return directory
+
+
+def _putter(dtype: str):
+    """array -> a contiguous device array in `dtype` ("bfloat16" or "float32")."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    return lambda array: jnp.asarray(np.ascontiguousarray(array.astype(np_dtype, copy=False)))
+
+
 def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) -> tuple[ModelConfig, Params]:
     """Read an HF Qwen3.5 checkpoint directory.
 
@@ -305,19 +323,12 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
     Raises:
       ConfigError for a bad config.json, CheckpointError for missing, mis-shaped or unreadable tensors.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a checkpoint directory")
+    directory = _checkpoint_dir(path, dtype)
     cfg = ModelConfig.from_file(directory / "config.json")
     start = time.perf_counter()
     tensors = _Tensors(directory)
     prefix = _prefix(cfg, tensors)
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-
-    def put(array):
-        return jnp.asarray(np.ascontiguousarray(array.astype(np_dtype, copy=False)))
+    put = _putter(dtype)
 
     v, h = cfg.vocab_size, cfg.hidden_size
     embed = put(tensors.get(prefix + "embed_tokens.weight", (v, h)))
@@ -345,4 +356,23 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
     return cfg, params
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_checkpoint"]
+def load_vision_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[VisionConfig, VisionParams]:
+    """Read a VLM checkpoint's vision tower (`model.visual.*`), every tensor checked for presence and shape.
+
+    Returns:
+      (VisionConfig, VisionParams on the default device, in `dtype`).
+    Raises:
+      ConfigError for a config.json without a valid `vision_config`, CheckpointError for missing, mis-shaped or
+      unreadable tensors.
+    """
+    directory = _checkpoint_dir(path, dtype)
+    vcfg = VisionConfig.from_file(directory / "config.json")
+    tensors = _Tensors(directory)
+    put = _putter(dtype)
+
+    params = vision_params_from_tensors(vcfg, tensors.get, put)
+    jax.block_until_ready(params)
+    return vcfg, params
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "load_vision_checkpoint"]

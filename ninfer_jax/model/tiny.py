@@ -1,7 +1,8 @@
 """Random Qwen3.5 checkpoints in real HF layout, written without torch: the built-in default and test models.
 
-Every parameter is randomised, the multi-token-prediction layer (`mtp.*`) and the (1 + w) norm weights included
-(HF initialises those to zero, which would hide a missing "1 +"), deterministically from a seed. The configs come
+Every parameter is randomised, the multi-token-prediction layer (`mtp.*`), the vision tower (`model.visual.*`, when
+the config has a `vision_config`) and the (1 + w) norm weights included (HF initialises those to zero, which would
+hide a missing "1 +"), deterministically from a seed. The configs come
 from `configs/*.json` (real HF config.json files) with optional overrides of text-config fields. The built-in default is
 `configs/tiny-dense.json` at seed 0, written once under `ninfer_jax.home.ninfer_home()` (~/.cache/ninfer_jax by
 default) with a real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
@@ -21,9 +22,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from ninfer_jax.config import ModelConfig
-
+from ninfer_jax.config import ModelConfig, VisionConfig
 from ninfer_jax.home import ninfer_home
+from ninfer_jax.model.vision import vision_tensor_shapes
 
 log = logging.getLogger("ninfer_jax.tiny")
 
@@ -148,6 +149,19 @@ def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) 
     return rng.normal(0.0, fan_in**-0.5, shape)
 
 
+def _random_vision_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The vision tower's LayerNorms are plain (around 1) and its linears have biases (drawn non-zero, so a
+    dropped bias shows)."""
+    module = name.rsplit(".", 2)[-2]
+    if module.startswith("norm") and name.endswith(".weight"):
+        return 1.0 + rng.normal(0.0, 0.1, shape)
+    if name.endswith(".bias"):
+        return rng.normal(0.0, 0.1, shape)
+    if name.endswith("pos_embed.weight"):  # as large as the patch embeddings, so a misplaced position shows
+        return rng.normal(0.0, 0.5, shape)
+    return rng.normal(0.0, int(np.prod(shape[1:])) ** -0.5, shape)
+
+
 # The linears Qwen's FP8 packs quantize; everything else (embeddings, lm_head, norms, the router and the shared
 # expert's gate, the GDN in_proj_a / in_proj_b, conv1d, A_log, dt_bias, mtp.fc, the vision tower) stays unquantized.
 FP8_LINEARS = (
@@ -193,7 +207,7 @@ def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype) -> tuple[d
             quantized(name, w)
         else:
             out[name] = w.astype(np_dtype)
-            if name != "lm_head.weight":
+            if name != "lm_head.weight" and not name.startswith("model.visual."):  # the tower is listed whole
                 keep.append(name.removesuffix(".weight"))
     if cfg.layout == "vlm":
         keep.append("model.visual")
@@ -233,6 +247,10 @@ def write_random_checkpoint(
     # Drawn after every other tensor, so the rest are the same with or without an MTP layer
     for name, shape in mtp_tensor_shapes(cfg).items():
         tensors[name] = _random_tensor(rng, name, shape)
+    # The vision tower last of all, for the same reason
+    if cfg.layout == "vlm" and "vision_config" in config:
+        for name, shape in vision_tensor_shapes(VisionConfig.from_dict(config)).items():
+            tensors[name] = _random_vision_tensor(rng, name, shape)
     if fp8:
         scales = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
         tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales)

@@ -1,0 +1,57 @@
+"""The vision tower against transformers' Qwen3.5 vision model, and its loader's errors.
+
+One preset: the dense and MoE models' towers are the same code in transformers (Qwen3_5VisionModel and
+Qwen3_5MoeVisionModel differ only in name)."""
+
+import numpy as np
+import pytest
+import torch
+from oracle import hf_model, oracle_config
+from safetensors.numpy import load_file, save_file
+
+from ninfer_jax.model.loader import CheckpointError, load_vision_checkpoint
+from ninfer_jax.model.tiny import write_random_checkpoint
+from ninfer_jax.model.vision import vision_forward
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("vlm"), oracle_config("tiny-dense", "vlm"), seed=6)
+
+
+@pytest.fixture(scope="module")
+def towers(checkpoint):
+    """(VisionConfig, our params, transformers' vision model), both read from the checkpoint."""
+    vcfg, params = load_vision_checkpoint(checkpoint, "float32")
+    visual = hf_model(checkpoint, "vlm").model.visual
+    # transformers read the same tower from the checkpoint, not its own random init
+    np.testing.assert_array_equal(visual.pos_embed.weight.detach().numpy(), np.asarray(params.pos_embed))
+    return vcfg, params, visual
+
+
+@pytest.mark.parametrize("grid", [
+    # 4 x 6 patches: the 8 x 8 position table resampled down, non-square
+    pytest.param([(1, 4, 6)], id="one-image"),
+    # three sizes in one call (table resampled up, down, and a single merged token): no image attends to another
+    pytest.param([(1, 12, 10), (1, 4, 6), (1, 2, 2)], id="three-images"),
+])
+def test_vision_tower_equals_transformers(towers, grid):
+    vcfg, params, visual = towers
+    n = sum(h * w for _, h, w in grid)
+    pixels = np.random.default_rng(0).uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
+    ours = np.asarray(vision_forward(params, vcfg, pixels, grid))
+    with torch.no_grad():
+        theirs = visual(torch.tensor(pixels), grid_thw=torch.tensor(grid)).pooler_output.numpy()
+    assert ours.shape == (n // 4, vcfg.out_hidden_size) and np.abs(theirs).max() > 1.0
+    # float32 rounding of the same sums in another order (matmul for the Conv3d, XLA's attention for torch's
+    # sdpa); 1e-4 on outputs of size ~1 leaves room for that and none for a wrong position or a crossed image
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_missing_vision_tensor_is_named(checkpoint, tmp_path):
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    del tensors["model.visual.blocks.1.attn.qkv.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.visual.blocks.1.attn.qkv.bias' .*\(96,\)"):
+        load_vision_checkpoint(tmp_path, "float32")
