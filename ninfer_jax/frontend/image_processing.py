@@ -164,3 +164,44 @@ def preprocess_images(cfg: ImageProcessorConfig, images) -> tuple[np.ndarray, np
     if not rows:
         raise ValueError("no images")
     return np.concatenate(rows), np.array(grids, np.int64)
+
+
+# --- decoding ---------------------------------------------------------------------------------------------------
+# What a request's image may be before any pixel is decoded: formats Pillow reads safely and clients send, and a
+# pixel bound read from the header, so a small file that decodes to gigabytes is refused before it does.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_IMAGE_PIXELS = 64 << 20
+
+
+class ImageError(ValueError):
+    """An image a request cannot use: not an image, a format not taken, too large, or animated."""
+
+
+def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """An encoded image (PNG, JPEG, WebP, GIF or BMP bytes) -> RGB uint8 [H, W, 3], transparency composited onto
+    white as transformers' `convert_to_rgb` does. Raises ImageError saying what is wrong."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except UnidentifiedImageError:
+        raise ImageError("not an image (or a format that cannot be read)") from None
+    except Exception as e:  # a damaged header
+        raise ImageError(f"the image cannot be read: {e}") from None
+    if image.format not in IMAGE_FORMATS:
+        raise ImageError(f"image format {image.format} is not supported; send {', '.join(IMAGE_FORMATS)}")
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageError(f"the image has {width} x {height} pixels; at most {max_pixels} are allowed")
+    if getattr(image, "n_frames", 1) > 1:
+        raise ImageError("animated images are not supported; send one frame")
+    try:
+        image.load()
+    except Exception as e:  # a truncated or damaged body
+        raise ImageError(f"the image cannot be decoded: {e}") from None
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return np.array(image.convert("RGB"))

@@ -1,11 +1,14 @@
 """Image preprocessing against transformers' Qwen2-VL image processor (Pillow backend): the same pixel_values
-bit for bit and the same image_grid_thw."""
+bit for bit and the same image_grid_thw; decoding a request's image bytes as transformers converts them to RGB,
+and refusing what cannot be used."""
+
+import io
 
 import numpy as np
 import pytest
 
 from ninfer_jax.config import ConfigError
-from ninfer_jax.frontend.image_processing import ImageProcessorConfig, preprocess_images
+from ninfer_jax.frontend.image_processing import ImageError, ImageProcessorConfig, decode_image, preprocess_images
 
 # Qwen3.5's released preprocessor_config.json (its image fields)
 QWEN35 = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
@@ -52,3 +55,42 @@ def test_bad_images_and_configs_are_named():
         preprocess_images(cfg, [np.zeros((4, 1000, 3), np.uint8)])
     with pytest.raises(ConfigError, match="field 'patch_size' must be a positive integer"):
         ImageProcessorConfig.from_dict({**QWEN35, "patch_size": 0})
+
+
+def _encoded(image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def test_decoded_images_equal_transformers_rgb_conversion():
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (9, 13, 4), dtype=np.uint8), "RGBA")
+    grey = Image.fromarray(rng.integers(0, 256, (7, 5), dtype=np.uint8), "L")
+    palette = grey.convert("P")
+    palette.info["transparency"] = 3
+    for image, fmt in ((rgba, "PNG"), (grey, "JPEG"), (palette, "GIF"), (rgba.convert("RGB"), "WEBP")):
+        data = _encoded(image, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+        want = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+        got = decode_image(data)
+        assert got.dtype == np.uint8 and got.shape == (*image.size[::-1], 3)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_images_a_request_cannot_use_are_refused_saying_why():
+    from PIL import Image
+
+    image = Image.fromarray(np.zeros((40, 30, 3), np.uint8))
+    png = _encoded(image, "PNG")
+    cases = [(b"hello, not an image", "not an image"), (_encoded(image, "TIFF"), "format TIFF is not supported"),
+             (png[:len(png) // 2], "cannot be decoded"),
+             (_encoded(image, "GIF", save_all=True, append_images=[Image.fromarray(np.ones((40, 30, 3), np.uint8))]),
+              "animated")]
+    for data, words in cases:
+        with pytest.raises(ImageError, match=words):
+            decode_image(data)
+    with pytest.raises(ImageError, match="30 x 40 pixels; at most 1000"):
+        decode_image(png, max_pixels=1000)
