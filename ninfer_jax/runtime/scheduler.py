@@ -34,7 +34,7 @@ from ninfer_jax.runtime.outputs import OutputProcessor
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.request import Request
 from ninfer_jax.runtime.sampling import SamplerInputs, lane_row
-from ninfer_jax.runtime.speculative import NgramProposer, SpeculativeStats
+from ninfer_jax.runtime.speculative import DraftPause, NgramProposer, SpeculativeStats
 from ninfer_jax.runtime.structured import allowed_tokens
 
 log = logging.getLogger("ninfer_jax.scheduler")
@@ -87,7 +87,7 @@ class Scheduler:
         k = options.num_speculative_tokens or 0
         self.proposer = NgramProposer(k, options.prompt_lookup_min, options.prompt_lookup_max) \
             if options.speculative == "ngram" else None
-        self.speculative = SpeculativeStats(k)
+        self.speculative, self.pause = SpeculativeStats(k), DraftPause()
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
         self.closing: set[int] = set()
@@ -292,7 +292,7 @@ class Scheduler:
             if verify is not None:
                 return verify
             self.speculative.plain_rounds += 1
-            self.speculative.pause = max(0, self.speculative.pause - 1)
+            self.pause.plain_round()
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         out = self.runner.decode(
             tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
@@ -309,7 +309,7 @@ class Scheduler:
         take part. Otherwise rounds run as with speculation off, one in flight while the previous is read: wider
         rounds pay for their extra rows, and logit processing runs in plain rounds (its statistics follow each
         token)."""
-        if self.proposer is None or self.speculative.pause:
+        if self.proposer is None or self.pause.paused:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
         return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
@@ -317,9 +317,8 @@ class Scheduler:
 
     def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
-        None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation until a lookup
-        finds one or for a while (`SpeculativeStats.idle`): reading each round back before the next costs the device
-        its idle gap."""
+        None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation (`DraftPause`):
+        reading each round back before the next costs the device its idle gap."""
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         c, t = len(self.lanes), self.runner.verify_rows
         tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
@@ -339,10 +338,9 @@ class Scheduler:
             tokens[lane, 0], tokens[lane, 1:1 + n] = req.output[-1], drafts[:n]
             counts[lane], positions[lane], stops[lane] = n + 1, req.computed, not req.sampling.ignore_eos
             drafted[lane] = n
+        self.pause.found(any(drafted.values()))
         if not any(drafted.values()):
-            self.speculative.idle()
             return None
-        self.speculative.dry = 0
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
                                  logprobs=any(r.sampling.logprobs is not None for r in live))
@@ -419,8 +417,8 @@ class Scheduler:
                 ended.append(req)
         for req in ended:
             self._settle(req)
-        if self.speculative.pause and self._drafts_found(done.reqs):
-            self.speculative.pause = 0  # the next round verifies them
+        if self.pause.paused and self._drafts_found(done.reqs):
+            self.pause.resume()  # the next round verifies them
 
     def _drafts_found(self, reqs: list[Request]) -> bool:
         """Whether prompt lookup has a draft for one of these running lanes (while speculation pauses)."""
@@ -481,5 +479,6 @@ class Scheduler:
             "running": sum(r is not None for r in self.lanes),
             "pages": self.pages.ledger(),
             "counters": dict(self.counters),
-            "speculative": self.speculative.as_dict() if self.proposer is not None else None,
+            "speculative": {**self.speculative.as_dict(), "pauses": self.pause.pauses}
+            if self.proposer is not None else None,
         }

@@ -91,27 +91,42 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, *, full: bo
     return emitted, kept
 
 
-# Rounds in a row that found no draft, then how many rounds run plainly (pipelined) before drafts are looked up again.
-DRY_ROUNDS = 2
-PAUSE_ROUNDS = 16
+class DraftPause:
+    """When speculation pauses: after DRY_ROUNDS rounds in a row that could have verified drafts and found none, the
+    next PAUSE_ROUNDS rounds decode plainly (one in flight while the previous is read), unless a lookup on the tokens
+    read finds a draft first (`resume`)."""
+
+    DRY_ROUNDS = 2
+    PAUSE_ROUNDS = 16
+
+    def __init__(self):
+        self.dry = self.left = self.pauses = 0  # rounds in a row without a draft; plain rounds left; pauses so far
+
+    @property
+    def paused(self) -> bool:
+        return self.left > 0
+
+    def found(self, any_draft: bool) -> None:
+        """A round that could have speculated found a draft for some lane, or none."""
+        self.dry = 0 if any_draft else self.dry + 1
+        if self.dry >= self.DRY_ROUNDS:
+            self.dry, self.left = 0, self.PAUSE_ROUNDS
+            self.pauses += 1
+
+    def plain_round(self) -> None:
+        self.left = max(0, self.left - 1)
+
+    def resume(self) -> None:
+        self.left = 0
 
 
 class SpeculativeStats:
-    """Counts of drafted and accepted tokens and the accept-length histogram (tokens emitted per lane and round), and
-    the pause that rounds without drafts start."""
+    """Counts of drafted and accepted tokens and the accept-length histogram (tokens emitted per lane and round)."""
 
     def __init__(self, k: int):
         self.k = k
-        self.rounds = self.drafted = self.accepted = self.plain_rounds = self.pauses = 0
-        self.dry = self.pause = 0  # rounds in a row without a draft; plain rounds left before looking again
+        self.rounds = self.drafted = self.accepted = self.plain_rounds = 0
         self.histogram = collections.Counter()
-
-    def idle(self) -> None:
-        """A round that could have speculated found no draft."""
-        self.dry += 1
-        if self.dry >= DRY_ROUNDS:
-            self.dry, self.pause = 0, PAUSE_ROUNDS
-            self.pauses += 1
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -121,7 +136,7 @@ class SpeculativeStats:
     def as_dict(self) -> dict:
         lanes = sum(self.histogram.values())
         return {"num_speculative_tokens": self.k, "verify_rounds": self.rounds, "plain_rounds": self.plain_rounds,
-                "pauses": self.pauses,
+
                 "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accept_length": sum(n * c for n, c in self.histogram.items()) / lanes if lanes else 0.0,
