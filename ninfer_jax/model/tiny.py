@@ -12,6 +12,7 @@ checkpoints.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import shutil
@@ -277,19 +278,50 @@ def write_random_checkpoint(
         from ninfer_jax.frontend.tokenizer import write_qwen35_tokenizer_files
 
         write_qwen35_tokenizer_files(directory)
+    if cfg.layout == "vlm" and "vision_config" in config:
+        vision = config["vision_config"]
+        (directory / "preprocessor_config.json").write_text(json.dumps({
+            **PREPROCESSOR_FIELDS, "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"], "merge_size": vision["spatial_merge_size"],
+        }, indent=2) + "\n")
     return directory
 
 
+# The image fields of Qwen3.5's released preprocessor_config.json (patch and merge sizes come from the tower)
+PREPROCESSOR_FIELDS = {"image_processor_type": "Qwen2VLImageProcessor", "size": {"longest_edge": 16777216,
+                       "shortest_edge": 65536}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+# Bumped when write_random_checkpoint writes other files or draws other tensors: a built-in checkpoint written by
+# another version (or from another preset file) is written again rather than served without them.
+WRITER_VERSION = 2
+STAMP = ".ninfer-checkpoint"
+
+
+def _stamp(preset: str, seed: int) -> str:
+    config = (CONFIG_DIR / f"{preset}.json").read_bytes()
+    return hashlib.sha256(config + f"|seed {seed}|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
+
+
 def default_checkpoint(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
-    """The built-in default checkpoint, written on first use (atomically) and reused after."""
+    """The built-in default checkpoint, written on first use (atomically) and reused while its stamp matches this
+    writer and preset file; a copy another version wrote is replaced."""
     target = ninfer_home() / f"{preset}-seed{seed}"
-    if (target / "config.json").exists():
+    stamp = _stamp(preset, seed)
+    if (target / STAMP).exists() and (target / STAMP).read_text() == stamp:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("writing built-in checkpoint | %s | seed %d | %s", preset, seed, target)
+    log.info("writing built-in checkpoint | %s | seed %d | %s%s", preset, seed, target,
+             " | replacing a copy another version wrote" if target.exists() else "")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         write_random_checkpoint(tmp, preset_config(preset), seed=seed, dtype="float32", tokenizer=True)
+        (tmp / STAMP).write_text(stamp)
+        if target.exists():  # moved aside first, so the new copy lands in one rename
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+            try:
+                target.rename(old / target.name)
+            except OSError:  # another process moved it already
+                pass
+            shutil.rmtree(old, ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is identical

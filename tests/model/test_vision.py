@@ -55,3 +55,13 @@ def test_missing_vision_tensor_is_named(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.visual.blocks.1.attn.qkv.bias' .*\(96,\)"):
         load_vision_checkpoint(tmp_path, "float32")
+
+
+def test_a_vlm_checkpoint_carries_the_preprocessing_its_tower_takes(checkpoint, towers):
+    from ninfer_jax.frontend.image_processing import ImageProcessorConfig
+
+    vcfg = towers[0]
+    pre = ImageProcessorConfig.from_file(checkpoint / "preprocessor_config.json")
+    assert (pre.patch_size, pre.temporal_patch_size, pre.merge_size) == \
+        (vcfg.patch_size, vcfg.temporal_patch_size, vcfg.spatial_merge_size)
+    assert (pre.min_pixels, pre.max_pixels, pre.image_mean) == (65536, 16777216, (0.5, 0.5, 0.5))
