@@ -92,6 +92,9 @@ class ModelConfig:
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
     quantization: QuantizationConfig | None = None  # None: the checkpoint's weights are all unquantized
+    # MRoPE: rotary frequencies 1, 4, 7, ... (below 3 x the second entry) turn with an image token's height
+    # position, 2, 5, 8, ... (below 3 x the third) with its width, the rest with its time (transformers' default)
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
@@ -169,6 +172,10 @@ class ModelConfig:
         if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
             raise ConfigError(f"config.json: field 'rope_theta' must be a positive number, got {rope_theta!r}")
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        mrope = rope.get("mrope_section", [11, 11, 10])
+        if not (isinstance(mrope, (list, tuple)) and len(mrope) == 3
+                and all(isinstance(n, int) and n >= 0 for n in mrope)):
+            raise ConfigError(f"config.json: field 'rope_parameters.mrope_section' must be 3 counts, got {mrope!r}")
         head_dim = need("head_dim")
         rotary_dim = int(head_dim * partial)
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
@@ -221,6 +228,7 @@ class ModelConfig:
             head_dim=head_dim,
             rotary_dim=rotary_dim,
             rope_theta=float(rope_theta),
+            mrope_section=tuple(mrope),
             rms_norm_eps=float(need("rms_norm_eps", float)),
             linear_num_key_heads=lk,
             linear_num_value_heads=lv,

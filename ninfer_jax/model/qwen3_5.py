@@ -97,10 +97,23 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return 1.0 / (cfg.rope_theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot))
 
 
+def mrope_axes(cfg: ModelConfig) -> np.ndarray:
+    """Which of an MRoPE position's (time, height, width) entries each rotary frequency turns with: int [rotary_dim
+    / 2] of 0, 1, 2, interleaved as transformers' Qwen3.5 text rotary embedding lays them out."""
+    axes = np.zeros(cfg.rotary_dim // 2, np.int32)
+    axes[1:3 * cfg.mrope_section[1]:3] = 1
+    axes[2:3 * cfg.mrope_section[2]:3] = 2
+    return axes
+
+
 def rope(x, positions, cfg: ModelConfig):
-    """NeoX rotate-half RoPE on the first rotary_dim dims of x [T, H, D] at integer positions [T]."""
+    """NeoX rotate-half RoPE on the first rotary_dim dims of x [T, H, D] at integer positions [T], or at MRoPE
+    positions [3, T] (time, height, width: equal for text tokens, where it is the same as positions [T])."""
     rot = cfg.rotary_dim
-    freqs = positions.astype(F32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    positions = positions.astype(F32)
+    # [T, 1], or [T, rot / 2] with each frequency's own axis
+    at = positions[jnp.asarray(mrope_axes(cfg))].T if positions.ndim == 2 else positions[:, None]
+    freqs = at * jnp.asarray(rope_inv_freq(cfg))[None, :]
     cos, sin = (f.astype(x.dtype)[:, None, :] for f in (jnp.cos(freqs), jnp.sin(freqs)))
     x1, x2, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
