@@ -257,7 +257,8 @@ def _attn_out(p: AttnParams, core, gate, kc: KernelConfig, dtype):
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
     t = x.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
-    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(kc, x, p.qkv_proj), positions, cfg)
+    rotary = positions if ctx.get("rope_positions") is None else ctx["rope_positions"]  # MRoPE: image spans' 3-D
+    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(kc, x, p.qkv_proj), rotary, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = kv_quant.write(k_pages, k, page_ids, positions % PAGE)
@@ -299,6 +300,8 @@ def prefill(
     state: DeviceState,
     tap_positions,
     tap_slots,
+    rope_positions=None,
+    inputs_embeds=None,
 ):
     """One lane's prefill chunk.
 
@@ -311,6 +314,9 @@ def prefill(
       slot: int32 state slot of the lane.
       tap_positions / tap_slots: [M] int32; the state after each 64-aligned position in
         (base, base + n_valid] is also written to its slot (the in-kernel tap); -1 = unused.
+      rope_positions: None, or int32 [3, T]: the tokens' MRoPE positions where images make them differ from
+        their indices (`frontend.mrope`); keys and values still go to the pages by index.
+      inputs_embeds: None, or [T, H] in place of the tokens' embeddings (images' encoder outputs at their spans).
     Returns:
       (hidden [T, H] after the final norm, updated DeviceState).
     """
@@ -318,9 +324,9 @@ def prefill(
     valid = jnp.arange(t) < n_valid
     ctx = dict(
         slot=slot, base=base, n_valid=n_valid, valid=valid, page_table=page_table,
-        tap_positions=tap_positions, tap_slots=tap_slots,
+        tap_positions=tap_positions, tap_slots=tap_slots, rope_positions=rope_positions,
     )
-    x = params.embed[tokens]
+    x = params.embed[tokens] if inputs_embeds is None else inputs_embeds
     return _run_layers(
         params, cfg, kc, x, state,
         lambda p, h, ssm, conv: _gdn_prefill(p, h, cfg, kc, ssm, conv, ctx),
@@ -469,21 +475,37 @@ def logits(params: Params, hidden):
 
 # --- whole-sequence forward --------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("cfg", "kc"))
-def _forward_jit(params, cfg, kc, token_ids):
+def _forward_jit(params, cfg, kc, token_ids, media=None):
     t = token_ids.shape[0]
     num_pages = -(-t // PAGE)
     state = init_device_state(cfg, num_pages, 1, params.embed.dtype, params.embed.dtype)
     no_taps = jnp.full((1,), -1, jnp.int32)
+    embeds = rope_positions = None
+    if media is not None:  # each image's encoder output, in order, at the placeholder tokens
+        image_embeds, spans, rope_positions = media
+        rows = jnp.cumsum(spans) - 1
+        embeds = jnp.where(spans[:, None], image_embeds[jnp.clip(rows, 0)].astype(params.embed.dtype),
+                           params.embed[token_ids])
     hidden, _ = prefill(
         params, cfg, kc, token_ids, jnp.int32(t), jnp.int32(0), jnp.arange(num_pages, dtype=jnp.int32),
-        jnp.int32(0), state, no_taps, no_taps,
+        jnp.int32(0), state, no_taps, no_taps, rope_positions, embeds,
     )
     return logits(params, hidden)
 
 
-def forward(params: Params, config: ModelConfig, token_ids, kernels: KernelConfig = ops.REFERENCE):
-    """Whole-sequence forward without a cache: token_ids [T] -> float32 logits [T, vocab]."""
+def forward(params: Params, config: ModelConfig, token_ids, kernels: KernelConfig = ops.REFERENCE, *,
+            image_embeds=None, image_spans=None, rope_positions=None):
+    """Whole-sequence forward without a cache: token_ids [T] -> float32 logits [T, vocab]. With images:
+    image_embeds [N, H] (the vision tower's merged tokens, image after image), image_spans bool [T] (the N
+    placeholder tokens they take, in order) and rope_positions int32 [3, T] (`frontend.mrope.mrope_positions`)."""
     token_ids = jnp.asarray(token_ids, jnp.int32)
     if token_ids.ndim != 1 or token_ids.shape[0] == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D array, got shape {token_ids.shape}")
-    return _forward_jit(params, config, kernels, token_ids)
+    media = None
+    if image_embeds is not None:
+        spans = np.asarray(image_spans, bool)
+        if spans.shape != token_ids.shape or spans.sum() != image_embeds.shape[0]:
+            raise ValueError(f"image_spans must mark one token of the {token_ids.shape[0]} per image embedding "
+                             f"({image_embeds.shape[0]}), got {spans.sum()} of {spans.shape}")
+        media = (jnp.asarray(image_embeds), jnp.asarray(spans), jnp.asarray(rope_positions, jnp.int32))
+    return _forward_jit(params, config, kernels, token_ids, media)

@@ -65,3 +65,30 @@ def test_a_vlm_checkpoint_carries_the_preprocessing_its_tower_takes(checkpoint, 
     assert (pre.patch_size, pre.temporal_patch_size, pre.merge_size) == \
         (vcfg.patch_size, vcfg.temporal_patch_size, vcfg.spatial_merge_size)
     assert (pre.min_pixels, pre.max_pixels, pre.image_mean) == (65536, 16777216, (0.5, 0.5, 0.5))
+
+
+def test_a_prompt_with_images_gives_transformers_logits(tmp_path_factory):
+    """Text, an image, text, a larger image, text through the tower, the placeholder spans and MRoPE positions:
+    the logits of transformers' Qwen3.5 VLM forward (fp32, 1e-4)."""
+    from ninfer_jax.frontend.mrope import mrope_positions
+    from ninfer_jax.model import forward, load_checkpoint
+
+    image_token = 1000  # inside the oracle's vocabulary
+    raw = {**oracle_config("tiny-dense", "vlm"), "image_token_id": image_token}
+    path = write_random_checkpoint(tmp_path_factory.mktemp("vlm-prompt"), raw, seed=8)
+    cfg, params = load_checkpoint(path, "float32")
+    vcfg, vparams = load_vision_checkpoint(path, "float32")
+    grids, merge = [(1, 4, 6), (1, 8, 8)], vcfg.spatial_merge_size
+    rng = np.random.default_rng(1)
+    text = [rng.integers(0, 900, n).tolist() for n in (5, 4, 3)]
+    ids = np.array(text[0] + [image_token] * 6 + text[1] + [image_token] * 16 + text[2], np.int64)
+    positions, _ = mrope_positions(len(ids), [(5, grids[0]), (15, grids[1])], merge)
+    pixels = rng.uniform(-1, 1, (sum(h * w for _, h, w in grids), vcfg.patch_dim)).astype(np.float32)
+    ours = np.asarray(forward(params, cfg, ids, image_embeds=vision_forward(vparams, vcfg, pixels, grids),
+                              image_spans=ids == image_token, rope_positions=positions))
+    with torch.no_grad():
+        theirs = hf_model(path, "vlm")(input_ids=torch.tensor(ids)[None], pixel_values=torch.tensor(pixels),
+                                       image_grid_thw=torch.tensor(grids),
+                                       mm_token_type_ids=torch.tensor(ids == image_token)[None].int()).logits[0]
+    assert np.abs(theirs.numpy()).max() > 1.0
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4, rtol=0)
