@@ -196,10 +196,13 @@ def decode(fmt: Format, raw, scales, cols, d: int):
     references share."""
     if fmt.packed:
         raw = (raw.astype(jnp.int32) >> jnp.where(cols >= d // 2, 4, 0)) & 15
-        x = e2m1_decode(raw)
-    else:
-        x = raw.astype(_F32)
-    return x * scales.astype(_F32)
+    return code_values(fmt, raw) * scales.astype(_F32)
+
+
+def code_values(fmt: Format, codes):
+    """Codes (int8, float8_e4m3fn, or e2m1 codes 0..15 already unpacked) -> their unscaled values, float32."""
+    return e2m1_decode(codes) if fmt.packed else codes.astype(_F32)
+
 
 
 def value_col(fmt: Format, cols, d: int):

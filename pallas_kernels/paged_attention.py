@@ -136,6 +136,37 @@ def _online_softmax_step(carry, s, v, valid):
 # --------------------------------------------------------------------------------------------------
 
 
+def _column_groups(fmt: kv_quant.Format | None, d: int) -> list[tuple[int, int]]:
+    """How decode reads a pool's rows: (first column, width) of each scale group of an INT8 or FP8 pool; the whole
+    row for a plain or NVFP4 pool (static). NVFP4's groups of 16 columns, each a dot of its own, measured 5x slower
+    than dequantizing the whole row (docs/kernels_notes.md)."""
+    if fmt is None or fmt.packed:
+        return [(0, d)]
+    g = fmt.group_of(d)
+    return [(c, g) for c in range(0, d, g)]
+
+
+def _load_group(refs, fmt, group, index, page, row, kvh, valid, dtype):
+    """Columns `group` of rows (page[i], row[i], kvh): (values [BK, width], scales [BK] f32 or None for a plain
+    pool). An INT8 or FP8 group's values are its codes unscaled, in `dtype` (exact: int8 and e4m3 fit bf16), so the
+    scale multiplies a score or a probability instead of every element; an NVFP4 row comes dequantized."""
+    col, width = group
+    if fmt is not None and fmt.packed:  # the whole row, dequantized (see _column_groups)
+        return _load_rows(refs, fmt, page, row, kvh, width, valid, True, dtype), None
+    cols = col + jnp.arange(width, dtype=jnp.int32)
+    values, scales = (refs[0], None) if fmt is None else refs
+
+    def other(ref):  # Triton casts no integer constant to fp8: a float one for float planes
+        return 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+
+    raw = _compat.load(values.at[page[:, None], row[:, None], kvh, cols[None, :]], mask=valid[:, None],
+                       other=other(values))
+    if fmt is None:
+        return raw, None
+    scale = _compat.load(scales.at[page, row, kvh, index], mask=valid, other=other(scales))
+    return kv_quant.code_values(fmt, raw).astype(dtype), scale.astype(_F32)
+
+
 def _decode_kernel(
     lengths_ref,  # [B] int32 (whole array)
     tables_ref,  # [B, max_pages] int32 (whole array)
@@ -152,17 +183,24 @@ def _decode_kernel(
     pages_per_block: int,
     scale: float,
 ):
+    """An INT8 or FP8 pool is read one scale group at a time: scores are sums of per-group products scaled by the
+    keys' scales, and each group of output columns takes the probabilities scaled by the values' scales. No
+    dequantized [keys, D] f32 block exists: at 2 pages a block, dequantizing every element ran INT8 at 1% and FP8 at
+    6% of the copy rate, the group reads at 45% and 51% (docs/kernels_notes.md)."""
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     dtype = pools.compute_dtype(k_refs, q_ref.dtype)
     length = lengths_ref[b]
     r = jnp.arange(rows, dtype=jnp.int32)
-    cols = jnp.arange(d, dtype=jnp.int32)
     head_ok = r < group
     heads = kvh * group + jnp.minimum(r, group - 1)
-    q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
-    q = (q.astype(_F32) * scale).astype(dtype)
+    k_groups, v_groups = _column_groups(pools.k_fmt, d), _column_groups(pools.v_fmt, d)
+    qs = []
+    for first_col, width in k_groups:
+        cols = first_col + jnp.arange(width, dtype=jnp.int32)
+        q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
+        qs.append((q.astype(_F32) * scale).astype(dtype))
 
     n_pages = (length + PAGE - 1) // PAGE
     # The lane's own pages spread over the splits (not max_pages'): a short context still uses many programs
@@ -171,29 +209,40 @@ def _decode_kernel(
     last = jnp.minimum(first + pages_per_split, n_pages)
     n_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
     max_pages = tables_ref.shape[1]
-
-    def page_of(logical):
-        return tables_ref[b, jnp.minimum(logical, max_pages - 1)]
+    bk = pages_per_block * PAGE
+    key = jnp.arange(bk, dtype=jnp.int32)
 
     def body(i, carry):
-        k, v, _, valid = _load_kv_block(
-            k_refs, v_refs, pools, page_of, first + i * pages_per_block, last, length, kvh, pages_per_block, True,
-            d, dtype
-        )
-        s = jnp.where(valid[None, :], _dot_nt(q, k), _NEG)
-        return _online_softmax_step(carry, s, v, valid[None, :])
+        m, l, accs = carry
+        logical = first + i * pages_per_block + key // PAGE
+        valid = (logical < last) & (logical * PAGE + key % PAGE < length)
+        page = tables_ref[b, jnp.minimum(logical, max_pages - 1)]
+        s = None
+        for j, (grp, q) in enumerate(zip(k_groups, qs)):
+            k, k_scale = _load_group(k_refs, pools.k_fmt, grp, j, page, key % PAGE, kvh, valid, dtype)
+            part = _dot_nt(q, k) if k_scale is None else _dot_nt(q, k) * k_scale[None, :]
+            s = part if s is None else s + part
+        s = jnp.where(valid[None, :], s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        new = []
+        for j, (grp, acc) in enumerate(zip(v_groups, accs)):
+            v, v_scale = _load_group(v_refs, pools.v_fmt, grp, j, page, key % PAGE, kvh, valid, dtype)
+            w = p if v_scale is None else p * v_scale[None, :]
+            new.append(acc * alpha[:, None] + dot(w.astype(v.dtype), v))
+        return m_new, l * alpha + jnp.sum(p, axis=1), tuple(new)
 
-    init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32), jnp.zeros((rows, d), _F32))
-    m, l, acc = lax.fori_loop(0, n_blocks, body, init)
-    if rows == o_ref.shape[3]:
-        o_ref[b, sp, kvh, :, :] = acc
-        m_ref[b, sp, kvh, :] = m
-        l_ref[b, sp, kvh, :] = l
-    else:  # G real rows, then one spare row that every padding row lands in (the combine never reads it)
-        g = jnp.minimum(r, group)
+    init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
+            tuple(jnp.zeros((rows, width), _F32) for _, width in v_groups))
+    m, l, accs = lax.fori_loop(0, n_blocks, body, init)
+    # G real rows, then (when padded) one spare row that every padding row lands in (the combine never reads it)
+    g = r if rows == o_ref.shape[3] else jnp.minimum(r, group)
+    for (first_col, width), acc in zip(v_groups, accs):
+        cols = first_col + jnp.arange(width, dtype=jnp.int32)
         o_ref[b, sp, kvh, g[:, None], cols[None, :]] = acc
-        m_ref[b, sp, kvh, g] = m
-        l_ref[b, sp, kvh, g] = l
+    m_ref[b, sp, kvh, g] = m
+    l_ref[b, sp, kvh, g] = l
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +277,15 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
+# An NVFP4 pool's rows are dequantized whole: a key block of one page and 8 warps keep that block in registers
+# (k8v4 at 32k: 0.89 ms against 17 ms at the default, docs/kernels_notes.md)
+PACKED_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_warps=8)
+
+
+def default_decode_config(k_pages, v_pages) -> DecodeConfig:
+    """The decode config for these pools: PACKED_DECODE_CONFIG when either is NVFP4."""
+    packed = any(f is not None and f.packed for f in (kv_quant.format_of(k_pages), kv_quant.format_of(v_pages)))
+    return PACKED_DECODE_CONFIG if packed else DEFAULT_DECODE_CONFIG
 
 
 def _combine_splits(o, m, l):
@@ -297,7 +355,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
       page_tables: [B, max_pages] int32;
       kv_lengths: [B] int32 >= 1, valid keys per lane (the query sits at kv_lengths - 1; its key is
         already written).
-      interpret: run the Pallas interpreter (CPU tests). config: `DecodeConfig` (None: defaults).
+      interpret: run the Pallas interpreter (CPU tests). config: `DecodeConfig` (None: `default_decode_config`).
     Returns:
       [B, Hq, D] float32.
     """
@@ -310,7 +368,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
         v_pages,
         page_tables.astype(jnp.int32),
         kv_lengths.astype(jnp.int32),
-        config=config or DEFAULT_DECODE_CONFIG,
+        config=config or default_decode_config(k_pages, v_pages),
         interpret=interpret,
     )
 

@@ -517,10 +517,14 @@ def run_decode_profile(profile):
     per_token = hkv * kv_quant.bytes_per_token_head(profile, d)  # K + V of every KV head, scales included
     copy = RESULTS["ceilings"].get("copy_tbps")
     perm = jax.random.permutation(jax.random.key(21), lanes * pages_per_lane + 8)[: lanes * pages_per_lane]
-    configs = [paged_attention.DecodeConfig()]
+    configs = [paged_attention.default_decode_config(k_pages, v_pages)]
     if not ARGS.smoke:
         configs += [paged_attention.DecodeConfig(pages_per_block=1),
                     paged_attention.DecodeConfig(target_programs=1024)]
+        if not plain:  # a quantized block's groups and scales take registers a plain one does not
+            configs += [paged_attention.DecodeConfig(num_warps=8),
+                        paged_attention.DecodeConfig(pages_per_block=1, num_warps=8)]
+    configs = list(dict.fromkeys(configs))  # the default may be one of the variants
     jax_pa = None
     best_cfg = configs[0]
     if not ARGS.smoke and plain:

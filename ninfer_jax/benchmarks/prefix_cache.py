@@ -79,6 +79,8 @@ def build_engine(arm: str, args):
         overrides.setdefault("max_new_taps", default_max_new_taps(host_tier=True))
     if args.host_cache_mib is not None:
         overrides.setdefault("host_cache_mib", args.host_cache_mib)
+    if args.idle_prefill_chunk:
+        overrides["idle_prefill_chunk"] = args.idle_prefill_chunk
     start = time.perf_counter()
     options = dict(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
                    max_model_len=args.max_model_len, **overrides)
@@ -895,6 +897,7 @@ def parse_args(argv=None):
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--idle-prefill-chunk", type=int, help="idle_prefill_chunk of every arm (default: the engine's)")
     p.add_argument("--kv-tokens", type=int, help="kv_capacity (tokens) of every arm (default: auto)")
     p.add_argument("--kv-mib", type=int, help="instead of --kv-tokens: the Device KV bytes of every arm, in MiB (the "
                    "tokens they hold depend on --kv-dtype)")

@@ -56,11 +56,12 @@ def pools(r, profile, n_pages, hkv, d):
     return quantized_pool(r, k_fmt, n_pages, hkv, d, 2.0), quantized_pool(r, v_fmt, n_pages, hkv, d, 3.0)
 
 
-# Between them the cases read every format as K and as V: INT8 groups, FP8 rows, NVFP4 nibbles.
-@pytest.mark.parametrize("profile", ["int8", "k8v4"])
-def test_decode_over_quantized_pages_matches_float64(profile):
+# Between them the cases read every format as K and as V: INT8 groups, FP8 rows, NVFP4 nibbles; at D 128 an INT8
+# row has 2 groups, each read and scaled on its own.
+@pytest.mark.parametrize("profile,d", [("int8", 128), ("k8v4", 128), ("nvfp4", 32)])
+def test_decode_over_quantized_pages_matches_float64(profile, d):
     r = np.random.default_rng(1)
-    hq, hkv, d, lengths, max_pages = 4, 2, 32, [1, 130, 200], 4
+    hq, hkv, lengths, max_pages = 4, 2, [1, 130, 200], 4
     n_pages = len(lengths) * max_pages + 3
     tables = r.permutation(n_pages)[: len(lengths) * max_pages].reshape(len(lengths), max_pages).astype(np.int32)
     k, v = pools(r, profile, n_pages, hkv, d)
