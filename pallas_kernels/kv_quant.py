@@ -204,7 +204,6 @@ def code_values(fmt: Format, codes):
     return e2m1_decode(codes) if fmt.packed else codes.astype(_F32)
 
 
-
 def value_col(fmt: Format, cols, d: int):
     """The values plane's column holding column `cols` of a row."""
     return cols % (d // 2) if fmt.packed else cols

@@ -80,6 +80,12 @@ class _Pools:
         return k_refs[0].dtype if self.k_fmt is None else q_dtype
 
 
+def _zero(ref):
+    """The fill of a masked load from `ref`: Triton casts no integer constant to fp8, so a float one for float
+    planes."""
+    return 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+
+
 def _load_rows(refs, fmt, page, row, kvh, d, valid, mask_keys, dtype):
     """Rows (page[i], row[i], kvh) [BK, D] of one pool, dequantized to `dtype` if quantized (plain: as stored)."""
     cols = jnp.arange(d, dtype=jnp.int32)
@@ -88,9 +94,7 @@ def _load_rows(refs, fmt, page, row, kvh, d, valid, mask_keys, dtype):
         idx = (page[:, None], row[:, None], kvh, c[None, :])
         if not mask_keys:
             return ref[idx]
-        # Triton casts no integer constant to fp8: a float one for float planes
-        other = 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
-        return _compat.load(ref.at[idx], mask=valid[:, None], other=other)
+        return _compat.load(ref.at[idx], mask=valid[:, None], other=_zero(ref))
 
     if fmt is None:
         return load(refs[0], cols)
@@ -99,36 +103,45 @@ def _load_rows(refs, fmt, page, row, kvh, d, valid, mask_keys, dtype):
     return kv_quant.decode(fmt, raw, scales, cols[None, :], d).astype(dtype)
 
 
+def _key_block(page_of, first_page, n_valid_pages, kv_len, pages_per_block):
+    """Rows of pages [first_page, first_page + pages_per_block) of one lane: (page ids, rows in their pages, key
+    positions, key valid), each [BK]. page_of: logical block indices [BK] -> page ids [BK] (a gathered load of the
+    lane's page table)."""
+    r = jnp.arange(pages_per_block * PAGE, dtype=jnp.int32)
+    logical = first_page + r // PAGE
+    pos = logical * PAGE + r % PAGE
+    return page_of(logical), r % PAGE, pos, (logical < n_valid_pages) & (pos < kv_len)
+
+
 def _load_kv_block(k_refs, v_refs, pools, page_of, first_page, n_valid_pages, kv_len, kvh, pages_per_block,
                    mask_keys, d, dtype):
-    """Gather keys/values of pages [first_page, first_page + pages_per_block) of one lane.
+    """Gather keys/values of pages [first_page, first_page + pages_per_block) of one lane (`_key_block`).
 
-    page_of: logical block indices [BK] -> page ids [BK] (a gathered load of the lane's page table).
     Returns (K [BK, D], V [BK, D], key positions [BK], key valid [BK]); with mask_keys, rows past the
     lane's pages or length are zero and never read.
     """
-    bk = pages_per_block * PAGE
-    r = jnp.arange(bk, dtype=jnp.int32)
-    logical = first_page + r // PAGE
-    pos = logical * PAGE + r % PAGE
-    valid = (logical < n_valid_pages) & (pos < kv_len)
-    page = page_of(logical)
-    k = _load_rows(k_refs, pools.k_fmt, page, r % PAGE, kvh, d, valid, mask_keys, dtype)
-    v = _load_rows(v_refs, pools.v_fmt, page, r % PAGE, kvh, d, valid, mask_keys, dtype)
+    page, row, pos, valid = _key_block(page_of, first_page, n_valid_pages, kv_len, pages_per_block)
+    k = _load_rows(k_refs, pools.k_fmt, page, row, kvh, d, valid, mask_keys, dtype)
+    v = _load_rows(v_refs, pools.v_fmt, page, row, kvh, d, valid, mask_keys, dtype)
     return k, v, pos, valid
 
 
-def _online_softmax_step(carry, s, v, valid):
-    """One flash-attention update. s: [R, BK] scores (already masked), v: [BK, D], valid: [R, BK] or None."""
-    m, l, acc = carry
+def _softmax_update(m, l, s, valid):
+    """The running max and denominator after scores s [R, BK] (already masked), with the factor alpha [R] that
+    rescales what was accumulated and the probabilities p [R, BK]; valid: [R, BK] or None."""
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-    return m_new, l, acc
+    return m_new, l * alpha + jnp.sum(p, axis=1), alpha, p
+
+
+def _online_softmax_step(carry, s, v, valid):
+    """One flash-attention update. s: [R, BK] scores (already masked), v: [BK, D], valid: [R, BK] or None."""
+    m, l, acc = carry
+    m, l, alpha, p = _softmax_update(m, l, s, valid)
+    return m, l, acc * alpha[:, None] + dot(p.astype(v.dtype), v)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,15 +168,11 @@ def _load_group(refs, fmt, group, index, page, row, kvh, valid, dtype):
         return _load_rows(refs, fmt, page, row, kvh, width, valid, True, dtype), None
     cols = col + jnp.arange(width, dtype=jnp.int32)
     values, scales = (refs[0], None) if fmt is None else refs
-
-    def other(ref):  # Triton casts no integer constant to fp8: a float one for float planes
-        return 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
-
     raw = _compat.load(values.at[page[:, None], row[:, None], kvh, cols[None, :]], mask=valid[:, None],
-                       other=other(values))
+                       other=_zero(values))
     if fmt is None:
         return raw, None
-    scale = _compat.load(scales.at[page, row, kvh, index], mask=valid, other=other(scales))
+    scale = _compat.load(scales.at[page, row, kvh, index], mask=valid, other=_zero(scales))
     return kv_quant.code_values(fmt, raw).astype(dtype), scale.astype(_F32)
 
 
@@ -186,7 +195,7 @@ def _decode_kernel(
     """An INT8 or FP8 pool is read one scale group at a time: scores are sums of per-group products scaled by the
     keys' scales, and each group of output columns takes the probabilities scaled by the values' scales. No
     dequantized [keys, D] f32 block exists: at 2 pages a block, dequantizing every element ran INT8 at 1% and FP8 at
-    6% of the copy rate, the group reads at 45% and 51% (docs/kernels_notes.md)."""
+    8% of the copy rate, the group reads at 43% and 51% (docs/kernels_notes.md)."""
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
@@ -209,29 +218,25 @@ def _decode_kernel(
     last = jnp.minimum(first + pages_per_split, n_pages)
     n_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
     max_pages = tables_ref.shape[1]
-    bk = pages_per_block * PAGE
-    key = jnp.arange(bk, dtype=jnp.int32)
+
+    def page_of(logical):
+        return tables_ref[b, jnp.minimum(logical, max_pages - 1)]
 
     def body(i, carry):
         m, l, accs = carry
-        logical = first + i * pages_per_block + key // PAGE
-        valid = (logical < last) & (logical * PAGE + key % PAGE < length)
-        page = tables_ref[b, jnp.minimum(logical, max_pages - 1)]
+        page, row, _, valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)
         s = None
         for j, (grp, q) in enumerate(zip(k_groups, qs)):
-            k, k_scale = _load_group(k_refs, pools.k_fmt, grp, j, page, key % PAGE, kvh, valid, dtype)
+            k, k_scale = _load_group(k_refs, pools.k_fmt, grp, j, page, row, kvh, valid, dtype)
             part = _dot_nt(q, k) if k_scale is None else _dot_nt(q, k) * k_scale[None, :]
             s = part if s is None else s + part
-        s = jnp.where(valid[None, :], s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        m, l, alpha, p = _softmax_update(m, l, jnp.where(valid[None, :], s, _NEG), valid[None, :])
         new = []
         for j, (grp, acc) in enumerate(zip(v_groups, accs)):
-            v, v_scale = _load_group(v_refs, pools.v_fmt, grp, j, page, key % PAGE, kvh, valid, dtype)
+            v, v_scale = _load_group(v_refs, pools.v_fmt, grp, j, page, row, kvh, valid, dtype)
             w = p if v_scale is None else p * v_scale[None, :]
             new.append(acc * alpha[:, None] + dot(w.astype(v.dtype), v))
-        return m_new, l * alpha + jnp.sum(p, axis=1), tuple(new)
+        return m, l, tuple(new)
 
     init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
             tuple(jnp.zeros((rows, width), _F32) for _, width in v_groups))
