@@ -80,14 +80,12 @@ def accuracy(params, cfg, kc, profiles, act_dtype) -> dict:
 
 def profile_engine(params, cfg, profile: str, args) -> dict:
     """Capacity, decode rounds and a Host restore on one engine of `profile`."""
-    import jax
-
     from ninfer_jax import Engine
     from ninfer_jax.benchmarks.profiling import time_rounds
+    from ninfer_jax.model.state import PAGE
     from ninfer_jax.runtime.options import EngineOptions
 
-    interpret = args.kernels == "pallas" and jax.default_backend() == "cpu"
-    opts = EngineOptions(dtype=args.dtype, kernels=args.kernels, interpret=interpret, kv_dtype=profile,
+    opts = EngineOptions(dtype=args.dtype, kernels=args.kernels, interpret=args.interpret, kv_dtype=profile,
                          max_concurrency=args.lanes, max_model_len=args.max_model_len, prefill_chunk=args.chunk,
                          kv_capacity=args.kv_capacity, host_cache_mib=args.host_mib)
     start = time.perf_counter()
@@ -97,7 +95,7 @@ def profile_engine(params, cfg, profile: str, args) -> dict:
         cache = engine.stats()["prefix_cache"]
         slabs = cache["host_cache_bytes"] // cache["host_slab_bytes"]
         row.update(host_cache_bytes=cache["host_cache_bytes"], host_slab_bytes=cache["host_slab_bytes"],
-                   host_tokens=slabs * 64)
+                   host_tokens=slabs * PAGE)
         print(f"[{profile}] {row['kv']['bytes_per_token']} B/token; Device pool {row['kv']['capacity_tokens']} tokens; "
               f"Host tier {cache['host_cache_bytes'] / 2**30:.1f} GiB = {slabs} slabs of {cache['host_slab_bytes']} B "
               f"= {row['host_tokens']} tokens", flush=True)
@@ -170,8 +168,8 @@ def main(argv=None) -> int:
     jax.block_until_ready(params)
     print(f"[{args.model}] random weights in {time.perf_counter() - t0:.1f} s", flush=True)
     profiles = [p for p in args.profiles.split(",") if p]
-    interpret = args.kernels == "pallas" and jax.default_backend() == "cpu"
-    kc = kernel_config(resolve_options(EngineOptions(dtype=args.dtype, kernels=args.kernels, interpret=interpret,
+    args.interpret = args.kernels == "pallas" and jax.default_backend() == "cpu"  # as models.random_engine
+    kc = kernel_config(resolve_options(EngineOptions(dtype=args.dtype, kernels=args.kernels, interpret=args.interpret,
                                                      max_concurrency=1, max_model_len=4096), cfg))
     meta = report.run_meta(report.command_line(["scripts/bench_kv_profiles.py", *args.argv]),
                            device=str(jax.devices()[0].device_kind), model=args.model, context=args.context,
@@ -209,6 +207,9 @@ def markdown(data: dict) -> list[str]:
         ratio = f" ({r[key]['tok_s'] / base[key]['tok_s']:.2f}x)" if base else ""
         return f"{r[key]['tok_s']:.1f}{ratio}"
 
+    def compile_s(r):  # the decode rounds' first calls, apart from their timings
+        return " + ".join(f"{r[k]['compile_s']:.0f}" for k in ("decode_1lane", f"decode_{lanes}lane") if k in r) or "-"
+
     table = []
     for r in rows:
         a, kv, rs = acc.get(r["profile"], {}), r.get("kv", {}), r.get("restore")
@@ -216,11 +217,11 @@ def markdown(data: dict) -> list[str]:
                       r.get("host_tokens", "-"), decode(r, "decode_1lane"), decode(r, f"decode_{lanes}lane"),
                       f"{rs['restore_gbs']:.1f} / {rs['ceiling_gbs']:.1f}" if rs else "-",
                       report.fmt(a["rms"]) if "rms" in a else "-", report.fmt(a["max"]) if "max" in a else "-",
-                      f"{a['agree']:.2%}" if "agree" in a else "-", r.get("error", "")])
+                      f"{a['agree']:.2%}" if "agree" in a else "-", compile_s(r), r.get("error", "")])
     return lines + report.table(
         ["profile", "B/token", "Device tokens", f"Host {data['host_gib']:.0f} GiB tokens", "decode 1 lane tok/s",
          f"decode {lanes} lanes tok/s", "restore GB/s (ceiling)", "logit RMS err", "logit max err", "greedy agree",
-         "note"], table) + [""]
+         "decode compile s", "note"], table) + [""]
 
 
 if __name__ == "__main__":
