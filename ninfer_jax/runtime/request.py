@@ -143,6 +143,10 @@ class Request:
         out = np.asarray(self.output[max(0, start - n) : end - n], np.int32)
         return out if start >= n else np.concatenate([self.prompt.token_ids[start:], out])
 
+    def sequence(self) -> np.ndarray:
+        """The whole sequence so far: the prompt, then every generated token."""
+        return self.token_slice(0, self.num_prompt + len(self.output))
+
     @property
     def prompt_ids(self) -> np.ndarray:
         return self.prompt.token_ids

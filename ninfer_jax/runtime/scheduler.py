@@ -331,7 +331,7 @@ class Scheduler:
                 continue
             # Each emitted token must fit max_tokens and the context (as a plain round's would).
             limit = min(req.sampling.max_tokens - len(req.output), self.options.max_model_len - 1 - req.computed) - 1
-            drafts = self.proposer.propose(req.token_slice(0, req.num_prompt + len(req.output)), limit)
+            drafts = self.proposer.propose(req.sequence(), limit)
             n = len(drafts)
             while n and not self._ensure_page(req, req.computed + n):
                 n -= 1  # the pool cannot extend the lane that far: fewer drafts
@@ -424,7 +424,7 @@ class Scheduler:
         """Whether prompt lookup has a draft for one of these running lanes (while speculation pauses)."""
         if len(reqs) > self.runner.verify_sizes[-1]:
             return False
-        return any(len(self.proposer.propose(r.token_slice(0, r.num_prompt + len(r.output)), 1))
+        return any(len(self.proposer.propose(r.sequence(), 1))
                    for r in reqs if r.finish_reason is None)
 
     def _read_pending(self) -> None:
