@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.profiling import call_seconds
 from ninfer_jax.prefix_cache import (CacheGeometry, OwnerState, PrefixCacheOptions, PrefixIndex, SnapshotKind,
                                      block_hashes)
 
@@ -79,11 +80,7 @@ def bench_match_and_insert(repeats: int) -> dict:
         inserts.append(seconds / BLOCKS)
     m = idx.match(tokens, hashes)
     assert len(m.path) == BLOCKS and len(m.candidates) == len(taps), (len(m.path), len(m.candidates))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        idx.match(tokens, hashes)
-        times.append(time.perf_counter() - t0)
+    times = call_seconds(lambda: idx.match(tokens, hashes), repeats)
     return {"match_ms": statistics.median(times) * 1e3, "match_min_ms": min(times) * 1e3,
             "insert_us": statistics.median(inserts) * 1e6, "insert_max_us": max(inserts) * 1e6}
 
@@ -106,12 +103,7 @@ def bench_victim(repeats: int) -> dict:
     def select():
         return idx.gdsf.min_victim(s for s in idx.lists.host_snapshots if s.pins == 0 and not s.superseded)
 
-    select()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        select()
-        times.append(time.perf_counter() - t0)
+    times = call_seconds(select, repeats)
     evictions = []  # whole make_host_room calls that had to pick a GDSF victim
     while len(evictions) < min(repeats, 200):
         t0 = time.perf_counter()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -21,12 +20,13 @@ import jax
 import numpy as np
 
 from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.profiling import call_seconds
 from ninfer_jax.config import VisionConfig
+from ninfer_jax.model.tiny import random_vision_tensors
 from ninfer_jax.model.vision import (
     PREFIX,
     vision_forward,
     vision_params_from_tensors,
-    vision_tensor_shapes,
 )
 
 REAL = {"vcfg": VisionConfig(out_hidden_size=5120), "sizes": [448, 1024, 1344], "dtype": "bfloat16"}
@@ -35,28 +35,13 @@ SMOKE = {"vcfg": VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num
 
 
 def random_tensors(vcfg: VisionConfig) -> dict[str, np.ndarray]:
-    """Checkpoint-layout random weights: LayerNorms around 1, linears at fan-in scale."""
-    rng = np.random.default_rng(0)
-    out = {}
-    for name, shape in vision_tensor_shapes(vcfg).items():
-        if "norm" in name.rsplit(".", 2)[-2] and name.endswith("weight"):
-            out[name] = 1.0 + rng.normal(0, 0.1, shape)
-        elif name.endswith(("bias", "pos_embed.weight")):
-            out[name] = rng.normal(0, 0.1, shape)
-        else:
-            out[name] = rng.normal(0, int(np.prod(shape[1:])) ** -0.5, shape)
-    return {k: v.astype(np.float32) for k, v in out.items()}
+    """Checkpoint-layout random weights (the built-in checkpoint's draw), float32."""
+    return {k: v.astype(np.float32) for k, v in random_vision_tensors(vcfg, np.random.default_rng(0)).items()}
 
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of `fn()` (which blocks until done) over `repeats` calls, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(call_seconds(fn, repeats)))
 
 
 def transformers_tower(vcfg: VisionConfig, tensors, dtype: str):

@@ -1,4 +1,5 @@
-"""Reading jax profiler traces (the perfetto trace jax writes) and timing the runner's decode round directly."""
+"""Reading jax profiler traces (the perfetto trace jax writes), timing the runner's decode round directly, and timing
+repeated calls."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ import gzip
 import json
 import time
 from pathlib import Path
+
+
+def call_seconds(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn()` (which must return only when its work is done), after one
+    untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def perfetto_trace(folder: str | Path) -> Path:

@@ -150,17 +150,21 @@ def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) 
     return rng.normal(0.0, fan_in**-0.5, shape)
 
 
-def _random_vision_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The vision tower's LayerNorms are plain (around 1) and its linears have biases (drawn non-zero, so a
-    dropped bias shows)."""
-    module = name.rsplit(".", 2)[-2]
-    if module.startswith("norm") and name.endswith(".weight"):
-        return 1.0 + rng.normal(0.0, 0.1, shape)
-    if name.endswith(".bias"):
-        return rng.normal(0.0, 0.1, shape)
-    if name.endswith("pos_embed.weight"):  # as large as the patch embeddings, so a misplaced position shows
-        return rng.normal(0.0, 0.5, shape)
-    return rng.normal(0.0, int(np.prod(shape[1:])) ** -0.5, shape)
+def random_vision_tensors(vcfg: VisionConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The vision tower's tensors in checkpoint layout (`model.visual.*`), float64. Its LayerNorms are plain (around
+    1) and its linears have biases (drawn non-zero, so a dropped bias shows)."""
+    out = {}
+    for name, shape in vision_tensor_shapes(vcfg).items():
+        module = name.rsplit(".", 2)[-2]
+        if module.startswith("norm") and name.endswith(".weight"):
+            out[name] = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif name.endswith(".bias"):
+            out[name] = rng.normal(0.0, 0.1, shape)
+        elif name.endswith("pos_embed.weight"):  # as large as the patch embeddings, so a misplaced position shows
+            out[name] = rng.normal(0.0, 0.5, shape)
+        else:
+            out[name] = rng.normal(0.0, int(np.prod(shape[1:])) ** -0.5, shape)
+    return out
 
 
 # The linears Qwen's FP8 packs quantize; everything else (embeddings, lm_head, norms, the router and the shared
@@ -250,8 +254,7 @@ def write_random_checkpoint(
         tensors[name] = _random_tensor(rng, name, shape)
     # The vision tower last of all, for the same reason
     if cfg.layout == "vlm" and "vision_config" in config:
-        for name, shape in vision_tensor_shapes(VisionConfig.from_dict(config)).items():
-            tensors[name] = _random_vision_tensor(rng, name, shape)
+        tensors.update(random_vision_tensors(VisionConfig.from_dict(config), rng))
     if fp8:
         scales = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
         tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales)
