@@ -1,5 +1,6 @@
 """The GDN mixer's decode step between its two projections as one kernel: conv, activations, gated delta rule
-and output norm for one token of each of B lanes.
+and output norm for one token of each of B lanes (`gdn_decode_layer`), or for T tokens of each in order (a
+speculative verify round and its commit: `gdn_rows_layer`).
 
 Computes what `ninfer_jax.model.qwen3_5.gdn_decode_mixer` otherwise composes from about a dozen XLA kernels around
 `gdn_decode` (that composition is the reference: tests/model/test_gdn_decode_layer.py). With C = 2 Hk Dk + Hv Dv
@@ -12,7 +13,9 @@ pre-conv channels, K conv taps and the lane's state slot s:
     S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
     y      = (norm_w * rmsnorm(o)) * silu(z)                             (the gated RMSNorm)
 
-The state slot is updated in place. The new conv history (window[1:], or the old one for an inactive lane) is
+The state slot is updated in place (a verify round only reads it: which of its rows stand is known after the
+logits; its commit runs the kernel again over the kept rows, which costs one more read of the state and no copy of
+T states). The new conv history (window[1:], or the old one for an inactive lane) is
 returned rather than written into the history pool: the value heads that share a key head all read that key
 head's history, so one of them writing it in place would race with the others' reads. The caller scatters it
 (one small XLA kernel). An inactive lane computes with zero q, k, v, g and beta, which leaves its state as it
@@ -46,18 +49,17 @@ _F32 = jnp.float32
 
 def _layer_kernel(
     slots_ref,  # [B] int32
-    active_ref,  # [B] int32 (1: the lane decodes)
-    proj_ref,  # [B, C + Hv Dv + 2 Hv] the in-projection's output: qkv (pre-conv channels), z, b, a
+    rows_ref,  # [B] int32: the lane's rows that count (0: an inactive lane)
+    proj_ref,  # [B, T, C + Hv Dv + 2 Hv] the in-projection's output: qkv (pre-conv channels), z, b, a
     hist_ref,  # [S, K-1, C] conv history pool (read only)
     conv_w_ref,  # [K, C]
     a_log_ref,  # [Hv] float32
     dt_bias_ref,  # [Hv] float32
     norm_w_ref,  # [Dv]
-    ssm_ref,  # [S, Hv, Dk, Dv] float32 (aliased with ssm_out_ref)
-    y_ref,  # out [B, Hv, Dv] activations' dtype: the gated norm's output, or o when a program has part of Dv
-    ssm_out_ref,  # out [S, Hv, Dk, Dv] float32, the same buffer as ssm_ref
-    tail_ref,  # out [B, K-1, C] activations' dtype: the lane's new conv history
-    *,
+    ssm_ref,  # [S, Hv, Dk, Dv] float32 (aliased with ssm_out_ref when the state is written)
+    y_ref,  # out [B, T, Hv, Dv] activations' dtype: the gated norm's output, or o when a program has part of Dv
+    tail_ref,  # out [B, K-1, C] activations' dtype: the lane's conv history after its rows
+    *ssm_out,  # out [S, Hv, Dk, Dv] float32, the same buffer as ssm_ref; absent when the state is only read
     num_key_heads: int,
     group: int,
     taps: int,
@@ -67,6 +69,7 @@ def _layer_kernel(
 ):
     lane, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // group
+    t = proj_ref.shape[1]
     dk, dv = ssm_ref.shape[2], ssm_ref.shape[3]
     vcols = pl.ds(vb * block_v, block_v)
     key_dim = num_key_heads * dk
@@ -74,42 +77,55 @@ def _layer_kernel(
     a0 = b0 + ssm_ref.shape[1]
     act = proj_ref.dtype
     slot = slots_ref[lane]
-    live = active_ref[lane] != 0
-    mask = live.astype(_F32)
+    n = rows_ref[lane]
     state = ssm_ref[slot, h, :, vcols]  # [Dk, block_v]: the largest read, issued before the conv's work
 
     def conv(c0, width, write_tail):
-        """silu(conv) of channels [c0, c0 + width), rounded to the activations' dtype; writes their new history."""
+        """silu(conv) of channels [c0, c0 + width) for each of the T rows, rounded to the activations' dtype;
+        writes their history after the lane's n rows (the window moved n rows on)."""
         cols = pl.ds(c0, width)
-        rows = [hist_ref[slot, j, cols].astype(act) for j in range(taps - 1)] + [proj_ref[lane, cols]]
-        acc = rows[0].astype(_F32) * conv_w_ref[0, cols].astype(_F32)
-        for j in range(1, taps):
-            acc = acc + rows[j].astype(_F32) * conv_w_ref[j, cols].astype(_F32)
+        window = [hist_ref[slot, j, cols].astype(act) for j in range(taps - 1)]
+        window += [proj_ref[lane, r, cols] for r in range(t)]
+        out = []
+        for r in range(t):
+            acc = window[r].astype(_F32) * conv_w_ref[0, cols].astype(_F32)
+            for j in range(1, taps):
+                acc = acc + window[r + j].astype(_F32) * conv_w_ref[j, cols].astype(_F32)
+            out.append(jax.nn.silu(acc).astype(act))
 
         def write():
-            for j in range(taps - 1):  # active: the window moves one row; inactive: the history stays
-                tail_ref[lane, j, cols] = jnp.where(live, rows[j + 1], rows[j])
+            for j in range(taps - 1):
+                row = window[j]
+                for m in range(1, t + 1):
+                    row = jnp.where(n == m, window[j + m], row)
+                tail_ref[lane, j, cols] = row
 
         if write_tail is True:
             write()
         else:
             pl.when(write_tail)(write)
-        return jax.nn.silu(acc).astype(act)
+        return out
 
     first_of_key_head = (h % group == 0) & (vb == 0)
-    q = l2_normalize(conv(kh * dk, dk, first_of_key_head)) * (dk**-0.5) * mask
-    k = l2_normalize(conv(key_dim + kh * dk, dk, first_of_key_head)) * mask
-    v = conv(2 * key_dim + h * dv + vb * block_v, block_v, True).astype(_F32) * mask
-    g = -jnp.exp(a_log_ref[h].astype(_F32)) * jax.nn.softplus(proj_ref[lane, a0 + h].astype(_F32)
-                                                              + dt_bias_ref[h].astype(_F32)) * mask
-    beta = jax.nn.sigmoid(proj_ref[lane, b0 + h].astype(_F32)) * mask
-
-    o, ssm_out_ref[slot, h, :, vcols] = delta_rule_step(state, q, k, v, g, beta)  # [block_v]
-    if block_v < dv:  # the norm needs all of Dv: the caller's fusion
-        y_ref[lane, h, vcols] = o.astype(act)
-    else:
-        y_ref[lane, h, :] = _gated_norm(o.astype(act), proj_ref[lane, pl.ds(z0 + h * dv, dv)], norm_w_ref[...], eps,
-                                        norm_dtype)
+    qs = conv(kh * dk, dk, first_of_key_head)
+    ks = conv(key_dim + kh * dk, dk, first_of_key_head)
+    vs = conv(2 * key_dim + h * dv + vb * block_v, block_v, True)
+    a_log, dt_bias = a_log_ref[h].astype(_F32), dt_bias_ref[h].astype(_F32)
+    for r in range(t):  # each row from the state the earlier rows left; rows at or past n change nothing
+        mask = (r < n).astype(_F32)
+        q = l2_normalize(qs[r]) * (dk**-0.5) * mask
+        k = l2_normalize(ks[r]) * mask
+        v = vs[r].astype(_F32) * mask
+        g = -jnp.exp(a_log) * jax.nn.softplus(proj_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * mask
+        beta = jax.nn.sigmoid(proj_ref[lane, r, b0 + h].astype(_F32)) * mask
+        o, state = delta_rule_step(state, q, k, v, g, beta)  # [block_v]
+        if block_v < dv:  # the norm needs all of Dv: the caller's fusion
+            y_ref[lane, r, h, vcols] = o.astype(act)
+        else:
+            y_ref[lane, r, h, :] = _gated_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
+                                               norm_w_ref[...], eps, norm_dtype)
+    if ssm_out:
+        ssm_out[0][slot, h, :, vcols] = state
 
 
 def _gated_norm(o, z, norm_w, eps, norm_dtype):
@@ -138,6 +154,9 @@ class GdnDecodeLayerConfig:
 
 
 DEFAULT_CONFIG = GdnDecodeLayerConfig()
+# Several rows a program: 8 warps spill at 8 lanes x 4 rows of whole 128-column heads (27B: 214 against 65 us for
+# the kernel alone on the H200, `bench_speculative.py --sweep-rows-kernel`); 4 warps were within noise elsewhere.
+ROWS_CONFIG = GdnDecodeLayerConfig(num_warps=4)
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config"))
@@ -157,38 +176,63 @@ def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ss
     Returns:
       (y [B, Hv, Dv] in proj's dtype, updated ssm_pool, new conv histories [B, K-1, C] in proj's dtype).
     """
-    config = config or DEFAULT_CONFIG
-    lanes = proj.shape[0]
+    y, tail, ssm_pool = gdn_rows_layer(proj[:, None], active.astype(jnp.int32), hist_pool, conv_w, a_log, dt_bias,
+                                       norm_w, ssm_pool, slots, num_key_heads=num_key_heads, eps=eps,
+                                       write_state=True, interpret=interpret, config=config)
+    return y[:, 0], ssm_pool, tail
+
+
+@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config"))
+def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *, num_key_heads: int,
+                   eps: float, write_state: bool, interpret: bool = False, config: GdnDecodeLayerConfig | None = None):
+    """T tokens of each of B lanes in order from its state slot (a speculative verify round, or its commit), from
+    the in-projection's output to the gated norm's.
+
+    Args:
+      proj: [B, T, C + Hv Dv + 2 Hv] (as `gdn_decode_layer`'s, T rows a lane). rows: [B] int32 in [0, T], the
+        lane's first rows that count: later rows are fed zero q, k, v, g and beta (their outputs are garbage, the
+        state they leave is that of row rows - 1); 0 leaves the lane as it was.
+      write_state: static; True writes the state after the lane's rows into its slot (ssm_pool aliased), False
+        only reads the pool (a verify round, whose kept rows are known only from its logits).
+      The rest as `gdn_decode_layer`'s.
+    Returns:
+      (y [B, T, Hv, Dv] in proj's dtype, the conv histories after each lane's rows [B, K-1, C], and the updated
+      ssm_pool when write_state).
+    """
+    lanes, t = proj.shape[:2]
+    config = config or (DEFAULT_CONFIG if t == 1 else ROWS_CONFIG)
     taps, channels = conv_w.shape
     hv, dk, dv = ssm_pool.shape[1:]
-    if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, channels + hv * dv + 2 * hv):
-        raise ValueError(f"gdn_decode_layer: proj {proj.shape} / conv_w {conv_w.shape} do not hold 2 x {num_key_heads}"
+    if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, t, channels + hv * dv + 2 * hv):
+        raise ValueError(f"gdn_rows_layer: proj {proj.shape} / conv_w {conv_w.shape} do not hold 2 x {num_key_heads}"
                          f" key heads of {dk} and {hv} value heads of {dv}")
     if hist_pool.shape[1:] != (taps - 1, channels) or norm_w.shape != (dv,):
-        raise ValueError(f"gdn_decode_layer: conv pool {hist_pool.shape} / norm_w {norm_w.shape} do not fit the layer")
-    if slots.shape != (lanes,) or active.shape != (lanes,):
-        raise ValueError(f"gdn_decode_layer: slots {slots.shape}, active {active.shape} must be [{lanes}]")
+        raise ValueError(f"gdn_rows_layer: conv pool {hist_pool.shape} / norm_w {norm_w.shape} do not fit the layer")
+    if slots.shape != (lanes,) or rows.shape != (lanes,):
+        raise ValueError(f"gdn_rows_layer: slots {slots.shape}, rows {rows.shape} must be [{lanes}]")
     if hv % num_key_heads or ssm_pool.dtype != _F32:
-        raise ValueError("gdn_decode_layer: value heads must be a multiple of key heads, the state float32")
+        raise ValueError("gdn_rows_layer: value heads must be a multiple of key heads, the state float32")
     full = _compat.full_spec()
     block_v = program_blocks(lanes * hv, dv, config.block_v, config.min_programs)
     norm_dtype = jnp.promote_types(norm_w.dtype, proj.dtype)
-    y, ssm_pool, tail = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((lanes, t, hv, dv), proj.dtype),
+                 jax.ShapeDtypeStruct((lanes, taps - 1, channels), proj.dtype)]
+    if write_state:
+        out_shape.append(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype))
+    out = pl.pallas_call(
         functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=hv // num_key_heads, taps=taps,
                           eps=eps, norm_dtype=norm_dtype, block_v=block_v),
         grid=(lanes, hv, dv // block_v),
         in_specs=[full] * 9,
-        out_specs=[full] * 3,
-        out_shape=[
-            jax.ShapeDtypeStruct((lanes, hv, dv), proj.dtype),
-            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
-            jax.ShapeDtypeStruct((lanes, taps - 1, channels), proj.dtype),
-        ],
-        input_output_aliases={8: 1},
+        out_specs=[full] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases={8: 2} if write_state else {},
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
-        name="gdn_decode_layer",
-    )(slots.astype(jnp.int32), active.astype(jnp.int32), proj, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool)
+        name="gdn_rows_layer" if t > 1 else "gdn_decode_layer",
+    )(slots.astype(jnp.int32), rows.astype(jnp.int32), proj, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool)
+    y = out[0]
     if block_v < dv:  # y holds o
-        y = _gated_norm(y, proj[:, channels : channels + hv * dv].reshape(lanes, hv, dv), norm_w, eps, norm_dtype)
-    return y, ssm_pool, tail
+        z = proj[:, :, channels:channels + hv * dv].reshape(lanes, t, hv, dv)
+        y = _gated_norm(y, z, norm_w, eps, norm_dtype)
+    return (y, *out[1:])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, random_engine
@@ -54,6 +55,102 @@ def time_verify(engine, lanes: int, k: int, rounds: int, position: int) -> tuple
     return first, (time.perf_counter() - start) / rounds
 
 
+def trace_verify(engine, name: str, k: int, args) -> list[dict]:
+    """One lane's verify rounds of k + 1 rows under the jax profiler: its device kernels per round."""
+    import jax
+
+    from ninfer_jax.benchmarks.profiling import kernel_table
+
+    inputs = verify_inputs(engine, 1, k, args.context)
+    folder = Path(tempfile.mkdtemp(prefix=f"verify_trace_{name}_"))
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(args.trace_rounds):
+            out = engine.runner.verify(*inputs)
+        jax.block_until_ready(out)
+    rows = kernel_table(folder, args.trace_rounds, 25)
+    for r in rows:
+        print(f"[{name}] verify k={k}: {r['us_per_round']:9.1f} us {r['launches_per_round']:6.1f}x  {r['kernel']}",
+              flush=True)
+    return rows
+
+
+def sweep_rows_kernel(name: str, lanes_list, ks, reps: int = 50) -> list[dict]:
+    """`gdn_rows_layer` alone at the model's GDN shapes: the verify (read) and commit (write) forms of k + 1 rows
+    per lane at each Dv block width and warp count, beside k + 1 one-row decode kernels (`gdn_decode_layer`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ninfer_jax.benchmarks.models import model_config
+    from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer, gdn_rows_layer
+
+    cfg = model_config(name)
+    hv, dk, dv, hk = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                      cfg.linear_num_key_heads)
+    width = cfg.conv_dim + hv * dv + 2 * hv
+    rng = np.random.default_rng(0)
+    out = []
+
+    def timed(fn, *a):
+        jax.block_until_ready(fn(*a))
+        start = time.perf_counter()
+        for _ in range(reps):
+            r = fn(*a)
+        jax.block_until_ready(r)
+        return (time.perf_counter() - start) / reps * 1e6
+
+    for lanes in lanes_list:
+        slots = 2 * lanes
+        hist = jnp.asarray(rng.standard_normal((slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)), jnp.bfloat16)
+        conv_w = jnp.asarray(rng.standard_normal((cfg.linear_conv_kernel_dim, cfg.conv_dim)) * 0.3, jnp.bfloat16)
+        a_log, dt_bias = jnp.zeros(hv, jnp.float32), jnp.zeros(hv, jnp.float32)
+        norm_w, slot_ids = jnp.ones(dv, jnp.bfloat16), jnp.arange(lanes, dtype=jnp.int32)
+        pool = jnp.zeros((slots, hv, dk, dv), jnp.float32)
+        kw = dict(num_key_heads=hk, eps=cfg.rms_norm_eps, interpret=jax.default_backend() == "cpu")
+        one = jnp.asarray(rng.standard_normal((lanes, width)), jnp.bfloat16)
+        decode = jax.jit(lambda pr, p: gdn_decode_layer(pr, jnp.ones(lanes, bool), hist, conv_w, a_log, dt_bias,
+                                                         norm_w, p, slot_ids, **kw)[:2], donate_argnums=1)
+        pool_box = [pool]
+
+        def run_decode():
+            y, pool_box[0] = decode(one, pool_box[0])
+            return y
+
+        base_us = timed(run_decode)
+        for k in ks:
+            t = k + 1
+            proj = jnp.asarray(rng.standard_normal((lanes, t, width)), jnp.bfloat16)
+            rows = jnp.full(lanes, t, jnp.int32)
+            for block_v in (16, 32, 64, 128):
+                for warps in (4, 8):
+                    config = GdnDecodeLayerConfig(num_warps=warps, block_v=block_v, min_programs=0)
+                    verify = jax.jit(lambda pr, p, c=config: gdn_rows_layer(pr, rows, hist, conv_w, a_log, dt_bias,
+                                                                            norm_w, p, slot_ids, write_state=False,
+                                                                            config=c, **kw)[0])
+                    commit = jax.jit(lambda pr, p, c=config: gdn_rows_layer(pr, rows, hist, conv_w, a_log, dt_bias,
+                                                                            norm_w, p, slot_ids, write_state=True,
+                                                                            config=c, **kw)[2], donate_argnums=1)
+                    try:
+                        verify_us = timed(verify, proj, pool_box[0])
+
+                        def run_commit():
+                            pool_box[0] = commit(proj, pool_box[0])
+                            return pool_box[0]
+
+                        commit_us = timed(run_commit)
+                    except Exception as e:  # a config Triton cannot compile
+                        print(f"[{name}] rows kernel {lanes} lanes T={t} block_v {block_v} warps {warps}: "
+                              f"{type(e).__name__}", flush=True)
+                        continue
+                    entry = dict(lanes=lanes, rows=t, block_v=block_v, warps=warps, verify_us=verify_us,
+                                 commit_us=commit_us, decode_rows_us=t * base_us)
+                    out.append(entry)
+                    print(f"[{name}] rows kernel {lanes} lanes T={t} block_v {block_v} warps {warps}: verify "
+                          f"{verify_us:.1f} us, commit {commit_us:.1f} us; {t} decode kernels {t * base_us:.1f} us",
+                          flush=True)
+    return out
+
+
 def bench_model(name: str, args) -> dict:
     lanes_list = [int(x) for x in args.lanes.split(",")]
     ks = [int(x) for x in args.k.split(",")]
@@ -79,6 +176,10 @@ def bench_model(name: str, args) -> dict:
                 print(f"[{name}] {lanes} lanes k={k}: plain {pipelined * 1e3:.2f} ms ({read_each * 1e3:.2f} read "
                       f"each), verify {verify * 1e3:.2f} ms = {entry['cost']:.2f}x; at accept length {length}: "
                       f"{entry['speedup']:.2f}x", flush=True)
+        if args.sweep_rows_kernel:
+            result["rows_kernel"] = sweep_rows_kernel(name, lanes_list, ks)
+        if args.trace_rounds:
+            result["verify_kernels_1lane"] = trace_verify(engine, name, ks[-1], args)
     finally:
         engine.stop()
     result["table"] = rows
@@ -92,6 +193,8 @@ def main() -> int:
     p.add_argument("--k", default="1,3", help="draft tokens per lane and round")
     p.add_argument("--context", type=int, default=1024, help="tokens before the round")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--sweep-rows-kernel", action="store_true", help="time the GDN rows kernel's configs alone")
+    p.add_argument("--trace-rounds", type=int, default=0, help="trace this many one-lane verify rounds (largest k)")
     p.add_argument("--kernels", default="pallas", choices=("pallas", "reference"))
     p.add_argument("--out", default=None, help="report folder (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the reference kernels (a CPU check)")

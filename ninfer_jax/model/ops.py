@@ -146,6 +146,17 @@ def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, d
                                    num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
 
 
+def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
+                   num_key_heads: int, eps: float, write_state: bool):
+    """`gdn_decode_layer` over T rows a lane in order (proj [B, T, P]; the first rows[b] count): y [B, T, Hv, Dv],
+    the conv histories after those rows, and with write_state the state pool with their updates."""
+    from pallas_kernels import gdn_decode_layer as kernel
+
+    return kernel.gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
+                                 num_key_heads=num_key_heads, eps=eps, write_state=write_state,
+                                 interpret=kc.interpret)
+
+
 def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages,
                     v_pages, cfg):
     """The fused attention decode step up to the attention kernel (kc.fuse_attn_qkv): the qkv projection's output

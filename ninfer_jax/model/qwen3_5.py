@@ -391,21 +391,38 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
 
 # --- verify (speculative decoding) ---------------------------------------------------------------------
 def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx, replays: list):
-    """T rows per lane, each lane's rows in order from its slot's state, on a copy of the lanes' states: the pools
-    stay as they were (which row a lane keeps is known only from the logits). Appends to `replays` the rows'
-    delta-rule inputs and conv window, from which `commit_verified` advances the state to the kept row."""
+    """T rows per lane, each lane's rows in order from its slot's state, reading the pools only (which row a lane
+    keeps is known only from the logits). Appends the in-projection's rows to `replays`, from which
+    `commit_verified` advances the state to the kept row."""
     b, t = ctx["shape"]
-    slots, m = ctx["slots"], ctx["active"][:, None]
-    proj = dot(kc, x, p.in_proj)
-    qkv, z, a, b_in = _gdn_split(proj, cfg)
+    slots, counts = ctx["slots"], ctx["counts"]
+    proj = dot(kc, x, p.in_proj).reshape(b, t, -1)
+    replays.append(proj)
+    if kc.fuse_gdn_decode:  # conv, delta rule and gated norm of every row as one kernel
+        y, _ = ops.gdn_rows_layer(kc, proj, counts, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
+                                  num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=False)
+        return dot(kc, y.reshape(b * t, -1), p.out_proj, to_norm=True), ssm, conv
+    core, _, z, _ = gdn_rows_composed(p, proj, cfg, kc, conv, ssm[slots], slots, counts)
+    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv
+
+
+def gdn_rows_composed(p: GDNParams, proj, cfg: ModelConfig, kc: KernelConfig, conv, states, slots, rows):
+    """`ops.gdn_rows_layer` composed from XLA ops and the delta-rule kernel (its reference): the in-projection's
+    rows proj [B, T, P] from states [B, Hv, Dk, Dv] and the slots' conv histories, the first rows[b] of lane b
+    counting -> (o [B, T, Hv, Dv] before the gated norm, the states after those rows, z [B T, Hv, Dv], the conv
+    histories after them [B, K-1, C])."""
+    b, t = proj.shape[:2]
+    qkv, z, a, b_in = _gdn_split(proj.reshape(b * t, -1), cfg)
     window = jnp.concatenate([conv[slots].astype(qkv.dtype), qkv.reshape(b, t, -1)], axis=1)  # [B, K-1+T, C]
     conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window).reshape(b * t, -1)
+    m = (jnp.arange(t)[None, :] < rows[:, None]).reshape(-1, 1)
     q, k, v, g, beta = _gdn_qkvgb(p, conv_out, a, b_in, cfg)
     q, k, v = q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
     q, k, v, g, beta = (y.reshape(b, t, *y.shape[1:]) for y in (q, k, v, g * m, beta * m))
-    core, _ = _gdn_rows(kc, q, k, v, g, beta, ssm[slots])
-    replays.append((k, v, g, beta, window))
-    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv
+    o, states = _gdn_rows(kc, q, k, v, g, beta, states)
+    km1 = conv.shape[1]
+    history = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, km1, axis=0))(window, rows)
+    return o, states, z, history
 
 
 def _gdn_rows(kc: KernelConfig, q, k, v, g, beta, states):
@@ -441,7 +458,7 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     # before attention reads, so its length alone makes it causal.
     attn_ctx = dict(positions=(positions[:, None] + rows[None, :]).reshape(-1), active=active,
                     page_tables=jnp.repeat(page_tables, t, axis=0))
-    gdn_ctx = dict(shape=(b, t), slots=slots, active=active)
+    gdn_ctx = dict(shape=(b, t), slots=slots, counts=counts)
     replays: list = []
     hidden, state = _run_layers(
         params, cfg, kc, params.embed[tokens.reshape(-1)], state,
@@ -451,19 +468,22 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     return hidden, state, tuple(replays)
 
 
-def commit_verified(kc: KernelConfig, state: DeviceState, replay, slots, kept, active) -> DeviceState:
+def commit_verified(params: Params, cfg: ModelConfig, kc: KernelConfig, state: DeviceState, replay, slots, kept,
+                    active) -> DeviceState:
     """Advances each active lane's GDN states and conv histories over its verify rows 0..kept[b] (`verify`'s
     replay): what a plain decode of those tokens would have left. Rows past kept[b] leave no trace."""
-    km1 = state.conv[0].shape[1] if state.conv else 0
     ssms, convs = list(state.ssm), list(state.conv)
-    for j, (k, v, g, beta, window) in enumerate(replay):
-        m = active[:, None] & (jnp.arange(k.shape[1])[None, :] <= kept[:, None])  # [B, T]: the rows kept
-        k, v = k * m[..., None, None], v * m[..., None, None].astype(v.dtype)
-        _, states = _gdn_rows(kc, jnp.zeros_like(k), k, v, g * m[..., None], beta * m[..., None], ssms[j][slots])
-        ssms[j] = ssms[j].at[slots].set(states)
-        history = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n + 1, km1, axis=0))(window, kept)
-        old = convs[j][slots]
-        convs[j] = convs[j].at[slots].set(jnp.where(active[:, None, None], history.astype(old.dtype), old))
+    rows = jnp.where(active, kept + 1, 0).astype(jnp.int32)
+    for j, proj in enumerate(replay):
+        p = params.layers[cfg.gdn_layers[j]].mixer
+        if kc.fuse_gdn_decode:
+            _, history, ssms[j] = ops.gdn_rows_layer(
+                kc, proj, rows, convs[j], p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssms[j], slots,
+                num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=True)
+        else:
+            _, states, _, history = gdn_rows_composed(p, proj, cfg, kc, convs[j], ssms[j][slots], slots, rows)
+            ssms[j] = ssms[j].at[slots].set(states)
+        convs[j] = convs[j].at[slots].set(history.astype(convs[j].dtype))
     return DeviceState(state.k_pages, state.v_pages, tuple(ssms), tuple(convs))
 
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model import qwen3_5
+from ninfer_jax.model import ops, qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.random_init import random_params
 from kernel_support import lower_for_h200
 from pallas_kernels.gdn_decode import program_blocks
-from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer
+from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer, gdn_rows_layer
 
 UNFUSED = KernelConfig("pallas", interpret=True)
 FUSED = dataclasses.replace(UNFUSED, fuse_gdn_decode=True)
@@ -77,6 +77,33 @@ def test_heads_split_over_programs_equal_whole_heads(dtype):
     np.testing.assert_array_equal(np.asarray(split[2], np.float32), np.asarray(whole[2], np.float32))
 
 
+@pytest.mark.parametrize("write_state", [False, True], ids=["verify", "commit"])
+def test_fused_rows_equal_the_composed_rows(write_state):
+    """T = 3 rows a lane (a verify round and its commit), lanes counting 3, 0 and 2 rows: the kernel's outputs of
+    the counted rows, the conv histories after them, and (commit) the state slots equal `gdn_rows_composed`; a
+    verify round leaves the pool as it was."""
+    cfg = ModelConfig.from_file("configs/tiny-dense.json")
+    layer, _, ssm, conv, ctx = _layer_inputs(cfg, jnp.float32, 3, seed=5)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((9, cfg.hidden_size)), jnp.float32)
+    proj = qwen3_5.dot(KernelConfig(), x, layer.in_proj).reshape(3, 3, -1)
+    rows, slots = jnp.asarray([3, 0, 2], jnp.int32), ctx["slots"]
+    o, states, z, history = qwen3_5.gdn_rows_composed(layer, proj, cfg, UNFUSED, conv, ssm[slots], slots, rows)
+    want_y = qwen3_5.gated_rms_norm(o, z.reshape(o.shape), layer.norm_w, cfg.rms_norm_eps)
+    got = ops.gdn_rows_layer(FUSED, proj, rows, conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w,
+                             jnp.copy(ssm), slots, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                             write_state=write_state)
+    counted = np.arange(3)[None, :] < np.asarray(rows)[:, None]
+    np.testing.assert_allclose(np.asarray(got[0])[counted], np.asarray(want_y)[counted], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(history))
+    np.testing.assert_array_equal(np.asarray(history[1]), np.asarray(conv[slots[1]]))  # 0 rows: history kept
+    assert len(got) == 2 + write_state
+    if write_state:
+        want = np.asarray(ssm).copy()
+        want[np.asarray(slots)] = np.asarray(states)
+        np.testing.assert_allclose(np.asarray(got[2]), want, rtol=1e-5, atol=1e-5)
+
+
 def test_one_lane_spreads_its_heads_over_more_programs():
     """35B-A3B (32 value heads of 128): one lane's heads in 32-column blocks (128 programs), eight lanes' whole."""
     assert program_blocks(1 * 32, 128, 128, 128) == 32
@@ -105,3 +132,6 @@ def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
     text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "gdn_decode_layer" in text
+    rows = gdn_rows_layer.trace(spec((lanes, 4, args[0].shape[1]), bf16), spec((lanes,), jnp.int32), *args[2:],
+                                num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=False)
+    assert "gdn_rows_layer" in rows.lower(lowering_platforms=("cuda",)).as_text()

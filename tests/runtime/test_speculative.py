@@ -268,7 +268,7 @@ def test_a_stop_inside_kept_drafts_ends_the_request_there_and_its_cache_stays_ex
 # --- the model's verify step ------------------------------------------------------------------------------
 def _verify_then_commit(params, cfg, kc, tokens, positions, tables, slots, counts, kept, state):
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, tables, slots, counts, state)
-    return hidden, qwen3_5.commit_verified(kc, state, replay, slots, kept, counts > 0)
+    return hidden, qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
 
 
 def test_verify_rows_with_the_pallas_kernels_equal_decoding_them_one_by_one(checkpoint_factory):

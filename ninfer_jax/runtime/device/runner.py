@@ -182,7 +182,7 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask):
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state)
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
     emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
-    state = qwen3_5.commit_verified(kc, state, replay, slots, kept, counts > 0)
+    state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
     emitted = _rows_to_lanes(emitted, lanes, width).reshape(-1)  # lane l's row t at l T + t
     return (emitted, _rows_to_lanes(kept, lanes, width), logits.reshape(-1, logits.shape[-1])), state
 
