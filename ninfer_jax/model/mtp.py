@@ -22,28 +22,115 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
-from ninfer_jax.model.qwen3_5 import _attn_prefill, _run_layers, dot, logits
-from ninfer_jax.model.state import PAGE, init_device_state
+from ninfer_jax.model.qwen3_5 import _attn_decode, _attn_prefill, _run_layers, dot, logits
+from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from pallas_kernels.reference import rms_norm
+
+
+def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, k_pages, v_pages, attn):
+    """The MTP layer over rows of (target hidden [R, H], following token [R]) -> (its final-normed hidden [R, H],
+    k_pages, v_pages). attn(p, one, h, kp, vp) is its attention over its own pages (prefill or decode form), `one`
+    the one-layer config it runs under."""
+    mtp, eps = params.mtp, cfg.rms_norm_eps
+    embedded = rms_norm(params.embed[tokens], mtp.pre_fc_norm_embedding, eps)
+    x = dot(kc, jnp.concatenate([embedded, rms_norm(hidden, mtp.pre_fc_norm_hidden, eps)], axis=-1), mtp.fc)
+    # The layer runs as a one-layer model through the target's layer loop.
+    one = dataclasses.replace(cfg, layer_types=("full_attention",))
+    pools = DeviceState((k_pages,), (v_pages,), (), ())
+    hidden, pools = _run_layers(params.replace(layers=(mtp.layer,), final_norm=mtp.norm), one, kc, x, pools, None,
+                                lambda p, h, kp, vp: attn(p, one, h, kp, vp))
+    return hidden, pools.k_pages[0], pools.v_pages[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kc"))
 def _mtp_forward_jit(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, next_tokens):
-    mtp, eps = params.mtp, cfg.rms_norm_eps
-    embedded = rms_norm(params.embed[next_tokens], mtp.pre_fc_norm_embedding, eps)
-    x = dot(kc, jnp.concatenate([embedded, rms_norm(hidden, mtp.pre_fc_norm_hidden, eps)], axis=-1), mtp.fc)
-    # The layer runs as a one-layer model through the target's layer loop and attention prefill, over fresh pages
-    # of its own: causal attention within the sequence, positions from 0.
-    one = dataclasses.replace(cfg, layer_types=("full_attention",))
-    t = x.shape[0]
+    # Fresh pages of its own: causal attention within the sequence, positions from 0.
+    t = hidden.shape[0]
     num_pages = -(-t // PAGE)
-    state = init_device_state(one, num_pages, 1, x.dtype, x.dtype)
+    one = dataclasses.replace(cfg, layer_types=("full_attention",))
+    state = init_device_state(one, num_pages, 1, hidden.dtype, hidden.dtype)
     ctx = {"base": jnp.int32(0), "valid": jnp.ones((t,), bool), "page_table": jnp.arange(num_pages, dtype=jnp.int32)}
-    hidden, _ = _run_layers(
-        params.replace(layers=(mtp.layer,), final_norm=mtp.norm), one, kc, x, state, None,
-        lambda p, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx),
-    )
-    return hidden
+    out, _, _ = mtp_layer(params, cfg, kc, hidden, next_tokens, state.k_pages[0], state.v_pages[0],
+                          lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))
+    return out
+
+
+def mtp_prefill_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, n_valid, base, page_table,
+                     carry, resumed, k_pages, v_pages):
+    """The MTP rows of one lane's prefill chunk, one position behind the target's (the row of position i needs
+    the token after it): positions base - 1 .. base + n_valid - 2, from the target hidden [carry; hidden[:-1]]
+    and the chunk's tokens. The chunk's last position waits for the next step, which has its token. At base 0
+    there is no row -1; `resumed` (the lane's first chunk after a cache hit) leaves position base - 1 to the
+    cached page it lies in: carry holds nothing of that prefix, and a cached page is never written.
+
+    Args:
+      hidden: [T, H] the chunk's final-normed target hidden; tokens [T]; carry [H]: the hidden of position base - 1.
+    Returns:
+      (k_pages, v_pages) of the MTP layer.
+    """
+    t = tokens.shape[0]
+    first = base == 0
+    hidden_in = jnp.where(first, hidden, jnp.concatenate([carry[None].astype(hidden.dtype), hidden[:-1]]))
+    tokens_in = jnp.where(first, jnp.roll(tokens, -1), tokens)
+    rows = jnp.arange(t)
+    valid = (rows < jnp.where(first, n_valid - 1, n_valid)) & ((rows > 0) | first | ~resumed)
+    ctx = {"base": jnp.where(first, 0, base - 1), "valid": valid, "page_table": page_table}
+    _, k_pages, v_pages = mtp_layer(params, cfg, kc, hidden_in, tokens_in, k_pages, v_pages,
+                                    lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))
+    return k_pages, v_pages
+
+
+def mtp_decode_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, positions, page_tables,
+                    active, k_pages, v_pages):
+    """R MTP rows, each a decode query over its lane's MTP pages at positions [R] (a row writes its key before
+    reading, so its position alone makes it causal); inactive rows write nothing. -> (hidden [R, H], k_pages,
+    v_pages)."""
+    ctx = dict(positions=positions, page_tables=page_tables, active=active)
+    return mtp_layer(params, cfg, kc, hidden, tokens, k_pages, v_pages,
+                     lambda p, one, h, kp, vp: _attn_decode(p, h, one, kc, kp, vp, ctx))
+
+
+def mtp_draft(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, positions, page_tables, active,
+              limits, k_pages, v_pages, k: int):
+    """k drafts per lane by chaining the MTP layer from each lane's last target hidden [B, H] and the token after
+    it [B] at positions [B]: draft j + 1 is the argmax of the MTP logits of row j, whose inputs are row j - 1's
+    MTP hidden and draft j. Rows write their keys at positions + j, up to limits [B] (the lane's mapped
+    positions) -> (drafts [B, k] int32, k_pages, v_pages)."""
+    drafts = []
+    for j in range(k):
+        live = active & (positions + j < limits)
+        hidden, k_pages, v_pages = mtp_decode_rows(params, cfg, kc, hidden, tokens, positions + j, page_tables, live,
+                                                   k_pages, v_pages)
+        tokens = jnp.argmax(logits(params, hidden), axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+    return jnp.stack(drafts, axis=1), k_pages, v_pages
+
+
+def mtp_verify_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, emitted, kept, counts,
+                    positions, page_tables, limits, carry, k_pages, v_pages):
+    """A verify round's MTP work for B lanes of T rows fed at positions p: the rows of positions p - 1 .. p + kept - 1
+    (row j: the target hidden of position p + j - 1, `carry` [B, H] for j = 0, with the token fed at p + j), then
+    T - 1 drafts chained from the last kept row's hidden and the token emitted after it (`mtp_draft`).
+
+    Args:
+      hidden: [B T, H] the rows' final-normed target hidden; tokens, emitted: [B, T]; kept, counts, positions,
+        limits: [B]; page_tables [B, max_pages].
+    Returns:
+      (drafts [B, T - 1], k_pages, v_pages, the last kept row's hidden [B, H]: the next round's carry).
+    """
+    b, t = tokens.shape
+    hid = hidden.reshape(b, t, -1)
+    rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+    hidden_in = jnp.concatenate([carry[:, None].astype(hid.dtype), hid[:, :-1]], axis=1).reshape(b * t, -1)
+    active = ((rows <= kept[:, None]) & (counts[:, None] > 0)).reshape(-1)
+    _, k_pages, v_pages = mtp_decode_rows(params, cfg, kc, hidden_in, tokens.reshape(-1),
+                                          (positions[:, None] - 1 + rows).reshape(-1),
+                                          jnp.repeat(page_tables, t, axis=0), active, k_pages, v_pages)
+    lane = jnp.arange(b)
+    last = hid[lane, kept]
+    drafts, k_pages, v_pages = mtp_draft(params, cfg, kc, last, emitted[lane, kept], positions + kept, page_tables,
+                                         counts > 0, limits, k_pages, v_pages, t - 1)
+    return drafts, k_pages, v_pages, last
 
 
 def mtp_forward(params: Params, cfg: ModelConfig, hidden, next_tokens, kernels: KernelConfig = ops.REFERENCE):

@@ -38,11 +38,11 @@ class DeviceState:
         return self.ssm[0].shape[0] if self.ssm else 0
 
 
-def page_bytes(cfg: ModelConfig, kv_dtype, kv_profile: str = "auto") -> int:
+def page_bytes(cfg: ModelConfig, kv_dtype, kv_profile: str = "auto", mtp: bool = False) -> int:
     """Bytes of one 64-token page bundle across all full-attention layers (K and V, values and scales) in a KV
-    profile ("auto": plain, of kv_dtype)."""
+    profile ("auto": plain, of kv_dtype); with `mtp` the MTP layer's pages too (spec §3.1: one layer more)."""
     per_head = kv_quant.bytes_per_token_head(kv_profile, cfg.head_dim, kv_dtype)
-    return PAGE * cfg.num_key_value_heads * per_head * len(cfg.attn_layers)
+    return PAGE * cfg.num_key_value_heads * per_head * (len(cfg.attn_layers) + mtp)
 
 
 def slot_bytes(cfg: ModelConfig, conv_dtype) -> int:
@@ -71,16 +71,17 @@ def prefill_activation_bytes(cfg: ModelConfig, tokens: int, act_dtype) -> int:
 
 
 def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype,
-                      kv_profile: str = "auto") -> DeviceState:
-    """Zero-filled pools, the KV ones in `kv_profile`'s layout (plain ones of kv_dtype). Zeros are only a start
-    value: every reader masks what it has not written."""
+                      kv_profile: str = "auto", mtp: bool = False) -> DeviceState:
+    """Zero-filled pools, the KV ones in `kv_profile`'s layout (plain ones of kv_dtype); with `mtp` the last K and
+    V pools are the MTP layer's (the model's layers never index them). Zeros are only a start value: every reader
+    masks what it has not written."""
     kv_quant.check_profile(kv_profile, cfg.head_dim)
     k_fmt, v_fmt = kv_quant.PROFILES[kv_profile]
     plain = kv_quant.plain_dtype(kv_profile, kv_dtype)
     kv_shape = (num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim)
     ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
-    n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+    n_attn, n_gdn = len(cfg.attn_layers) + mtp, len(cfg.gdn_layers)
     return DeviceState(
         k_pages=tuple(kv_quant.empty_pool(k_fmt, kv_shape, plain) for _ in range(n_attn)),
         v_pages=tuple(kv_quant.empty_pool(v_fmt, kv_shape, plain) for _ in range(n_attn)),

@@ -183,7 +183,8 @@ class EngineOptions:
         choices=("weight-only", "dynamic"))
     speculative: str | None = _option(
         str, None, "speculative decoding: ngram (drafts from the longest earlier match of the last tokens in the "
-        "prompt and output, prompt lookup) verified exactly by the model", flag="--speculative",
+        "prompt and output, prompt lookup) or mtp (drafts chained from the checkpoint's multi-token-prediction "
+        "layer), verified exactly by the model", flag="--speculative",
         choices=("ngram", "mtp"))
     num_speculative_tokens: int | None = _option(
         int, None, "draft tokens per lane and round", flag="--num-speculative-tokens", minimum=1,
@@ -318,9 +319,6 @@ class EngineOptions:
             if self.num_speculative_tokens is not None:
                 raise OptionsError("num_speculative_tokens needs speculative decoding; set speculative")
             return
-        if self.speculative == "mtp":
-            raise OptionsError("speculative 'mtp' is not available yet: the MTP layer loads and runs "
-                               "(ninfer_jax.model.mtp), its drafting and KV pages are not built; use 'ngram'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise OptionsError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                                f"({self.prompt_lookup_max})")

@@ -134,6 +134,8 @@ class Request:
     state_ahead: bool = False
     drafted: int = 0
     accepted: int = 0
+    # MTP: the drafts its last verify round chained on the device, to follow its last token (empty: none)
+    drafts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""

@@ -85,6 +85,8 @@ class Scheduler:
         self.outputs = OutputProcessor(stop_ids, options.max_model_len, self.counters)
         self.pending: _Round | None = None  # the decode round in flight (at most one)
         k = options.num_speculative_tokens or 0
+        # MTP drafts come from the device with each verify round (`Request.drafts`); prompt lookup runs here.
+        self.mtp = options.speculative == "mtp"
         self.proposer = NgramProposer(k, options.prompt_lookup_min, options.prompt_lookup_max) \
             if options.speculative == "ngram" else None
         self.speculative, self.pause = SpeculativeStats(k), DraftPause()
@@ -183,6 +185,7 @@ class Scheduler:
             head.lane, head.admitted_at = lane, started
             head.pages = list(admission.pages)
             head.computed = head.cached_tokens = admission.reused_tokens
+            head.drafts = head.drafts[:0]
             self.page_tables[lane] = 0
             self.page_tables[lane, :len(head.pages)] = head.pages
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
@@ -209,7 +212,7 @@ class Scheduler:
             req.prompt_ids[base:end], base, self.page_tables[req.lane], self.cache_manager.lane_slot(req.lane),
             self._lane_sampler(req.lane), tap_positions, tap_slots, full=last and not req.sampling.greedy,
             logprobs=last and req.sampling.logprobs is not None, lane=req.lane,
-            allowed=processing["allowed"][req.lane] if processing else None,
+            allowed=processing["allowed"][req.lane] if processing else None, resumed=0 < base == req.cached_tokens,
         )
         req.computed = end
         self.cache_manager.computed(req)
@@ -287,7 +290,7 @@ class Scheduler:
             previous.starved |= starved
         if not active.any():
             return None
-        if self.proposer is not None:
+        if self.proposer is not None or self.mtp:
             verify = self._dispatch_verify(active) if previous is None and self._may_speculate() else None
             if verify is not None:
                 return verify
@@ -309,7 +312,7 @@ class Scheduler:
         take part. Otherwise rounds run as with speculation off, one in flight while the previous is read: wider
         rounds pay for their extra rows, and logit processing runs in plain rounds (its statistics follow each
         token)."""
-        if self.proposer is None or self.pause.paused:
+        if self.proposer is None and not self.mtp or self.pause.paused:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
         return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
@@ -318,11 +321,12 @@ class Scheduler:
     def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
         None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation (`DraftPause`):
-        reading each round back before the next costs the device its idle gap."""
+        reading each round back before the next costs the device its idle gap. With MTP every round verifies: the
+        round makes the next round's drafts, and a lane's first round has none."""
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         c, t = len(self.lanes), self.runner.verify_rows
         tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
-        positions, stops = np.zeros(c, np.int32), np.zeros(c, np.int32)
+        positions, stops, limits = np.zeros(c, np.int32), np.zeros(c, np.int32), np.zeros(c, np.int32)
         drafted = {}
         for req in live:
             lane = req.lane
@@ -331,19 +335,21 @@ class Scheduler:
                 continue
             # Each emitted token must fit max_tokens and the context (as a plain round's would).
             limit = min(req.sampling.max_tokens - len(req.output), self.options.max_model_len - 1 - req.computed) - 1
-            drafts = self.proposer.propose(req.sequence(), limit)
+            drafts = req.drafts[:max(0, limit)] if self.mtp else self.proposer.propose(req.sequence(), limit)
             n = len(drafts)
             while n and not self._ensure_page(req, req.computed + n):
                 n -= 1  # the pool cannot extend the lane that far: fewer drafts
             tokens[lane, 0], tokens[lane, 1:1 + n] = req.output[-1], drafts[:n]
             counts[lane], positions[lane], stops[lane] = n + 1, req.computed, not req.sampling.ignore_eos
+            limits[lane] = len(req.pages) * PAGE
             drafted[lane] = n
-        self.pause.found(any(drafted.values()))
-        if not any(drafted.values()):
-            return None
+        if not self.mtp:
+            self.pause.found(any(drafted.values()))
+            if not any(drafted.values()):
+                return None
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
-                                 logprobs=any(r.sampling.logprobs is not None for r in live))
+                                 logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits)
         self.cache_manager.flush()
         self.counters["decode_rounds"] += 1
         self.speculative.rounds += 1
@@ -352,9 +358,10 @@ class Scheduler:
     def _retire_verify(self, done: _Round) -> None:
         """Reads a verify round back: each lane's kept drafts and the token after them, in order, until one ends
         it. The lane's state holds rows 0..kept; a stop found on the host before them leaves it ahead."""
-        emitted, chosen, top, kept = done.out
+        emitted, chosen, top, kept, *drafts = done.out
         t = self.runner.verify_rows
         emitted, kept = np.asarray(emitted), np.asarray(kept)
+        drafts = np.asarray(drafts[0]) if drafts else None
         for req in done.reqs:
             lane, base = req.lane, req.computed
             if lane in self.closing:  # this round fed its last token
@@ -364,6 +371,8 @@ class Scheduler:
                 continue
             n, a = done.drafted[lane], int(kept[lane])
             req.drafted, req.accepted = req.drafted + n, req.accepted + a
+            if drafts is not None:  # chained from the token this round emits last for the lane
+                req.drafts = drafts[lane]
             if n:
                 self.speculative.record(n, a)
             for i in range(a + 1):
@@ -403,6 +412,7 @@ class Scheduler:
         ended = []
         for req in done.reqs:
             req.computed += 1
+            req.drafts = req.drafts[:0]  # MTP drafts follow the token a verify round emitted, not this round's
             self.cache_manager.computed(req)
             if req.finish_reason is None:  # else it ended at the last read; this round fed its last token
                 self.outputs.accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
@@ -480,5 +490,5 @@ class Scheduler:
             "pages": self.pages.ledger(),
             "counters": dict(self.counters),
             "speculative": {**self.speculative.as_dict(), "pauses": self.pause.pauses}
-            if self.proposer is not None else None,
+            if self.proposer is not None or self.mtp else None,
         }

@@ -78,7 +78,8 @@ def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_gi
     AUTO_LANE_KV_TOKENS per lane (max_model_len if shorter; kv_capacity's pool when given) fit `device_budget`.
     `options` is resolved with any lane count; D is its device_snapshot_slots when given, else the default rule."""
     dtype = kv_dtype(options)
-    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype, options.kv_dtype))
+    per_slot = slot_bytes(config, dtype)
+    per_page = max(1, page_bytes(config, dtype, options.kv_dtype, options.speculative == "mtp"))
     budget = device_budget(options, 0, prefill_activation_bytes(config, options.idle_prefill_chunk, dtype))
     if budget is None:
         return CPU_CONCURRENCY
@@ -127,7 +128,8 @@ def size_pools(config: ModelConfig, options: EngineOptions) -> PoolSizes:
     when the pool cannot give every lane a page."""
     dtype = kv_dtype(options)
     num_slots = options.max_concurrency + options.device_snapshot_slots
-    per_slot, per_page = slot_bytes(config, dtype), max(1, page_bytes(config, dtype, options.kv_dtype))
+    per_slot = slot_bytes(config, dtype)
+    per_page = max(1, page_bytes(config, dtype, options.kv_dtype, options.speculative == "mtp"))
     tokens = options.kv_capacity
     if tokens == "auto":
         longest_pass = prefill_activation_bytes(config, options.idle_prefill_chunk, dtype)  # >= prefill_chunk
@@ -182,13 +184,16 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     if o.prefix_cache_file is not None and weights_identity is None:
         raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
                            "start the engine with Engine.from_pretrained (or pass weights_identity)")
+    if o.speculative == "mtp" and params.mtp is None:
+        raise OptionsError("speculative 'mtp' drafts with the checkpoint's MTP layer, and this checkpoint has none "
+                           "(no mtp.* tensors); use 'ngram'")
     sizes = size_pools(config, o)
     runner = ModelRunner(config, params, kernel_config(o), num_pages=sizes.num_pages, num_slots=sizes.num_slots,
                          max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
-                         stop_ids=stop_ids)
+                         stop_ids=stop_ids, mtp=o.speculative == "mtp")
     log.info("engine options | %s", o.summary())
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
@@ -210,6 +215,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                 "dtype": o.dtype, "kv_dtype": o.kv_dtype, "kernels": o.kernels,
                 "prefill_attention": o.prefill_attention,
                 "prefill_chunk": o.prefill_chunk, "idle_prefill_chunk": o.idle_prefill_chunk,
+                "mtp_pages": o.speculative == "mtp",
                 "source": source_identity()})
             if progress is not None:
                 progress("restoring", 0, 1)

@@ -40,13 +40,32 @@ def checkpoint(checkpoint_factory):
     return checkpoint_factory("tiny-dense", "text", seed=41)
 
 
-def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, tmp_path):
+def speculating(checkpoint, kind: str, drafts: Continuations, file) -> Engine:
+    """An engine with `kind` speculation whose verified drafts are the scripted ones. With MTP the device's own
+    drafts (and the MTP pages and carried hidden that make them) are still computed every round: they are what the
+    cache must hold exactly; the scripted drafts replace them after each round, so rounds keep drafts."""
+    engine = Engine.from_pretrained(checkpoint, speculative=kind, prefix_cache_file=str(file), **CACHE)
+    if kind == "ngram":
+        engine.scheduler.proposer = drafts
+        return engine
+    retire = engine.scheduler._retire_verify
+
+    def retire_and_script(done):
+        retire(done)
+        for req in done.reqs:
+            req.drafts = drafts.propose(req.sequence(), 3)
+
+    engine.scheduler._retire_verify = retire_and_script
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, tmp_path, kind):
     drafts = Continuations()
     file = tmp_path / "spec.cache"
     root = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, kv_capacity=64 * 64, **COMMON)
     plain = Engine.from_pretrained(checkpoint, **CACHE)
-    spec = Engine.from_pretrained(checkpoint, speculative="ngram", prefix_cache_file=str(file), **CACHE)
-    spec.scheduler.proposer = drafts
+    spec = speculating(checkpoint, kind, drafts, file)
 
     def turn(prompt, engines=(plain, spec)):
         expected = root.generate(prompt, TURN)
@@ -81,8 +100,7 @@ def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, tmp_pa
             settle_host(engine, warmed=False)
         spec.stop()  # an orderly stop saves the Host tier to the file
         # the cache file, read by a new engine
-        spec = Engine.from_pretrained(checkpoint, speculative="ngram", prefix_cache_file=str(file), **CACHE)
-        spec.scheduler.proposer = drafts
+        spec = speculating(checkpoint, kind, drafts, file)
         (c,) = turn(third + list(root.generate(third, TURN).token_ids) + tokens(10, 5), engines=(spec,))
         assert c.usage.cached_tokens == len(third) + 39
         settle_host(spec, warmed=False)

@@ -11,6 +11,7 @@ from scipy import stats
 from oracle import ORACLE_VOCAB
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.model import init_device_state, load_checkpoint, qwen3_5
+from ninfer_jax.model.mtp import mtp_forward, mtp_logits
 from ninfer_jax.model.ops import REFERENCE
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
@@ -124,7 +125,6 @@ def test_rejection_sampling_keeps_the_target_distribution():
     (dict(speculative="ngram", batch_invariant=True), "conflicts with batch_invariant"),
     (dict(speculative="ngram", prompt_lookup_min=5, prompt_lookup_max=3), "must not exceed"),
     (dict(speculative="ngram", num_speculative_tokens=5), "num_speculative_tokens must be in 1..4"),
-    (dict(speculative="mtp"), "not available yet"),
 ])
 def test_conflicting_speculative_options_are_refused(options, words):
     with pytest.raises(OptionsError, match=words):
@@ -211,6 +211,87 @@ def test_speculative_greedy_tokens_equal_plain_decoding(plain_runs, speculative_
     assert sum(o.metrics.accepted_tokens for o in outs) == spec["accepted"] - before["accepted"]
     engine.check_ledger()
     assert engine.stats()["pages"]["active"] == 0
+
+
+REFERENCE_ROWS = 256  # every reference sequence padded to one length: one program each (causal: padding is inert)
+
+
+def _reference_drafts(params, cfg, sequence, k):
+    """The k MTP drafts that follow `sequence` (its last token not yet fed), by `mtp_forward` over the whole
+    sequence without a cache: the target's hidden states from one prefill, then the layer chained on its own
+    hidden and drafts."""
+    fed = len(sequence) - 1
+    pages, no_taps = REFERENCE_ROWS // 64, jnp.full((1,), -1, jnp.int32)
+    padded = np.zeros(REFERENCE_ROWS, np.int32)
+    padded[:len(sequence)] = sequence
+    state = init_device_state(cfg, pages, 1, jnp.float32, jnp.float32)
+    hidden, _ = qwen3_5.prefill(params, cfg, REFERENCE, jnp.asarray(padded), jnp.int32(fed), jnp.int32(0),
+                                jnp.arange(pages, dtype=jnp.int32), jnp.int32(0), state, no_taps, no_taps)
+    following, drafts = np.roll(padded, -1), []
+    for j in range(k):  # row fed - 1 + j takes the previous row's MTP hidden and draft
+        out = mtp_forward(params, cfg, hidden, jnp.asarray(following))
+        drafts.append(int(jnp.argmax(mtp_logits(params, out[fed - 1 + j]))))
+        hidden = hidden.at[fed + j].set(out[fed - 1 + j])
+        following[fed + j] = drafts[-1]
+    return drafts
+
+
+def test_mtp_drafts_equal_the_layer_chained_without_a_cache_and_tokens_equal_plain(plain_runs):
+    """MTP speculation at k = 3, five requests together (a round of 8 lanes with padding): greedy tokens equal
+    plain decoding. The drafts the device chains each round (from the MTP pages its prefill chunks and verify rounds
+    wrote, one position behind the target, and the carried hidden) equal `mtp_forward` over the whole sequence; the
+    drafts the rounds verify are replaced by scripted ones right in their first i % 4 places, so rounds keep 0 to 3
+    drafts and the MTP rows of every kept count are written."""
+    path, prompts, plain, _ = plain_runs("tiny-dense")
+    engine = Engine.from_pretrained(path, max_concurrency=8, speculative="mtp", num_speculative_tokens=3, **COMMON)
+    cfg, params = load_checkpoint(path, dtype="float32")
+    scripted = ScriptedProposer({tuple(p): o for p, o in zip(prompts, plain)}, 3)
+    seen, retire = [], engine.scheduler._retire_verify
+
+    def retire_and_script(done):
+        retire(done)
+        for req in done.reqs:
+            if req.lane is not None and req.finish_reason is None:
+                seen.append((req.sequence().tolist(), req.drafts.tolist()))
+                req.drafts = scripted.propose(req.sequence(), 3)
+
+    engine.scheduler._retire_verify = retire_and_script
+    try:
+        outs = engine.generate_many(prompts[:5], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [o[:16] for o in plain[:5]]
+        spec = engine.stats()["speculative"]
+        assert all(spec["accept_length_histogram"][n] > 0 for n in range(1, 5))
+        engine.check_ledger()
+    finally:
+        engine.stop()
+    picked = seen[::3]  # every lane's rounds are alike; a spread of them keeps the reference cheap
+    assert len(picked) >= 10
+    assert [drafts for _, drafts in picked] == [_reference_drafts(params, cfg, seq, 3) for seq, _ in picked]
+
+
+def test_mtp_speculation_of_a_moe_model_keeps_plain_decodings_tokens(plain_runs):
+    """The MoE model's MTP layer (its FFN a routed MoE) drafting at k = 1 for three lanes."""
+    path, prompts, plain, _ = plain_runs("tiny-moe")
+    engine = Engine.from_pretrained(path, max_concurrency=4, speculative="mtp", num_speculative_tokens=1, **COMMON)
+    try:
+        outs = engine.generate_many(prompts[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [o[:8] for o in plain[:3]]
+        assert engine.stats()["speculative"]["drafted"] > 0
+        engine.check_ledger()
+    finally:
+        engine.stop()
+
+
+def test_mtp_needs_a_checkpoint_with_the_layer(checkpoint_factory, monkeypatch):
+    import ninfer_jax.runtime.engine as engine_module
+
+    def without_mtp(*args, **kwargs):
+        cfg, params = load_checkpoint(*args, **kwargs)
+        return cfg, params.replace(mtp=None)
+
+    monkeypatch.setattr(engine_module, "load_checkpoint", without_mtp)
+    with pytest.raises(OptionsError, match="has none"):
+        Engine.from_pretrained(checkpoint_factory("tiny-dense", "text", seed=17), speculative="mtp", **COMMON)
 
 
 def test_prompt_lookup_drafts_are_kept_where_the_model_repeats_itself(plain_runs, speculative_engines):

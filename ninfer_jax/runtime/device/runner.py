@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model import qwen3_5
+from ninfer_jax.model import mtp, qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
@@ -64,11 +64,11 @@ def _sampler_from_columns(col):
     return as_f32(col[0]), col[1], as_f32(col[2]), jax.lax.bitcast_convert_type(col[3], jnp.uint32), col[4]
 
 
-PREFILL_SCALARS = 3 + 5  # n_valid, base, slot, then the lane's five sampler values
+PREFILL_SCALARS = 3 + 5 + 2  # n_valid, base, slot, the lane's five sampler values, its lane, resumed (MTP rows)
 
 
 def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_positions, tap_slots, page_table,
-                        max_taps: int) -> np.ndarray:
+                        max_taps: int, lane: int = 0, resumed: bool = False) -> np.ndarray:
     """One lane's prefill inputs as int32 [size + PREFILL_SCALARS + 2 * max_taps + len(page_table)], written
     once into a new array: the tokens padded to the bucket `size` (n_valid = len(tokens)), the lane's sampler
     values, the taps padded to max_taps (position -1: none), the page table."""
@@ -78,7 +78,7 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     at = size + PREFILL_SCALARS  # the taps' start
     packed = np.zeros(at + 2 * max_taps + len(page_table), np.int32)
     packed[:n] = tokens
-    packed[size:at] = [n, base, slot, *(c[0] for c in _sampler_columns(sampler))]
+    packed[size:at] = [n, base, slot, *(c[0] for c in _sampler_columns(sampler)), lane, resumed]
     packed[at:at + max_taps] = -1
     packed[at:at + taps] = tap_positions
     packed[at + max_taps:at + max_taps + taps] = tap_slots
@@ -86,8 +86,9 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     return packed
 
 
-def _prefill_step(params, cfg, kc, full, layout, state, packed):
-    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state)."""
+def _prefill_step(params, cfg, kc, full, layout, state, packed, carry=None):
+    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
+    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry."""
     size, taps = layout  # static: the bucket's token count and the tap capacity
     tokens, scalars = packed[:size], packed[size:size + PREFILL_SCALARS]
     tap_positions = packed[size + PREFILL_SCALARS:size + PREFILL_SCALARS + taps]
@@ -100,7 +101,14 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed):
     )
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
     logits = qwen3_5.logits(params, last)
-    return (sample(logits, sampler, full=full), logits), state
+    out = (sample(logits, sampler, full=full), logits)
+    if carry is None:
+        return out, state
+    lane, resumed = scalars[8], scalars[9] != 0
+    k_mtp, v_mtp = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane],
+                                        resumed, state.k_pages[-1], state.v_pages[-1])
+    state = state.replace(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
+    return out, state, carry.at[lane].set(last[0].astype(carry.dtype))
 
 
 # tokens, positions, slots, active, use_prev, lane, then the five sampler columns
@@ -149,11 +157,13 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     return (_rows_to_lanes(tokens, lanes, prev_tokens.shape[0]), logits), state
 
 
-# position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns
-VERIFY_COLUMNS = 10
+# position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
+# then the positions the lane's pages map (MTP drafts write no key past them)
+VERIFY_COLUMNS = 11
 
 
-def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler) -> np.ndarray:
+def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler,
+                       limits=None) -> np.ndarray:
     """A verify round's rows as int32 [size, T + VERIFY_COLUMNS + max_pages]: row i is lane lanes[i] (tokens [C, T],
     the rest [C] lane arrays), then padding rows of count 0 marked lane C, each on the state slot of a lane not in
     the round (the GDN commit writes every row's slot back, so slots must be distinct)."""
@@ -161,6 +171,7 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     n, (c, t) = len(lanes), np.shape(tokens)
     columns = [np.asarray(col, np.int32) for col in (positions, slots, counts, stops, np.arange(c))]
     columns += _sampler_columns(sampler)
+    columns.append(np.zeros(c, np.int32) if limits is None else np.asarray(limits, np.int32))
     packed = np.zeros((size, t + VERIFY_COLUMNS + page_tables.shape[1]), np.int32)
     packed[:n, :t] = np.asarray(tokens, np.int32)[lanes]
     packed[:n, t:t + VERIFY_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
@@ -171,20 +182,30 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     return packed
 
 
-def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask):
+def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=None):
     """One verify round (`qwen3_5.verify`, `speculative.accept_drafts`, `qwen3_5.commit_verified`) over a bucket of
     lanes -> ((emitted tokens [C T], lane l's row t at l T + t; drafts kept by lane [C]; the rows' logits [R T, V]),
-    state). layout: static (T, C)."""
+    state). layout: static (T, C). With MTP (carry: the lanes' last target hidden [C, H]) the outputs add the
+    next round's drafts by lane [C, T - 1], and the new carry follows the state."""
     t, width = layout
     tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
     positions, slots, counts, stops, lanes = col[:5]
-    sampler, page_tables = _sampler_from_columns(col[5:]), packed[:, t + VERIFY_COLUMNS:]
+    sampler, limits, page_tables = _sampler_from_columns(col[5:10]), col[10], packed[:, t + VERIFY_COLUMNS:]
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state)
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
     emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
     state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
-    emitted = _rows_to_lanes(emitted, lanes, width).reshape(-1)  # lane l's row t at l T + t
-    return (emitted, _rows_to_lanes(kept, lanes, width), logits.reshape(-1, logits.shape[-1])), state
+    out = (_rows_to_lanes(emitted, lanes, width).reshape(-1), _rows_to_lanes(kept, lanes, width),
+           logits.reshape(-1, logits.shape[-1]))  # emitted: lane l's row t at l T + t
+    if carry is None:
+        return out, state
+    drafts, k_mtp, v_mtp, last = mtp.mtp_verify_rows(params, cfg, kc, hidden, tokens, emitted, kept, counts,
+                                                     positions, page_tables, limits,
+                                                     carry.at[lanes].get(mode="fill", fill_value=0),
+                                                     state.k_pages[-1], state.v_pages[-1])
+    state = state.replace(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
+    carry = carry.at[lanes].set(last.astype(carry.dtype), mode="drop")
+    return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
 
 
 def _logprobs_step(logits, tokens, rows, top_k_groups):
@@ -254,7 +275,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
                  kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
-                 kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=()):
+                 kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=(), mtp: bool = False):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
@@ -273,7 +294,10 @@ class ModelRunner:
         self._stop_mask = jnp.asarray(stop_mask)
         # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
-        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile)
+        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile, mtp=mtp)
+        # MTP drafting: each lane's last target hidden (the MTP row of a position needs it and the next token, which
+        # the next step feeds), written by the prefill and verify steps; None without MTP.
+        self.mtp_carry = jnp.zeros((max_lanes, cfg.hidden_size), params.embed.dtype) if mtp else None
         self.kv_profile = kv_profile
         self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
         self._layout_checked: set = set()
@@ -286,12 +310,12 @@ class ModelRunner:
         self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
         self._steps = {
             "prefill": jax.jit(_own(_prefill_step), static_argnames=("cfg", "kc", "full", "layout"),
-                               donate_argnames=("state",)),
+                               donate_argnames=("state", "carry")),
             "process": jax.jit(_own(_process_step), static_argnames=("width",), donate_argnames=("sampler_state",)),
             "sampler_lane": jax.jit(_own(set_lane_row), donate_argnames=("state",)),
             "decode": jit_decode_step(),
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
-                              donate_argnames=("state",)),
+                              donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
@@ -343,19 +367,20 @@ class ModelRunner:
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
                 tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False,
-                lane: int | None = None, allowed: np.ndarray | None = None):
+                lane: int | None = None, allowed: np.ndarray | None = None, resumed: bool = False):
         """Prefill len(tokens) <= largest bucket tokens of one lane; returns (next token [1], chosen logprob [1],
         (top ids [1, 20], top logprobs [1, 20])), the last two None unless `logprobs`.
 
         page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
         64-aligned positions whose state is also written to snapshot slots (in-kernel taps). With `allowed` (the
         lane's packed allowed tokens, int32 [mask_words]; all bits set for none), the token is sampled from the
-        logits processed with lane `lane`'s SamplerState row, which counts it.
+        logits processed with lane `lane`'s SamplerState row, which counts it. With MTP, `lane` holds the lane's
+        carry and `resumed` marks its first pass after a cache hit (`mtp.mtp_prefill_rows`).
         """
         size = self.bucket(len(tokens))
         no_taps = tap_positions is None
         packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
-                                     () if no_taps else tap_slots, page_table, self.max_taps)
+                                     () if no_taps else tap_slots, page_table, self.max_taps, lane or 0, resumed)
         extras = None
         if allowed is not None:
             extras = np.concatenate([[lane], *(c[:1] for c in _sampler_columns(sampler)), [lane], allowed])
@@ -368,9 +393,12 @@ class ModelRunner:
     def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool, extras=None):
         """extras: the processing row [PROCESS_COLUMNS + W] of `_process_step`, or None."""
         full = full and extras is None  # the step's own token is replaced: its cheapest sampler will do
-        (tokens, logits), state = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
-                                                         (size, self.max_taps), self.state, packed)
+        (tokens, logits), state, *carry = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
+                                                                 (size, self.max_taps), self.state, packed,
+                                                                 self.mtp_carry)
         self._swap(state, ("prefill", size, full))
+        if carry:
+            self.mtp_carry = carry[0]
         if extras is not None:
             tokens = self._process(logits, extras[None], 0)
         return self._with_logprobs(tokens, logits, self._prefill_rows, logprobs)
@@ -442,26 +470,32 @@ class ModelRunner:
         """The compiled verify round size for `lanes` speculating lanes."""
         return fit(lanes, self.verify_sizes, "verify round of {} lanes")
 
-    def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False):
+    def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False,
+               limits=None):
         """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
         count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
         lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C T], chosen logprobs [C T], top,
         kept [C]) on the device, copying to the host: lane l's row t at l T + t; the logprobs None unless
-        `logprobs`."""
+        `logprobs`. With MTP, limits [C] are the positions each lane's pages map, and a fifth entry holds the next
+        round's drafts by lane [C, T - 1]."""
         lanes = np.flatnonzero(np.asarray(counts) > 0)
         packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
-                                    page_tables, slots, sampler)
+                                    page_tables, slots, sampler, limits)
         return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
 
     def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
         layout = (rows, self.max_lanes)
-        (emitted, kept, logits), state = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout,
-                                                               self.state, packed, self._stop_mask)
+        out, state, *carry = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state,
+                                                   packed, self._stop_mask, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
+        (emitted, kept, logits), drafts = out[:3], out[3:]
+        if carry:
+            self.mtp_carry = carry[0]
         # row r's t-th logits chose emitted[lane r, t]: index l T + t of the flattened tokens (padding: past them)
         places = (packed[:, rows + 4][:, None] * rows + np.arange(rows)).reshape(-1).astype(np.int32)
-        kept.copy_to_host_async()
-        return (*self._with_logprobs(emitted, logits, places, logprobs), kept)
+        for x in (kept, *drafts):
+            x.copy_to_host_async()
+        return (*self._with_logprobs(emitted, logits, places, logprobs), kept, *drafts)
 
     def set_sampler_lane(self, lane: int, row: np.ndarray) -> None:
         """Writes a lane's SamplerState row (`sampling.lane_row`) and zeroes its output counts: at admission of a
