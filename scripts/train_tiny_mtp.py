@@ -8,10 +8,15 @@ tokenized once with the real tokenizer. Loss: next-token cross-entropy + --mtp-w
 position i reads the target's h_i and t_{i+1} and predicts t_{i+2}). Everything (tokenizing, compiling, training,
 evaluating, writing, sampling) ends within --minutes of wall time: training stops --reserve-seconds before the end.
 
-On the H200 (its image has optax; the wheels are for one without it), in one call:
-    pip install -q --no-index --find-links .device_carry/wheels optax; \
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/train_tiny_mtp.py --minutes 6 --out $OUT/tiny-trained \
-        --tokenizer .device_carry/qwen35-tokenizer --work-dir /tmp/train
+On the H200, in one call (its image has optax; the wheels are for one without it). Files over 16 MiB do not come
+back from the device: the weights come back in 15 MiB parts (`cat model.safetensors.part* > model.safetensors` here)
+and tokenizer.json stays there (`write_qwen35_tokenizer_files` writes it again):
+    python3 -c "import optax" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+        .device_carry/wheels/*.whl
+    PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site python3 scripts/train_tiny_mtp.py --minutes 6 \
+        --out $OUT/tiny-trained --tokenizer .device_carry/qwen35-tokenizer --work-dir /tmp/train
+    cd $OUT/tiny-trained && split -b 15M -d model.safetensors model.safetensors.part \
+        && rm model.safetensors tokenizer.json
 On CPU, a few steps at a tiny size (the loss goes down), into a temporary folder:
     python scripts/train_tiny_mtp.py --smoke
 """
