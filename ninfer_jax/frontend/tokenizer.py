@@ -45,6 +45,10 @@ class Tokenizer:
         """Token ids of `text`; added-token spellings in it (e.g. `<|im_start|>`) become those tokens."""
         return self._backend.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, the texts spread over the Rust core's threads (a training corpus)."""
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each token's [start, end) character span in `text`."""
         encoding = self._backend.encode(text, add_special_tokens=False)

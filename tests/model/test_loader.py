@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from oracle import oracle_config
 from ninfer_jax.model import CheckpointError, ConfigError, forward, load_checkpoint
-from ninfer_jax.model.tiny import write_random_checkpoint
+from ninfer_jax.model.tiny import params_tensors, write_checkpoint, write_random_checkpoint
 
 
 @pytest.fixture()
@@ -39,6 +40,15 @@ def test_vlm_and_text_layouts_load_the_same_weights(tmp_path):
     assert ct.layout == "text" and cv.layout == "vlm" and ct.is_moe and cv.is_moe
     tokens = np.arange(70) % 1024
     np.testing.assert_array_equal(np.asarray(forward(pt, ct, tokens)), np.asarray(forward(pv, cv, tokens)))
+
+
+def test_params_written_back_load_as_the_same_params(tmp_path):
+    """params_tensors + write_checkpoint (how a trained model is written) invert the loader: MoE, VLM layout, MTP."""
+    config = oracle_config("tiny-moe", "vlm")
+    cfg, params = load_checkpoint(write_random_checkpoint(tmp_path / "a", config, seed=4), dtype="float32")
+    _, again = load_checkpoint(write_checkpoint(tmp_path / "b", config, params_tensors(cfg, params)), dtype="float32")
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), params, again)
+    assert again.mtp is not None and all(jax.tree.leaves(same))
 
 
 def test_sharded_bf16_checkpoint_loads_in_requested_dtype(tmp_path):
