@@ -397,15 +397,43 @@ def default_checkpoint(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
     """The built-in default checkpoint, written on first use (atomically) and reused while its stamp matches this
     writer and preset file; a copy another version wrote is replaced."""
     target = ninfer_home() / f"{preset}-seed{seed}"
-    stamp = _stamp(preset, seed)
+    log_line = f"writing built-in checkpoint | {preset} | seed {seed} | {target}"
+    return _materialize(target, _stamp(preset, seed), log_line, lambda tmp: write_random_checkpoint(
+        tmp, preset_config(preset), seed=seed, dtype="float32", tokenizer=True))
+
+
+# The trained tiny checkpoint (scripts/train_tiny_mtp.py), stored in the package without its tokenizer files
+TRAINED_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-trained"
+
+
+def trained_checkpoint() -> Path:
+    """The trained tiny checkpoint with the Qwen3.5 tokenizer beside it, assembled under ninfer_home on first use
+    and reused while its stamp matches the stored weights."""
+    weights = TRAINED_DIR / "model.safetensors"
+    stamp = hashlib.sha256((TRAINED_DIR / "config.json").read_bytes()
+                           + f"|{weights.stat().st_size}|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
+    target = ninfer_home() / "tiny-trained"
+
+    def write(tmp: Path) -> None:
+        from ninfer_jax.frontend.tokenizer import write_qwen35_tokenizer_files
+
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(TRAINED_DIR / name, tmp / name)
+        write_qwen35_tokenizer_files(tmp)
+
+    return _materialize(target, stamp, f"assembling the trained tiny checkpoint | {target}", write)
+
+
+def _materialize(target: Path, stamp: str, log_line: str, write) -> Path:
+    """`target` as write(tmp) makes it, done once (atomically) and reused while its stamp file holds `stamp`; a copy
+    with another stamp is replaced."""
     if (target / STAMP).exists() and (target / STAMP).read_text() == stamp:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("writing built-in checkpoint | %s | seed %d | %s%s", preset, seed, target,
-             " | replacing a copy another version wrote" if target.exists() else "")
+    log.info("%s%s", log_line, " | replacing a copy another version wrote" if target.exists() else "")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_random_checkpoint(tmp, preset_config(preset), seed=seed, dtype="float32", tokenizer=True)
+        write(tmp)
         (tmp / STAMP).write_text(stamp)
         if target.exists():  # moved aside first, so the new copy lands in one rename
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
