@@ -193,13 +193,11 @@ def bench_model(name: str, args) -> dict:
 
 
 def heldout_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
-    """`count` prompts of `tokens` tokens: the starts of the standard library's last .py files (sorted by path)."""
-    import sysconfig
+    """`count` prompts of `tokens` tokens: the starts of the trained checkpoint's last corpus files."""
+    from ninfer_jax.model.tiny import stdlib_sources
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
     prompts = []
-    for path in reversed(files):
+    for path in reversed(stdlib_sources()):
         ids = tokenizer.encode(path.read_text(errors="replace"))
         if len(ids) >= tokens:
             prompts.append(list(ids[:tokens]))

@@ -27,7 +27,6 @@ import argparse
 import hashlib
 import math
 import shutil
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -56,12 +55,6 @@ def say(event: str, **numbers) -> None:
 
 
 # --- corpus -------------------------------------------------------------------------------------------
-def stdlib_files() -> list[Path]:
-    """The standard library's .py sources (installed packages left out), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-
-
 def corpus_tokens(files: list[Path], tokenizer: Tokenizer, work_dir: Path, max_bytes: int) -> np.ndarray:
     """The files' tokens, each file followed by <|endoftext|>, as int32; cached in work_dir under a key of the file
     list, their sizes and the tokenizer, so a second run reads them back."""
@@ -305,7 +298,7 @@ def main(argv=None) -> None:
     say("start", backend=jax.default_backend(), hidden=cfg.hidden_size, layers=",".join(cfg.layer_types),
         vocab=cfg.vocab_size, dtype=args.dtype)
 
-    tokens = corpus_tokens(stdlib_files(), tokenizer, args.work_dir, int(args.max_corpus_mb * 1e6))
+    tokens = corpus_tokens(tiny.stdlib_sources(), tokenizer, args.work_dir, int(args.max_corpus_mb * 1e6))
     held_out = max(len(tokens) // 50, args.val_batches * args.batch * (args.seq_len + 2) + 1)
     train_tokens, val_tokens = tokens[:-held_out], tokens[-held_out:]
     rng = np.random.default_rng(args.seed)

@@ -27,6 +27,11 @@ from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from pallas_kernels.reference import rms_norm
 
 
+def _one_layer(cfg: ModelConfig) -> ModelConfig:
+    """The config the MTP layer runs under: the target's, with one full-attention layer."""
+    return dataclasses.replace(cfg, layer_types=("full_attention",))
+
+
 def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, k_pages, v_pages, attn):
     """The MTP layer over rows of (target hidden [R, H], following token [R]) -> (its final-normed hidden [R, H],
     k_pages, v_pages). attn(p, one, h, kp, vp) is its attention over its own pages (prefill or decode form), `one`
@@ -35,7 +40,7 @@ def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens
     embedded = rms_norm(params.embed[tokens], mtp.pre_fc_norm_embedding, eps)
     x = dot(kc, jnp.concatenate([embedded, rms_norm(hidden, mtp.pre_fc_norm_hidden, eps)], axis=-1), mtp.fc)
     # The layer runs as a one-layer model through the target's layer loop.
-    one = dataclasses.replace(cfg, layer_types=("full_attention",))
+    one = _one_layer(cfg)
     pools = DeviceState((k_pages,), (v_pages,), (), ())
     hidden, pools = _run_layers(params.replace(layers=(mtp.layer,), final_norm=mtp.norm), one, kc, x, pools, None,
                                 lambda p, h, kp, vp: attn(p, one, h, kp, vp))
@@ -47,8 +52,7 @@ def _mtp_forward_jit(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
     # Fresh pages of its own: causal attention within the sequence, positions from 0.
     t = hidden.shape[0]
     num_pages = -(-t // PAGE)
-    one = dataclasses.replace(cfg, layer_types=("full_attention",))
-    state = init_device_state(one, num_pages, 1, hidden.dtype, hidden.dtype)
+    state = init_device_state(_one_layer(cfg), num_pages, 1, hidden.dtype, hidden.dtype)
     ctx = {"base": jnp.int32(0), "valid": jnp.ones((t,), bool), "page_table": jnp.arange(num_pages, dtype=jnp.int32)}
     out, _, _ = mtp_layer(params, cfg, kc, hidden, next_tokens, state.k_pages[0], state.v_pages[0],
                           lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))

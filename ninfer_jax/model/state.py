@@ -37,6 +37,14 @@ class DeviceState:
     def num_slots(self) -> int:
         return self.ssm[0].shape[0] if self.ssm else 0
 
+    @property
+    def mtp_pages(self):
+        """(K, V) pools of the MTP layer: the last pair, in a state made with `init_device_state(..., mtp=True)`."""
+        return self.k_pages[-1], self.v_pages[-1]
+
+    def with_mtp_pages(self, k_pages, v_pages) -> "DeviceState":
+        return self.replace(k_pages=self.k_pages[:-1] + (k_pages,), v_pages=self.v_pages[:-1] + (v_pages,))
+
 
 def page_bytes(cfg: ModelConfig, kv_dtype, kv_profile: str = "auto", mtp: bool = False) -> int:
     """Bytes of one 64-token page bundle across all full-attention layers (K and V, values and scales) in a KV

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import shutil
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -409,9 +410,9 @@ TRAINED_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-traine
 def trained_checkpoint() -> Path:
     """The trained tiny checkpoint with the Qwen3.5 tokenizer beside it, assembled under ninfer_home on first use
     and reused while its stamp matches the stored weights."""
-    weights = TRAINED_DIR / "model.safetensors"
-    stamp = hashlib.sha256((TRAINED_DIR / "config.json").read_bytes()
-                           + f"|{weights.stat().st_size}|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
+    # By content: a checkpoint trained again has the same shapes, so the same size
+    stamp = hashlib.sha256((TRAINED_DIR / "config.json").read_bytes() + (TRAINED_DIR / "model.safetensors").read_bytes()
+                           + f"|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
     target = ninfer_home() / "tiny-trained"
 
     def write(tmp: Path) -> None:
@@ -422,6 +423,13 @@ def trained_checkpoint() -> Path:
         write_qwen35_tokenizer_files(tmp)
 
     return _materialize(target, stamp, f"assembling the trained tiny checkpoint | {target}", write)
+
+
+def stdlib_sources() -> list[Path]:
+    """The trained checkpoint's corpus: the standard library's .py sources (installed packages left out), sorted by
+    path; `train_tiny_mtp.py` holds out the end of their tokens."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
 def _materialize(target: Path, stamp: str, log_line: str, write) -> Path:

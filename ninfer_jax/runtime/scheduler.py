@@ -89,6 +89,7 @@ class Scheduler:
         self.mtp = options.speculative == "mtp"
         self.proposer = NgramProposer(k, options.prompt_lookup_min, options.prompt_lookup_max) \
             if options.speculative == "ngram" else None
+        self.speculating = options.speculative is not None
         self.speculative, self.pause = SpeculativeStats(k), DraftPause()
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
@@ -290,7 +291,7 @@ class Scheduler:
             previous.starved |= starved
         if not active.any():
             return None
-        if self.proposer is not None or self.mtp:
+        if self.speculating:
             verify = self._dispatch_verify(active) if previous is None and self._may_speculate() else None
             if verify is not None:
                 return verify
@@ -312,7 +313,7 @@ class Scheduler:
         take part. Otherwise rounds run as with speculation off, one in flight while the previous is read: wider
         rounds pay for their extra rows, and logit processing runs in plain rounds (its statistics follow each
         token)."""
-        if self.proposer is None and not self.mtp or self.pause.paused:
+        if not self.speculating or self.pause.paused:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
         return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
@@ -412,7 +413,8 @@ class Scheduler:
         ended = []
         for req in done.reqs:
             req.computed += 1
-            req.drafts = req.drafts[:0]  # MTP drafts follow the token a verify round emitted, not this round's
+            if self.mtp:  # its drafts follow the token a verify round emitted, not this round's
+                req.drafts = req.drafts[:0]
             self.cache_manager.computed(req)
             if req.finish_reason is None:  # else it ended at the last read; this round fed its last token
                 self.outputs.accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
@@ -490,5 +492,5 @@ class Scheduler:
             "pages": self.pages.ledger(),
             "counters": dict(self.counters),
             "speculative": {**self.speculative.as_dict(), "pauses": self.pause.pauses}
-            if self.proposer is not None or self.mtp else None,
+            if self.speculating else None,
         }

@@ -105,10 +105,9 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed, carry=None):
     if carry is None:
         return out, state
     lane, resumed = scalars[8], scalars[9] != 0
-    k_mtp, v_mtp = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane],
-                                        resumed, state.k_pages[-1], state.v_pages[-1])
-    state = state.replace(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
-    return out, state, carry.at[lane].set(last[0].astype(carry.dtype))
+    pages = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane], resumed,
+                                 *state.mtp_pages)
+    return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype))
 
 
 # tokens, positions, slots, active, use_prev, lane, then the five sampler columns
@@ -202,8 +201,8 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     drafts, k_mtp, v_mtp, last = mtp.mtp_verify_rows(params, cfg, kc, hidden, tokens, emitted, kept, counts,
                                                      positions, page_tables, limits,
                                                      carry.at[lanes].get(mode="fill", fill_value=0),
-                                                     state.k_pages[-1], state.v_pages[-1])
-    state = state.replace(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
+                                                     *state.mtp_pages)
+    state = state.with_mtp_pages(k_mtp, v_mtp)
     carry = carry.at[lanes].set(last.astype(carry.dtype), mode="drop")
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
 
