@@ -90,9 +90,9 @@ def _write_row(refs, fmt, page, row, j, xs: dict, spans, d: int):
                                                       for gi in groups).astype(fmt.scale_dtype)
 
 
-def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_ref, inv_freq_ref, *refs,
+def _kernel(positions_ref, rope_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_ref, inv_freq_ref, *refs,
             num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float, k_fmt, v_fmt):
-    # positions_ref, active_ref: [B] int32; tables_ref: [B, max_pages] int32; proj_ref: [B, Hq 2D + 2 Hkv D];
+    # positions_ref, rope_ref, active_ref: [B] int32 (where the key goes, where it rotates to); tables_ref: [B, max_pages] int32; proj_ref: [B, Hq 2D + 2 Hkv D];
     # q_norm_ref, k_norm_ref: [D]; inv_freq_ref: [rotary_dim / 2] f32; refs: the K pool's planes and the V pool's
     # [P, 64, Hkv, *] (aliased with the outputs after q), q (out) [B, Hq, D], then the K and V planes (out)
     n_k, n_v = (1 if f is None else 2 for f in (k_fmt, v_fmt))
@@ -103,7 +103,7 @@ def _kernel(positions_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_
     act = proj_ref.dtype
     half = rotary_dim // 2
     pos = positions_ref[b]
-    freqs = pos.astype(_F32) * inv_freq_ref[...]
+    freqs = rope_ref[b].astype(_F32) * inv_freq_ref[...]
     cos, sin = (f.astype(act).astype(_F32) for f in (jnp.cos(freqs), jnp.sin(freqs)))
 
     def normed_and_rotated(offset, norm_ref, packed=False):
@@ -146,8 +146,9 @@ def supported(head_dim: int, rotary_dim: int, k_pages=None) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "rotary_dim", "eps", "interpret"))
-def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages, v_pages, *,
-                    num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float, interpret: bool = False):
+def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages, v_pages,
+                    rope_positions=None, *, num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float,
+                    interpret: bool = False):
     """Normalised, rotated queries [B, Hq, D] in proj's dtype, and the pools with each active lane's new key and value
     written at its position (page_tables[b, position // 64], row position % 64).
 
@@ -157,6 +158,8 @@ def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, acti
       q_norm, k_norm: [D] zero-centred norm weights. inv_freq: [rotary_dim / 2] float32 RoPE frequencies.
       positions: [B] int32; page_tables: [B, max_pages] int32; active: [B] bool.
       k_pages, v_pages: [P, 64, Hkv, D], plain or `kv_quant.QuantPages` (updated in place; donate them).
+      rope_positions: [B] int32, the positions q and k rotate to (None: `positions`); after an image they run
+        ahead of the KV positions by the prompt's MRoPE delta.
     """
     lanes = proj.shape[0]
     d = k_pages.shape[3]
@@ -170,20 +173,22 @@ def attn_decode_qkv(proj, q_norm, k_norm, inv_freq, positions, page_tables, acti
             or page_tables.shape[0] != lanes):
         raise ValueError(f"attn_decode_qkv: positions {positions.shape}, active {active.shape}, page_tables "
                          f"{page_tables.shape} must be per lane ({lanes})")
+    rope_positions = positions if rope_positions is None else rope_positions
     planes = kv_quant.planes(k_pages) + kv_quant.planes(v_pages)
     n_k = len(kv_quant.planes(k_pages))
     q, *planes = pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, rotary_dim=rotary_dim, eps=eps,
                           k_fmt=kv_quant.format_of(k_pages), v_fmt=kv_quant.format_of(v_pages)),
         grid=(lanes, num_heads + num_kv_heads),
-        in_specs=[_compat.full_spec()] * (7 + len(planes)),
+        in_specs=[_compat.full_spec()] * (8 + len(planes)),
         out_specs=[_compat.full_spec()] * (1 + len(planes)),
         out_shape=[jax.ShapeDtypeStruct((lanes, num_heads, d), proj.dtype)]
                   + [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
-        input_output_aliases={7 + i: 1 + i for i in range(len(planes))},
+        input_output_aliases={8 + i: 1 + i for i in range(len(planes))},
         compiler_params=_compat.triton_params(2, 1),
         interpret=interpret,
         name="attn_decode_qkv",
-    )(positions.astype(jnp.int32), page_tables.astype(jnp.int32), active.astype(jnp.int32), proj, q_norm, k_norm,
+    )(positions.astype(jnp.int32), rope_positions.astype(jnp.int32), page_tables.astype(jnp.int32),
+      active.astype(jnp.int32), proj, q_norm, k_norm,
       inv_freq.astype(_F32), *planes)
     return q, kv_quant.with_planes(k_pages, planes[:n_k]), kv_quant.with_planes(v_pages, planes[n_k:])

@@ -7,6 +7,7 @@ from .detokenizer import IncrementalDetokenizer
 from .prepared_prompt import Breakpoint, PreparedPrompt, TapHint, TapHintKind, prepare_chat, prepare_tokens
 from .qwen35_template import QWEN35_CHAT_TEMPLATE
 from .tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer, write_qwen35_tokenizer_files
+from .vision_prompt import PromptImage, PromptMedia, VisionFrontend
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -16,12 +17,15 @@ __all__ = [
     "ChatTemplateError",
     "IncrementalDetokenizer",
     "PreparedPrompt",
+    "PromptImage",
+    "PromptMedia",
     "QWEN35_CHAT_TEMPLATE",
     "RenderedChat",
     "TapHint",
     "TapHintKind",
     "Tokenizer",
     "TokenizerNotFoundError",
+    "VisionFrontend",
     "chain_block_hashes",
     "load_chat_template",
     "load_tokenizer",

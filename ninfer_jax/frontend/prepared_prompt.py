@@ -20,6 +20,7 @@ from .block_hash import chain_block_hashes
 from .chat_layout import ChatLayout
 from .chat_template import ChatTemplate, Message
 from .tokenizer import Tokenizer
+from .vision_prompt import PromptMedia, VisionFrontend, expand_images, image_parts
 
 
 class TapHintKind(enum.IntEnum):
@@ -57,19 +58,41 @@ class PreparedPrompt:
     token_ids: np.ndarray  # [n] int32, read-only
     block_hashes: np.ndarray  # [n // 64] uint64 chained lookup hashes (block_hash.py), read-only
     tap_hints: tuple[TapHint, ...] = ()  # sorted by (position, kind); no duplicates
+    media: PromptMedia | None = None  # the images' spans, pixels, media keys and MRoPE positions
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def vision_spans(self) -> tuple[tuple[int, int], ...]:
+        """(begin, length) of each image's placeholder span: no resume or tap frontier lies strictly inside one."""
+        return self.media.spans if self.media is not None else ()
 
-def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHint] = ()) -> PreparedPrompt:
+    def block_extra(self, block: int) -> int:
+        """Block `block`'s media key (spec §5.1): 0 where no image overlaps it."""
+        return self.media.extra(block) if self.media is not None else 0
+
+    def block_extras(self) -> list[int] | None:
+        """The full blocks' media keys, or None for a prompt without images."""
+        if self.media is None:
+            return None
+        return [int(e) for e in self.media.block_extras[: self.num_tokens // 64]]
+
+
+def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHint] = (), *, images: Sequence = (),
+                   vision: VisionFrontend | None = None) -> PreparedPrompt:
     """A prompt given as token ids: its block hashes, and the caller's tap hints (token ids carry no structure to
-    read hints from)."""
+    read hints from). With `images` (encoded bytes or RGB uint8 arrays), each `vision.image_pad_id` in the ids, in
+    order, expands to its image's span; hint positions count the ids as given."""
     tokens = np.array(token_ids, dtype=np.int32)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
-    return _prepared(tokens, tuple(sorted(hints)))
+    media = None
+    if len(images):
+        tokens, media, shifted = expand_images(vision, tokens, [(f"images[{i}]", im) for i, im in enumerate(images)])
+        hints = [TapHint(int(shifted[h.position]), h.kind) for h in hints]
+    return _prepared(tokens, tuple(sorted(hints)), media)
 
 
 def prepare_chat(
@@ -81,6 +104,7 @@ def prepare_chat(
     breakpoints: Iterable[Breakpoint] = (),
     template: ChatTemplate | None = None,
     add_generation_prompt: bool = True,
+    vision: VisionFrontend | None = None,
     **template_kwargs: Any,
 ) -> PreparedPrompt:
     """Renders a conversation, tokenizes it, and maps its structure and breakpoints to tap hints.
@@ -94,11 +118,14 @@ def prepare_chat(
             the end of its message or content part.
         template: the checkpoint's template (load_chat_template); None means the built-in Qwen3.5 one.
         add_generation_prompt: append the assistant opener.
+        vision: the model's image expansion (None: a model without a vision tower). Image content parts are
+            `{"type": "image", "image": <encoded bytes, or an RGB uint8 array>}`.
         template_kwargs: further template variables.
 
     Raises:
         ChatTemplateError: the template rejected the conversation.
         IndexError: a breakpoint names a message or part that does not exist.
+        ImageError: an image part cannot be used (the message names the part).
     """
     rendered = (template or ChatTemplate.qwen35()).render(
         messages, tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **template_kwargs
@@ -108,8 +135,13 @@ def prepare_chat(
     # Running maximum: a position counts only tokens that, with all before them, end by the offset.
     prefix_ends = np.maximum.accumulate(np.array([end for _, end in offsets] or [0], dtype=np.int64))
     positions = np.searchsorted(prefix_ends, [offset for offset, _ in hinted], side="right")
-    hints = {TapHint(int(p), kind) for p, (_, kind) in zip(positions, hinted) if 0 < p < len(ids)}
-    return _prepared(np.array(ids, dtype=np.int32), tuple(sorted(hints)))
+    tokens, media = np.array(ids, dtype=np.int32), None
+    parts = image_parts(rendered.messages)
+    if parts:
+        tokens, media, shifted = expand_images(vision, tokens, parts)
+        positions = shifted[positions]
+    hints = {TapHint(int(p), kind) for p, (_, kind) in zip(positions, hinted) if 0 < p < len(tokens)}
+    return _prepared(tokens, tuple(sorted(hints)), media)
 
 
 def _structural_offsets(layout: ChatLayout) -> list[tuple[int, TapHintKind]]:
@@ -147,8 +179,9 @@ def _breakpoint_offsets(
     return offsets
 
 
-def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...]) -> PreparedPrompt:
-    hashes = chain_block_hashes(tokens)
+def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None = None) -> PreparedPrompt:
+    extras = None if media is None else media.block_extras[: len(tokens) // 64]
+    hashes = chain_block_hashes(tokens, extras)
     tokens.setflags(write=False)
     hashes.setflags(write=False)
-    return PreparedPrompt(token_ids=tokens, block_hashes=hashes, tap_hints=hints)
+    return PreparedPrompt(token_ids=tokens, block_hashes=hashes, tap_hints=hints, media=media)

@@ -158,7 +158,7 @@ def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bi
 
 
 def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages,
-                    v_pages, cfg):
+                    v_pages, cfg, rope_positions=None):
     """The fused attention decode step up to the attention kernel (kc.fuse_attn_qkv): the qkv projection's output
     [B, Hq 2D + 2 Hkv D] -> (normalised, rotated q [B, Hq, D], the pools with each active lane's new key and value
     written, quantized for a quantized pool); None when the rows exceed DECODE_MAX_ROWS or the kernel does not take
@@ -170,7 +170,7 @@ def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions,
     if not kernel.supported(cfg.head_dim, cfg.rotary_dim, k_pages):
         return None
     return kernel.attn_decode_qkv(proj, q_norm, k_norm, jnp.asarray(inv_freq), positions, page_tables, active,
-                                  k_pages, v_pages, num_heads=cfg.num_attention_heads,
+                                  k_pages, v_pages, rope_positions, num_heads=cfg.num_attention_heads,
                                   num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
                                   eps=cfg.rms_norm_eps, interpret=kc.interpret)
 

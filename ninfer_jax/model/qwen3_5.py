@@ -241,10 +241,12 @@ def _attn_qkv(q_norm, k_norm, proj, positions, cfg: ModelConfig):
     return q, k, v, gate
 
 
-def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg: ModelConfig):
+def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg: ModelConfig,
+                             rope_positions=None):
     """One decode token per lane up to the attention kernel, composed (`ops.attn_decode_qkv` is it as one kernel):
-    -> (q normalised and rotated, the pools with each active lane's key and value at its position)."""
-    q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions, cfg)
+    -> (q normalised and rotated to rope_positions (None: positions), the pools with each active lane's key and
+    value at its position)."""
+    q, k, v, _ = _attn_qkv(q_norm, k_norm, proj, positions if rope_positions is None else rope_positions, cfg)
     page_ids = jnp.where(active, tables[jnp.arange(proj.shape[0]), positions // PAGE], k_pages.shape[0])
     rows = positions % PAGE
     return q, kv_quant.write(k_pages, k, page_ids, rows), kv_quant.write(v_pages, v, page_ids, rows)
@@ -359,12 +361,14 @@ def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
+    rotary = positions + ctx.get("rope_shift", 0)  # a prompt's MRoPE delta: its images moved later tokens' positions
     proj = dot(kc, x, p.qkv_proj)
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
     fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
-                                k_pages, v_pages, cfg)
+                                k_pages, v_pages, cfg, rotary)
     if fused is None:
-        fused = attn_decode_qkv_composed(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
+        fused = attn_decode_qkv_composed(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg,
+                                         rotary)
     q, k_pages, v_pages = fused
     gate = _attn_split(proj, cfg)[3]
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
@@ -372,16 +376,17 @@ def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
 
 
 def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, active,
-           state: DeviceState):
+           state: DeviceState, rope_shift=0):
     """One token for each of B lanes.
 
     Args:
       tokens, positions, slots: [B] int32; page_tables: [B, max_pages] int32; active: [B] bool. Inactive
         lanes leave their slot, conv history and pages untouched (their outputs are garbage).
+      rope_shift: [B] int32 (or 0), each lane's prompt's MRoPE delta: the token rotates at position + shift.
     Returns:
       (hidden [B, H] after the final norm, updated DeviceState).
     """
-    ctx = dict(positions=positions, page_tables=page_tables, slots=slots, active=active)
+    ctx = dict(positions=positions, page_tables=page_tables, slots=slots, active=active, rope_shift=rope_shift)
     x = params.embed[tokens]
     return _run_layers(
         params, cfg, kc, x, state,
@@ -441,13 +446,13 @@ def _gdn_rows(kc: KernelConfig, q, k, v, g, beta, states):
 
 
 def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, counts,
-           state: DeviceState):
+           state: DeviceState, rope_shift=0):
     """T tokens for each of B lanes in one step (a speculative round: the last token, then the drafts).
 
     Args:
       tokens: [B, T] int32; lane b feeds tokens[b, :counts[b]] at positions[b], positions[b] + 1, ...
       positions, slots, counts: [B] int32 (count 0: an inactive lane); page_tables: [B, max_pages] int32, mapping
-        every position a lane feeds.
+        every position a lane feeds. rope_shift: [B] int32 (or 0), as `decode`'s.
     Returns:
       (hidden [B * T, H] after the final norm, lane-major; the DeviceState with every fed row's KV written and
       the GDN pools unchanged; the replay that `commit_verified` takes).
@@ -458,7 +463,8 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     # Every row is one decode query over its lane's pages: a row's own key and the earlier rows' are written
     # before attention reads, so its length alone makes it causal.
     attn_ctx = dict(positions=(positions[:, None] + rows[None, :]).reshape(-1), active=active,
-                    page_tables=jnp.repeat(page_tables, t, axis=0))
+                    page_tables=jnp.repeat(page_tables, t, axis=0),
+                    rope_shift=jnp.repeat(jnp.broadcast_to(rope_shift, (b,)), t))
     gdn_ctx = dict(shape=(b, t), slots=slots, counts=counts)
     replays: list = []
     hidden, state = _run_layers(

@@ -254,3 +254,52 @@ def vision_forward(params: VisionParams, vcfg: VisionConfig, pixel_values, grid_
     taps, tap_weights, pos = grid_metadata(vcfg, grid)
     lengths = tuple(h * w for _, h, w in grid)
     return _encode(params, jnp.asarray(pixel_values), taps, tap_weights, pos, vcfg=vcfg, lengths=lengths)
+
+
+# --- serving: one image per call, padded to a bucket of patches ------------------------------------------------
+def patch_buckets(vcfg: VisionConfig, max_patches: int) -> tuple[int, ...]:
+    """The padded patch counts an image is encoded at: powers of two from 64 up to the first >= max_patches."""
+    sizes = [max(64, vcfg.spatial_merge_size**2)]
+    while sizes[-1] < max_patches:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def pad_image(vcfg: VisionConfig, pixel_values, grid, bucket: int):
+    """One image's encoder inputs padded to `bucket` patches (host arrays): pixels, position taps and weights,
+    rotary (row, col), and its patch count."""
+    taps, weights, pos = grid_metadata(vcfg, (tuple(int(v) for v in grid),))
+    n = taps.shape[0]
+    if n > bucket:
+        raise ValueError(f"an image of {n} patches does not fit a bucket of {bucket}")
+
+    def pad(a):
+        return np.concatenate([a, np.zeros((bucket - n,) + a.shape[1:], a.dtype)])
+
+    return pad(np.asarray(pixel_values, np.float32)), pad(taps), pad(weights), pad(pos), np.int32(n)
+
+
+def _masked_block(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, valid):
+    n, heads, hd = x.shape[0], vcfg.num_heads, vcfg.head_dim
+    h = _layer_norm(x, p.norm1_w, p.norm1_b)
+    qkv = (h @ p.qkv_w + p.qkv_b).reshape(n, 3, heads, hd)
+    q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+    out = jax.nn.dot_product_attention(q, k, v, scale=hd**-0.5, mask=valid[None, None, :])
+    x = x + out.reshape(n, heads * hd) @ p.proj_w + p.proj_b
+    h = jax.nn.gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
+    return x + h @ p.fc2_w + p.fc2_b
+
+
+def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid):
+    """One image padded to a bucket (`pad_image`) -> [bucket / merge^2, out_hidden_size]; rows past its
+    n_valid / merge^2 tokens are junk. Patches never attend to padding."""
+    dtype = params.patch_w.dtype
+    x = pixels.astype(dtype) @ params.patch_w + params.patch_b
+    x = x + (params.pos_embed[taps] * tap_weights[..., None].astype(dtype)).sum(1)
+    cos, sin = _rotary(vcfg, pos)
+    valid = jnp.arange(x.shape[0]) < n_valid
+    for blk in params.blocks:
+        x = _masked_block(blk, vcfg, x, cos, sin, valid)
+    mp = params.merger
+    x = _layer_norm(x, mp.norm_w, mp.norm_b).reshape(-1, vcfg.merged_dim)
+    return jax.nn.gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b

@@ -22,8 +22,10 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import jax
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.frontend import IncrementalDetokenizer, PreparedPrompt, load_chat_template, load_tokenizer
+from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
+                                 load_tokenizer)
 from ninfer_jax.model import load_checkpoint
+from ninfer_jax.model.loader import load_vision_checkpoint
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.model.tiny import default_checkpoint
@@ -78,8 +80,11 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, options: EngineOptions, *, tokenizer=None,
                  chat_template=None, model_name: str = "model", warmup: bool = True,
-                 weights_identity: dict | None = None, progress=None):
+                 weights_identity: dict | None = None, progress=None, vision=None):
         """Start an engine on loaded params (options.dtype must be the params' dtype).
+
+        vision: None, or (VisionConfig, VisionParams, VisionFrontend): the vision tower and the frontend's image
+        expansion (`self.vision`, which `prepare_chat(..., vision=engine.vision)` takes).
 
         weights_identity names the weights (from_pretrained: the checkpoint's files); a prefix_cache_file is
         used only by an engine whose weights, config, dtype, kernels and code equal the saving one's.
@@ -92,8 +97,13 @@ class Engine:
         eos = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
+        self.vision = None
+        if vision is not None:  # images resized to at most max_image_tokens, the encoder's largest program
+            vcfg, vparams, frontend = vision
+            self.vision = frontend.limited_to(o.max_image_tokens)
         parts = startup.build(config, params, o, stop_ids=frozenset(eos), warmup=warmup,
-                              weights_identity=weights_identity, progress=progress)
+                              weights_identity=weights_identity, progress=progress,
+                              vision=None if vision is None else vision[:2])
         self.runner, self.cache_manager, self.scheduler = parts.runner, parts.cache_manager, parts.scheduler
         self.cache_load = parts.cache_load  # the LoadReport of the prefix cache file (§5.5)
         self._cache_file = parts.cache_file
@@ -131,9 +141,14 @@ class Engine:
             raise ValueError(f"unknown engine option: {e}") from None
         options.resolve(10**9, jax.default_backend())  # refuse bad options before reading any weights
         config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
-        engine = cls(config, params, options, tokenizer=load_tokenizer(directory),
+        tokenizer = load_tokenizer(directory)
+        vision = None
+        frontend = VisionFrontend.from_checkpoint(directory, tokenizer) if vision_tower(directory) else None
+        if frontend is not None:  # a VLM whose image placeholder is known
+            vision = (*load_vision_checkpoint(directory, dtype=dtype), frontend)
+        engine = cls(config, params, options, tokenizer=tokenizer,
                      chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,
-                     weights_identity=checkpoint_identity(directory), progress=progress)
+                     weights_identity=checkpoint_identity(directory), progress=progress, vision=vision)
         if progress is not None:
             progress("ready", 1, 1)
         return engine
@@ -196,8 +211,18 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------
     def _prepare(self, prompt) -> PreparedPrompt:
-        return prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
-                              self.scheduler.pages.capacity * PAGE)
+        prepared = prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
+                                  self.scheduler.pages.capacity * PAGE)
+        if prepared.media is not None:
+            if self.vision is None:
+                raise InvalidRequestError("the prompt has images and this model has no vision tower")
+            largest = self.runner.patch_buckets[-1]
+            for i, image in enumerate(prepared.media.images):
+                if len(image.pixel_values) > largest:
+                    raise InvalidRequestError(f"image {i} has {len(image.pixel_values)} patches; at most {largest} "
+                                              f"(max_image_tokens {self.options.max_image_tokens}): prepare the "
+                                              f"prompt with engine.vision")
+        return prepared
 
     def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                sink=None) -> str:
@@ -345,6 +370,7 @@ class Engine:
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
             "speculative": scheduler["speculative"],
+            "vision": self.scheduler.images.stats() if self.scheduler.images is not None else None,
             "prefix_cache": {**self.cache_manager.stats(detail),
                              **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
             "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
@@ -378,3 +404,13 @@ class Engine:
 
 __all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
            "RequestOutput", "StreamEvent", "Usage"]
+
+
+def vision_tower(directory: Path) -> bool:
+    """Whether a checkpoint's config.json declares a vision tower (a VLM layout)."""
+    import json
+
+    try:
+        return "vision_config" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False

@@ -193,6 +193,15 @@ class EngineOptions:
         int, 4, "longest n-gram that prompt lookup matches", flag="--prompt-lookup-max", minimum=1, maximum=16)
     prompt_lookup_min: int = _option(
         int, 2, "shortest n-gram that prompt lookup matches", flag="--prompt-lookup-min", minimum=1, maximum=16)
+    max_image_tokens: int = _option(
+        int, 2048, "most placeholder tokens one image takes: a larger image is resized down to fit (as the image "
+        "processor's max_pixels does); bounds the vision encoder's compiled sizes", flag="--max-image-tokens",
+        minimum=4)
+    vision_cache_tokens: int | str = _option(
+        int, "auto", "image encoder outputs kept on the device, in tokens: a repeated image is encoded once",
+        flag="--vision-cache-tokens", minimum=4, auto=True,
+        rule="auto: the prefill chunk + 4 x max_image_tokens; at least the prefill chunk + 2 x max_image_tokens "
+             "(the images one prefill pass reads)")
     interpret: bool = _option(bool, False, "run the Pallas kernels in interpret mode (CPU tests)")
     output_window: int = _option(
         int, 512, "completion tokens whose KV pages a request reserves ahead (bounded completion, spec §9.5)",
@@ -259,6 +268,12 @@ class EngineOptions:
         attention = self.prefill_attention
         if attention == "auto":
             attention = "cudnn" if hopper and self.cudnn_conflict(backend) is None else "pallas"
+        pass_images = min(chunk, longest) + 2 * self.max_image_tokens  # a pass can cut an image at both ends
+        vision_rows = self.vision_cache_tokens if self.vision_cache_tokens != "auto" \
+            else pass_images + 2 * self.max_image_tokens
+        if vision_rows < pass_images:
+            raise OptionsError(f"vision_cache_tokens must be at least the prefill chunk + 2 x max_image_tokens "
+                               f"({pass_images}), got {vision_rows}")
         return dataclasses.replace(
             self,
             max_concurrency=lanes,
@@ -268,6 +283,7 @@ class EngineOptions:
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,
+            vision_cache_tokens=vision_rows,
             prefill_chunk=min(chunk, longest),
             idle_prefill_chunk=min(idle, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None

@@ -29,6 +29,7 @@ import numpy as np
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
 from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.images import ImageFeeder
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.outputs import OutputProcessor
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
@@ -79,6 +80,8 @@ class Scheduler:
         c = options.max_concurrency
         self.lanes: list[Request | None] = [None] * c
         self.page_tables = np.zeros((c, runner.max_pages), np.int32)
+        self.rope_shift = np.zeros(c, np.int32)  # each lane's prompt's MRoPE delta (images move later positions)
+        self.images = ImageFeeder(runner, options.vision_cache_tokens) if runner.vision is not None else None
         self.sampler = SamplerInputs.empty(c)
         self.waiting: collections.deque[Request] = collections.deque()
         self.counters = collections.Counter()
@@ -189,6 +192,7 @@ class Scheduler:
             head.drafts = head.drafts[:0]
             self.page_tables[lane] = 0
             self.page_tables[lane, :len(head.pages)] = head.pages
+            self.rope_shift[lane] = head.prompt.media.rope_delta if head.prompt.media is not None else 0
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
             if head.sampling.processed:  # its penalty statistics, bias and min_tokens on the device
                 self.runner.set_sampler_lane(lane, lane_row(head.sampling, head.prompt_ids, self.outputs.stop_ids,
@@ -209,11 +213,15 @@ class Scheduler:
         processing = self._processing([req]) if last else {}
         if req.scheduled_at is None:
             req.scheduled_at = time.perf_counter()
+        rope_positions = media_rows = None
+        if req.prompt.media is not None:
+            rope_positions, media_rows = self.images.pass_inputs(req.prompt, base, end)
         tokens_out, chosen, top = self.runner.prefill(
             req.prompt_ids[base:end], base, self.page_tables[req.lane], self.cache_manager.lane_slot(req.lane),
             self._lane_sampler(req.lane), tap_positions, tap_slots, full=last and not req.sampling.greedy,
             logprobs=last and req.sampling.logprobs is not None, lane=req.lane,
             allowed=processing["allowed"][req.lane] if processing else None, resumed=0 < base == req.cached_tokens,
+            rope_positions=rope_positions, media_rows=media_rows,
         )
         req.computed = end
         self.cache_manager.computed(req)
@@ -302,7 +310,8 @@ class Scheduler:
             tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
             full=any(not r.sampling.greedy for r in live),
             prev_tokens=previous.out[0] if previous is not None else None, use_prev=ahead & active,
-            logprobs=any(r.sampling.logprobs is not None for r in live), **self._processing(live),
+            logprobs=any(r.sampling.logprobs is not None for r in live), rope_shift=self.rope_shift,
+            **self._processing(live),
         )
         self.cache_manager.flush()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1
@@ -350,7 +359,8 @@ class Scheduler:
                 return None
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
-                                 logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits)
+                                 logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits,
+                                 rope_shift=self.rope_shift)
         self.cache_manager.flush()
         self.counters["decode_rounds"] += 1
         self.speculative.rounds += 1

@@ -36,14 +36,19 @@ def _case(cfg, dtype, seed):
     return proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages
 
 
+# Each lane's MRoPE delta (an image earlier in its prompt): keys rotate there, and land at their KV position
+ROPE_SHIFT = jnp.asarray([-40, 0, 11], jnp.int32)
+
+
 def _composition(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):
-    return qwen3_5.attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg)
+    return qwen3_5.attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_pages, v_pages, cfg,
+                                            positions + ROPE_SHIFT)
 
 
 def _fused(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):
     return attn_decode_qkv.attn_decode_qkv(
         proj, q_norm, k_norm, jnp.asarray(qwen3_5.rope_inv_freq(cfg)), positions, tables, active, k_pages, v_pages,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
+        positions + ROPE_SHIFT, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
         eps=cfg.rms_norm_eps, interpret=INTERPRET)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model import mtp, qwen3_5
+from ninfer_jax.model import mtp, qwen3_5, vision
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
@@ -65,20 +65,31 @@ def _sampler_from_columns(col):
 
 
 PREFILL_SCALARS = 3 + 5 + 2  # n_valid, base, slot, the lane's five sampler values, its lane, resumed (MTP rows)
+PREFILL_ROWS = 5  # per token: its id, its three MRoPE positions, its media row (-1: the token's own embedding)
 
 
 def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_positions, tap_slots, page_table,
-                        max_taps: int, lane: int = 0, resumed: bool = False) -> np.ndarray:
-    """One lane's prefill inputs as int32 [size + PREFILL_SCALARS + 2 * max_taps + len(page_table)], written
-    once into a new array: the tokens padded to the bucket `size` (n_valid = len(tokens)), the lane's sampler
-    values, the taps padded to max_taps (position -1: none), the page table."""
+                        max_taps: int, lane: int = 0, resumed: bool = False, rope_positions=None,
+                        media_rows=None) -> np.ndarray:
+    """One lane's prefill inputs as int32 [PREFILL_ROWS size + PREFILL_SCALARS + 2 max_taps + len(page_table)],
+    written once into a new array: the tokens padded to the bucket `size` (n_valid = len(tokens)), their MRoPE
+    positions ([3, n]; None: base, base + 1, ...) and media rows ([n]: the row of the encoder's output that replaces
+    a token's embedding, -1 for none; None: all -1), the lane's sampler values, the taps padded to max_taps
+    (position -1: none), the page table."""
     n, taps = len(tokens), len(tap_positions)
     if taps > max_taps or len(tap_slots) != taps:
         raise ValueError(f"{taps} tap positions and {len(tap_slots)} tap slots for {max_taps} tap places")
-    at = size + PREFILL_SCALARS  # the taps' start
+    at = PREFILL_ROWS * size + PREFILL_SCALARS  # the taps' start
     packed = np.zeros(at + 2 * max_taps + len(page_table), np.int32)
-    packed[:n] = tokens
-    packed[size:at] = [n, base, slot, *(c[0] for c in _sampler_columns(sampler)), lane, resumed]
+    rows = packed[:PREFILL_ROWS * size].reshape(PREFILL_ROWS, size)
+    rows[0, :n] = tokens
+    rows[1:4] = base + np.arange(size)  # padding rows too: they rotate somewhere harmless
+    if rope_positions is not None:
+        rows[1:4, :n] = rope_positions
+    rows[4] = -1
+    if media_rows is not None:
+        rows[4, :n] = media_rows
+    packed[PREFILL_ROWS * size:at] = [n, base, slot, *(c[0] for c in _sampler_columns(sampler)), lane, resumed]
     packed[at:at + max_taps] = -1
     packed[at:at + taps] = tap_positions
     packed[at + max_taps:at + max_taps + taps] = tap_slots
@@ -86,19 +97,24 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     return packed
 
 
-def _prefill_step(params, cfg, kc, full, layout, state, packed, carry=None):
+def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=None):
     """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
-    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry."""
+    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry. media [R, H]: the image
+    encoder's output rows (`VisionEncoder`), read where a token names one."""
     size, taps = layout  # static: the bucket's token count and the tap capacity
-    tokens, scalars = packed[:size], packed[size:size + PREFILL_SCALARS]
-    tap_positions = packed[size + PREFILL_SCALARS:size + PREFILL_SCALARS + taps]
-    tap_slots = packed[size + PREFILL_SCALARS + taps:size + PREFILL_SCALARS + 2 * taps]
-    page_table = packed[size + PREFILL_SCALARS + 2 * taps:]
+    rows = packed[:PREFILL_ROWS * size].reshape(PREFILL_ROWS, size)
+    tokens, rope_positions, media_rows = rows[0], rows[1:4], rows[4]
+    at = PREFILL_ROWS * size
+    scalars = packed[at:at + PREFILL_SCALARS]
+    tap_positions = packed[at + PREFILL_SCALARS:at + PREFILL_SCALARS + taps]
+    tap_slots = packed[at + PREFILL_SCALARS + taps:at + PREFILL_SCALARS + 2 * taps]
+    page_table = packed[at + PREFILL_SCALARS + 2 * taps:]
     n_valid, base, slot = scalars[0], scalars[1], scalars[2]
     sampler = _sampler_from_columns([scalars[3 + i][None] for i in range(5)])
-    hidden, state = qwen3_5.prefill(
-        params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions, tap_slots
-    )
+    embeds = jnp.where((media_rows >= 0)[:, None], media[jnp.clip(media_rows, 0)].astype(params.embed.dtype),
+                       params.embed[tokens])
+    hidden, state = qwen3_5.prefill(params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions,
+                                    tap_slots, rope_positions=rope_positions, inputs_embeds=embeds)
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
     logits = qwen3_5.logits(params, last)
     out = (sample(logits, sampler, full=full), logits)
@@ -110,19 +126,22 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed, carry=None):
     return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype))
 
 
-# tokens, positions, slots, active, use_prev, lane, then the five sampler columns
-DECODE_COLUMNS = 11
+# tokens, positions, slots, active, use_prev, lane, then the five sampler columns, then the rope shift
+DECODE_COLUMNS = 12
 
 
-def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, use_prev, sampler) -> np.ndarray:
+def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, use_prev, sampler,
+                       rope_shift=None) -> np.ndarray:
     """A decode round's rows as int32 [size, DECODE_COLUMNS + max_pages]: row i is lane lanes[i] (its entries of
-    the [C] lane arrays), then padding rows up to the bucket `size`, inactive and marked lane C (past every
-    lane, so the step drops their outputs). A padding row takes the state slot of a lane not in the round:
-    the GDN step writes every row's slot back (an inactive row's unchanged), so slots must be distinct."""
+    the [C] lane arrays; rope_shift: each lane's MRoPE delta, None for zeros), then padding rows up to the bucket
+    `size`, inactive and marked lane C (past every lane, so the step drops their outputs). A padding row takes the
+    state slot of a lane not in the round: the GDN step writes every row's slot back (an inactive row's
+    unchanged), so slots must be distinct."""
     lanes = np.asarray(lanes, np.int64)
     n, c = len(lanes), len(tokens)
     lane_columns = [np.asarray(col, np.int32) for col in (tokens, positions, slots, np.ones(c), use_prev, np.arange(c))]
-    columns = lane_columns + _sampler_columns(sampler)
+    columns = lane_columns + _sampler_columns(sampler) + [np.zeros(c, np.int32) if rope_shift is None
+                                                          else np.asarray(rope_shift, np.int32)]
     packed = np.zeros((size, DECODE_COLUMNS + page_tables.shape[1]), np.int32)
     packed[:n, :DECODE_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
     packed[:n, DECODE_COLUMNS:] = np.asarray(page_tables)[lanes]
@@ -134,8 +153,8 @@ def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, 
 
 def _unpack_decode_inputs(packed):
     col = [packed[:, i] for i in range(DECODE_COLUMNS)]
-    sampler, page_tables = _sampler_from_columns(col[6:]), packed[:, DECODE_COLUMNS:]
-    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables
+    sampler, page_tables = _sampler_from_columns(col[6:11]), packed[:, DECODE_COLUMNS:]
+    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables, col[11]
 
 
 def _rows_to_lanes(x, rows, width: int):
@@ -147,22 +166,22 @@ def _rows_to_lanes(x, rows, width: int):
 def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     """One decode round over a bucket of rows (active lanes first, then padding) -> ((tokens indexed by lane [C]
     like prev_tokens, zero for lanes not in the round; logits by row [rows, V]), state)."""
-    tokens, positions, slots, active, use_prev, lanes, sampler, page_tables = _unpack_decode_inputs(packed)
+    tokens, positions, slots, active, use_prev, lanes, sampler, page_tables, shift = _unpack_decode_inputs(packed)
     # A lane whose previous round is still in flight takes its token from that round's output on the device.
     tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
-    hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state)
+    hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state, shift)
     logits = qwen3_5.logits(params, hidden)
     tokens = sample(logits, sampler, full=full)
     return (_rows_to_lanes(tokens, lanes, prev_tokens.shape[0]), logits), state
 
 
 # position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
-# then the positions the lane's pages map (MTP drafts write no key past them)
-VERIFY_COLUMNS = 11
+# then the positions the lane's pages map (MTP drafts write no key past them); then the rope shift
+VERIFY_COLUMNS = 12
 
 
 def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler,
-                       limits=None) -> np.ndarray:
+                       limits=None, rope_shift=None) -> np.ndarray:
     """A verify round's rows as int32 [size, T + VERIFY_COLUMNS + max_pages]: row i is lane lanes[i] (tokens [C, T],
     the rest [C] lane arrays), then padding rows of count 0 marked lane C, each on the state slot of a lane not in
     the round (the GDN commit writes every row's slot back, so slots must be distinct)."""
@@ -171,6 +190,7 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     columns = [np.asarray(col, np.int32) for col in (positions, slots, counts, stops, np.arange(c))]
     columns += _sampler_columns(sampler)
     columns.append(np.zeros(c, np.int32) if limits is None else np.asarray(limits, np.int32))
+    columns.append(np.zeros(c, np.int32) if rope_shift is None else np.asarray(rope_shift, np.int32))
     packed = np.zeros((size, t + VERIFY_COLUMNS + page_tables.shape[1]), np.int32)
     packed[:n, :t] = np.asarray(tokens, np.int32)[lanes]
     packed[:n, t:t + VERIFY_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
@@ -190,7 +210,8 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
     positions, slots, counts, stops, lanes = col[:5]
     sampler, limits, page_tables = _sampler_from_columns(col[5:10]), col[10], packed[:, t + VERIFY_COLUMNS:]
-    hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state)
+    hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state,
+                                           col[11])
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
     emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
     state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
@@ -205,6 +226,13 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     state = state.with_mtp_pages(k_mtp, v_mtp)
     carry = carry.at[lanes].set(last.astype(carry.dtype), mode="drop")
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
+
+
+def _encode_step(vparams, vcfg, media, pixels, taps, tap_weights, pos, n_valid, rows):
+    """One image through the vision tower (`vision.encode_padded`), its tokens written to media rows `rows`
+    ([bucket / merge^2]; an out-of-range row drops a padding token)."""
+    out = vision.encode_padded(vparams, vcfg, pixels, taps, tap_weights, pos, n_valid)
+    return media.at[rows].set(out.astype(media.dtype), mode="drop")
 
 
 def _logprobs_step(logits, tokens, rows, top_k_groups):
@@ -316,11 +344,38 @@ class ModelRunner:
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
                               donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
+            "encode": jax.jit(_own(_encode_step), static_argnames=("vcfg",), donate_argnames=("media",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
         self.transfer_sizes: tuple[int, ...] = ()  # page batch buckets, set by enable_host_transfers
         self.image_rows = self.row_bytes = 0
+        # The image encoder's output rows that prefill reads at image placeholders (enable_vision); one unused row
+        # without a vision tower, so every prefill program has the same inputs.
+        self.vision, self.patch_buckets = None, ()
+        self.media = jnp.zeros((1, cfg.hidden_size), params.embed.dtype)
+
+    def enable_vision(self, vparams, vcfg, media_rows: int, max_patches: int) -> None:
+        """Adds the vision tower: a buffer of `media_rows` encoder output rows and an encode program per patch
+        bucket up to `max_patches` (one image's). Call before `warmup()`."""
+        self.vision = (vparams, vcfg)
+        self.patch_buckets = vision.patch_buckets(vcfg, max_patches)
+        self.media = jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype)
+
+    def encode_image(self, pixel_values: np.ndarray, grid, rows: np.ndarray) -> None:
+        """Encodes one image (its patches [t h w, patch_dim] and grid) into media rows `rows` (one per token),
+        dispatched, not waited for: the prefill that reads them follows it on the device."""
+        vparams, vcfg = self.vision
+        bucket = fit(len(pixel_values), self.patch_buckets, "an image of {} patches")
+        inputs = vision.pad_image(vcfg, pixel_values, grid, bucket)
+        out_rows = np.full(bucket // vcfg.spatial_merge_size**2, self.media.shape[0], np.int32)
+        out_rows[:len(rows)] = rows
+        self._swap_media(self._steps["encode"](vparams, vcfg, self.media, *inputs, out_rows))
+
+    def _swap_media(self, media) -> None:
+        """The one place the media rows are written back."""
+        assert media.shape == self.media.shape and media.dtype == self.media.dtype
+        self.media = media
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int, max_batch: int = 64) -> None:
         """Adds the Host tier's transfer ops: page batches of rows of `row_bytes` (one slab each, at least one
@@ -366,7 +421,8 @@ class ModelRunner:
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
                 tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False,
-                lane: int | None = None, allowed: np.ndarray | None = None, resumed: bool = False):
+                lane: int | None = None, allowed: np.ndarray | None = None, resumed: bool = False,
+                rope_positions=None, media_rows=None):
         """Prefill len(tokens) <= largest bucket tokens of one lane; returns (next token [1], chosen logprob [1],
         (top ids [1, 20], top logprobs [1, 20])), the last two None unless `logprobs`.
 
@@ -374,12 +430,14 @@ class ModelRunner:
         64-aligned positions whose state is also written to snapshot slots (in-kernel taps). With `allowed` (the
         lane's packed allowed tokens, int32 [mask_words]; all bits set for none), the token is sampled from the
         logits processed with lane `lane`'s SamplerState row, which counts it. With MTP, `lane` holds the lane's
-        carry and `resumed` marks its first pass after a cache hit (`mtp.mtp_prefill_rows`).
+        carry and `resumed` marks its first pass after a cache hit (`mtp.mtp_prefill_rows`). rope_positions [3, n]
+        and media_rows [n]: a prompt with images (`pack_prefill_inputs`).
         """
         size = self.bucket(len(tokens))
         no_taps = tap_positions is None
         packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
-                                     () if no_taps else tap_slots, page_table, self.max_taps, lane or 0, resumed)
+                                     () if no_taps else tap_slots, page_table, self.max_taps, lane or 0, resumed,
+                                     rope_positions, media_rows)
         extras = None
         if allowed is not None:
             extras = np.concatenate([[lane], *(c[:1] for c in _sampler_columns(sampler)), [lane], allowed])
@@ -394,7 +452,7 @@ class ModelRunner:
         full = full and extras is None  # the step's own token is replaced: its cheapest sampler will do
         (tokens, logits), state, *carry = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
                                                                  (size, self.max_taps), self.state, packed,
-                                                                 self.mtp_carry)
+                                                                 self.media, self.mtp_carry)
         self._swap(state, ("prefill", size, full))
         if carry:
             self.mtp_carry = carry[0]
@@ -424,7 +482,7 @@ class ModelRunner:
         return fit(lanes, self.decode_sizes, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
-               use_prev=None, logprobs=False, allowed=None, processed=None):
+               use_prev=None, logprobs=False, allowed=None, processed=None, rope_shift=None):
         """One decode round over the active lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
         inactive lanes untouched), run as a batch of the next compiled size: one active lane computes one row,
         not C (at 35B-A3B every padding row also routed to experts whose weights the round then read). A lane
@@ -432,13 +490,13 @@ class ModelRunner:
         instead of tokens[lane], so a round can be dispatched before the previous one is read back. With `allowed`
         (int32 [C, mask_words], each lane's packed allowed tokens, all bits set for none) and `processed` (bool [C]:
         the lanes whose SamplerState rows apply, the rest sampled as without), the round samples from processed
-        logits (`process_logits`). Returns (tokens, chosen logprobs, top) indexed by lane, the last two None unless
-        `logprobs`."""
+        logits (`process_logits`). rope_shift [C]: each lane's prompt's MRoPE delta (None: zeros). Returns (tokens,
+        chosen logprobs, top) indexed by lane, the last two None unless `logprobs`."""
         if prev_tokens is None:
             prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
         lanes = np.flatnonzero(active)
         packed = pack_decode_inputs(lanes, self.decode_size(len(lanes)), tokens, positions, page_tables, slots,
-                                    use_prev, sampler)
+                                    use_prev, sampler, rope_shift)
         extras = None if allowed is None else self._decode_extras(packed, allowed, processed)
         return self._decode_packed(packed, full, prev_tokens, logprobs, extras)
 
@@ -449,7 +507,7 @@ class ModelRunner:
         rows = packed[:, 5]  # each row's lane, C for padding
         c = self.max_lanes
         extras = np.full((len(rows), PROCESS_COLUMNS + self.mask_words), -1, np.int32)
-        extras[:, :6] = packed[:, 5:DECODE_COLUMNS]
+        extras[:, :6] = packed[:, 5:11]  # the lane and its five sampler columns
         real = rows < c
         extras[:, 6] = c
         extras[real, 6] = np.where(np.asarray(processed, bool)[rows[real]], rows[real], c)
@@ -470,16 +528,16 @@ class ModelRunner:
         return fit(lanes, self.verify_sizes, "verify round of {} lanes")
 
     def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False,
-               limits=None):
+               limits=None, rope_shift=None):
         """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
         count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
         lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C T], chosen logprobs [C T], top,
         kept [C]) on the device, copying to the host: lane l's row t at l T + t; the logprobs None unless
         `logprobs`. With MTP, limits [C] are the positions each lane's pages map, and a fifth entry holds the next
-        round's drafts by lane [C, T - 1]."""
+        round's drafts by lane [C, T - 1]. rope_shift [C]: as `decode`'s."""
         lanes = np.flatnonzero(np.asarray(counts) > 0)
         packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
-                                    page_tables, slots, sampler, limits)
+                                    page_tables, slots, sampler, limits, rope_shift)
         return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
 
     def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
@@ -555,7 +613,7 @@ class ModelRunner:
         # The model steps per sampler, then logit processing: one program per round size and one for a prefill.
         total = (len(self.buckets) + len(self.decode_sizes) + len(self.verify_sizes)) * len(variants) \
             + len(self.idle_sizes) \
-            + len(self.decode_sizes) + 1
+            + len(self.decode_sizes) + 1 + len(self.patch_buckets)
         done = 0
 
         def ready(out, what: str) -> None:
@@ -583,6 +641,12 @@ class ModelRunner:
                                             table[None].repeat(c, 0), np.arange(c), lanes)
                 ready(self._verify_packed(packed, full, self.verify_rows, logprobs=True),
                       f"verify {size} lanes x {self.verify_rows} rows sampler={'full' if full else 'greedy'}")
+        if self.vision is not None:  # images of each bucket's patches, every output row dropped
+            vcfg = self.vision[1]
+            for bucket in self.patch_buckets:
+                m = vcfg.spatial_merge_size
+                self.encode_image(np.zeros((bucket, vcfg.patch_dim), np.float32), (1, m, bucket // m), np.zeros(0))
+                ready(self.media, f"vision encoder {bucket} patches")
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
         row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)

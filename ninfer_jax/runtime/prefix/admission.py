@@ -61,10 +61,13 @@ class Admitter:
             if grant is None:
                 return Admission(Readiness.TEMPORARILY_BLOCKED)
             return Admission(Readiness.READY, tuple(grant.pages), 0, record)
-        quote = self.index.quote(req.prompt_ids, record.hashes, entitlement_pages=entitlement)
+        quote = self.index.quote(req.prompt_ids, record.hashes, entitlement_pages=entitlement,
+                                 extras=req.prompt.block_extras(), vision_spans=req.prompt.vision_spans)
         if quote.readiness is not Readiness.READY:
             return Admission(quote.readiness)
-        if (self.coalesce or req.group is not None) and self._await_sibling(req, quote.source.frontier, running):
+        # Prompts with images are not coalesced (§12.2): a sibling's Boundary tap could fall inside an image span
+        if ((self.coalesce or req.group is not None) and req.prompt.media is None
+                and self._await_sibling(req, quote.source.frontier, running)):
             return Admission(Readiness.TEMPORARILY_BLOCKED)  # holding no pins: nothing was staged
         staging = self.index.stage(quote)
         record.restored_host_bytes = self._restore(staging, lane)
@@ -114,7 +117,8 @@ class Admitter:
         if last is not None and last[0] == req.id and last[1] == 0 and room <= last[2]:
             return 0
         quote = self.index.quote(req.prompt_ids, [int(h) for h in req.prompt.block_hashes],
-                                 entitlement_pages=entitlement)
+                                 entitlement_pages=entitlement, extras=req.prompt.block_extras(),
+                                 vision_spans=req.prompt.vision_spans)
         batch = self.index.prefetch(quote, self.PREFETCH_BLOCKS)
         copied = 0
         if batch is not None:

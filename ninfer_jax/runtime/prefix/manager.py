@@ -145,10 +145,11 @@ class PrefixCacheManager:
         while (len(record.path) + 1) * BLOCK_TOKENS <= req.computed:
             b = len(record.path)
             data = encode_tokens(req.token_slice(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS))
+            extra = req.prompt.block_extra(b)  # its media key: the prompt's last partial block may hold an image
             if b >= len(record.hashes):  # a generated block: chain its hash on
-                record.hashes.append(block_lookup_hash(record.hashes[-1] if record.hashes else 0, data))
+                record.hashes.append(block_lookup_hash(record.hashes[-1] if record.hashes else 0, data, extra))
             parent = record.path[-1] if record.path else self.index.root
-            record.path.append(self.index.commit_block(parent, data, record.hashes[b], req.pages[b]).node)
+            record.path.append(self.index.commit_block(parent, data, record.hashes[b], req.pages[b], extra).node)
 
     def _endpoint(self, req: Request, lane: int, record: LaneRecord) -> Snapshot | None:
         """Publishes the endpoint snapshot; returns it when new (for its write-through)."""
@@ -168,6 +169,7 @@ class PrefixCacheManager:
         tail = encode_tokens(req.token_slice(blocks * BLOCK_TOKENS, end)) if tail_len else b""
         # The partial last page moves to the snapshot without a copy: the writer is terminating.
         result = self.index.publish_snapshot(grant.slot, SnapshotKind.ENDPOINT, anchor, tail,
+                                             req.prompt.block_extra(blocks) if tail_len else 0,
                                              tail_page=req.pages[blocks] if tail_len else -1)
         self.counters["endpoints_published" if result.published else "endpoints_duplicate"] += 1
         return result.snapshot if result.published else None

@@ -12,6 +12,7 @@ from ninfer_jax.prefix_cache import (
     BLOCK_TOKENS, HintKind, Placement, PlannedTap, PrefixIndex, SnapshotKind, TapHint, TapPlanOptions, TapSource,
     plan_taps,
 )
+from ninfer_jax.prefix_cache.hashing import strictly_inside
 from ninfer_jax.prefix_cache.tree import Snapshot
 from ninfer_jax.runtime.prefix.records import LaneRecord
 from ninfer_jax.runtime.prefix.slots import SlotTable
@@ -48,12 +49,13 @@ class TapScheduler:
         if self.policy == "align":
             last = base + (n - 1 - base) // self.prefill_chunk * self.prefill_chunk
             last -= last % BLOCK_TOKENS
-            taps = [] if last <= base or last in existing else \
+            taps = [] if last <= base or last in existing or strictly_inside(last, prompt.vision_spans) else \
                 [PlannedTap(last, Placement.FLEXIBLE, SnapshotKind.TAP, TapSource.PROMPT_TAIL, 4, 0)]
         else:
             hints = [TapHint(h.position, _HINTS[h.kind]) for h in prompt.tap_hints]
             from_endpoint = record.source is not None and record.source.kind is SnapshotKind.ENDPOINT
-            taps = plan_taps(n, base, hints, existing, options=self.plan_options, resumed_from_endpoint=from_endpoint)
+            taps = plan_taps(n, base, hints, existing, prompt.vision_spans, options=self.plan_options,
+                             resumed_from_endpoint=from_endpoint)
         record.taps = taps
         self.counters["taps_planned"] += len(taps)
 
