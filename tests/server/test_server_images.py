@@ -16,10 +16,12 @@ import pytest
 from PIL import Image
 
 from ninfer_jax.frontend import Breakpoint
+from ninfer_jax.frontend.image_processing import ImageError
+from ninfer_jax.server import chat_prompt
 from ninfer_jax.server.anthropic_messages import messages_input
 from ninfer_jax.server.anthropic_schema import MessagesRequest
 from ninfer_jax.server.errors import ApiError
-from ninfer_jax.server.images import ImageOptions, load_images
+from ninfer_jax.server.images import ImageOptions, ImageSource, load_images
 from ninfer_jax.server.openai_messages import chat_input
 from ninfer_jax.server.openai_schema import ChatCompletionRequest
 from ninfer_jax.server.responses import ResponsesRequest, _messages
@@ -174,6 +176,24 @@ def test_images_to_a_model_without_a_vision_tower_are_400_naming_the_part(vision
         f"input[0].content[1].image_url: model {MODEL} has no vision tower; send text only")
 
 
+def test_the_frontends_image_error_names_the_requests_block(vision_server, monkeypatch):
+    def refuse(tokenizer, messages, *args, **kwargs):
+        """prepare_chat refusing the image, named by its place in the template's messages as the frontend does."""
+        [place] = [f"messages[{i}].content[{j}]" for i, message in enumerate(messages)
+                   if isinstance(message["content"], list)
+                   for j, part in enumerate(message["content"]) if part["type"] == "image"]
+        raise ImageError(f"{place}: not an image")
+
+    monkeypatch.setattr(chat_prompt, "prepare_chat", refuse)
+    response = httpx.post(f"{vision_server.url}/v1/messages", json={
+        "model": MODEL, "max_tokens": 5, "system": "Look.", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}]}]})
+    assert response.status_code == 400, response.text
+    # the template's messages[1].content[1] (the system prompt is its message 0)
+    assert response.json()["error"]["message"] == "messages.0.content.1.source.data: not an image"
+
+
 # --- fetching image URLs ---------------------------------------------------------------------------------------
 
 class _Images(http.server.BaseHTTPRequestHandler):
@@ -215,13 +235,8 @@ def image_host():
 
 
 def _user_image(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": _url_source(url)}]}]
-
-
-def _url_source(url: str):
-    from ninfer_jax.server.images import ImageSource
-
-    return ImageSource("messages[0].content[0].image_url.url", url=url)
+    source = ImageSource("messages[0].content[0].image_url.url", url=url)
+    return [{"role": "user", "content": [{"type": "image", "image": source}]}]
 
 
 def test_image_urls_are_fetched_when_allowed(image_host):
