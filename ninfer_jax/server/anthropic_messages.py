@@ -3,7 +3,8 @@
 Blocks are walked in the protocol's prompt order (tools, system, messages) and converted to the
 OpenAI-style messages the template renders: system blocks become the parts of one system message;
 `tool_result` blocks become `tool` messages; an assistant's `thinking` becomes `reasoning_content`
-and its `tool_use` blocks `tool_calls`.
+and its `tool_use` blocks `tool_calls`. `image` blocks (base64 or url sources), in user messages and
+inside tool results, become image parts in their place among the text (`images.py` reads their bytes).
 
 `cache_control` is validated as the Messages API does: `type` must be "ephemeral", `ttl` "5m" or
 "1h", at most four blocks may carry one (the top-level automatic marker takes a slot), a 1h marker
@@ -23,6 +24,7 @@ from ninfer_jax.frontend import Breakpoint
 
 from .anthropic_schema import MessagesRequest
 from .errors import ApiError
+from .images import IMAGE_MEDIA_TYPES, ImageSource, image_part, url_source
 
 MAX_CACHE_MARKERS = 4
 _TTLS = ("5m", "1h")
@@ -126,11 +128,14 @@ class _Builder:
                 self._no_marker_on_empty(block, at)
                 pending.append((block.get("cache_control"), at, len(parts)))
                 parts.append({"type": "text", "text": _text(block, at)})
+            elif kind == "image":
+                pending.append((block.get("cache_control"), at, len(parts)))
+                parts.append(_image(block, at))
             elif kind == "tool_result":
                 self._flush_user(parts, pending)
                 parts, pending = [], []
                 self.messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                      "content": self._tool_result_text(block, at)})
+                                      "content": self._tool_result_content(block, at)})
                 self.marker(block.get("cache_control"), at, at=(len(self.messages) - 1, None))
             else:
                 raise _unsupported(kind, at)
@@ -143,19 +148,26 @@ class _Builder:
         for control, at, part in pending:
             self.marker(control, at, at=(len(self.messages) - 1, part))
 
-    def _tool_result_text(self, block: dict[str, Any], where: str) -> str:
+    def _tool_result_content(self, block: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
+        """A tool result's content: its text blocks joined by newlines, or, when it holds images, its parts."""
         content = block.get("content", "")
         if isinstance(content, str):
             return content
-        texts = []
+        parts: list[dict[str, Any]] = []
         for index, inner in enumerate(content or ()):
             at = f"{where}.content.{index}"
-            if inner.get("type") != "text":
-                raise _unsupported(inner.get("type"), at)
+            kind = inner.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": _text(inner, at)})
+            elif kind == "image":
+                parts.append(_image(inner, at))
+            else:
+                raise _unsupported(kind, at)
             # A marker inside a tool result ends with the result's message.
             self.marker(inner.get("cache_control"), at, at=(len(self.messages), None))
-            texts.append(_text(inner, at))
-        return "\n".join(texts)
+        if all(part["type"] == "text" for part in parts):
+            return "\n".join(part["text"] for part in parts)
+        return parts
 
     def _assistant(self, blocks: list[dict[str, Any]], where: str) -> None:
         index_of_message = len(self.messages)
@@ -202,7 +214,26 @@ def _text(block: dict[str, Any], where: str) -> str:
     return text
 
 
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block's part: a base64 source of one of the four media types, or a url source."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        if source.get("media_type") not in IMAGE_MEDIA_TYPES:
+            raise ApiError("invalid_request", f"{where}.source.media_type: Input should be "
+                           f"{', '.join(map(repr, IMAGE_MEDIA_TYPES))}, got {source.get('media_type')!r}")
+        if not isinstance(source.get("data"), str):
+            raise ApiError("invalid_request", f"{where}.source.data: Field required")
+        return image_part(ImageSource(f"{where}.source.data", data=source["data"]))
+    if kind == "url":
+        return image_part(url_source(source.get("url"), f"{where}.source.url"))
+    raise ApiError("invalid_request", f"{where}.source.type: Input should be 'base64' or 'url', got {kind!r}")
+
+
 def _unsupported(kind: Any, where: str) -> ApiError:
-    if kind in ("image", "document", "search_result", "container_upload"):
-        return ApiError("invalid_request", f"{where}: content blocks of type {kind!r} are not supported (text only)")
+    if kind == "image":
+        return ApiError("invalid_request", f"{where}: images are accepted in user messages and tool results only")
+    if kind in ("document", "search_result", "container_upload"):
+        return ApiError("invalid_request", f"{where}: content blocks of type {kind!r} are not supported (text and "
+                        "image only)")
     return ApiError("invalid_request", f"{where}.type: unknown content block type {kind!r}")

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import anthropic_routes, openai_routes, responses
 from .context import RETRY_AFTER_S, ServerContext
 from .errors import ApiError, ClientGone, anthropic_error, is_anthropic, openai_error
+from .images import ImageOptions
 from .limits import Limits
 from .metrics import CONTENT_TYPE
 
@@ -32,13 +33,15 @@ _HTTP_KINDS = {401: "authentication", 404: "not_found", 503: "unavailable"}
 
 
 def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits | None = None,
-               allowed_origins: Sequence[str] = (), default_thinking: bool = True) -> FastAPI:
+               images: ImageOptions | None = None, allowed_origins: Sequence[str] = (),
+               default_thinking: bool = True) -> FastAPI:
     """The server for `engine` (an ninfer_jax.Engine; None: attached later, `ServerContext.attach`, and until
     then generation answers 503). `api_key`: required on the API routes when set. `limits`: the request
-    bounds. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default).
+    bounds. `images`: the bounds on image parts and whether image URLs are fetched. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default).
     `default_thinking`: whether OpenAI-protocol requests think when they do not say."""
     app = FastAPI(title="ninfer-jax", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx = ServerContext(engine, api_key, limits or Limits(), default_thinking=default_thinking)
+    ctx = ServerContext(engine, api_key, limits or Limits(), images or ImageOptions(),
+                        default_thinking=default_thinking)
     ctx.metrics.watch_engine(lambda: ctx.engine.published_stats() if ctx.engine is not None else None,
                              lambda: ctx.queue.in_flight)
     app.state.context = ctx

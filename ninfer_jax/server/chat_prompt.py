@@ -8,29 +8,44 @@ from typing import Any
 
 from ninfer_jax.frontend import (Breakpoint, ChatTemplateError, PreparedPrompt, TapHintKind, prepare_chat,
                                  prepare_tokens)
+from ninfer_jax.frontend.image_processing import ImageError
 
 from .context import ServerContext
 from .errors import ApiError
+from .images import load_images
 
 
 async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None, breakpoints: Iterable[Breakpoint],
                          *, enable_thinking: bool, template_kwargs: Mapping[str, Any] | None = None
                          ) -> PreparedPrompt:
-    """prepare_chat with the engine's tokenizer and template, in ctx's tokenizing threads. Raises ApiError
-    (400) when the model has no tokenizer or the template rejects the conversation."""
+    """prepare_chat with the engine's tokenizer, template and vision tower, in ctx's tokenizing threads, once the
+    messages' image sources are read (`load_images`). Raises ApiError (400) when the model has no tokenizer, an
+    image part cannot be used (named by its place in the request), or the template rejects the conversation."""
     engine = ctx.engine
     if engine.tokenizer is None:
         raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files; chat needs text "
                        "(send token ids to /v1/completions)")
     kwargs = {key: value for key, value in (template_kwargs or {}).items() if key != "enable_thinking"}
+    messages, image_places = await load_images(ctx.images, engine, messages)
     try:
         return await ctx.frontend.run(
             prepare_chat, engine.tokenizer, messages, tools, enable_thinking=enable_thinking,
-            breakpoints=tuple(breakpoints), template=engine.chat_template, **kwargs,
+            breakpoints=tuple(breakpoints), template=engine.chat_template, vision=getattr(engine, "vision", None),
+            **kwargs,
         )
+    except ImageError as error:
+        raise _image_error(str(error), image_places) from None
     except (ChatTemplateError, IndexError, TypeError) as error:
         raise ApiError("invalid_request", f"the chat template rejected the conversation: {error}") from None
+
+
+def _image_error(message: str, places: dict[str, str]) -> ApiError:
+    """The frontend's ImageError, which names the part by its place in the template's messages, as a 400 naming
+    it by its place in the request (they differ where a protocol's blocks become other messages)."""
+    place, colon, rest = message.partition(":")
+    where = places.get(place) if colon else None
+    return ApiError("invalid_request", f"{where}:{rest}" if where else message, param=where)
 
 
 # OpenAI's reasoning efforts. Qwen3.5 thinks or does not: every level above "minimal" is the same thinking.

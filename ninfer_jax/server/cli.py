@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
+from .images import ImageOptions
 from .limits import CHARS_PER_TOKEN, MIN_DEFAULT_WAITING, WAITING_PER_LANE, Limits
 
 log = logging.getLogger("ninfer_jax.server")
@@ -41,6 +43,7 @@ class ServeOptions:
     engine: dict[str, Any]  # keyword arguments of Engine.from_pretrained
     compile_cache: str | None = None  # jax's persistent compilation cache folder (None: off)
     limits: Limits = Limits()
+    images: ImageOptions = dataclasses.field(default_factory=ImageOptions)
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins that may call the API (none: browsers may not)
     default_thinking: bool = True  # whether OpenAI-protocol requests think when they do not say
 
@@ -67,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "naming the flag)")
     default = Limits()
     limits.add_argument("--max-request-bytes", type=int, default=default.max_request_bytes, metavar="N",
-                        help="largest request body, refused (413) while it is read; default 8388608 (8 MiB: a "
-                             "262k-token context is 1-3 MiB of JSON)")
+                        help="largest request body, refused (413) while it is read; default 33554432 (32 MiB: a "
+                             "262k-token context is 1-3 MiB of JSON; images come inline as base64)")
     limits.add_argument("--max-prompt-chars", type=int, metavar="N",
                         help="most characters of text in a request, checked before tokenizing; default "
                              f"{CHARS_PER_TOKEN} per token of --max-model-len")
@@ -80,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
                               ("--max-n", "max_n", "samples of one prompt (the request's n)")):
         value = getattr(default, field)
         limits.add_argument(flag, type=int, default=value, metavar="N", help=f"{what}; default {value}")
+    images = parser.add_argument_group("images (image parts of chat requests; a bad image gets a 400 naming it)")
+    default_images = ImageOptions()
+    images.add_argument("--allow-image-urls", action="store_true",
+                        help="fetch http(s) image URLs; off by default (only inline data: URLs and base64), as the "
+                             "server would fetch from any address it reaches on a client's word")
+    images.add_argument("--image-fetch-timeout-s", type=float, default=default_images.image_fetch_timeout_s,
+                        metavar="S", help="seconds one image URL's fetch may take, connection to last byte; default "
+                                      f"{default_images.image_fetch_timeout_s:g}")
+    images.add_argument("--max-image-bytes", type=int, default=default_images.max_image_bytes, metavar="N",
+                        help="largest encoded image, inline or fetched; default "
+                             f"{default_images.max_image_bytes} (20 MiB, OpenAI's bound)")
+    images.add_argument("--max-images-per-prompt", type=int, default=default_images.max_images_per_prompt,
+                        metavar="N", help=f"images in one request; default {default_images.max_images_per_prompt}")
     server.add_argument("--max-waiting-requests", type=int, metavar="N",
                         help="requests that may wait for a lane; past them the server answers 503 with Retry-After; "
                              f"default {WAITING_PER_LANE} per lane (--max-concurrency), at least {MIN_DEFAULT_WAITING}")
@@ -101,12 +117,19 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     for field, value in vars(limits).items():
         if value is not None and value < 1:
             raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {value}")
+    images = ImageOptions(**{field: getattr(args, field) for field in ImageOptions.__dataclass_fields__})
+    for field in ("max_image_bytes", "max_images_per_prompt"):
+        if getattr(images, field) < 1:
+            raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(images, field)}")
+    if not 0 < images.image_fetch_timeout_s < math.inf:
+        raise UsageError(f"--image-fetch-timeout-s must be a positive number, got {images.image_fetch_timeout_s}")
     try:
         engine = engine_kwargs_from_args(args)
     except OptionsError as error:
         raise UsageError(str(error)) from None
     return ServeOptions(args.host, args.port, args.api_key, {"path": model, **engine, "warmup": args.warmup},
-                        args.compile_cache_dir, limits, tuple(args.allowed_origins), args.default_thinking == "on")
+                        args.compile_cache_dir, limits, images, tuple(args.allowed_origins),
+                        args.default_thinking == "on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     from .readiness import build_in_background
     from .serving import OrderlyServer, server_config
 
-    app = create_app(api_key=options.api_key, limits=options.limits, allowed_origins=options.allowed_origins,
-                     default_thinking=options.default_thinking)
+    app = create_app(api_key=options.api_key, limits=options.limits, images=options.images,
+                     allowed_origins=options.allowed_origins, default_thinking=options.default_thinking)
     ctx = app.state.context
     server = OrderlyServer(server_config(app, options.host, options.port), ctx)
 

@@ -1,5 +1,5 @@
-"""What every handler shares: the engine (once built), its startup, the request limits, the tokenizing threads,
-the server's metrics, the API key, the bounded request queue, and whether it is stopping."""
+"""What every handler shares: the engine (once built), its startup, the request limits and image options, the
+tokenizing threads, the server's metrics, the API key, the bounded request queue, and whether it is stopping."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fastapi import Request
 
 from .errors import ApiError
 from .frontend_pool import FrontendPool
+from .images import ImageOptions
 from .limits import Limits, RequestQueue
 from .metrics import ServerMetrics
 from .readiness import Startup
@@ -23,6 +24,7 @@ class ServerContext:
     engine: Any = None  # ninfer_jax.Engine, or any object with its surface; None until `attach`
     api_key: str | None = None
     limits: Limits = dataclasses.field(default_factory=Limits)
+    images: ImageOptions = dataclasses.field(default_factory=ImageOptions)
     metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
     startup: Startup = dataclasses.field(default_factory=Startup)
     frontend: FrontendPool = dataclasses.field(default_factory=FrontendPool)

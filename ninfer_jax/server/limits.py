@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from .errors import ApiError
 
 # NOTE: a 262,144-token context is about 1 MiB of English text, and at most 2-3 MiB as JSON-escaped CJK text
-# or as token ids; 8 MiB leaves room for tools and a batch of long prompts, while a body's parse on the event
-# loop stays in the milliseconds.
-MAX_REQUEST_BYTES = 8 << 20
+# or as token ids. Images come inline as base64, 4/3 of their bytes: 32 MiB (Anthropic's own bound) takes one
+# image at --max-image-bytes' default (20 MiB, 27 MiB as base64) or a few screenshots, while a body's parse on
+# the event loop stays in the tens of milliseconds (an image's data is one long string).
+MAX_REQUEST_BYTES = 32 << 20
 # A token of the Qwen3.5 tokenizer covers about 4 characters of prose and rarely more than 16 of anything
 # (long runs of spaces): a prompt with more characters than 16 per token of context cannot fit it.
 CHARS_PER_TOKEN = 16

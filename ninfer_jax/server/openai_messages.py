@@ -7,6 +7,9 @@ Breakpoints:
   * OpenAI's automatic caching is protocol-automatic: one Breakpoint(last message, explicit=False).
     `prompt_cache_options.mode = "explicit"` does not remove it: write-policy modes do not suppress
     automatic taps (spec §8.3), which are cheap and can only add reuse.
+
+Images: `image_url` parts of user messages become image parts (`images.py` reads their bytes); a marker on
+one is a breakpoint at the image's end, as on a text part. Text and images keep their order.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from ninfer_jax.frontend import Breakpoint
 
 from .errors import ApiError
+from .images import image_part, url_source
 from .openai_schema import ChatCompletionRequest, ChatMessage
 
 _BREAKPOINT_TTLS = ("30m", "12h")
@@ -49,7 +53,7 @@ def _message(message: ChatMessage, index: int) -> tuple[dict[str, Any], list[int
         parts = []
         for part_index, part in enumerate(message.content):
             where = f"messages[{index}].content[{part_index}]"
-            parts.append({"type": "text", "text": _part_text(part, where)})
+            parts.append(_part(part, message.role, where))
             if _marked(part, where):
                 explicit_parts.append(part_index)
         rendered["content"] = parts
@@ -68,13 +72,31 @@ def _message(message: ChatMessage, index: int) -> tuple[dict[str, Any], list[int
     return rendered, explicit_parts
 
 
-def _part_text(part: dict[str, Any], where: str) -> str:
+_DETAILS = ("auto", "low", "high")  # OpenAI's; the processor's resize rule decides the tokens either way
+
+
+def _part(part: dict[str, Any], role: str, where: str) -> dict[str, Any]:
+    """The template's part for a text part, or an image_url part of a user message."""
     kind = part.get("type")
     if kind == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind in ("image_url", "input_audio", "file", "image", "video"):
-        raise ApiError("invalid_request", f"{where}: content of type {kind!r} is not supported (text only)",
-                       param=where)
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        if role != "user":
+            raise ApiError("invalid_request", f"{where}: images are accepted in user messages only, not in a "
+                           f"{role} message", param=where)
+        image = part.get("image_url")
+        if isinstance(image, str):  # the bare-string form some clients send
+            return image_part(url_source(image, f"{where}.image_url"))
+        if not isinstance(image, dict):
+            raise ApiError("invalid_request", f"{where}.image_url: expected an object {{'url': ...}}",
+                           param=f"{where}.image_url")
+        if image.get("detail", "auto") not in _DETAILS:
+            raise ApiError("invalid_request", f"{where}.image_url.detail: must be one of {', '.join(_DETAILS)}",
+                           param=f"{where}.image_url.detail")
+        return image_part(url_source(image.get("url"), f"{where}.image_url.url"))
+    if kind in ("input_audio", "file", "image", "video"):
+        raise ApiError("invalid_request", f"{where}: content of type {kind!r} is not supported (text and "
+                       "image_url only)", param=where)
     raise ApiError("invalid_request", f"{where}: expected a text part {{'type': 'text', 'text': ...}}",
                    param=where)
 

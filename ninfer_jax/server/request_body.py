@@ -4,8 +4,9 @@ and its model name.
 Every failure is an ApiError, in this order, each before any costlier step: 401 for a bad key; 503 while the
 model loads; 415 for a body that is not `application/json` (so a web page cannot make the server generate with
 a plain form POST); 413 for a body over the size limit, found while reading it; 400 for a body that is not
-JSON, nests too deep, has more characters of text than the context can take, holds a lone surrogate or a
-non-finite number, or fails its schema (never FastAPI's 422); 404 for a model this server does not serve.
+JSON, nests too deep, has more characters of text than the context can take (an image's data is not text),
+holds a lone surrogate or a non-finite number, or fails its schema (never FastAPI's 422); 404 for a model this
+server does not serve.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from .context import ServerContext, context
 from .errors import ApiError, is_anthropic, validation_error
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
+
+# The fields an image's bytes come in: OpenAI's image_url.url, the Responses API's image_url, Anthropic's
+# source.data and source.url.
+_IMAGE_DATA_KEYS = frozenset(("url", "image_url", "data"))
 
 
 async def read_request(request: Request, model: type[Model]) -> tuple[ServerContext, Model]:
@@ -89,10 +94,17 @@ def _scan(data: dict, max_depth: int) -> tuple[int, bool]:
         if depth > max_depth:
             raise _too_deep(max_depth)
         if type(value) is dict:
-            for key in value:
+            items = []
+            for key, item in value.items():
                 chars += len(key)
                 suspect = suspect or not key.isascii()
-            value = value.values()
+                # An image's data (a data: URL, base64) is not text the tokenizer reads: --max-image-bytes
+                # bounds it instead.
+                if key in _IMAGE_DATA_KEYS and type(item) is str:
+                    suspect = suspect or not item.isascii()
+                else:
+                    items.append(item)
+            value = items
         for item in value:
             kind = type(item)
             if kind is str:

@@ -1,11 +1,12 @@
 """OpenAI's Responses API: POST /v1/responses, the protocol current agent CLIs speak.
 
 `input` is a string or a list of items: messages (roles user, assistant, system, developer; content a string
-or `input_text` / `output_text` parts), `function_call` and `function_call_output` items, and `reasoning`
-items (given back to the template as the next assistant turn's reasoning). `instructions` is a system message
-first; function tools come in the flattened form (`{"type": "function", "name": ...}`); `text.format` is a
-response_format. The output is a `reasoning` item for the thinking text, a `message` with `output_text`, and a
-`function_call` item per call; usage reports the prefix cache's reuse as `input_tokens_details.cached_tokens`.
+or `input_text` / `output_text` parts, and in user messages `input_image` parts with an `image_url`),
+`function_call` and `function_call_output` items, and `reasoning` items (given back to the template as the next
+assistant turn's reasoning). `instructions` is a system message first; function tools come in the flattened form
+(`{"type": "function", "name": ...}`); `text.format` is a response_format. The output is a `reasoning` item for the
+thinking text, a `message` with `output_text`, and a `function_call` item per call; usage reports the prefix
+cache's reuse as `input_tokens_details.cached_tokens`.
 
 The server keeps no responses: `store` is answered `false`, and `previous_response_id` is a 400 (send the
 conversation in `input`, as clients with `store: false` do).
@@ -29,6 +30,7 @@ from .chat_prompt import prepare_prompt, thinking_mode
 from .errors import ApiError, openai_error
 from .generation import ANSWERED, EngineRun, Outcome, failure, first_event, prepare_sampling, sampling_params
 from .generation import until_disconnect
+from .images import image_part, url_source
 from .limits import check_context
 from .output_parser import THINK_CLOSE, OutputParser, Piece
 from .request_body import read_request
@@ -239,7 +241,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in _ROLES:
                 raise ApiError("invalid_request", f"{where}.role: must be one of {', '.join(_ROLES)}",
                                param=f"{where}.role")
-            message = {"role": "system" if role == "developer" else role, "content": _text(item.get("content"), where)}
+            message = {"role": "system" if role == "developer" else role,
+                       "content": _content(item.get("content"), where, images=role == "user")}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -260,7 +263,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                             "content": output if isinstance(output, str) else _text(output, where)})
+                             "content": _content(output, where, images=False)})
         elif kind == "reasoning":
             parts = [part for key in ("content", "summary") if isinstance(item.get(key), list) for part in item[key]]
             reasoning = "\n".join(part["text"] for part in parts
@@ -273,20 +276,33 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, *, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content: its text parts joined, or, when it holds `input_image` parts (`images`: allowed
+    here), the template's text and image parts in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ApiError("invalid_request", f"{where}.content: expected a string or a list of text parts",
                        param=f"{where}.content")
-    texts = []
+    parts = []
     for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ApiError("invalid_request", f"{where}.content[{index}]: content of type {kind!r} is not supported "
-                           "(input_text and output_text only)", param=f"{where}.content[{index}]")
-        texts.append(part["text"])
-    return "".join(texts)
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and images:
+            if part.get("file_id") is not None:
+                raise ApiError("invalid_request", f"{at}.file_id: this server stores no files; send the image as "
+                               "image_url (a data: URL)", param=f"{at}.file_id")
+            parts.append(image_part(url_source(part.get("image_url"), f"{at}.image_url")))
+        elif kind == "input_image":
+            raise ApiError("invalid_request", f"{at}: images are accepted in user messages only", param=at)
+        else:
+            raise ApiError("invalid_request", f"{at}: content of type {kind!r} is not supported (input_text, "
+                           "output_text, input_image)", param=at)
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _field(item: dict[str, Any], name: str, where: str) -> str:

@@ -12,6 +12,7 @@ import pytest
 
 from ninfer_jax.runtime.options import OPTIONS
 from ninfer_jax.server.cli import UsageError, build_parser, main, serve_options
+from ninfer_jax.server.images import ImageOptions
 from ninfer_jax.server.limits import Limits
 from ninfer_jax.server.subprocess_server import ServerProcess
 from server_support import SERVE_FLAGS, sse_events, subprocess_env, wait_for
@@ -62,7 +63,7 @@ def test_request_limits_and_origins_are_options_with_their_defaults_in_help():
     assert options.limits == Limits(max_request_bytes=1024, max_prompt_chars=5000, max_tools=3)
     assert options.allowed_origins == ("https://a.example", "https://b.example")
     text = " ".join(build_parser().format_help().split())
-    for flag, default in [("--max-request-bytes", "default 8388608"), ("--max-prompt-chars", "default 16 per token"),
+    for flag, default in [("--max-request-bytes", "default 33554432"), ("--max-prompt-chars", "default 16 per token"),
                           ("--max-json-depth", "default 64"), ("--max-prompts", "default 16"),
                           ("--max-stop-strings", "default 16"), ("--max-stop-chars", "default 256"),
                           ("--max-tools", "default 128"), ("--allowed-origins", "default none"),
@@ -70,6 +71,18 @@ def test_request_limits_and_origins_are_options_with_their_defaults_in_help():
         assert flag in text and default in text.split(flag + " ")[-1][:300], flag
     with pytest.raises(UsageError, match="--max-tools must be at least 1, got 0"):
         _options("--max-tools", "0")
+
+
+def test_image_options_are_flags_and_bad_values_are_refused():
+    assert _options().images == ImageOptions()
+    options = _options("--allow-image-urls", "--image-fetch-timeout-s", "2.5", "--max-image-bytes", "1024",
+                       "--max-images-per-prompt", "4")
+    assert options.images == ImageOptions(allow_image_urls=True, image_fetch_timeout_s=2.5, max_image_bytes=1024,
+                                          max_images_per_prompt=4)
+    with pytest.raises(UsageError, match="--max-images-per-prompt must be at least 1, got 0"):
+        _options("--max-images-per-prompt", "0")
+    with pytest.raises(UsageError, match="--image-fetch-timeout-s must be a positive number, got nan"):
+        _options("--image-fetch-timeout-s", "nan")
 
 
 def test_the_compile_cache_folder_is_an_option_and_none_turns_it_off(tmp_path):

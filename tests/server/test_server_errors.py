@@ -81,7 +81,7 @@ def test_openai_missing_model_is_400(server):
 
 
 @pytest.mark.parametrize("part, message", [
-    ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "not supported (text only)"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "not supported (text and image_url"),
     ({"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "implicit"}}, "must be 'explicit'"),
     ({"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "1w"}}, "ttl"),
     ({"type": "text", "text": "x", "cache_control": {"type": "forever"}}, "must be 'ephemeral'"),
@@ -175,7 +175,7 @@ def test_anthropic_four_markers_with_both_ttls_in_order_are_accepted(claude):
 @pytest.mark.parametrize("request_fields, message", [
     ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 2000}, "at least 1024"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2000}, "max_tokens": 2000}, "greater than"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "not supported"),
     ({"temperature": 1.5}, "temperature"),
 ])
 def test_anthropic_invalid_parameters_are_400(server, request_fields, message):
