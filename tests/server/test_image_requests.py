@@ -60,3 +60,19 @@ def test_a_file_that_is_not_an_image_is_400_naming_the_anthropic_block(claude, e
                                              "data": base64.b64encode(b"plain text, not a PNG").decode()}}]}])
     # the template's messages[1].content[1] (the system prompt is its message 0) is the request's messages.0.content.1
     assert raised.value.body["error"]["message"].startswith("messages.0.content.1.source.data: not an image")
+
+
+def test_an_anthropic_image_block_is_read_from_the_cache_on_the_next_turn(claude, engine):
+    data = base64.b64encode(_png()).decode()
+    text = "Describe the screenshot. " + " ".join(f"Item {i}." for i in range(30))
+    turn = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": text}]}]
+    fields = {"model": engine.model_name, "max_tokens": 3}
+    first = claude.messages.create(messages=turn, **fields)
+    second = claude.messages.create(messages=turn + [
+        {"role": "assistant", "content": "".join(b.text for b in first.content if b.type == "text") or "ok"},
+        {"role": "user", "content": "Which colours?"}], **fields)
+    config = ImageProcessorConfig.from_file(default_checkpoint() / "preprocessor_config.json")
+    _, grid_h, grid_w = image_grid(config, HEIGHT, WIDTH)
+    assert second.usage.cache_read_input_tokens >= grid_h * grid_w // config.merge_size ** 2 + 2
