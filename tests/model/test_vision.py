@@ -11,7 +11,14 @@ from safetensors.numpy import load_file, save_file
 
 from ninfer_jax.model.loader import CheckpointError, load_vision_checkpoint
 from ninfer_jax.model.tiny import write_random_checkpoint
-from ninfer_jax.model.vision import vision_forward
+from ninfer_jax.model.vision import (
+    MAX_BUCKETS,
+    bucket_for,
+    encode_padded,
+    pad_image,
+    patch_buckets,
+    vision_forward,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,43 @@ def test_vision_tower_equals_transformers(towers, grid):
     # float32 rounding of the same sums in another order (matmul for the Conv3d, XLA's attention for torch's
     # sdpa); 1e-4 on outputs of size ~1 leaves room for that and none for a wrong position or a crossed image
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towers):
+    """Two grids, each padded to a bucket larger than it: the valid rows equal vision_forward (fp32 1e-5 of the
+    largest value; bf16 3e-2, a couple of bf16 steps from rounding the same sums in another order) and
+    transformers (fp32, 1e-4), so no valid patch attended to padding."""
+    vcfg, params, visual = towers
+    bf16_params = load_vision_checkpoint(checkpoint, "bfloat16")[1]
+    buckets = patch_buckets(vcfg, 256, min_patches=16)
+    rng = np.random.default_rng(2)
+    for grid, bucket in [((1, 4, 6), 32), ((1, 12, 10), 128)]:
+        n = grid[1] * grid[2]
+        assert bucket_for(buckets, n) == bucket > n
+        pixels = rng.uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
+        padded = pad_image(vcfg, pixels, grid, bucket)
+        with torch.no_grad():
+            theirs = visual(torch.tensor(pixels), grid_thw=torch.tensor([grid])).pooler_output.numpy()
+        for p, rel in [(params, 1e-5), (bf16_params, 3e-2)]:
+            out = np.asarray(encode_padded(p, vcfg, *padded), np.float32)
+            assert out.shape == (bucket // 4, vcfg.out_hidden_size) and np.isfinite(out).all()
+            ref = np.asarray(vision_forward(p, vcfg, pixels, [grid]), np.float32)
+            np.testing.assert_allclose(out[: n // 4], ref, atol=rel * np.abs(ref).max(), rtol=0)
+            if p is params:
+                np.testing.assert_allclose(out[: n // 4], theirs, atol=1e-4, rtol=0)
+
+
+def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
+    vcfg = towers[0]
+    buckets = patch_buckets(vcfg, 65536)  # the processor's default ceiling: 16777216 pixels of 16 x 16 patches
+    assert buckets == tuple(64 << k for k in range(11)) and len(buckets) <= MAX_BUCKETS
+    assert patch_buckets(vcfg, 7056, min_patches=256) == (256, 512, 1024, 2048, 4096, 8192)
+    with pytest.raises(ValueError, match=r"65537 patches does not fit the largest patch bucket \(65536\)"):
+        bucket_for(buckets, 65537)
+    with pytest.raises(ValueError, match=r"\(1, 12, 12\) has 144 patches, more than its bucket of 128"):
+        pad_image(vcfg, np.zeros((144, vcfg.patch_dim), np.float32), (1, 12, 12), 128)
+    with pytest.raises(ValueError, match="more than 12: raise min_patches"):
+        patch_buckets(vcfg, 1 << 20, min_patches=4)
 
 
 def test_missing_vision_tensor_is_named(checkpoint, tmp_path):
