@@ -366,11 +366,13 @@ def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_we
     logits) or "cudnn" (flash attention; GPU, bf16 or fp16 params only).
     """
     # NOTE: a key-padding mask (key_value_seq_lengths), so valid patches never attend to padding and equal
-    # vision_forward; padded query rows see the valid keys and give finite junk, which the merger keeps in
-    # merged rows of their own (n_valid is a multiple of merge^2), dropped by the caller.
+    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles; they
+    # give finite junk, which the merger keeps in merged rows of their own (n_valid is a multiple of merge^2).
     def attend(q, k, v):
+        lengths = n_valid.reshape(1)
         out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=q.shape[-1] ** -0.5,
-                                           key_value_seq_lengths=n_valid.reshape(1), implementation=attention)
+                                           query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                           implementation=attention)
         return out[0]
 
     return _tower(params, vcfg, pixels, taps, tap_weights, pos, attend)

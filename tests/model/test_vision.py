@@ -70,13 +70,15 @@ def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towe
         padded = pad_image(vcfg, pixels, grid, bucket)
         with torch.no_grad():
             theirs = visual(torch.tensor(pixels), grid_thw=torch.tensor([grid])).pooler_output.numpy()
-        for p, rel in [(params, 1e-5), (bf16_params, 3e-2)]:
-            out = np.asarray(encode_padded(p, vcfg, *padded), np.float32)
-            assert out.shape == (bucket // 4, vcfg.out_hidden_size) and np.isfinite(out).all()
-            ref = np.asarray(vision_forward(p, vcfg, pixels, [grid]), np.float32)
-            np.testing.assert_allclose(out[: n // 4], ref, atol=rel * np.abs(ref).max(), rtol=0)
-            if p is params:
-                np.testing.assert_allclose(out[: n // 4], theirs, atol=1e-4, rtol=0)
+        out = np.asarray(encode_padded(params, vcfg, *padded))
+        assert out.shape == (bucket // 4, vcfg.out_hidden_size) and np.isfinite(out).all()
+        ref = np.asarray(vision_forward(params, vcfg, pixels, [grid]))
+        np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+        np.testing.assert_allclose(out[: n // 4], theirs, atol=1e-4, rtol=0)
+    # bf16, the larger image only (the same program in another dtype)
+    out = np.asarray(encode_padded(bf16_params, vcfg, *padded), np.float32)
+    ref = np.asarray(vision_forward(bf16_params, vcfg, pixels, [grid]), np.float32)
+    np.testing.assert_allclose(out[: n // 4], ref, atol=3e-2 * np.abs(ref).max(), rtol=0)
 
 
 def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
