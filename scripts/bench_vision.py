@@ -15,6 +15,7 @@ call's seconds (compile + one run, apart from the steady state), and the largest
 rows from transformers' over transformers' largest value (bf16 agreement: below AGREE).
 
     python scripts/bench_vision.py --out docs/benchmarks     # an H200 with CUDA torch: writes vision.{json,md}
+    python scripts/bench_vision.py --deadline 400 ...        # no image size starts after 400 s
     python scripts/bench_vision.py --tiny                    # CPU, a tiny tower, a temporary folder: seconds
     python scripts/bench_vision.py --no-torch ...            # without transformers: ours only
 """
@@ -197,9 +198,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="a tiny tower in float32 (CPU, seconds)")
     ap.add_argument("--no-torch", action="store_true", help="ours only, without transformers")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after which no further image size starts (the page keeps those done)")
     ap.add_argument("--attention", default=None,
                     help="comma-separated jax attention implementations (default: xla,cudnn on GPU, xla elsewhere)")
     args = ap.parse_args()
+    started = time.perf_counter()
     setup = TINY if args.tiny else REAL
     vcfg, dtype = setup["vcfg"], setup["dtype"]
     gpu = jax.default_backend() == "gpu"
@@ -219,13 +223,22 @@ def main():
 
         hf_note = f"Qwen3_5VisionModel, sdpa, transformers {transformers.__version__}, on {device}"
     print(f"transformers: {hf_note}", flush=True)
-    rows = []
-    for size in setup["sizes"]:
-        rows += measure(params, vcfg, pcfg, buckets, size, attentions, hf, device, args.repeats)
-    meta = report.run_meta(transformers=hf_note)
-    data = {**meta, "vision_config": str(vcfg), "dtype": dtype, "buckets": list(buckets), "rows": rows}
     out = args.out or tempfile.mkdtemp(prefix="bench_vision_")
-    print(report.write_report(out, "vision", data, page_lines(meta, vcfg, dtype, buckets, rows, hf_note)))
+    meta = report.run_meta(transformers=hf_note)
+    rows, skipped = [], []
+    for size in setup["sizes"]:
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            skipped.append(size)
+            print(f"{size}x{size}: skipped, past the --deadline of {args.deadline:g} s", flush=True)
+        else:
+            rows += measure(params, vcfg, pcfg, buckets, size, attentions, hf, device, args.repeats)
+        # written after each size, so a run stopped from outside still leaves its page
+        data = {**meta, "vision_config": str(vcfg), "dtype": dtype, "buckets": list(buckets), "rows": rows,
+                "skipped_sizes": skipped}
+        page = page_lines(meta, vcfg, dtype, buckets, rows, hf_note)
+        path = report.write_report(out, "vision", data, page + (["", f"Skipped (--deadline): {skipped}"]
+                                                                 if skipped else []))
+    print(path, flush=True)
 
 
 if __name__ == "__main__":
