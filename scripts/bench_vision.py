@@ -12,7 +12,8 @@ Per size and implementation: images/s from host pixels to a finished device outp
 the encoder: what the engine pays; transformers is timed the same way, from host pixels, CUDA synchronised),
 images/s of the encoder call alone, the unpadded reference (`vision_forward`, a program per grid), the first
 call's seconds (compile + one run, apart from the steady state), and the largest difference of the valid output
-rows from transformers' over transformers' largest value (bf16 agreement: below AGREE).
+rows from transformers' over transformers' largest value (bf16 agreement: below AGREE). At the smallest size,
+also `--batch` images in one `encode_padded_batch` call (images/s from host pixels).
 
     python scripts/bench_vision.py --out docs/benchmarks     # an H200 with CUDA torch: writes vision.{json,md}
     python scripts/bench_vision.py --deadline 400 ...        # no image size starts after 400 s
@@ -42,8 +43,10 @@ from ninfer_jax.model.vision import (
     PREFIX,
     bucket_for,
     encode_padded,
+    encode_padded_batch,
     pad_image,
     patch_buckets,
+    stack_images,
     vision_forward,
     vision_params_from_tensors,
 )
@@ -113,8 +116,8 @@ def run_transformers(hf, device: str, pixels: np.ndarray, grid):
 
 
 def measure(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, buckets, size: int, attentions, hf, device,
-            repeats: int) -> list[dict]:
-    """One image size: a row per attention implementation."""
+            repeats: int, batch: int) -> list[dict]:
+    """One image size: a row per attention implementation (and `batch` images in one call, when > 1)."""
     grid = image_grid(pcfg, size, size)
     n = grid[1] * grid[2]
     bucket = bucket_for(buckets, n)
@@ -168,8 +171,31 @@ def measure(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, buckets, siz
               + (f", {row['speedup']:.2f}x transformers, rel. diff {row['rel_diff']:.2g}"
                  + ("" if row["agrees"] else f" -- DISAGREES (> {AGREE})") if theirs is not None else ""),
               flush=True)
+        if batch > 1:
+            measure_batch(params, vcfg, row, pixels, grid, ours, batch, repeats)
         rows.append(row)
     return rows
+
+
+def measure_batch(params, vcfg: VisionConfig, row: dict, pixels, grid, single, batch: int, repeats: int) -> None:
+    """`batch` copies of the image in one `encode_padded_batch` call, from host pixels, into `row`."""
+    bucket, tokens, attention = row["bucket"], len(single), row["attention"]
+
+    def encode():
+        images = jax.device_put(stack_images([pad_image(vcfg, pixels, grid, bucket)] * batch))
+        return jax.block_until_ready(encode_padded_batch(params, vcfg, *images, attention=attention))
+
+    try:
+        out = np.asarray(encode(), np.float32)[:, :tokens]
+    except Exception as e:  # noqa: BLE001 -- as for one image
+        row["batch_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(f"  batch of {batch}, {attention}: {row['batch_error']}", flush=True)
+        return
+    row["batch"] = batch
+    row["batch_images_per_s"] = batch / median_seconds(encode, repeats)
+    row["batch_diff_to_single"] = float(np.abs(out - single).max() / np.abs(single).max())
+    print(f"  batch of {batch}, {attention}: {row['batch_images_per_s']:.2f} img/s from host "
+          f"(rel. diff to one at a time {row['batch_diff_to_single']:.2g})", flush=True)
 
 
 def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[dict], hf_note: str) -> list[str]:
@@ -178,7 +204,7 @@ def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[d
               r["attention"], f(r.get("images_per_s")), f(r.get("device_images_per_s")),
               f(r["unpadded_images_per_s"]), f(r["transformers_images_per_s"]),
               f"{r['speedup']:.2f}x" if r.get("speedup") else "-", f(r.get("rel_diff")),
-              f(r.get("first_call_s")), f(r["host_prep_ms"])] for r in rows]
+              f(r.get("batch_images_per_s")), f(r.get("first_call_s")), f(r["host_prep_ms"])] for r in rows]
     lines = report.header(
         "Vision encoder: padded buckets against transformers", meta, f"tower: {vcfg}", f"dtype: {dtype}",
         f"patch buckets: {', '.join(map(str, buckets))}", f"transformers: {hf_note}",
@@ -186,9 +212,10 @@ def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[d
         "encode; transformers: transfer, forward, CUDA sync); 'device' is the encoder call on device inputs; "
         f"rel. diff is max |ours - transformers| / max |transformers| over the valid rows (agree below {AGREE})")
     lines += report.table(["image", "grid", "patches", "bucket", "attention", "ours img/s", "ours img/s (device)",
-                           "unpadded img/s", "transformers img/s", "speedup", "rel. diff", "first call s",
-                           "host prep ms"], cells)
-    errors = [f"- {r['size']} {r['attention']}: {r['error']}" for r in rows if "error" in r]
+                           "unpadded img/s", "transformers img/s", "speedup", "rel. diff", "batched img/s",
+                           "first call s", "host prep ms"], cells)
+    errors = [f"- {r['size']} {r['attention']}{' batched' if key == 'batch_error' else ''}: {r[key]}"
+              for r in rows for key in ("error", "batch_error") if key in r]
     return lines + ([""] + errors if errors else [])
 
 
@@ -198,6 +225,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="a tiny tower in float32 (CPU, seconds)")
     ap.add_argument("--no-torch", action="store_true", help="ours only, without transformers")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="images per encode_padded_batch call, timed at the smallest size (1: not timed)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after which no further image size starts (the page keeps those done)")
     ap.add_argument("--attention", default=None,
@@ -231,7 +260,8 @@ def main():
             skipped.append(size)
             print(f"{size}x{size}: skipped, past the --deadline of {args.deadline:g} s", flush=True)
         else:
-            rows += measure(params, vcfg, pcfg, buckets, size, attentions, hf, device, args.repeats)
+            batch = args.batch if size == setup["sizes"][0] else 1  # small images: where one call idles the GPU
+            rows += measure(params, vcfg, pcfg, buckets, size, attentions, hf, device, args.repeats, batch)
         # written after each size, so a run stopped from outside still leaves its page
         data = {**meta, "vision_config": str(vcfg), "dtype": dtype, "buckets": list(buckets), "rows": rows,
                 "skipped_sizes": skipped}

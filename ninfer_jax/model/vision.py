@@ -356,9 +356,15 @@ def pad_image(vcfg: VisionConfig, pixel_values, grid: tuple[int, int, int], buck
                        pad(tap_weights, np.float32), pad(pos, np.int32), np.asarray(n, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("vcfg", "attention"))
-def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
-                  attention: str = "xla"):
+def stack_images(images: list[PaddedImage]) -> PaddedImage:
+    """Images padded to one bucket, each field stacked on a leading axis: `encode_padded_batch`'s inputs."""
+    if len({image.pixels.shape[0] for image in images}) != 1:
+        raise ValueError(f"images padded to different buckets: {[image.pixels.shape[0] for image in images]}")
+    return PaddedImage(*(np.stack(field) for field in zip(*images)))
+
+
+def _encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                   attention: str = "xla"):
     """One image padded to a bucket (`pad_image`'s fields) -> [bucket / merge^2, out_hidden_size] in the
     params' dtype; rows >= n_valid / merge^2 are junk. The program's shapes are the bucket's alone.
 
@@ -376,3 +382,17 @@ def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_we
         return out[0]
 
     return _tower(params, vcfg, pixels, taps, tap_weights, pos, attend)
+
+
+encode_padded = jax.jit(_encode_padded, static_argnames=("vcfg", "attention"))
+
+
+@functools.partial(jax.jit, static_argnames=("vcfg", "attention"))
+def encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                        attention: str = "xla"):
+    """`encode_padded` of B images padded to one bucket, in one call: each field stacked on a leading axis
+    (n_valid [B]); returns [B, bucket / merge^2, out_hidden_size]. Each image attends within itself only."""
+    def one(*image):
+        return _encode_padded(params, vcfg, *image, attention=attention)
+
+    return jax.vmap(one)(pixels, taps, tap_weights, pos, n_valid)

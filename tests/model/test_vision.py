@@ -15,8 +15,10 @@ from ninfer_jax.model.vision import (
     MAX_BUCKETS,
     bucket_for,
     encode_padded,
+    encode_padded_batch,
     pad_image,
     patch_buckets,
+    stack_images,
     vision_forward,
 )
 
@@ -56,13 +58,14 @@ def test_vision_tower_equals_transformers(towers, grid):
 
 
 def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towers):
-    """Two grids, each padded to a bucket larger than it: the valid rows equal vision_forward (fp32 1e-5 of the
-    largest value; bf16 3e-2, a couple of bf16 steps from rounding the same sums in another order) and
-    transformers (fp32, 1e-4), so no valid patch attended to padding."""
+    """Two grids, each padded to a bucket larger than it, one per call and both in one batch: the valid rows equal
+    vision_forward (fp32 1e-5 of the largest value; bf16 3e-2, a couple of bf16 steps from rounding the same sums
+    in another order) and transformers (fp32, 1e-4), so no valid patch attended to padding or another image."""
     vcfg, params, visual = towers
     bf16_params = load_vision_checkpoint(checkpoint, "bfloat16")[1]
     buckets = patch_buckets(vcfg, 256, min_patches=16)
     rng = np.random.default_rng(2)
+    refs, images = [], []
     for grid, bucket in [((1, 4, 6), 32), ((1, 12, 10), 128)]:
         n = grid[1] * grid[2]
         assert bucket_for(buckets, n) == bucket > n
@@ -75,6 +78,12 @@ def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towe
         ref = np.asarray(vision_forward(params, vcfg, pixels, [grid]))
         np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
         np.testing.assert_allclose(out[: n // 4], theirs, atol=1e-4, rtol=0)
+        refs.append(ref)
+        images.append(pad_image(vcfg, pixels, grid, 128))
+    # both images in one call, each attending within itself
+    batch = np.asarray(encode_padded_batch(params, vcfg, *stack_images(images)))
+    for out, ref in zip(batch, refs):
+        np.testing.assert_allclose(out[: len(ref)], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
     # bf16, the larger image only (the same program in another dtype)
     out = np.asarray(encode_padded(bf16_params, vcfg, *padded), np.float32)
     ref = np.asarray(vision_forward(bf16_params, vcfg, pixels, [grid]), np.float32)
