@@ -372,14 +372,16 @@ def _encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_w
     logits) or "cudnn" (flash attention; GPU, bf16 or fp16 params only).
     """
     # NOTE: a key-padding mask (key_value_seq_lengths), so valid patches never attend to padding and equal
-    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles; they
-    # give finite junk, which the merger keeps in merged rows of their own (n_valid is a multiple of merge^2).
+    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles, which
+    # leaves their output unspecified: they are zeroed, because a NaN there would reach valid rows through the
+    # next layer's values (0 * NaN). Padded rows end in merged rows of their own (n_valid is a multiple of
+    # merge^2), junk the caller drops.
     def attend(q, k, v):
         lengths = n_valid.reshape(1)
         out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=q.shape[-1] ** -0.5,
                                            query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                           implementation=attention)
-        return out[0]
+                                           implementation=attention)[0]
+        return jnp.where((jnp.arange(out.shape[0]) < n_valid)[:, None, None], out, 0)
 
     return _tower(params, vcfg, pixels, taps, tap_weights, pos, attend)
 

@@ -90,6 +90,31 @@ def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towe
     np.testing.assert_allclose(out[: n // 4], ref, atol=3e-2 * np.abs(ref).max(), rtol=0)
 
 
+def test_padded_rows_unspecified_attention_output_never_reaches_valid_rows(towers, monkeypatch):
+    """cuDNN leaves the output rows of masked queries unspecified: NaN there must not reach a valid row through
+    the next layer's values (0 * NaN)."""
+    import jax
+
+    from ninfer_jax.model import vision
+
+    real = jax.nn.dot_product_attention
+
+    def nan_past_the_query_lengths(q, k, v, *, query_seq_lengths, **kwargs):
+        out = real(q, k, v, query_seq_lengths=query_seq_lengths, **kwargs)
+        rows = np.arange(q.shape[1])[None, :, None, None] >= query_seq_lengths[:, None, None, None]
+        return jax.numpy.where(rows, np.nan, out)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", nan_past_the_query_lengths)
+    vcfg, params, _ = towers
+    grid, n = (1, 4, 6), 24
+    pixels = np.random.default_rng(3).uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
+    fresh = jax.jit(vision._encode_padded, static_argnames=("vcfg", "attention"))  # traced with the fake
+    out = np.asarray(fresh(params, vcfg, *pad_image(vcfg, pixels, grid, 64)))
+    monkeypatch.undo()
+    ref = np.asarray(vision_forward(params, vcfg, pixels, [grid]))
+    np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
 def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
     vcfg = towers[0]
     buckets = patch_buckets(vcfg, 65536)  # the processor's default ceiling: 16777216 pixels of 16 x 16 patches
