@@ -1,12 +1,13 @@
 """The serving vision encoder (model/vision.py `encode_padded`) against transformers' Qwen3_5VisionModel, same
 random weights, one image per call.
 
-The real tower's shape (transformers' Qwen3_5VisionConfig defaults, which Qwen3.5's checkpoints keep: depth 27,
-hidden 1152, 16 heads, intermediate 4304, patch 16, temporal patch 2, merge 2, 2304 position embeddings;
-out_hidden_size 5120 as the 27B's, the 35B-A3B's 2048 changes only the merger's last matmul), bf16. Each square
-image size is resized by the checkpoint's processor rules (`image_grid`: min 65536, max 16777216 pixels) to its
-grid, padded to its bucket (`patch_buckets` from the processor's patch range), and encoded with each attention
-implementation (XLA's, which materialises the logits; cuDNN's flash attention, masked by key lengths).
+The real tower's shape (transformers' Qwen3_5VisionConfig defaults, the values published for Qwen3.5's
+checkpoints; configs/qwen3.5-*.json carry no vision_config: depth 27, hidden 1152, 16 heads, intermediate 4304,
+patch 16, temporal patch 2, merge 2, 2304 position embeddings; out_hidden_size 5120 as the 27B's, the 35B-A3B's
+2048 changes only the merger's last matmul), bf16. Each square image size is resized by the checkpoint's
+processor rules (`image_grid`: min 65536, max 16777216 pixels) to its grid, padded to its bucket
+(`patch_buckets` over the processor's patch range), and encoded with each attention implementation (XLA's, which
+materialises the logits; cuDNN's flash attention), both masked by the image's patch count.
 
 Per size and implementation: images/s from host pixels to a finished device output (pad_image, the transfer and
 the encoder: what the engine pays; transformers is timed the same way, from host pixels, CUDA synchronised),
