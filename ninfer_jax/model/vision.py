@@ -219,9 +219,14 @@ def _per_image_attention(lengths: tuple[int, ...], q, k, v):
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
+def _gelu(x, approximate: bool):
+    """GELU in float32, cast back: torch's bf16 kernels compute it in float32 and round once."""
+    return jax.nn.gelu(x.astype(F32), approximate=approximate).astype(x.dtype)
+
+
 def _block(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, attend):
     x = x + _attention(p, vcfg, _layer_norm(x, p.norm1_w, p.norm1_b), cos, sin, attend)
-    h = jax.nn.gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
+    h = _gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
     return x + h @ p.fc2_w + p.fc2_b
 
 
@@ -229,13 +234,14 @@ def _tower(params: VisionParams, vcfg: VisionConfig, pixel_values, taps, tap_wei
     """Patch rows -> merged tokens; `attend(q, k, v)` decides which patches see which."""
     dtype = params.patch_w.dtype
     x = pixel_values.astype(dtype) @ params.patch_w + params.patch_b
-    x = x + (params.pos_embed[taps] * tap_weights[..., None].astype(dtype)).sum(1)
+    # NOTE: the position taps are weighed and summed in float32, then cast, as transformers does in bf16
+    x = x + (params.pos_embed[taps].astype(F32) * tap_weights[..., None]).sum(1).astype(dtype)
     cos, sin = _rotary(vcfg, pos)
     for blk in params.blocks:
         x = _block(blk, vcfg, x, cos, sin, attend)
     mp = params.merger
     x = _layer_norm(x, mp.norm_w, mp.norm_b).reshape(-1, vcfg.merged_dim)
-    return jax.nn.gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b
+    return _gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b
 
 
 @functools.partial(jax.jit, static_argnames=("vcfg", "lengths"))
