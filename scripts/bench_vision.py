@@ -42,7 +42,6 @@ from ninfer_jax.frontend.image_processing import ImageProcessorConfig, image_gri
 from ninfer_jax.model.tiny import PREPROCESSOR_FIELDS, random_vision_tensors
 from ninfer_jax.model.vision import (
     PREFIX,
-    bucket_for,
     encode_padded,
     encode_padded_batch,
     pad_image,
@@ -51,6 +50,7 @@ from ninfer_jax.model.vision import (
     vision_forward,
     vision_params_from_tensors,
 )
+from ninfer_jax.runtime.device.buckets import fit
 
 AGREE = 5e-2  # bf16 through 27 blocks: a few bf16 steps of the largest output; a wrong position or mask is O(1)
 REAL = {"vcfg": VisionConfig(out_hidden_size=5120), "sizes": [448, 1024, 1344], "dtype": "bfloat16",
@@ -121,7 +121,7 @@ def measure(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, buckets, siz
     """One image size: a row per attention implementation (and `batch` images in one call, when > 1)."""
     grid = image_grid(pcfg, size, size)
     n = grid[1] * grid[2]
-    bucket = bucket_for(buckets, n)
+    bucket = fit(n, buckets, "an image of {} patches")
     tokens = n // vcfg.spatial_merge_size**2
     pixels = np.random.default_rng(size).uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
     print(f"{size}x{size}: grid {grid}, {n} patches, bucket {bucket}", flush=True)

@@ -313,18 +313,6 @@ def patch_buckets(vcfg: VisionConfig, max_patches: int, min_patches: int = MIN_B
     return tuple(buckets)
 
 
-def bucket_for(buckets: tuple[int, ...], n_patches: int) -> int:
-    """The smallest bucket that holds `n_patches`.
-
-    Raises:
-      ValueError when the largest bucket is smaller.
-    """
-    for bucket in buckets:
-        if bucket >= n_patches:
-            return bucket
-    raise ValueError(f"an image of {n_patches} patches does not fit the largest patch bucket ({buckets[-1]})")
-
-
 class PaddedImage(NamedTuple):
     """One image's `encode_padded` inputs on the host, `bucket` rows each; rows >= n_valid are padding (zero
     pixels, zero tap weights, position (0, 0))."""
@@ -371,12 +359,7 @@ def stack_images(images: list[PaddedImage]) -> PaddedImage:
 
 def _encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
                    attention: str = "xla"):
-    """One image padded to a bucket (`pad_image`'s fields) -> [bucket / merge^2, out_hidden_size] in the
-    params' dtype; rows >= n_valid / merge^2 are junk. The program's shapes are the bucket's alone.
-
-    `attention` is jax's dot_product_attention implementation: "xla" (materialises [heads, bucket, bucket]
-    logits) or "cudnn" (flash attention; GPU, bf16 or fp16 params only).
-    """
+    """`encode_padded`'s program."""
     # NOTE: a key-padding mask (key_value_seq_lengths), so valid patches never attend to padding and equal
     # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles, which
     # leaves their output unspecified: they are zeroed, because a NaN there would reach valid rows through the
@@ -392,15 +375,62 @@ def _encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_w
     return _tower(params, vcfg, pixels, taps, tap_weights, pos, attend)
 
 
-encode_padded = jax.jit(_encode_padded, static_argnames=("vcfg", "attention"))
-
-
-@functools.partial(jax.jit, static_argnames=("vcfg", "attention"))
-def encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
-                        attention: str = "xla"):
-    """`encode_padded` of B images padded to one bucket, in one call: each field stacked on a leading axis
-    (n_valid [B]); returns [B, bucket / merge^2, out_hidden_size]. Each image attends within itself only."""
+def _encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                         attention: str = "xla"):
     def one(*image):
         return _encode_padded(params, vcfg, *image, attention=attention)
 
     return jax.vmap(one)(pixels, taps, tap_weights, pos, n_valid)
+
+
+_PROGRAMS = {name: jax.jit(f, static_argnames=("vcfg", "attention"))
+             for name, f in (("one", _encode_padded), ("batch", _encode_padded_batch))}
+
+
+def _device_inputs(*image):
+    """An image's fields in the one form the programs see, whatever the caller's (host or device arrays, a
+    Python int n_valid): jit keys its cache on the form, and the program a bucket compiled at startup must be
+    the one every image of it runs. Attention is passed by keyword always, for the same reason."""
+    *arrays, n_valid = image
+    if not isinstance(n_valid, jax.Array):
+        n_valid = np.asarray(n_valid, np.int32)
+    elif n_valid.dtype != jnp.int32 or n_valid.weak_type:
+        n_valid = n_valid.astype(jnp.int32)
+    return jax.device_put((*arrays, n_valid))
+
+
+def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                  attention: str = "xla"):
+    """One image padded to a bucket (`pad_image`'s fields, host or device arrays) -> [bucket / merge^2,
+    out_hidden_size] in the params' dtype; rows >= n_valid / merge^2 are junk. The program's shapes are the
+    bucket's alone.
+
+    `attention` is jax's dot_product_attention implementation: "xla" (materialises [heads, bucket, bucket]
+    logits) or "cudnn" (flash attention; GPU, bf16 or fp16 params only).
+    """
+    return _PROGRAMS["one"](params, vcfg, *_device_inputs(pixels, taps, tap_weights, pos, n_valid),
+                            attention=attention)
+
+
+def encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                        attention: str = "xla"):
+    """`encode_padded` of B images padded to one bucket, in one call: each field stacked on a leading axis
+    (`stack_images`; n_valid [B]); returns [B, bucket / merge^2, out_hidden_size]. Each image attends within
+    itself only. A program per (bucket, B)."""
+    return _PROGRAMS["batch"](params, vcfg, *_device_inputs(pixels, taps, tap_weights, pos, n_valid),
+                              attention=attention)
+
+
+def warmup_padded(params: VisionParams, vcfg: VisionConfig, buckets: tuple[int, ...], attention: str = "xla"):
+    """Compiles `encode_padded` for every bucket (an engine's startup), so no image that fits one compiles."""
+    m = vcfg.spatial_merge_size
+    blank = np.zeros((m * m, vcfg.patch_dim), np.float32)
+    for bucket in buckets:
+        jax.block_until_ready(encode_padded(params, vcfg, *pad_image(vcfg, blank, (1, m, m), bucket),
+                                            attention=attention))
+
+
+def padded_compile_count() -> int:
+    """Programs compiled by `encode_padded` and `encode_padded_batch` in this process (grows only when a new
+    bucket, batch size, params dtype or attention appears): lets tests prove that serving never compiles."""
+    return sum(f._cache_size() for f in _PROGRAMS.values())

@@ -13,14 +13,16 @@ from ninfer_jax.model.loader import CheckpointError, load_vision_checkpoint
 from ninfer_jax.model.tiny import write_random_checkpoint
 from ninfer_jax.model.vision import (
     MAX_BUCKETS,
-    bucket_for,
     encode_padded,
     encode_padded_batch,
     pad_image,
+    padded_compile_count,
     patch_buckets,
     stack_images,
     vision_forward,
+    warmup_padded,
 )
+from ninfer_jax.runtime.device.buckets import fit
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towe
     refs, images = [], []
     for grid, bucket in [((1, 4, 6), 32), ((1, 12, 10), 128)]:
         n = grid[1] * grid[2]
-        assert bucket_for(buckets, n) == bucket > n
+        assert fit(n, buckets, "{}") == bucket > n
         pixels = rng.uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
         padded = pad_image(vcfg, pixels, grid, bucket)
         with torch.no_grad():
@@ -115,15 +117,33 @@ def test_padded_rows_unspecified_attention_output_never_reaches_valid_rows(tower
     np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
 
 
+def test_images_served_after_warmup_compile_nothing(towers):
+    """Every bucket compiled at startup; then images of each, however the caller passes them, run those."""
+    import jax
+
+    vcfg, params, _ = towers
+    buckets = (16, 64)  # not compiled by another test: the warm-up's programs are counted
+    before = padded_compile_count()
+    warmup_padded(params, vcfg, buckets)
+    assert padded_compile_count() == before + len(buckets)
+    rng = np.random.default_rng(4)
+    for grid, bucket in [((1, 2, 2), 16), ((1, 4, 4), 16), ((1, 6, 8), 64)]:
+        n = grid[1] * grid[2]
+        image = pad_image(vcfg, rng.uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32), grid, bucket)
+        encode_padded(params, vcfg, *image)
+        encode_padded(params, vcfg, *jax.device_put(image._replace(n_valid=n)), attention="xla")
+    assert padded_compile_count() == before + len(buckets)
+
+
 def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
     vcfg = towers[0]
     buckets = patch_buckets(vcfg, 65536)  # the processor's default ceiling: 16777216 pixels of 16 x 16 patches
     assert buckets == tuple(64 << k for k in range(11)) and len(buckets) <= MAX_BUCKETS
     assert patch_buckets(vcfg, 7056, min_patches=256) == (256, 512, 1024, 2048, 4096, 8192)
-    with pytest.raises(ValueError, match=r"65537 patches does not fit the largest patch bucket \(65536\)"):
-        bucket_for(buckets, 65537)
+    small = patch_buckets(vcfg, 100, min_patches=16)
+    assert small == (16, 32, 64, 128)
     with pytest.raises(ValueError, match=r"\(1, 12, 12\) has 144 patches, more than its bucket of 128"):
-        pad_image(vcfg, np.zeros((144, vcfg.patch_dim), np.float32), (1, 12, 12), 128)
+        pad_image(vcfg, np.zeros((144, vcfg.patch_dim), np.float32), (1, 12, 12), small[-1])
     with pytest.raises(ValueError, match="more than 12: raise min_patches"):
         patch_buckets(vcfg, 1 << 20, min_patches=4)
 
