@@ -15,7 +15,8 @@ tokens, placed at its image placeholders.
 
 Two entry points: `vision_forward` (the reference: any images in one call, a program per set of grids) and
 `encode_padded` (serving: one image padded to one of a few `patch_buckets`, a program per bucket compiled at
-startup, attention masked so the valid rows equal vision_forward's).
+startup by `warmup_padded`, attention masked so the valid rows equal vision_forward's; `encode_padded_batch`
+for several images of one bucket).
 """
 
 from __future__ import annotations
