@@ -17,9 +17,10 @@ rows from transformers' over transformers' largest value (bf16 agreement: below 
 also `--batch` images in one `encode_padded_batch` call (images/s from host pixels).
 
     python scripts/bench_vision.py --out docs/benchmarks     # an H200 with CUDA torch: writes vision.{json,md}
-    python scripts/bench_vision.py --deadline 400 ...        # no image size starts after 400 s
+    python scripts/bench_vision.py --deadline 400 ...        # no image size (or warm-up) starts after 400 s
     python scripts/bench_vision.py --tiny                    # CPU, a tiny tower, a temporary folder: seconds
     python scripts/bench_vision.py --no-torch ...            # without transformers: ours only
+    python scripts/bench_vision.py --warmup ...              # also compile every bucket: the startup cost
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from ninfer_jax.model.vision import (
     encode_padded,
     encode_padded_batch,
     pad_image,
+    padded_compile_count,
     patch_buckets,
     stack_images,
     vision_forward,
     vision_params_from_tensors,
+    warmup_padded,
 )
 from ninfer_jax.runtime.device.buckets import fit
 
@@ -228,6 +231,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="ours only, without transformers")
     ap.add_argument("--batch", type=int, default=4,
                     help="images per encode_padded_batch call, timed at the smallest size (1: not timed)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="also time warmup_padded over every bucket (an engine's startup compile)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after which no further image size starts (the page keeps those done)")
     ap.add_argument("--attention", default=None,
@@ -255,7 +260,15 @@ def main():
     print(f"transformers: {hf_note}", flush=True)
     out = args.out or tempfile.mkdtemp(prefix="bench_vision_")
     meta = report.run_meta(transformers=hf_note)
-    rows, skipped = [], []
+    rows, skipped, warmups = [], [], []
+
+    def write():  # after each step, so a run stopped from outside still leaves its page
+        data = {**meta, "vision_config": str(vcfg), "dtype": dtype, "buckets": list(buckets), "rows": rows,
+                "skipped_sizes": skipped, "warmup": warmups}
+        page = page_lines(meta, vcfg, dtype, buckets, rows, hf_note)
+        page += [""] + [f"- skipped (--deadline): {skipped}"] * bool(skipped) + [warmup_line(w) for w in warmups]
+        return report.write_report(out, "vision", data, page)
+
     for size in setup["sizes"]:
         if args.deadline and time.perf_counter() - started > args.deadline:
             skipped.append(size)
@@ -263,13 +276,37 @@ def main():
         else:
             batch = args.batch if size == setup["sizes"][0] else 1  # small images: where one call idles the GPU
             rows += measure(params, vcfg, pcfg, buckets, size, attentions, hf, device, args.repeats, batch)
-        # written after each size, so a run stopped from outside still leaves its page
-        data = {**meta, "vision_config": str(vcfg), "dtype": dtype, "buckets": list(buckets), "rows": rows,
-                "skipped_sizes": skipped}
-        page = page_lines(meta, vcfg, dtype, buckets, rows, hf_note)
-        path = report.write_report(out, "vision", data, page + (["", f"Skipped (--deadline): {skipped}"]
-                                                                 if skipped else []))
+        path = write()
+    # cuDNN's first: XLA's logits of the largest buckets may not fit the GPU
+    for attention in sorted(attentions, key=lambda a: a != "cudnn") if args.warmup else ():
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            print(f"warm-up, {attention}: skipped, past the --deadline", flush=True)
+            continue
+        warmups.append(warmup(params, vcfg, buckets, attention))
+        path = write()
     print(path, flush=True)
+
+
+def warmup_line(w: dict) -> str:
+    if "error" in w:
+        return f"- warm-up, {w['attention']}: failed ({w['error']})"
+    return f"- warm-up, {w['attention']}: {w['seconds']:.1f} s for the {w['programs']} buckets not compiled above"
+
+
+def warmup(params, vcfg: VisionConfig, buckets, attention: str) -> dict:
+    """Seconds `warmup_padded` takes over every bucket (an engine's startup), less those compiled already."""
+    before = padded_compile_count()
+    start = time.perf_counter()
+    try:
+        warmup_padded(params, vcfg, buckets, attention)
+    except Exception as e:  # noqa: BLE001 -- XLA's logits of the largest buckets outgrow the GPU: report, go on
+        result = {"attention": attention, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(f"warm-up, {attention}: {result['error']}", flush=True)
+        return result
+    result = {"attention": attention, "programs": padded_compile_count() - before,
+              "seconds": time.perf_counter() - start}
+    print(f"warm-up, {attention}: {result['seconds']:.1f} s for {result['programs']} more buckets", flush=True)
+    return result
 
 
 if __name__ == "__main__":
