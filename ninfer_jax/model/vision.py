@@ -362,9 +362,9 @@ def _encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_w
                    attention: str = "xla"):
     """`encode_padded`'s program."""
     # NOTE: a key-padding mask (key_value_seq_lengths), so valid patches never attend to padding and equal
-    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles, which
-    # leaves their output unspecified: they are zeroed, because a NaN there would reach valid rows through the
-    # next layer's values (0 * NaN). Padded rows end in merged rows of their own (n_valid is a multiple of
+    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles; jax
+    # does not specify their output then: they are zeroed, because a NaN there would reach valid rows through
+    # the next layer's values (0 * NaN). Padded rows end in merged rows of their own (n_valid is a multiple of
     # merge^2), junk the caller drops.
     def attend(q, k, v):
         lengths = n_valid.reshape(1)

@@ -93,8 +93,8 @@ def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towe
 
 
 def test_padded_rows_unspecified_attention_output_never_reaches_valid_rows(towers, monkeypatch):
-    """cuDNN leaves the output rows of masked queries unspecified: NaN there must not reach a valid row through
-    the next layer's values (0 * NaN)."""
+    """jax does not specify the output rows of masked queries (cuDNN may skip them): NaN there must not reach a
+    valid row through the next layer's values (0 * NaN)."""
     import jax
 
     from ninfer_jax.model import vision
