@@ -214,7 +214,9 @@ def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[d
         f"patch buckets: {', '.join(map(str, buckets))}", f"transformers: {hf_note}",
         "one image per call; img/s from host pixels to a finished device output (ours: pad_image, transfer, "
         "encode; transformers: transfer, forward, CUDA sync); 'device' is the encoder call on device inputs; "
-        f"rel. diff is max |ours - transformers| / max |transformers| over the valid rows (agree below {AGREE})")
+        f"rel. diff is max |ours - transformers| / max |transformers| over the valid rows (agree below {AGREE}); "
+        f"batched: {next((r['batch'] for r in rows if 'batch' in r), '-')} copies of the image per "
+        "`encode_padded_batch` call, from host pixels")
     lines += report.table(["image", "grid", "patches", "bucket", "attention", "ours img/s", "ours img/s (device)",
                            "unpadded img/s", "transformers img/s", "speedup", "rel. diff", "batched img/s",
                            "first call s", "host prep ms"], cells)
