@@ -12,11 +12,17 @@ tests/model/test_vision.py (the MoE model's tower is the same code):
   * Merger: LN, each merge x merge block's D * merge^2 vector, fc1, exact GELU, fc2 -> out_hidden_size.
 No deepstack features: Qwen3-VL's tower has them, Qwen3.5's does not; the text model reads only the merged
 tokens, placed at its image placeholders.
+
+Two entry points: `vision_forward` (the reference: any images in one call, a program per set of grids) and
+`encode_padded` (serving: one image padded to one of a few `patch_buckets`, a program per bucket compiled at
+startup by `warmup_padded`, attention masked so the valid rows equal vision_forward's; `encode_padded_batch`
+for several images of one bucket).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -194,38 +200,70 @@ def _rotate(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-def _attention(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, lengths):
+def _attention(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, attend):
     n, heads, hd = x.shape[0], vcfg.num_heads, vcfg.head_dim
     qkv = (x @ p.qkv_w + p.qkv_b).reshape(n, 3, heads, hd)
     q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    outs, start = [], 0
+    return attend(q, k, v).reshape(n, heads * hd) @ p.proj_w + p.proj_b
+
+
+def _per_image_attention(lengths: tuple[int, ...], q, k, v):
+    """q, k, v [N, heads, head_dim] of images one after another, `lengths` patches each: each image attends
+    within itself."""
     # NOTE: one attention per image over static slices (the grid is static): no [N, N] mask, and no image
     # attends to another.
+    outs, start = [], 0
     for length in lengths:
         s = slice(start, start + length)
-        outs.append(jax.nn.dot_product_attention(q[s], k[s], v[s], scale=hd**-0.5))
+        outs.append(jax.nn.dot_product_attention(q[s], k[s], v[s], scale=q.shape[-1] ** -0.5))
         start += length
-    out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-    return out.reshape(n, heads * hd) @ p.proj_w + p.proj_b
+    return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
-def _block(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, lengths):
-    x = x + _attention(p, vcfg, _layer_norm(x, p.norm1_w, p.norm1_b), cos, sin, lengths)
-    h = jax.nn.gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
+def _gelu(x, approximate: bool):
+    """GELU in float32, cast back: torch's bf16 kernels compute it in float32 and round once."""
+    return jax.nn.gelu(x.astype(F32), approximate=approximate).astype(x.dtype)
+
+
+def _block(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, attend):
+    x = x + _attention(p, vcfg, _layer_norm(x, p.norm1_w, p.norm1_b), cos, sin, attend)
+    h = _gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
     return x + h @ p.fc2_w + p.fc2_b
+
+
+def _tower(params: VisionParams, vcfg: VisionConfig, pixel_values, taps, tap_weights, pos, attend):
+    """Patch rows -> merged tokens; `attend(q, k, v)` decides which patches see which."""
+    dtype = params.patch_w.dtype
+    x = pixel_values.astype(dtype) @ params.patch_w + params.patch_b
+    # NOTE: the position taps are weighed and summed in float32, then cast, as transformers does in bf16
+    x = x + (params.pos_embed[taps].astype(F32) * tap_weights[..., None]).sum(1).astype(dtype)
+    cos, sin = _rotary(vcfg, pos)
+    for blk in params.blocks:
+        x = _block(blk, vcfg, x, cos, sin, attend)
+    mp = params.merger
+    x = _layer_norm(x, mp.norm_w, mp.norm_b).reshape(-1, vcfg.merged_dim)
+    return _gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b
 
 
 @functools.partial(jax.jit, static_argnames=("vcfg", "lengths"))
 def _encode(params: VisionParams, pixel_values, taps, tap_weights, pos, vcfg: VisionConfig, lengths):
-    dtype = params.patch_w.dtype
-    x = pixel_values.astype(dtype) @ params.patch_w + params.patch_b
-    x = x + (params.pos_embed[taps] * tap_weights[..., None].astype(dtype)).sum(1)
-    cos, sin = _rotary(vcfg, pos)
-    for blk in params.blocks:
-        x = _block(blk, vcfg, x, cos, sin, lengths)
-    mp = params.merger
-    x = _layer_norm(x, mp.norm_w, mp.norm_b).reshape(-1, vcfg.merged_dim)
-    return jax.nn.gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b
+    attend = functools.partial(_per_image_attention, lengths)
+    return _tower(params, vcfg, pixel_values, taps, tap_weights, pos, attend)
+
+
+def _check_grid(vcfg: VisionConfig, grid: tuple[tuple[int, int, int], ...]) -> None:
+    m = vcfg.spatial_merge_size
+    for i, (t, h, w) in enumerate(grid):
+        if t != 1:
+            raise ValueError(f"grid_thw[{i}] has t={t}: videos are not supported, an image has t=1")
+        if h <= 0 or w <= 0 or h % m or w % m:
+            raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be positive multiples of {m}")
+
+
+def _check_pixels(vcfg: VisionConfig, pixel_values, grid: tuple[tuple[int, int, int], ...]) -> None:
+    expected = (sum(h * w for _, h, w in grid), vcfg.patch_dim)
+    if tuple(pixel_values.shape) != expected:
+        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}, expected {expected} for {grid}")
 
 
 def vision_forward(params: VisionParams, vcfg: VisionConfig, pixel_values, grid_thw):
@@ -242,64 +280,158 @@ def vision_forward(params: VisionParams, vcfg: VisionConfig, pixel_values, grid_
       pixel_values of the wrong shape.
     """
     grid = tuple(tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3))
-    m = vcfg.spatial_merge_size
-    for i, (t, h, w) in enumerate(grid):
-        if t != 1:
-            raise ValueError(f"grid_thw[{i}] has t={t}: videos are not supported, an image has t=1")
-        if h <= 0 or w <= 0 or h % m or w % m:
-            raise ValueError(f"grid_thw[{i}] = {(t, h, w)}: h and w must be positive multiples of {m}")
-    expected = (sum(h * w for _, h, w in grid), vcfg.patch_dim)
-    if tuple(pixel_values.shape) != expected:
-        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}, expected {expected} for {grid}")
+    _check_grid(vcfg, grid)
+    _check_pixels(vcfg, pixel_values, grid)
     taps, tap_weights, pos = grid_metadata(vcfg, grid)
     lengths = tuple(h * w for _, h, w in grid)
     return _encode(params, jnp.asarray(pixel_values), taps, tap_weights, pos, vcfg=vcfg, lengths=lengths)
 
 
-# --- serving: one image per call, padded to a bucket of patches ------------------------------------------------
-def patch_buckets(vcfg: VisionConfig, max_patches: int) -> tuple[int, ...]:
-    """The padded patch counts an image is encoded at: powers of two from 64 up to the first >= max_patches."""
-    sizes = [max(64, vcfg.spatial_merge_size**2)]
-    while sizes[-1] < max_patches:
-        sizes.append(sizes[-1] * 2)
-    return tuple(sizes)
+# --- the serving encoder: one image padded to a bucket ----------------------------------------------------------
+MIN_BUCKET_PATCHES = 64
+MAX_BUCKETS = 12  # each bucket is one program compiled at startup
 
 
-def pad_image(vcfg: VisionConfig, pixel_values, grid, bucket: int):
-    """One image's encoder inputs padded to `bucket` patches (host arrays): pixels, position taps and weights,
-    rotary (row, col), and its patch count."""
-    taps, weights, pos = grid_metadata(vcfg, (tuple(int(v) for v in grid),))
-    n = taps.shape[0]
+def patch_buckets(vcfg: VisionConfig, max_patches: int, min_patches: int = MIN_BUCKET_PATCHES) -> tuple[int, ...]:
+    """The patch counts an image is encoded at (`encode_padded`), ascending: merge^2 * 2^k, from the smallest
+    >= min_patches up to the first >= max_patches. Doubling bounds the padding below 2x and the count at
+    1 + ceil(log2(max / min)) (11 for the processor's 65536-patch ceiling from 64).
+
+    Raises:
+      ValueError when min_patches or max_patches is not positive, or the range needs more than MAX_BUCKETS.
+    """
+    if min_patches <= 0 or max_patches <= 0:
+        raise ValueError(f"min_patches ({min_patches}) and max_patches ({max_patches}) must be positive")
+    bucket = vcfg.spatial_merge_size**2
+    while bucket < min_patches:
+        bucket *= 2
+    buckets = [bucket]
+    while buckets[-1] < max_patches:
+        buckets.append(buckets[-1] * 2)
+    if len(buckets) > MAX_BUCKETS:
+        raise ValueError(f"patch buckets from {min_patches} to {max_patches} patches are {len(buckets)} programs, "
+                         f"more than {MAX_BUCKETS}: raise min_patches or lower max_patches")
+    return tuple(buckets)
+
+
+class PaddedImage(NamedTuple):
+    """One image's `encode_padded` inputs on the host, `bucket` rows each; rows >= n_valid are padding (zero
+    pixels, zero tap weights, position (0, 0))."""
+
+    pixels: np.ndarray  # [bucket, patch_dim] float32
+    taps: np.ndarray  # [bucket, 4] int32
+    tap_weights: np.ndarray  # [bucket, 4] float32
+    pos: np.ndarray  # [bucket, 2] int32
+    n_valid: np.ndarray  # [] int32: h * w, the image's patches
+
+
+def pad_image(vcfg: VisionConfig, pixel_values, grid: tuple[int, int, int], bucket: int) -> PaddedImage:
+    """One image's pixel_values [h * w, patch_dim] (image_processing.py) and grid (1, h, w), padded to `bucket`.
+
+    Raises:
+      ValueError for a video grid, a grid not divisible by the merge size, pixel_values of the wrong shape, a
+      bucket not a multiple of merge^2, or an image larger than the bucket.
+    """
+    grid = tuple(int(v) for v in grid)
+    _check_grid(vcfg, (grid,))
+    _check_pixels(vcfg, pixel_values, (grid,))
+    n, merge_rows = grid[1] * grid[2], vcfg.spatial_merge_size**2
+    if bucket % merge_rows:
+        raise ValueError(f"bucket {bucket} is not a multiple of spatial_merge_size^2 = {merge_rows}")
     if n > bucket:
-        raise ValueError(f"an image of {n} patches does not fit a bucket of {bucket}")
+        raise ValueError(f"an image of grid {grid} has {n} patches, more than its bucket of {bucket}")
 
-    def pad(a):
-        return np.concatenate([a, np.zeros((bucket - n,) + a.shape[1:], a.dtype)])
+    def pad(a, dtype):
+        out = np.zeros((bucket, *a.shape[1:]), dtype)
+        out[:n] = a
+        return out
 
-    return pad(np.asarray(pixel_values, np.float32)), pad(taps), pad(weights), pad(pos), np.int32(n)
-
-
-def _masked_block(p: VisionBlockParams, vcfg: VisionConfig, x, cos, sin, valid):
-    n, heads, hd = x.shape[0], vcfg.num_heads, vcfg.head_dim
-    h = _layer_norm(x, p.norm1_w, p.norm1_b)
-    qkv = (h @ p.qkv_w + p.qkv_b).reshape(n, 3, heads, hd)
-    q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    out = jax.nn.dot_product_attention(q, k, v, scale=hd**-0.5, mask=valid[None, None, :])
-    x = x + out.reshape(n, heads * hd) @ p.proj_w + p.proj_b
-    h = jax.nn.gelu(_layer_norm(x, p.norm2_w, p.norm2_b) @ p.fc1_w + p.fc1_b, approximate=True)
-    return x + h @ p.fc2_w + p.fc2_b
+    taps, tap_weights, pos = grid_metadata(vcfg, (grid,))
+    return PaddedImage(pad(np.asarray(pixel_values), np.float32), pad(taps, np.int32),
+                       pad(tap_weights, np.float32), pad(pos, np.int32), np.asarray(n, np.int32))
 
 
-def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid):
-    """One image padded to a bucket (`pad_image`) -> [bucket / merge^2, out_hidden_size]; rows past its
-    n_valid / merge^2 tokens are junk. Patches never attend to padding."""
-    dtype = params.patch_w.dtype
-    x = pixels.astype(dtype) @ params.patch_w + params.patch_b
-    x = x + (params.pos_embed[taps] * tap_weights[..., None].astype(dtype)).sum(1)
-    cos, sin = _rotary(vcfg, pos)
-    valid = jnp.arange(x.shape[0]) < n_valid
-    for blk in params.blocks:
-        x = _masked_block(blk, vcfg, x, cos, sin, valid)
-    mp = params.merger
-    x = _layer_norm(x, mp.norm_w, mp.norm_b).reshape(-1, vcfg.merged_dim)
-    return jax.nn.gelu(x @ mp.fc1_w + mp.fc1_b, approximate=False) @ mp.fc2_w + mp.fc2_b
+def stack_images(images: list[PaddedImage]) -> PaddedImage:
+    """Images padded to one bucket, each field stacked on a leading axis: `encode_padded_batch`'s inputs."""
+    if len({image.pixels.shape[0] for image in images}) != 1:
+        raise ValueError(f"images padded to different buckets: {[image.pixels.shape[0] for image in images]}")
+    return PaddedImage(*(np.stack(field) for field in zip(*images)))
+
+
+def padded_tower(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                 attention: str = "xla"):
+    """`encode_padded`'s program, unjitted: for a caller's own jitted step (the runner's writes its rows)."""
+    # NOTE: a key-padding mask (key_value_seq_lengths), so valid patches never attend to padding and equal
+    # vision_forward. Padded query rows are masked too (query_seq_lengths), so cuDNN can skip their tiles; jax
+    # does not specify their output then: they are zeroed, because a NaN there would reach valid rows through
+    # the next layer's values (0 * NaN). Padded rows end in merged rows of their own (n_valid is a multiple of
+    # merge^2), junk the caller drops.
+    def attend(q, k, v):
+        lengths = n_valid.reshape(1)
+        out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=q.shape[-1] ** -0.5,
+                                           query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                           implementation=attention)[0]
+        return jnp.where((jnp.arange(out.shape[0]) < n_valid)[:, None, None], out, 0)
+
+    return _tower(params, vcfg, pixels, taps, tap_weights, pos, attend)
+
+
+def _encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                         attention: str = "xla"):
+    def one(*image):
+        return padded_tower(params, vcfg, *image, attention=attention)
+
+    return jax.vmap(one)(pixels, taps, tap_weights, pos, n_valid)
+
+
+_PROGRAMS = {name: jax.jit(f, static_argnames=("vcfg", "attention"))
+             for name, f in (("one", padded_tower), ("batch", _encode_padded_batch))}
+
+
+def _device_inputs(*image):
+    """An image's fields in the one form the programs see, whatever the caller's (host or device arrays, a
+    Python int n_valid): jit keys its cache on the form, and the program a bucket compiled at startup must be
+    the one every image of it runs. Attention is passed by keyword always, for the same reason."""
+    *arrays, n_valid = image
+    if not isinstance(n_valid, jax.Array):
+        n_valid = np.asarray(n_valid, np.int32)
+    elif n_valid.dtype != jnp.int32 or n_valid.weak_type:
+        n_valid = n_valid.astype(jnp.int32)
+    return jax.device_put((*arrays, n_valid))
+
+
+def encode_padded(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                  attention: str = "xla"):
+    """One image padded to a bucket (`pad_image`'s fields, host or device arrays) -> [bucket / merge^2,
+    out_hidden_size] in the params' dtype; rows >= n_valid / merge^2 are junk. The program's shapes are the
+    bucket's alone.
+
+    `attention` is jax's dot_product_attention implementation: "xla" (materialises [heads, bucket, bucket]
+    logits) or "cudnn" (flash attention; GPU, bf16 or fp16 params only).
+    """
+    return _PROGRAMS["one"](params, vcfg, *_device_inputs(pixels, taps, tap_weights, pos, n_valid),
+                            attention=attention)
+
+
+def encode_padded_batch(params: VisionParams, vcfg: VisionConfig, pixels, taps, tap_weights, pos, n_valid,
+                        attention: str = "xla"):
+    """`encode_padded` of B images padded to one bucket, in one call: each field stacked on a leading axis
+    (`stack_images`; n_valid [B]); returns [B, bucket / merge^2, out_hidden_size]. Each image attends within
+    itself only. A program per (bucket, B)."""
+    return _PROGRAMS["batch"](params, vcfg, *_device_inputs(pixels, taps, tap_weights, pos, n_valid),
+                              attention=attention)
+
+
+def warmup_padded(params: VisionParams, vcfg: VisionConfig, buckets: tuple[int, ...], attention: str = "xla"):
+    """Compiles `encode_padded` for every bucket (an engine's startup), so no image that fits one compiles."""
+    m = vcfg.spatial_merge_size
+    blank = np.zeros((m * m, vcfg.patch_dim), np.float32)
+    for bucket in buckets:
+        jax.block_until_ready(encode_padded(params, vcfg, *pad_image(vcfg, blank, (1, m, m), bucket),
+                                            attention=attention))
+
+
+def padded_compile_count() -> int:
+    """Programs compiled by `encode_padded` and `encode_padded_batch` in this process (grows only when a new
+    bucket, batch size, params dtype or attention appears): lets tests prove that serving never compiles."""
+    return sum(f._cache_size() for f in _PROGRAMS.values())

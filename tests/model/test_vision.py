@@ -11,7 +11,18 @@ from safetensors.numpy import load_file, save_file
 
 from ninfer_jax.model.loader import CheckpointError, load_vision_checkpoint
 from ninfer_jax.model.tiny import write_random_checkpoint
-from ninfer_jax.model.vision import vision_forward
+from ninfer_jax.model.vision import (
+    MAX_BUCKETS,
+    encode_padded,
+    encode_padded_batch,
+    pad_image,
+    padded_compile_count,
+    patch_buckets,
+    stack_images,
+    vision_forward,
+    warmup_padded,
+)
+from ninfer_jax.runtime.device.buckets import fit
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +57,95 @@ def test_vision_tower_equals_transformers(towers, grid):
     # float32 rounding of the same sums in another order (matmul for the Conv3d, XLA's attention for torch's
     # sdpa); 1e-4 on outputs of size ~1 leaves room for that and none for a wrong position or a crossed image
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_padded_encoding_equals_the_reference_on_its_valid_rows(checkpoint, towers):
+    """Two grids, each padded to a bucket larger than it, one per call and both in one batch: the valid rows equal
+    vision_forward (fp32 1e-5 of the largest value; bf16 3e-2, a couple of bf16 steps from rounding the same sums
+    in another order) and transformers (fp32, 1e-4), so no valid patch attended to padding or another image."""
+    vcfg, params, visual = towers
+    bf16_params = load_vision_checkpoint(checkpoint, "bfloat16")[1]
+    buckets = patch_buckets(vcfg, 256, min_patches=16)
+    rng = np.random.default_rng(2)
+    refs, images = [], []
+    for grid, bucket in [((1, 4, 6), 32), ((1, 12, 10), 128)]:
+        n = grid[1] * grid[2]
+        assert fit(n, buckets, "{}") == bucket > n
+        pixels = rng.uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
+        padded = pad_image(vcfg, pixels, grid, bucket)
+        with torch.no_grad():
+            theirs = visual(torch.tensor(pixels), grid_thw=torch.tensor([grid])).pooler_output.numpy()
+        out = np.asarray(encode_padded(params, vcfg, *padded))
+        assert out.shape == (bucket // 4, vcfg.out_hidden_size) and np.isfinite(out).all()
+        ref = np.asarray(vision_forward(params, vcfg, pixels, [grid]))
+        np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+        np.testing.assert_allclose(out[: n // 4], theirs, atol=1e-4, rtol=0)
+        refs.append(ref)
+        images.append(pad_image(vcfg, pixels, grid, 128))
+    # both images in one call, each attending within itself
+    batch = np.asarray(encode_padded_batch(params, vcfg, *stack_images(images)))
+    for out, ref in zip(batch, refs):
+        np.testing.assert_allclose(out[: len(ref)], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+    # bf16, the larger image only (the same program in another dtype)
+    out = np.asarray(encode_padded(bf16_params, vcfg, *padded), np.float32)
+    ref = np.asarray(vision_forward(bf16_params, vcfg, pixels, [grid]), np.float32)
+    np.testing.assert_allclose(out[: n // 4], ref, atol=3e-2 * np.abs(ref).max(), rtol=0)
+
+
+def test_padded_rows_unspecified_attention_output_never_reaches_valid_rows(towers, monkeypatch):
+    """jax does not specify the output rows of masked queries (cuDNN may skip them): NaN there must not reach a
+    valid row through the next layer's values (0 * NaN)."""
+    import jax
+
+    from ninfer_jax.model import vision
+
+    real = jax.nn.dot_product_attention
+
+    def nan_past_the_query_lengths(q, k, v, *, query_seq_lengths, **kwargs):
+        out = real(q, k, v, query_seq_lengths=query_seq_lengths, **kwargs)
+        rows = np.arange(q.shape[1])[None, :, None, None] >= query_seq_lengths[:, None, None, None]
+        return jax.numpy.where(rows, np.nan, out)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", nan_past_the_query_lengths)
+    vcfg, params, _ = towers
+    grid, n = (1, 4, 6), 24
+    pixels = np.random.default_rng(3).uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32)
+    fresh = jax.jit(vision.padded_tower, static_argnames=("vcfg", "attention"))  # traced with the fake
+    out = np.asarray(fresh(params, vcfg, *pad_image(vcfg, pixels, grid, 64)))
+    monkeypatch.undo()
+    ref = np.asarray(vision_forward(params, vcfg, pixels, [grid]))
+    np.testing.assert_allclose(out[: n // 4], ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
+def test_images_served_after_warmup_compile_nothing(towers):
+    """Every bucket compiled at startup; then images of each, however the caller passes them, run those."""
+    import jax
+
+    vcfg, params, _ = towers
+    buckets = (16, 64)  # not compiled by another test: the warm-up's programs are counted
+    before = padded_compile_count()
+    warmup_padded(params, vcfg, buckets)
+    assert padded_compile_count() == before + len(buckets)
+    rng = np.random.default_rng(4)
+    for grid, bucket in [((1, 2, 2), 16), ((1, 4, 4), 16), ((1, 6, 8), 64)]:
+        n = grid[1] * grid[2]
+        image = pad_image(vcfg, rng.uniform(-1, 1, (n, vcfg.patch_dim)).astype(np.float32), grid, bucket)
+        encode_padded(params, vcfg, *image)
+        encode_padded(params, vcfg, *jax.device_put(image._replace(n_valid=n)), attention="xla")
+    assert padded_compile_count() == before + len(buckets)
+
+
+def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
+    vcfg = towers[0]
+    buckets = patch_buckets(vcfg, 65536)  # the processor's default ceiling: 16777216 pixels of 16 x 16 patches
+    assert buckets == tuple(64 << k for k in range(11)) and len(buckets) <= MAX_BUCKETS
+    assert patch_buckets(vcfg, 7056, min_patches=256) == (256, 512, 1024, 2048, 4096, 8192)
+    small = patch_buckets(vcfg, 100, min_patches=16)
+    assert small == (16, 32, 64, 128)
+    with pytest.raises(ValueError, match=r"\(1, 12, 12\) has 144 patches, more than its bucket of 128"):
+        pad_image(vcfg, np.zeros((144, vcfg.patch_dim), np.float32), (1, 12, 12), small[-1])
+    with pytest.raises(ValueError, match="more than 12: raise min_patches"):
+        patch_buckets(vcfg, 1 << 20, min_patches=4)
 
 
 def test_missing_vision_tensor_is_named(checkpoint, tmp_path):

@@ -228,10 +228,10 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
 
 
-def _encode_step(vparams, vcfg, media, pixels, taps, tap_weights, pos, n_valid, rows):
-    """One image through the vision tower (`vision.encode_padded`), its tokens written to media rows `rows`
+def _encode_step(vparams, vcfg, attention, media, pixels, taps, tap_weights, pos, n_valid, rows):
+    """One image through the vision tower (`vision.padded_tower`), its tokens written to media rows `rows`
     ([bucket / merge^2]; an out-of-range row drops a padding token)."""
-    out = vision.encode_padded(vparams, vcfg, pixels, taps, tap_weights, pos, n_valid)
+    out = vision.padded_tower(vparams, vcfg, pixels, taps, tap_weights, pos, n_valid, attention)
     return media.at[rows].set(out.astype(media.dtype), mode="drop")
 
 
@@ -344,7 +344,7 @@ class ModelRunner:
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
                               donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
-            "encode": jax.jit(_own(_encode_step), static_argnames=("vcfg",), donate_argnames=("media",)),
+            "encode": jax.jit(_own(_encode_step), static_argnames=("vcfg", "attention"), donate_argnames=("media",)),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
@@ -360,6 +360,9 @@ class ModelRunner:
         bucket up to `max_patches` (one image's). Call before `warmup()`."""
         self.vision = (vparams, vcfg)
         self.patch_buckets = vision.patch_buckets(vcfg, max_patches)
+        # Flash attention where cuDNN runs it (a GPU, bf16): XLA's materialises [heads, bucket, bucket] logits
+        gpu_bf16 = jax.devices()[0].platform == "gpu" and vparams.patch_w.dtype == jnp.bfloat16
+        self.vision_attention = "cudnn" if gpu_bf16 else "xla"
         self.media = jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype)
 
     def encode_image(self, pixel_values: np.ndarray, grid, rows: np.ndarray) -> None:
@@ -370,7 +373,7 @@ class ModelRunner:
         inputs = vision.pad_image(vcfg, pixel_values, grid, bucket)
         out_rows = np.full(bucket // vcfg.spatial_merge_size**2, self.media.shape[0], np.int32)
         out_rows[:len(rows)] = rows
-        self._swap_media(self._steps["encode"](vparams, vcfg, self.media, *inputs, out_rows))
+        self._swap_media(self._steps["encode"](vparams, vcfg, self.vision_attention, self.media, *inputs, out_rows))
 
     def _swap_media(self, media) -> None:
         """The one place the media rows are written back."""
