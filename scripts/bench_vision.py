@@ -39,7 +39,7 @@ import numpy as np
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.profiling import call_seconds
 from ninfer_jax.config import VisionConfig
-from ninfer_jax.frontend.image_processing import ImageProcessorConfig, image_grid
+from ninfer_jax.frontend.image_processing import ImageProcessorConfig, image_grid, normalization_table, pixel_values_of
 from ninfer_jax.model.tiny import PREPROCESSOR_FIELDS, random_vision_tensors
 from ninfer_jax.model.vision import (
     PREFIX,
@@ -53,7 +53,9 @@ from ninfer_jax.model.vision import (
     vision_params_from_tensors,
     warmup_padded,
 )
+from ninfer_jax.model.vision import padded_metadata
 from ninfer_jax.runtime.device.buckets import fit
+from ninfer_jax.runtime.device.runner import jit_encode_step
 
 AGREE = 5e-2  # bf16 through 27 blocks: a few bf16 steps of the largest output; a wrong position or mask is O(1)
 REAL = {"vcfg": VisionConfig(out_hidden_size=5120), "sizes": [448, 1024, 1344], "dtype": "bfloat16",
@@ -175,10 +177,47 @@ def measure(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, buckets, siz
               + (f", {row['speedup']:.2f}x transformers, rel. diff {row['rel_diff']:.2g}"
                  + ("" if row["agrees"] else f" -- DISAGREES (> {AGREE})") if theirs is not None else ""),
               flush=True)
+        measure_engine_form(params, vcfg, pcfg, row, grid, attention, repeats)
         if batch > 1:
             measure_batch(params, vcfg, row, pixels, grid, ours, batch, repeats)
         rows.append(row)
     return rows
+
+
+def measure_engine_form(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, row: dict, grid, attention: str,
+                        repeats: int) -> None:
+    """The engine's form, into `row`: uint8 patches from the host (an eighth of pixel_values' bytes), normalised on
+    the device by the processor's table, the grid's metadata cached, the output scattered into media rows (the
+    runner's own jitted step). Checked against `encode_padded` of the same pixels."""
+    n, bucket, m = row["patches"], row["bucket"], vcfg.spatial_merge_size
+    p, tokens = vcfg.patch_size, row["patches"] // m**2
+    patches = np.random.default_rng(n).integers(0, 256, (n, 3, p, p), dtype=np.uint8)
+    table = normalization_table(pcfg)
+    rows = np.full(bucket // m**2, bucket // m**2, np.int32)
+    rows[:tokens] = np.arange(tokens)
+    step = jit_encode_step()
+    media = [jax.numpy.zeros((bucket // m**2, vcfg.out_hidden_size), params.patch_w.dtype)]
+
+    def encode():
+        padded = np.zeros((bucket, 3, p, p), np.uint8)
+        padded[:n] = patches
+        media[0] = step(params, vcfg, attention, media[0], table, padded, *padded_metadata(vcfg, tuple(grid), bucket),
+                        rows)
+        return jax.block_until_ready(media[0])
+
+    try:
+        ours = np.asarray(encode(), np.float32)[:tokens]
+        want = np.asarray(encode_padded(params, vcfg, *pad_image(vcfg, pixel_values_of(pcfg, patches), grid, bucket),
+                                        attention=attention), np.float32)[:tokens]
+    except Exception as e:  # noqa: BLE001 -- as for the padded encoder
+        row["engine_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return
+    row["engine_equal"] = bool(np.array_equal(ours, want))
+    row["engine_images_per_s"] = 1 / median_seconds(encode, repeats)
+    if row.get("transformers_images_per_s"):
+        row["engine_speedup"] = row["engine_images_per_s"] / row["transformers_images_per_s"]
+    print(f"  engine form (uint8 from host), {attention}: {row['engine_images_per_s']:.2f} img/s, equal to "
+          f"encode_padded: {row['engine_equal']}", flush=True)
 
 
 def measure_batch(params, vcfg: VisionConfig, row: dict, pixels, grid, single, batch: int, repeats: int) -> None:
@@ -208,7 +247,9 @@ def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[d
               r["attention"], f(r.get("images_per_s")), f(r.get("device_images_per_s")),
               f(r["unpadded_images_per_s"]), f(r["transformers_images_per_s"]),
               f"{r['speedup']:.2f}x" if r.get("speedup") else "-", f(r.get("rel_diff")),
-              f(r.get("batch_images_per_s")), f(r.get("first_call_s")), f(r["host_prep_ms"])] for r in rows]
+              f(r.get("batch_images_per_s")), f(r.get("first_call_s")), f(r["host_prep_ms"]),
+              f(r.get("engine_images_per_s")),
+              f"{r['engine_speedup']:.2f}x" if r.get("engine_speedup") else "-"] for r in rows]
     lines = report.header(
         "Vision encoder: padded buckets against transformers", meta, f"tower: {vcfg}", f"dtype: {dtype}",
         f"patch buckets: {', '.join(map(str, buckets))}", f"transformers: {hf_note}",
@@ -216,12 +257,13 @@ def page_lines(meta: dict, vcfg: VisionConfig, dtype: str, buckets, rows: list[d
         "encode; transformers: transfer, forward, CUDA sync); 'device' is the encoder call on device inputs; "
         f"rel. diff is max |ours - transformers| / max |transformers| over the valid rows (agree below {AGREE}); "
         f"batched: {next((r['batch'] for r in rows if 'batch' in r), '-')} copies of the image per "
-        "`encode_padded_batch` call, from host pixels")
+        "`encode_padded_batch` call, from host pixels; engine form: the runner's encode step from uint8 patches on "
+        "the host (normalised on the device, grid metadata cached, output scattered into media rows)")
     lines += report.table(["image", "grid", "patches", "bucket", "attention", "ours img/s", "ours img/s (device)",
                            "unpadded img/s", "transformers img/s", "speedup", "rel. diff", "batched img/s",
-                           "first call s", "host prep ms"], cells)
-    errors = [f"- {r['size']} {r['attention']}{' batched' if key == 'batch_error' else ''}: {r[key]}"
-              for r in rows for key in ("error", "batch_error") if key in r]
+                           "first call s", "host prep ms", "engine form img/s", "engine speedup"], cells)
+    errors = [f"- {r['size']} {r['attention']} {key}: {r[key]}"
+              for r in rows for key in ("error", "batch_error", "engine_error") if key in r]
     return lines + ([""] + errors if errors else [])
 
 

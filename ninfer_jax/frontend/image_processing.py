@@ -123,8 +123,16 @@ def image_grid(cfg: ImageProcessorConfig, height: int, width: int) -> tuple[int,
     return 1, h // cfg.patch_size, w // cfg.patch_size
 
 
-def _patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
-    """One image [H, W, 3] uint8 -> its rows of pixel_values [gh * gw, 3 * T * P * P] float32."""
+def normalization_table(cfg: ImageProcessorConfig) -> np.ndarray:
+    """float32 [3, 256]: each channel's normalised value of each byte, in transformers' float order (the product
+    in float64, rounded to float32, then normalised in float32), so a lookup equals the processor bit for bit."""
+    x = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
+    return (x[None, :] - np.array(cfg.image_mean, np.float32)[:, None]) / np.array(cfg.image_std, np.float32)[:, None]
+
+
+def image_patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
+    """One image [H, W, 3] uint8 resized, as uint8 patches [gh * gw, 3, P, P] in merge-block order: pixel_values
+    before normalisation and the temporal repeat (an eighth of their bytes, what the engine sends the device)."""
     from PIL import (
         Image,  # the frontend's decoder; imported where an image is processed
     )
@@ -132,14 +140,22 @@ def _patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
     height, width = image.shape[:2]
     new_h, new_w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), resample=BICUBIC))
-    # transformers' order: the product in float64, rounded to float32, then normalised in float32
-    x = (resized.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    x = (x - np.array(cfg.image_mean, np.float32)) / np.array(cfg.image_std, np.float32)
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    p, m = cfg.patch_size, cfg.merge_size
     gh, gw = new_h // p, new_w // p
-    x = x.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # (gh, gw, mh, mw, C, ph, pw)
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
-    return x.reshape(gh * gw, 3 * t * p * p)
+    x = resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # (gh, gw, mh, mw, C, ph, pw)
+    return np.ascontiguousarray(x).reshape(gh * gw, 3, p, p)
+
+
+def pixel_values_of(cfg: ImageProcessorConfig, patches: np.ndarray) -> np.ndarray:
+    """uint8 patches [n, 3, P, P] (`image_patches`) -> pixel_values rows [n, 3 * T * P * P] float32."""
+    x = normalization_table(cfg)[np.arange(3)[None, :, None, None], patches]
+    t, p = cfg.temporal_patch_size, cfg.patch_size
+    return np.broadcast_to(x[:, :, None], (len(x), 3, t, p, p)).reshape(len(x), 3 * t * p * p)
+
+
+def _patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
+    """One image [H, W, 3] uint8 -> its rows of pixel_values [gh * gw, 3 * T * P * P] float32."""
+    return pixel_values_of(cfg, image_patches(cfg, image))
 
 
 def preprocess_images(cfg: ImageProcessorConfig, images) -> tuple[np.ndarray, np.ndarray]:

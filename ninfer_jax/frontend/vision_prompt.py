@@ -21,7 +21,8 @@ import numpy as np
 
 from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS, VisionItem, media_keys
 
-from .image_processing import MAX_IMAGE_PIXELS, ImageError, ImageProcessorConfig, decode_image, preprocess_images
+from .image_processing import (MAX_IMAGE_PIXELS, ImageError, ImageProcessorConfig, decode_image, image_grid,
+                               image_patches, normalization_table)
 from .mrope import mrope_positions
 
 IMAGE_PAD = "<|image_pad|>"
@@ -71,11 +72,20 @@ class PromptImage:
     length: int
     grid: tuple[int, int, int]  # (t, h, w) in patches
     digest: bytes  # 32 bytes: sha256 of the decoded RGB pixels and their shape
-    pixel_values: np.ndarray  # [t h w, patch_dim] float32, read-only
+    patches: np.ndarray  # uint8 [t h w, 3, P, P], resized, read-only: pixel_values before normalising
+    normalization: np.ndarray  # float32 [3, 256]: each channel's normalised value of each byte
+    temporal: int  # the processor's temporal patch size (each patch repeated)
 
     @property
     def end(self) -> int:
         return self.begin + self.length
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """The processor's pixel_values rows [t h w, 3 T P P] float32 (the engine computes them on the device)."""
+        x = self.normalization[np.arange(3)[None, :, None, None], self.patches]
+        n, _, p, _ = self.patches.shape
+        return np.broadcast_to(x[:, :, None], (n, 3, self.temporal, p, p)).reshape(n, -1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,22 +159,25 @@ def expand_images(vision: VisionFrontend | None, ids: np.ndarray, parts: list[tu
         raise ImageError(f"{parts[0][0]}: the prompt holds {len(pads)} {IMAGE_PAD} tokens for {len(parts)} images "
                          "(text must not contain the placeholder)")
     decoded = [decode_part(vision, where, data) for where, data in parts]
+    table = normalization_table(vision.processor)
+    table.setflags(write=False)
     images, pieces, at, shift = [], [], 0, 0
     shifted = np.arange(len(ids) + 1)
     for (where, _), pad, rgb in zip(parts, pads, decoded):
         try:
-            pixels, grids = preprocess_images(vision.processor, [rgb])
-        except ValueError as error:
+            patches = image_patches(vision.processor, rgb)
+        except ValueError as error:  # an aspect ratio the resize rule refuses
             raise ImageError(f"{where}: {error}") from None
-        grid = tuple(int(v) for v in grids[0])
+        grid = image_grid(vision.processor, *rgb.shape[:2])
         length = vision.tokens_of(grid)
         pieces += [ids[at:pad], np.full(length, vision.image_pad_id, ids.dtype)]
         begin = pad + shift
         shifted[pad + 1:] += length - 1
         shift += length - 1
         at = pad + 1
-        pixels.setflags(write=False)
-        images.append(PromptImage(int(begin), length, grid, pixel_digest(rgb), pixels))
+        patches.setflags(write=False)
+        images.append(PromptImage(int(begin), length, grid, pixel_digest(rgb), patches, table,
+                                  vision.processor.temporal_patch_size))
     pieces.append(ids[at:])
     expanded = np.concatenate(pieces).astype(np.int32)
     n = len(expanded)

@@ -351,6 +351,27 @@ def pad_image(vcfg: VisionConfig, pixel_values, grid: tuple[int, int, int], buck
                        pad(tap_weights, np.float32), pad(pos, np.int32), np.asarray(n, np.int32))
 
 
+@functools.lru_cache(maxsize=64)
+def padded_metadata(vcfg: VisionConfig, grid: tuple[int, int, int], bucket: int) -> tuple[np.ndarray, ...]:
+    """(taps, tap_weights, pos, n_valid) of `pad_image` for a grid and bucket: the same for every image of that size
+    (screenshots repeat sizes), so computed once. Read-only arrays."""
+    blank = np.zeros((grid[1] * grid[2], vcfg.patch_dim), np.float32)
+    padded = pad_image(vcfg, blank, grid, bucket)
+    out = (padded.taps, padded.tap_weights, padded.pos, padded.n_valid)
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+def pixels_from_bytes(table, patches, temporal: int):
+    """The processor's pixel_values rows from uint8 patches [n, 3, P, P] and its normalisation table [3, 256]
+    (`image_processing.normalization_table`), inside a step: a lookup, so the device gets the processor's floats
+    from an eighth of the bytes."""
+    x = table[jnp.arange(3)[None, :, None, None], patches.astype(jnp.int32)]
+    n, _, p, _ = patches.shape
+    return jnp.broadcast_to(x[:, :, None], (n, 3, temporal, p, p)).reshape(n, -1)
+
+
 def stack_images(images: list[PaddedImage]) -> PaddedImage:
     """Images padded to one bucket, each field stacked on a leading axis: `encode_padded_batch`'s inputs."""
     if len({image.pixels.shape[0] for image in images}) != 1:

@@ -218,8 +218,8 @@ class Engine:
                 raise InvalidRequestError("the prompt has images and this model has no vision tower")
             largest = self.runner.patch_buckets[-1]
             for i, image in enumerate(prepared.media.images):
-                if len(image.pixel_values) > largest:
-                    raise InvalidRequestError(f"image {i} has {len(image.pixel_values)} patches; at most {largest} "
+                if len(image.patches) > largest:
+                    raise InvalidRequestError(f"image {i} has {len(image.patches)} patches; at most {largest} "
                                               f"(max_image_tokens {self.options.max_image_tokens}): prepare the "
                                               f"prompt with engine.vision")
         return prepared

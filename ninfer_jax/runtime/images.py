@@ -75,7 +75,7 @@ class ImageFeeder:
                 if held is None:  # options.resolve sizes the rows for one pass's images
                     raise RuntimeError(f"the media rows ({self.rows.num_pages * MediaRows.PAGE_ROWS}) cannot hold "
                                        f"the images of one prefill pass")
-                self.runner.encode_image(im.pixel_values, im.grid, held)
+                self.runner.encode_image(im.patches, im.normalization, im.grid, held)
                 self.counters["images_encoded"] += 1
                 self.counters["image_tokens_encoded"] += im.length
             elif im.begin >= base:  # counted once, at the pass that reaches the image's first token

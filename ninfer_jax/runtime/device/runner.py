@@ -228,9 +228,11 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
 
 
-def _encode_step(vparams, vcfg, attention, media, pixels, taps, tap_weights, pos, n_valid, rows):
-    """One image through the vision tower (`vision.padded_tower`), its tokens written to media rows `rows`
-    ([bucket / merge^2]; an out-of-range row drops a padding token)."""
+def _encode_step(vparams, vcfg, attention, media, table, patches, taps, tap_weights, pos, n_valid, rows):
+    """One image (uint8 patches and the processor's normalisation table: `vision.pixels_from_bytes`) through the
+    vision tower (`vision.padded_tower`), its tokens written to media rows `rows` ([bucket / merge^2]; an
+    out-of-range row drops a padding token)."""
+    pixels = vision.pixels_from_bytes(table, patches, vcfg.temporal_patch_size)
     out = vision.padded_tower(vparams, vcfg, pixels, taps, tap_weights, pos, n_valid, attention)
     return media.at[rows].set(out.astype(media.dtype), mode="drop")
 
@@ -240,6 +242,11 @@ def _logprobs_step(logits, tokens, rows, top_k_groups):
     rows at W or past it are padding, dropped. Entries no row names are zero."""
     out = token_logprobs(logits, tokens.at[rows].get(mode="fill", fill_value=0), top_k_groups=top_k_groups)
     return jax.tree.map(lambda x: _rows_to_lanes(x, rows, tokens.shape[0]), out)
+
+
+def jit_encode_step():
+    """The image encode step jitted as the runner jits it (scripts/bench_vision.py times this form)."""
+    return jax.jit(_own(_encode_step), static_argnames=("vcfg", "attention"), donate_argnames=("media",))
 
 
 def jit_decode_step():
@@ -344,7 +351,7 @@ class ModelRunner:
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
                               donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
-            "encode": jax.jit(_own(_encode_step), static_argnames=("vcfg", "attention"), donate_argnames=("media",)),
+            "encode": jit_encode_step(),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
@@ -365,15 +372,19 @@ class ModelRunner:
         self.vision_attention = "cudnn" if gpu_bf16 else "xla"
         self.media = jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype)
 
-    def encode_image(self, pixel_values: np.ndarray, grid, rows: np.ndarray) -> None:
-        """Encodes one image (its patches [t h w, patch_dim] and grid) into media rows `rows` (one per token),
-        dispatched, not waited for: the prefill that reads them follows it on the device."""
+    def encode_image(self, patches: np.ndarray, table: np.ndarray, grid, rows: np.ndarray) -> None:
+        """Encodes one image (uint8 patches [t h w, 3, P, P], the normalisation table [3, 256], its grid) into media
+        rows `rows` (one per token), dispatched, not waited for: the prefill that reads them follows it."""
         vparams, vcfg = self.vision
-        bucket = fit(len(pixel_values), self.patch_buckets, "an image of {} patches")
-        inputs = vision.pad_image(vcfg, pixel_values, grid, bucket)
+        n = len(patches)
+        bucket = fit(n, self.patch_buckets, "an image of {} patches")
+        padded = np.zeros((bucket, *patches.shape[1:]), np.uint8)
+        padded[:n] = patches
+        metadata = vision.padded_metadata(vcfg, tuple(int(v) for v in grid), bucket)
         out_rows = np.full(bucket // vcfg.spatial_merge_size**2, self.media.shape[0], np.int32)
         out_rows[:len(rows)] = rows
-        self._swap_media(self._steps["encode"](vparams, vcfg, self.vision_attention, self.media, *inputs, out_rows))
+        self._swap_media(self._steps["encode"](vparams, vcfg, self.vision_attention, self.media,
+                                               np.asarray(table, np.float32), padded, *metadata, out_rows))
 
     def _swap_media(self, media) -> None:
         """The one place the media rows are written back."""
@@ -648,7 +659,8 @@ class ModelRunner:
             vcfg = self.vision[1]
             for bucket in self.patch_buckets:
                 m = vcfg.spatial_merge_size
-                self.encode_image(np.zeros((bucket, vcfg.patch_dim), np.float32), (1, m, bucket // m), np.zeros(0))
+                patches = np.zeros((bucket, 3, vcfg.patch_size, vcfg.patch_size), np.uint8)
+                self.encode_image(patches, np.zeros((3, 256), np.float32), (1, m, bucket // m), np.zeros(0))
                 ready(self.media, f"vision encoder {bucket} patches")
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
