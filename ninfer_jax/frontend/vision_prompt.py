@@ -107,14 +107,19 @@ class PromptMedia:
 
 
 def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
-    """Every image content part in order, as (its location `messages[i].content[j]`, its bytes or RGB array)."""
+    """Every image content part in order, as (its location `messages[i].content[j]`, its bytes or RGB array).
+    Raises ImageError for a video part: the template would render its placeholder, which nothing would fill."""
     found = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, (list, tuple)):
             continue
         for j, part in enumerate(content):
-            if isinstance(part, Mapping) and (part.get("type") == "image" or "image" in part):
+            if not isinstance(part, Mapping):
+                continue
+            if part.get("type") == "video" or "video" in part:
+                raise ImageError(f"messages[{i}].content[{j}]: videos are not supported; send frames as images")
+            if part.get("type") == "image" or "image" in part:
                 found.append((f"messages[{i}].content[{j}]", part.get("image")))
     return found
 

@@ -88,6 +88,8 @@ def test_an_unusable_image_part_is_refused_naming_it(tokenizer, vision):  # noqa
         (chat(good, good), VisionFrontend(PROCESSOR, vision.image_pad_id, max_images=1),
          "messages[1].content[3]: at most 1 images"),
         (chat(good, np.zeros((4, 4), np.uint8)), vision, "messages[1].content[3]: an image array must be"),
+        ([{"role": "user", "content": [{"type": "video", "video": good}]}], vision,
+         "messages[0].content[0]: videos are not supported"),
     ]
     for messages, frontend, message in cases:
         with pytest.raises(ImageError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -167,14 +167,15 @@ def test_a_vlm_checkpoint_carries_the_preprocessing_its_tower_takes(checkpoint, 
     assert (pre.min_pixels, pre.max_pixels, pre.image_mean) == (65536, 16777216, (0.5, 0.5, 0.5))
 
 
-def test_a_prompt_with_images_gives_transformers_logits(tmp_path_factory):
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_a_prompt_with_images_gives_transformers_logits(tmp_path_factory, preset):
     """Text, an image, text, a larger image, text through the tower, the placeholder spans and MRoPE positions:
     the logits of transformers' Qwen3.5 VLM forward (fp32, 1e-4)."""
     from ninfer_jax.frontend.mrope import mrope_positions
     from ninfer_jax.model import forward, load_checkpoint
 
     image_token = 1000  # inside the oracle's vocabulary
-    raw = {**oracle_config("tiny-dense", "vlm"), "image_token_id": image_token}
+    raw = {**oracle_config(preset, "vlm"), "image_token_id": image_token}
     path = write_random_checkpoint(tmp_path_factory.mktemp("vlm-prompt"), raw, seed=8)
     cfg, params = load_checkpoint(path, "float32")
     vcfg, vparams = load_vision_checkpoint(path, "float32")
