@@ -39,13 +39,15 @@ class VisionFrontend:
     max_image_pixels: int = MAX_IMAGE_PIXELS  # decoded pixels of one image, before resizing
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, tokenizer=None, **limits) -> VisionFrontend | None:
-        """The checkpoint's preprocessor_config.json (its defaults if absent) and image pad id (config.json's
-        `image_token_id`, as transformers reads it, else the tokenizer's); None when neither names one."""
+    def from_checkpoint(cls, directory: str | Path, tokenizer=None, config_file: str | Path | None = None,
+                        **limits) -> VisionFrontend | None:
+        """The checkpoint's preprocessor_config.json (its defaults if absent) and image pad id (config.json's, or
+        `config_file`'s, `image_token_id`, as transformers reads it, else the tokenizer's); None when neither names
+        one."""
         directory = Path(directory)
         path = directory / "preprocessor_config.json"
         processor = ImageProcessorConfig.from_file(path) if path.is_file() else ImageProcessorConfig()
-        pad = json.loads((directory / "config.json").read_text()).get("image_token_id")
+        pad = json.loads(Path(config_file or directory / "config.json").read_text()).get("image_token_id")
         if pad is None and tokenizer is not None:
             pad = tokenizer.token_to_id(IMAGE_PAD)
         return None if pad is None else cls(processor, int(pad), **limits)

@@ -375,4 +375,33 @@ def load_vision_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[V
     return vcfg, params
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "load_vision_checkpoint"]
+def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
+    """Random weights at a config.json's shapes (`load_format="dummy"`, as vLLM's): benchmarks and serving tests
+    at real shapes with no checkpoint on disk. Seed 0, so two loads of one config hold the same weights.
+
+    Returns:
+      (ModelConfig, Params, (VisionConfig, VisionParams) or None: a random tower when the config has one).
+    Raises:
+      ConfigError for a missing or invalid config.json.
+    """
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.model.tiny import random_vision_tensors
+
+    config_file = Path(config_file)
+    if not config_file.is_file():
+        raise ConfigError(f"load_format 'dummy' reads the model's shapes from a config.json: {config_file} is not a "
+                          "file")
+    cfg = ModelConfig.from_file(config_file)
+    start = time.perf_counter()
+    params = random_params(cfg, seed=0, dtype=DTYPES[dtype], fp8=cfg.quantization is not None)
+    jax.block_until_ready(params)
+    log.info("dummy weights | %s | %.1f s", config_file, time.perf_counter() - start)
+    if "vision_config" not in json.loads(config_file.read_text()):
+        return cfg, params, None
+    vcfg = VisionConfig.from_file(config_file)
+    tensors = random_vision_tensors(vcfg, np.random.default_rng(0))
+    put = _putter(dtype)
+    return cfg, params, (vcfg, vision_params_from_tensors(vcfg, lambda name, shape: tensors[name], put))
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "load_dummy", "load_vision_checkpoint"]

@@ -425,6 +425,16 @@ def trained_checkpoint() -> Path:
     return _materialize(target, stamp, f"assembling the trained tiny checkpoint | {target}", write)
 
 
+def qwen35_tokenizer_dir() -> Path:
+    """The Qwen3.5 tokenizer files alone, written under ninfer_home on first use (a dummy load's tokenizer, when
+    its config's folder has none)."""
+    from ninfer_jax.frontend.tokenizer import write_qwen35_tokenizer_files
+
+    target = ninfer_home() / "qwen35-tokenizer"
+    return _materialize(target, f"writer {WRITER_VERSION}", f"writing the Qwen3.5 tokenizer | {target}",
+                        write_qwen35_tokenizer_files)
+
+
 def stdlib_sources() -> list[Path]:
     """The trained checkpoint's corpus: the standard library's .py sources (installed packages left out), sorted by
     path; `train_tiny_mtp.py` holds out the end of their tokens."""

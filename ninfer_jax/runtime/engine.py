@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import logging
 import queue
@@ -25,10 +26,10 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
                                  load_tokenizer)
 from ninfer_jax.model import load_checkpoint
-from ninfer_jax.model.loader import load_vision_checkpoint
+from ninfer_jax.model.loader import load_dummy, load_vision_checkpoint
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE
-from ninfer_jax.model.tiny import default_checkpoint
+from ninfer_jax.model.tiny import default_checkpoint, qwen35_tokenizer_dir
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.device.cache_file import checkpoint_identity
 from ninfer_jax.runtime.options import EngineOptions
@@ -125,7 +126,9 @@ class Engine:
                         prefill_chunk: int | None = None, kv_capacity: int | str = "auto",
                         no_prefix_reuse: bool = False, warmup: bool = True, progress=None,
                         **other_options) -> "Engine":
-        """Load a checkpoint directory (None: the built-in tiny default) and start the engine.
+        """Load a checkpoint directory (None: the built-in tiny default) and start the engine. With
+        load_format="dummy" the weights are random at the shapes of its config.json (or of `path`, a config .json
+        file), with its tokenizer files or else the Qwen3.5 tokenizer.
 
         other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...); progress(stage, done,
         total) hears of the startup's steps: "loading" (layers), "compiling" (programs), "restoring" (the prefix
@@ -140,15 +143,23 @@ class Engine:
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
         options.resolve(10**9, jax.default_backend())  # refuse bad options before reading any weights
-        config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
-        tokenizer = load_tokenizer(directory)
-        vision = None
-        frontend = VisionFrontend.from_checkpoint(directory, tokenizer) if vision_tower(directory) else None
-        if frontend is not None:  # a VLM whose image placeholder is known
-            vision = (*load_vision_checkpoint(directory, dtype=dtype), frontend)
-        engine = cls(config, params, options, tokenizer=tokenizer,
-                     chat_template=load_chat_template(directory), model_name=directory.name, warmup=warmup,
-                     weights_identity=checkpoint_identity(directory), progress=progress, vision=vision)
+        if options.load_format == "dummy":
+            config_file = directory if directory.is_file() else directory / "config.json"
+            config, params, tower = load_dummy(config_file, dtype)
+            directory = config_file.parent
+            tokenizer = load_tokenizer(directory) or load_tokenizer(qwen35_tokenizer_dir())
+            # Seed 0 weights are a function of the config: a saved prefix cache serves the next dummy load
+            identity = {"load_format": "dummy", "config": hashlib.sha256(config_file.read_bytes()).hexdigest()}
+            name = config_file.stem if config_file.name != "config.json" else directory.name
+        else:
+            config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
+            tokenizer = load_tokenizer(directory)
+            tower = load_vision_checkpoint(directory, dtype=dtype) if vision_tower(directory) else None
+            identity, name, config_file = checkpoint_identity(directory), directory.name, directory / "config.json"
+        frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
+        vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
+        engine = cls(config, params, options, tokenizer=tokenizer, chat_template=load_chat_template(directory),
+                     model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision)
         if progress is not None:
             progress("ready", 1, 1)
         return engine

@@ -162,6 +162,10 @@ class EngineOptions:
         str, "auto", "KV cache storage (spec §3.1): the activations' dtype (auto), bfloat16, or quantized: int8 "
         "(INT8, a scale per 64 values), fp8 (FP8-E4M3, a scale per 256), k8v4 (FP8 keys, NVFP4 values), nvfp4 "
         "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES)
+    load_format: str = _option(
+        str, "auto", "how the weights load: auto (the checkpoint's safetensors) or dummy (random weights at the shapes "
+        "of the checkpoint's config.json, or of a config .json file given as the checkpoint: benchmarks at real "
+        "shapes without the weights, as vLLM's --load-format dummy)", flag="--load-format", choices=("auto", "dummy"))
     max_model_len: int | None = _option(
         int, None, "longest prompt plus completion, in tokens (context length)", flag="--max-model-len",
         minimum=2, rule=f"the model's limit, at most {MAX_DEFAULT_MODEL_LEN}")

@@ -51,7 +51,8 @@ class ServeOptions:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ninfer-serve", description="OpenAI- and Anthropic-compatible server for Qwen3.5 hybrid models.")
-    parser.add_argument("model", nargs="?", help="checkpoint directory (default: the built-in tiny checkpoint)")
+    parser.add_argument("model", nargs="?", help="checkpoint directory, or with --load-format dummy a config .json "
+                        "(default: the built-in tiny checkpoint)")
     parser.add_argument("--model", dest="model_flag", metavar="PATH", help="the same as the positional MODEL")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")

@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -379,3 +380,23 @@ def test_pallas_engine_with_its_fused_decode_kernels_matches_transformers(checkp
         outs = engine.generate_many(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert tuple(out.token_ids) == hf_greedy(prompt, 6)
+
+
+def test_a_dummy_load_serves_random_weights_at_a_configs_shapes(tmp_path):
+    """load_format dummy: a config .json is enough (random weights, seed 0, the built-in Qwen3.5 tokenizer and a
+    random vision tower when the config has one); a folder without config.json is refused by name."""
+    from ninfer_jax.config import ConfigError, ModelConfig
+    from ninfer_jax.model.loader import load_dummy
+    from ninfer_jax.model.tiny import CONFIG_DIR
+
+    config = CONFIG_DIR / "tiny-moe.json"
+    with Engine.from_pretrained(config, load_format="dummy", max_concurrency=1, max_model_len=256,
+                                kernels="reference", warmup=False) as engine:
+        assert engine.config == ModelConfig.from_file(config) and engine.model_name == "tiny-moe"
+        assert engine.vision is not None and engine.tokenizer.token_to_id("<|image_pad|>") == 248056
+        out = engine.generate("Hello there", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(out.token_ids) == 3
+        again = load_dummy(config, "float32")[1]  # seed 0: the same weights on every load
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(engine.runner.params), jax.tree.leaves(again)))
+    with pytest.raises(ConfigError, match="config.json"):
+        Engine.from_pretrained(tmp_path, load_format="dummy", warmup=False)

@@ -23,9 +23,9 @@ def _engine_actions(parser):
 
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype", "max_model_len",
-        "kernels", "prefill_attention", "fp8_activations", "speculative", "num_speculative_tokens",
-        "prompt_lookup_max", "prompt_lookup_min", "interpret", "output_window", "memory_fraction",
+        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype", "load_format",
+        "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative", "num_speculative_tokens",
+        "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens", "vision_cache_tokens", "interpret", "output_window", "memory_fraction",
         "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
@@ -41,7 +41,8 @@ def test_the_flags_are_the_spec_names():
         "--max-model-len": "max_model_len", "--kernels": "kernels", "--prefill-attention": "prefill_attention",
         "--fp8-activations": "fp8_activations", "--speculative": "speculative",
         "--num-speculative-tokens": "num_speculative_tokens", "--prompt-lookup-max": "prompt_lookup_max",
-        "--prompt-lookup-min": "prompt_lookup_min",
+        "--prompt-lookup-min": "prompt_lookup_min", "--load-format": "load_format",
+        "--max-image-tokens": "max_image_tokens", "--vision-cache-tokens": "vision_cache_tokens",
         "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",
         "--host-cache-mib": "host_cache_mib", "--device-snapshot-slots": "device_snapshot_slots",
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
