@@ -10,10 +10,12 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
 from ninfer_jax.frontend import prepare_chat
+from ninfer_jax.frontend.image_processing import ImageError, decode_image
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
 DEFAULT_PROMPTS = ["What is a hybrid prefix cache?", "Write a haiku about GPUs."]
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="*", help="prompts (default: two demo questions)")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in tiny Qwen3.5)")
     p.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image file every prompt shows before its text (repeatable; a model with a vision tower)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -41,14 +45,25 @@ def main(argv: list[str] | None = None) -> int:
         options = engine_kwargs_from_args(args)
     except OptionsError as error:
         parser.error(str(error))  # exits 2, before anything loads
+    images = []
+    for name in args.image:  # refused before anything loads
+        try:
+            data = Path(name).read_bytes()
+            decode_image(data)
+        except (OSError, ImageError) as error:
+            parser.error(f"--image {name}: {error}")
+        images.append({"type": "image", "image": data})
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s | %(message)s")
     enable_compile_cache(args.compile_cache_dir)
     engine = Engine.from_pretrained(args.model, **options)
     try:
         prompts = args.prompts or DEFAULT_PROMPTS
+        if images and (args.raw or engine.tokenizer is None):
+            parser.error("--image needs the chat template (not --raw) and a tokenizer")
         if not args.raw and engine.tokenizer is not None:
-            prompts = [prepare_chat(engine.tokenizer, [{"role": "user", "content": p}], enable_thinking=False)
-                       for p in prompts]
+            turns = [[{"role": "user", "content": images + [{"type": "text", "text": p}]}] for p in prompts]
+            prompts = [prepare_chat(engine.tokenizer, turn, enable_thinking=False, vision=engine.vision)
+                       for turn in turns]
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed)
         start = time.perf_counter()

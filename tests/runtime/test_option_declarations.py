@@ -23,9 +23,10 @@ def _engine_actions(parser):
 
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype", "load_format",
-        "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative", "num_speculative_tokens",
-        "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens", "vision_cache_tokens", "interpret", "output_window", "memory_fraction",
+        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "kv_capacity", "kv_dtype",
+        "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
+        "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
+        "vision_cache_tokens", "interpret", "output_window", "memory_fraction",
         "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
@@ -169,6 +170,14 @@ def test_ninfer_generate_refuses_conflicts_with_status_2_before_loading(capsys, 
         generate.main(["--no-prefix-reuse", "--cache-tap-ladder", "4096"])
     assert stopped.value.code == 2
     assert "--no-prefix-reuse conflicts with --cache-tap-ladder" in capsys.readouterr().err
+
+
+def test_ninfer_generate_refuses_an_image_file_that_is_not_an_image_before_loading(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(generate.Engine, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    (tmp_path / "notes.txt").write_text("not a picture")
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--image", str(tmp_path / "notes.txt"), "Describe it."])
+    assert stopped.value.code == 2 and "--image " in capsys.readouterr().err
 
 
 def test_ninfer_generate_passes_on_only_the_given_engine_flags(monkeypatch):
