@@ -1,4 +1,5 @@
 """A three-turn chat against `ninfer-serve` with the official `openai` client: each turn's TTFT and cached tokens.
+The first question shows a picture (a drawn shelf label): later turns read its tokens from the prefix cache too.
 
     python scripts/chat_demo.py                        # the built-in tiny checkpoint, CPU-friendly settings
     python scripts/chat_demo.py -- /path/to/Qwen3.5-27B --dtype bfloat16   # any ninfer-serve arguments
@@ -12,10 +13,14 @@ exit. The built-in checkpoint has random weights: its words are noise; the numbe
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import sys
 import time
 
+import numpy as np
 import openai
+from PIL import Image
 
 from ninfer_jax.server.subprocess_server import ServerProcess
 
@@ -29,7 +34,7 @@ SYSTEM = ("You are a concise assistant for a hardware store. Answer in one or tw
           "garden centre is outside the back door. Returns need a receipt and are accepted within thirty days; "
           "special orders take a week. Staff can cut wood and keys and mix paint to a sample while you wait.")
 # A long enough system block that its 64-token blocks and the opener tap are visibly reused turn after turn.
-QUESTIONS = ["Where do I find wood glue?", "And sandpaper for it?", "Which aisle has the cheapest clamps?"]
+QUESTIONS = ["Is this label from the glue shelf?", "And sandpaper for it?", "Which aisle has the cheapest clamps?"]
 
 
 def main() -> int:
@@ -45,12 +50,25 @@ def main() -> int:
     return 0 if server.exit_status == 0 else 1
 
 
+def shelf_picture() -> str:
+    """A small drawn picture (coloured stripes, a shelf label's colours) as a data URL."""
+    y, x = np.mgrid[:96, :160]
+    pixels = np.stack([(x * 3) % 256, (y * 5) % 256, ((x // 20 + y // 24) % 2) * 200], axis=-1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 def _chat(url: str, max_tokens: int) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "system", "content": SYSTEM}]
     for turn, question in enumerate(QUESTIONS, 1):
-        messages.append({"role": "user", "content": question})
+        if turn == 1:  # a model without a vision tower would answer 400: the demo's checkpoint has one
+            messages.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": shelf_picture()}},
+                                                         {"type": "text", "text": question}]})
+        else:
+            messages.append({"role": "user", "content": question})
         started = time.perf_counter()
         ttft = None
         answer, reasoning, usage = [], [], None
