@@ -60,7 +60,7 @@ def _mtp_forward_jit(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
 
 
 def mtp_prefill_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, n_valid, base, page_table,
-                     carry, resumed, k_pages, v_pages):
+                     carry, resumed, k_pages, v_pages, rope_positions=None):
     """The MTP rows of one lane's prefill chunk, one position behind the target's (the row of position i needs
     the token after it): positions base - 1 .. base + n_valid - 2, from the target hidden [carry; hidden[:-1]]
     and the chunk's tokens. The chunk's last position waits for the next step, which has its token. At base 0
@@ -69,6 +69,8 @@ def mtp_prefill_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
 
     Args:
       hidden: [T, H] the chunk's final-normed target hidden; tokens [T]; carry [H]: the hidden of position base - 1.
+      rope_positions: None, or the chunk's MRoPE positions [3, T] (a prompt with images); each row rotates at its
+        own position's (row 0's, before the chunk, as the first token's less one: exact after a text token).
     Returns:
       (k_pages, v_pages) of the MTP layer.
     """
@@ -79,23 +81,26 @@ def mtp_prefill_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
     rows = jnp.arange(t)
     valid = (rows < jnp.where(first, n_valid - 1, n_valid)) & ((rows > 0) | first | ~resumed)
     ctx = {"base": jnp.where(first, 0, base - 1), "valid": valid, "page_table": page_table}
+    if rope_positions is not None:
+        behind = jnp.concatenate([rope_positions[:, :1] - 1, rope_positions[:, :-1]], axis=1)
+        ctx["rope_positions"] = jnp.where(first, rope_positions, behind)
     _, k_pages, v_pages = mtp_layer(params, cfg, kc, hidden_in, tokens_in, k_pages, v_pages,
                                     lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))
     return k_pages, v_pages
 
 
 def mtp_decode_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, positions, page_tables,
-                    active, k_pages, v_pages):
+                    active, k_pages, v_pages, rope_shift=0):
     """R MTP rows, each a decode query over its lane's MTP pages at positions [R] (a row writes its key before
-    reading, so its position alone makes it causal); inactive rows write nothing. -> (hidden [R, H], k_pages,
-    v_pages)."""
-    ctx = dict(positions=positions, page_tables=page_tables, active=active)
+    reading, so its position alone makes it causal), rotating at positions + rope_shift (the prompt's MRoPE delta);
+    inactive rows write nothing. -> (hidden [R, H], k_pages, v_pages)."""
+    ctx = dict(positions=positions, page_tables=page_tables, active=active, rope_shift=rope_shift)
     return mtp_layer(params, cfg, kc, hidden, tokens, k_pages, v_pages,
                      lambda p, one, h, kp, vp: _attn_decode(p, h, one, kc, kp, vp, ctx))
 
 
 def mtp_draft(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, positions, page_tables, active,
-              limits, k_pages, v_pages, k: int):
+              limits, k_pages, v_pages, k: int, rope_shift=0):
     """k drafts per lane by chaining the MTP layer from each lane's last target hidden [B, H] and the token after
     it [B] at positions [B]: draft j + 1 is the argmax of the MTP logits of row j, whose inputs are row j - 1's
     MTP hidden and draft j. Rows write their keys at positions + j, up to limits [B] (the lane's mapped
@@ -104,36 +109,38 @@ def mtp_draft(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens
     for j in range(k):
         live = active & (positions + j < limits)
         hidden, k_pages, v_pages = mtp_decode_rows(params, cfg, kc, hidden, tokens, positions + j, page_tables, live,
-                                                   k_pages, v_pages)
+                                                   k_pages, v_pages, rope_shift)
         tokens = jnp.argmax(logits(params, hidden), axis=-1).astype(jnp.int32)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), k_pages, v_pages
 
 
 def mtp_verify_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, emitted, kept, counts,
-                    positions, page_tables, limits, carry, k_pages, v_pages):
+                    positions, page_tables, limits, carry, k_pages, v_pages, rope_shift=None):
     """A verify round's MTP work for B lanes of T rows fed at positions p: the rows of positions p - 1 .. p + kept - 1
     (row j: the target hidden of position p + j - 1, `carry` [B, H] for j = 0, with the token fed at p + j), then
     T - 1 drafts chained from the last kept row's hidden and the token emitted after it (`mtp_draft`).
 
     Args:
       hidden: [B T, H] the rows' final-normed target hidden; tokens, emitted: [B, T]; kept, counts, positions,
-        limits: [B]; page_tables [B, max_pages].
+        limits: [B]; page_tables [B, max_pages]; rope_shift: [B] the lanes' MRoPE deltas, or None.
     Returns:
       (drafts [B, T - 1], k_pages, v_pages, the last kept row's hidden [B, H]: the next round's carry).
     """
     b, t = tokens.shape
+    rope_shift = jnp.zeros(b, jnp.int32) if rope_shift is None else rope_shift
     hid = hidden.reshape(b, t, -1)
     rows = jnp.arange(t, dtype=jnp.int32)[None, :]
     hidden_in = jnp.concatenate([carry[:, None].astype(hid.dtype), hid[:, :-1]], axis=1).reshape(b * t, -1)
     active = ((rows <= kept[:, None]) & (counts[:, None] > 0)).reshape(-1)
     _, k_pages, v_pages = mtp_decode_rows(params, cfg, kc, hidden_in, tokens.reshape(-1),
                                           (positions[:, None] - 1 + rows).reshape(-1),
-                                          jnp.repeat(page_tables, t, axis=0), active, k_pages, v_pages)
+                                          jnp.repeat(page_tables, t, axis=0), active, k_pages, v_pages,
+                                          jnp.repeat(rope_shift, t))
     lane = jnp.arange(b)
     last = hid[lane, kept]
     drafts, k_pages, v_pages = mtp_draft(params, cfg, kc, last, emitted[lane, kept], positions + kept, page_tables,
-                                         counts > 0, limits, k_pages, v_pages, t - 1)
+                                         counts > 0, limits, k_pages, v_pages, t - 1, rope_shift)
     return drafts, k_pages, v_pages, last
 
 

@@ -59,11 +59,18 @@ def speculating(checkpoint, kind: str, drafts: Continuations, file) -> Engine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def root(checkpoint):
+    """The no-reuse engine, shared by both drafters (it keeps nothing between requests)."""
+    engine = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, kv_capacity=64 * 64, **COMMON)
+    yield engine
+    engine.stop()
+
+
 @pytest.mark.parametrize("kind", ["ngram", "mtp"])
-def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, tmp_path, kind):
+def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, root, tmp_path, kind):
     drafts = Continuations()
     file = tmp_path / "spec.cache"
-    root = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, kv_capacity=64 * 64, **COMMON)
     plain = Engine.from_pretrained(checkpoint, **CACHE)
     spec = speculating(checkpoint, kind, drafts, file)
 
@@ -105,5 +112,5 @@ def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, tmp_pa
         assert c.usage.cached_tokens == len(third) + 39
         settle_host(spec, warmed=False)
     finally:
-        for engine in (root, plain, spec):
+        for engine in (plain, spec):
             engine.stop()

@@ -55,7 +55,7 @@ def test_a_second_run_of_ninfer_generate_loads_every_program_from_the_cache(tmp_
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, "-m", "ninfer_jax.generate", "--max-tokens", "2", "--max-concurrency", "1",
-               "--max-model-len", "256", "--compile-cache-dir", str(folder), "hello"]
+               "--max-model-len", "256", "--max-image-tokens", "16", "--compile-cache-dir", str(folder), "hello"]
     first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     entries = sorted(p.name for p in folder.iterdir())

@@ -214,6 +214,7 @@ def test_speculative_greedy_tokens_equal_plain_decoding(plain_runs, speculative_
 
 
 REFERENCE_ROWS = 256  # every reference sequence padded to one length: one program each (causal: padding is inert)
+_reference_prefill = jax.jit(qwen3_5.prefill, static_argnums=(1, 2))
 
 
 def _reference_drafts(params, cfg, sequence, k):
@@ -225,8 +226,8 @@ def _reference_drafts(params, cfg, sequence, k):
     padded = np.zeros(REFERENCE_ROWS, np.int32)
     padded[:len(sequence)] = sequence
     state = init_device_state(cfg, pages, 1, jnp.float32, jnp.float32)
-    hidden, _ = qwen3_5.prefill(params, cfg, REFERENCE, jnp.asarray(padded), jnp.int32(fed), jnp.int32(0),
-                                jnp.arange(pages, dtype=jnp.int32), jnp.int32(0), state, no_taps, no_taps)
+    hidden, _ = _reference_prefill(params, cfg, REFERENCE, jnp.asarray(padded), jnp.int32(fed), jnp.int32(0),
+                                   jnp.arange(pages, dtype=jnp.int32), jnp.int32(0), state, no_taps, no_taps)
     following, drafts = np.roll(padded, -1), []
     for j in range(k):  # row fed - 1 + j takes the previous row's MTP hidden and draft
         out = mtp_forward(params, cfg, hidden, jnp.asarray(following))

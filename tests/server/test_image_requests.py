@@ -68,7 +68,7 @@ def test_an_anthropic_image_block_is_read_from_the_cache_on_the_next_turn(claude
     turn = [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
         {"type": "text", "text": text}]}]
-    fields = {"model": engine.model_name, "max_tokens": 3}
+    fields = {"model": engine.model_name, "max_tokens": 1}
     first = claude.messages.create(messages=turn, **fields)
     second = claude.messages.create(messages=turn + [
         {"role": "assistant", "content": "".join(b.text for b in first.content if b.type == "text") or "ok"},

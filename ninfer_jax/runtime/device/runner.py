@@ -122,7 +122,7 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=Non
         return out, state
     lane, resumed = scalars[8], scalars[9] != 0
     pages = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane], resumed,
-                                 *state.mtp_pages)
+                                 *state.mtp_pages, rope_positions)
     return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype))
 
 
@@ -222,7 +222,7 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=
     drafts, k_mtp, v_mtp, last = mtp.mtp_verify_rows(params, cfg, kc, hidden, tokens, emitted, kept, counts,
                                                      positions, page_tables, limits,
                                                      carry.at[lanes].get(mode="fill", fill_value=0),
-                                                     *state.mtp_pages)
+                                                     *state.mtp_pages, col[11])
     state = state.with_mtp_pages(k_mtp, v_mtp)
     carry = carry.at[lanes].set(last.astype(carry.dtype), mode="drop")
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
