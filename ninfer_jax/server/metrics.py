@@ -132,6 +132,13 @@ class _EngineCollector:
             for length, count in spec["accept_length_histogram"].items():
                 family.add_metric([str(length)], float(count))
             yield family
+        vision = stats.get("vision")
+        if vision:  # a model with a vision tower
+            yield _counter("ninfer_vision_images_encoded", "Images the vision tower encoded.", vision["images_encoded"])
+            yield _counter("ninfer_vision_encoder_cache_hits", "Images a prefill read from the encoder cache "
+                           "instead of encoding them.", vision["image_cache_hits"])
+            yield _gauge("ninfer_vision_encoder_cache_tokens", "Image tokens the encoder cache holds (at most "
+                         "--vision-cache-tokens).", vision["cached_tokens"])
         yield _gauge("ninfer_engine_compiles_since_warmup", "Programs compiled while serving (0 when warmup "
                      "compiled every reachable shape).", stats.get("compiles_since_warmup", 0))
         yield _gauge("ninfer_engine_stats_age_seconds", "Age of the engine's published stats.",

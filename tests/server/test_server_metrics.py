@@ -69,6 +69,8 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
                                                                        "filling": 0, "capacity": 5},
                               "host_tier": True, "host_slabs": {"free": 7, "node": 1, "capacity": 8}},
              "speculative": {"drafted": 30, "accepted": 21, "accept_length_histogram": {1: 2, 2: 3, 3: 1, 4: 4}},
+             "vision": {"images_encoded": 6, "image_cache_hits": 2, "image_tokens_encoded": 600, "cached_images": 3,
+                        "cached_tokens": 300, "capacity_tokens": 4096, "evictions": 1},
              "compiles_since_warmup": 0, "failed": None, "stats_age_s": 0.1}
     metrics.watch_engine(lambda: stats, lambda: 8)
     text = metrics.render().decode()
@@ -93,4 +95,6 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
     assert samples["ninfer_spec_decode_num_draft_tokens_total"] == 30
     assert samples["ninfer_spec_decode_num_accepted_tokens_total"] == 21
     assert samples['ninfer_spec_decode_accept_length_total{length="4"}'] == 4
+    assert samples["ninfer_vision_images_encoded_total"] == 6 and samples["ninfer_vision_encoder_cache_hits_total"] == 2
+    assert samples["ninfer_vision_encoder_cache_tokens"] == 300
     assert "failed" not in text
