@@ -207,8 +207,9 @@ def measure_engine_form(params, vcfg: VisionConfig, pcfg: ImageProcessorConfig, 
 
     try:
         ours = np.asarray(encode(), np.float32)[:tokens]
-        want = np.asarray(encode_padded(params, vcfg, *pad_image(vcfg, pixel_values_of(pcfg, patches), grid, bucket),
-                                        attention=attention), np.float32)[:tokens]
+        pixels = pixel_values_of(table, patches, pcfg.temporal_patch_size)
+        want = np.asarray(encode_padded(params, vcfg, *pad_image(vcfg, pixels, grid, bucket), attention=attention),
+                          np.float32)[:tokens]
     except Exception as e:  # noqa: BLE001 -- as for the padded encoder
         row["engine_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return

@@ -70,7 +70,7 @@ def screenshots(seed: int, count: int, side: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(count)]
 
 
-def conversation(engine, seed: int, args):
+def conversation(seed: int, args):
     """(turn 1's prompt parts, turn 2's) as token lists and images, for prepare_tokens."""
     rng = np.random.default_rng(seed)
 
@@ -102,7 +102,7 @@ def run(args) -> dict:
     rows = {}
     try:
         for label, seed in (("warm-up", 1), ("timed", 2)):
-            parts, images, text = conversation(engine, seed, args)
+            parts, images, text = conversation(seed, args)
             first = prompt(engine, parts)
             start = time.perf_counter()
             out = engine.generate(first, answer)

@@ -146,16 +146,17 @@ def image_patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(gh * gw, 3, p, p)
 
 
-def pixel_values_of(cfg: ImageProcessorConfig, patches: np.ndarray) -> np.ndarray:
-    """uint8 patches [n, 3, P, P] (`image_patches`) -> pixel_values rows [n, 3 * T * P * P] float32."""
-    x = normalization_table(cfg)[np.arange(3)[None, :, None, None], patches]
-    t, p = cfg.temporal_patch_size, cfg.patch_size
-    return np.broadcast_to(x[:, :, None], (len(x), 3, t, p, p)).reshape(len(x), 3 * t * p * p)
+def pixel_values_of(table: np.ndarray, patches: np.ndarray, temporal: int) -> np.ndarray:
+    """uint8 patches [n, 3, P, P] (`image_patches`) -> pixel_values rows [n, 3 * T * P * P] float32, by the
+    processor's `normalization_table` and its temporal patch size T (each patch repeated)."""
+    x = table[np.arange(3)[None, :, None, None], patches]
+    n, _, p, _ = patches.shape
+    return np.broadcast_to(x[:, :, None], (n, 3, temporal, p, p)).reshape(n, -1)
 
 
 def _patches(cfg: ImageProcessorConfig, image: np.ndarray) -> np.ndarray:
     """One image [H, W, 3] uint8 -> its rows of pixel_values [gh * gw, 3 * T * P * P] float32."""
-    return pixel_values_of(cfg, image_patches(cfg, image))
+    return pixel_values_of(normalization_table(cfg), image_patches(cfg, image), cfg.temporal_patch_size)
 
 
 def preprocess_images(cfg: ImageProcessorConfig, images) -> tuple[np.ndarray, np.ndarray]:

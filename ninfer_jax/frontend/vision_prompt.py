@@ -22,7 +22,7 @@ import numpy as np
 from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS, VisionItem, media_keys
 
 from .image_processing import (MAX_IMAGE_PIXELS, ImageError, ImageProcessorConfig, decode_image, image_grid,
-                               image_patches, normalization_table)
+                               image_patches, normalization_table, pixel_values_of)
 from .mrope import mrope_positions
 
 IMAGE_PAD = "<|image_pad|>"
@@ -85,9 +85,7 @@ class PromptImage:
     @property
     def pixel_values(self) -> np.ndarray:
         """The processor's pixel_values rows [t h w, 3 T P P] float32 (the engine computes them on the device)."""
-        x = self.normalization[np.arange(3)[None, :, None, None], self.patches]
-        n, _, p, _ = self.patches.shape
-        return np.broadcast_to(x[:, :, None], (n, 3, self.temporal, p, p)).reshape(n, -1)
+        return pixel_values_of(self.normalization, self.patches, self.temporal)
 
 
 @dataclass(frozen=True, eq=False)

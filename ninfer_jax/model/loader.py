@@ -375,6 +375,14 @@ def load_vision_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[V
     return vcfg, params
 
 
+def has_vision_tower(config_file: str | Path) -> bool:
+    """Whether a config.json declares a vision tower (`vision_config`: a VLM); False for one that cannot be read."""
+    try:
+        return "vision_config" in json.loads(Path(config_file).read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
     """Random weights at a config.json's shapes (`load_format="dummy"`, as vLLM's): benchmarks and serving tests
     at real shapes with no checkpoint on disk. Seed 0, so two loads of one config hold the same weights.
@@ -396,7 +404,7 @@ def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
     params = random_params(cfg, seed=0, dtype=DTYPES[dtype], fp8=cfg.quantization is not None)
     jax.block_until_ready(params)
     log.info("dummy weights | %s | %.1f s", config_file, time.perf_counter() - start)
-    if "vision_config" not in json.loads(config_file.read_text()):
+    if not has_vision_tower(config_file):
         return cfg, params, None
     vcfg = VisionConfig.from_file(config_file)
     tensors = random_vision_tensors(vcfg, np.random.default_rng(0))
@@ -404,4 +412,5 @@ def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
     return cfg, params, (vcfg, vision_params_from_tensors(vcfg, lambda name, shape: tensors[name], put))
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "load_dummy", "load_vision_checkpoint"]
+__all__ = ["CheckpointError", "ConfigError", "has_vision_tower", "load_checkpoint", "load_dummy",
+           "load_vision_checkpoint"]

@@ -335,6 +335,20 @@ def pad_image(vcfg: VisionConfig, pixel_values, grid: tuple[int, int, int], buck
     grid = tuple(int(v) for v in grid)
     _check_grid(vcfg, (grid,))
     _check_pixels(vcfg, pixel_values, (grid,))
+    metadata = padded_metadata(vcfg, grid, bucket)
+    pixels = np.zeros((bucket, vcfg.patch_dim), np.float32)
+    pixels[:len(pixel_values)] = np.asarray(pixel_values)
+    return PaddedImage(pixels, *metadata)
+
+
+@functools.lru_cache(maxsize=64)
+def padded_metadata(vcfg: VisionConfig, grid: tuple[int, int, int], bucket: int) -> tuple[np.ndarray, ...]:
+    """(taps, tap_weights, pos, n_valid) of `pad_image` for a grid (1, h, w) and bucket, padding rows zero: the
+    same for every image of that size (screenshots repeat sizes), so computed once. Read-only arrays.
+
+    Raises:
+      ValueError for a bucket not a multiple of merge^2, or an image larger than the bucket.
+    """
     n, merge_rows = grid[1] * grid[2], vcfg.spatial_merge_size**2
     if bucket % merge_rows:
         raise ValueError(f"bucket {bucket} is not a multiple of spatial_merge_size^2 = {merge_rows}")
@@ -344,23 +358,13 @@ def pad_image(vcfg: VisionConfig, pixel_values, grid: tuple[int, int, int], buck
     def pad(a, dtype):
         out = np.zeros((bucket, *a.shape[1:]), dtype)
         out[:n] = a
+        out.setflags(write=False)
         return out
 
     taps, tap_weights, pos = grid_metadata(vcfg, (grid,))
-    return PaddedImage(pad(np.asarray(pixel_values), np.float32), pad(taps, np.int32),
-                       pad(tap_weights, np.float32), pad(pos, np.int32), np.asarray(n, np.int32))
-
-
-@functools.lru_cache(maxsize=64)
-def padded_metadata(vcfg: VisionConfig, grid: tuple[int, int, int], bucket: int) -> tuple[np.ndarray, ...]:
-    """(taps, tap_weights, pos, n_valid) of `pad_image` for a grid and bucket: the same for every image of that size
-    (screenshots repeat sizes), so computed once. Read-only arrays."""
-    blank = np.zeros((grid[1] * grid[2], vcfg.patch_dim), np.float32)
-    padded = pad_image(vcfg, blank, grid, bucket)
-    out = (padded.taps, padded.tap_weights, padded.pos, padded.n_valid)
-    for a in out:
-        a.setflags(write=False)
-    return out
+    n_valid = np.asarray(n, np.int32)
+    n_valid.setflags(write=False)
+    return pad(taps, np.int32), pad(tap_weights, np.float32), pad(pos, np.int32), n_valid
 
 
 def pixels_from_bytes(table, patches, temporal: int):

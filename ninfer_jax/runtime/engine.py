@@ -26,7 +26,7 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
                                  load_tokenizer)
 from ninfer_jax.model import load_checkpoint
-from ninfer_jax.model.loader import load_dummy, load_vision_checkpoint
+from ninfer_jax.model.loader import has_vision_tower, load_dummy, load_vision_checkpoint
 from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.model.tiny import default_checkpoint, qwen35_tokenizer_dir
@@ -154,8 +154,9 @@ class Engine:
         else:
             config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
             tokenizer = load_tokenizer(directory)
-            tower = load_vision_checkpoint(directory, dtype=dtype) if vision_tower(directory) else None
-            identity, name, config_file = checkpoint_identity(directory), directory.name, directory / "config.json"
+            config_file = directory / "config.json"
+            tower = load_vision_checkpoint(directory, dtype=dtype) if has_vision_tower(config_file) else None
+            identity, name = checkpoint_identity(directory), directory.name
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
         engine = cls(config, params, options, tokenizer=tokenizer, chat_template=load_chat_template(directory),
@@ -415,13 +416,3 @@ class Engine:
 
 __all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
            "RequestOutput", "StreamEvent", "Usage"]
-
-
-def vision_tower(directory: Path) -> bool:
-    """Whether a checkpoint's config.json declares a vision tower (a VLM layout)."""
-    import json
-
-    try:
-        return "vision_config" in json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False

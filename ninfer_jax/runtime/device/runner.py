@@ -100,7 +100,7 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
 def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=None):
     """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
     (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry. media [R, H]: the image
-    encoder's output rows (`VisionEncoder`), read where a token names one."""
+    encoder's output rows (`ModelRunner.enable_vision`), read where a token names one."""
     size, taps = layout  # static: the bucket's token count and the tap capacity
     rows = packed[:PREFILL_ROWS * size].reshape(PREFILL_ROWS, size)
     tokens, rope_positions, media_rows = rows[0], rows[1:4], rows[4]
