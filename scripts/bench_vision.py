@@ -6,8 +6,9 @@ checkpoints; configs/qwen3.5-*.json carry no vision_config: depth 27, hidden 115
 patch 16, temporal patch 2, merge 2, 2304 position embeddings; out_hidden_size 5120 as the 27B's, the 35B-A3B's
 2048 changes only the merger's last matmul), bf16. Each square image size is resized by the checkpoint's
 processor rules (`image_grid`: min 65536, max 16777216 pixels) to its grid, padded to its bucket
-(`patch_buckets` over the processor's patch range), and encoded with each attention implementation (XLA's, which
-materialises the logits; cuDNN's flash attention), both masked by the image's patch count.
+(`patch_buckets` over the engine's patch range: the processor's, capped by the default max_image_tokens), and
+encoded with each attention implementation (XLA's, which materialises the logits; cuDNN's flash attention), both
+masked by the image's patch count.
 
 Per size and implementation: images/s from host pixels to a finished device output (pad_image, the transfer and
 the encoder: what the engine pays; transformers is timed the same way, from host pixels, CUDA synchronised),
@@ -56,6 +57,7 @@ from ninfer_jax.model.vision import (
 from ninfer_jax.model.vision import padded_metadata
 from ninfer_jax.runtime.device.buckets import fit
 from ninfer_jax.runtime.device.runner import jit_encode_step
+from ninfer_jax.runtime.options import EngineOptions
 
 AGREE = 5e-2  # bf16 through 27 blocks: a few bf16 steps of the largest output; a wrong position or mask is O(1)
 REAL = {"vcfg": VisionConfig(out_hidden_size=5120), "sizes": [448, 1024, 1344], "dtype": "bfloat16",
@@ -290,7 +292,9 @@ def main():
     attentions = (args.attention or ("xla,cudnn" if gpu else "xla")).split(",")
     pcfg = processor(vcfg, setup["processor"])
     patch_area = vcfg.patch_size**2
-    buckets = patch_buckets(vcfg, pcfg.max_pixels // patch_area, min_patches=pcfg.min_pixels // patch_area)
+    # The engine's buckets: images resized to at most the default max_image_tokens
+    most = min(pcfg.max_pixels // patch_area, EngineOptions().max_image_tokens * vcfg.spatial_merge_size**2)
+    buckets = patch_buckets(vcfg, most, min_patches=pcfg.min_pixels // patch_area)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; buckets {buckets}; drawing weights", flush=True)
     tensors = {k: v.astype(np.float32) for k, v in random_vision_tensors(vcfg, np.random.default_rng(0)).items()}
     params = vision_params_from_tensors(vcfg, lambda name, shape: tensors[name],

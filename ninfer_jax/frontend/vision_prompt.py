@@ -60,6 +60,11 @@ class VisionFrontend:
         return dataclasses.replace(self, processor=dataclasses.replace(
             processor, max_pixels=max_pixels, min_pixels=min(processor.min_pixels, max_pixels)))
 
+    def patch_range(self) -> tuple[int, int]:
+        """(fewest, most) patches of one image after resizing: the encoder's bucket range."""
+        area = self.processor.patch_size**2
+        return max(1, self.processor.min_pixels // area), self.processor.max_pixels // area
+
     def tokens_of(self, grid: tuple[int, int, int]) -> int:
         """Placeholder tokens of an image of patch grid (t, h, w)."""
         t, h, w = grid

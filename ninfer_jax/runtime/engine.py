@@ -104,7 +104,7 @@ class Engine:
             self.vision = frontend.limited_to(o.max_image_tokens)
         parts = startup.build(config, params, o, stop_ids=frozenset(eos), warmup=warmup,
                               weights_identity=weights_identity, progress=progress,
-                              vision=None if vision is None else vision[:2])
+                              vision=None if vision is None else (*vision[:2], self.vision.patch_range()))
         self.runner, self.cache_manager, self.scheduler = parts.runner, parts.cache_manager, parts.scheduler
         self.cache_load = parts.cache_load  # the LoadReport of the prefix cache file (§5.5)
         self._cache_file = parts.cache_file

@@ -179,7 +179,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
           warmup: bool = True, weights_identity: dict | None = None, progress=None, vision=None) -> EngineParts:
     """Starts every part of an engine on resolved `options`. Without `warmup` the model steps compile on first
     use; the small cache copies compile here. A failed start releases the Host tier's memory. progress(stage,
-    done, total) hears of "restoring" and "compiling". vision: None, or (VisionConfig, VisionParams)."""
+    done, total) hears of "restoring" and "compiling". vision: None, or (VisionConfig, VisionParams, (fewest, most)
+    patches of one image)."""
     o = options
     if o.prefix_cache_file is not None and weights_identity is None:
         raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
@@ -195,8 +196,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
                          stop_ids=stop_ids, mtp=o.speculative == "mtp")
     if vision is not None:
-        vcfg, vparams = vision
-        runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, o.max_image_tokens * vcfg.spatial_merge_size**2)
+        vcfg, vparams, patches = vision
+        runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, patches)
         log.info("vision tower | depth %d | hidden %d | encoder buckets %s patches | %d media rows (%.1f MiB)",
                  vcfg.depth, vcfg.hidden_size, runner.patch_buckets, o.vision_cache_tokens,
                  runner.media.nbytes / 2**20)

@@ -138,13 +138,15 @@ def test_images_served_after_warmup_compile_nothing(towers):
 def test_patch_buckets_cover_the_largest_image_and_refuse_a_larger_one(towers):
     vcfg = towers[0]
     buckets = patch_buckets(vcfg, 65536)  # the processor's default ceiling: 16777216 pixels of 16 x 16 patches
-    assert buckets == tuple(64 << k for k in range(11)) and len(buckets) <= MAX_BUCKETS
-    assert patch_buckets(vcfg, 7056, min_patches=256) == (256, 512, 1024, 2048, 4096, 8192)
+    fine = [(1024 << k) + (256 << k) * j for k in range(6) for j in range(4)] + [65536]
+    assert buckets == (64, 128, 256, 512, *fine) and len(buckets) <= MAX_BUCKETS
+    # a 1344-pixel image's 7056 patches pad to 7168 (1.6%), not to the next power of two (16%)
+    assert patch_buckets(vcfg, 7056, min_patches=256)[-4:] == (4096, 5120, 6144, 7168)
     small = patch_buckets(vcfg, 100, min_patches=16)
     assert small == (16, 32, 64, 128)
     with pytest.raises(ValueError, match=r"\(1, 12, 12\) has 144 patches, more than its bucket of 128"):
         pad_image(vcfg, np.zeros((144, vcfg.patch_dim), np.float32), (1, 12, 12), small[-1])
-    with pytest.raises(ValueError, match="more than 12: raise min_patches"):
+    with pytest.raises(ValueError, match="more than 32: raise min_patches"):
         patch_buckets(vcfg, 1 << 20, min_patches=4)
 
 

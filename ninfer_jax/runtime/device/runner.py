@@ -362,11 +362,11 @@ class ModelRunner:
         self.vision, self.patch_buckets = None, ()
         self.media = jnp.zeros((1, cfg.hidden_size), params.embed.dtype)
 
-    def enable_vision(self, vparams, vcfg, media_rows: int, max_patches: int) -> None:
+    def enable_vision(self, vparams, vcfg, media_rows: int, patches: tuple[int, int]) -> None:
         """Adds the vision tower: a buffer of `media_rows` encoder output rows and an encode program per patch
-        bucket up to `max_patches` (one image's). Call before `warmup()`."""
+        bucket over `patches` (the fewest and most of one image). Call before `warmup()`."""
         self.vision = (vparams, vcfg)
-        self.patch_buckets = vision.patch_buckets(vcfg, max_patches)
+        self.patch_buckets = vision.patch_buckets(vcfg, patches[1], min_patches=patches[0])
         # Flash attention where cuDNN runs it (a GPU, bf16): XLA's materialises [heads, bucket, bucket] logits
         gpu_bf16 = jax.devices()[0].platform == "gpu" and vparams.patch_w.dtype == jnp.bfloat16
         self.vision_attention = "cudnn" if gpu_bf16 else "xla"
