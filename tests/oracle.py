@@ -30,6 +30,21 @@ def hf_model(directory, layout="text"):
     return cls.from_pretrained(directory, dtype=torch.float32).eval()
 
 
+def forward_greedy(directory):
+    """run(prompt, tokens) -> the greedy choice at each generated position of one transformers forward over prompt +
+    tokens (its cached generate() can flip a near-tie on a long random prompt; this oracle has no cache path)."""
+    import torch
+
+    model = hf_model(directory)
+
+    def run(prompt, tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor(list(prompt) + list(tokens))[None]).logits[0]
+        return tuple(int(logits[len(prompt) - 1 + i].argmax()) for i in range(len(tokens)))
+
+    return run
+
+
 def dequantized_copy(fp8_dir, target):
     """An FP8 pack's weights dequantized with numpy (each value times its 128 x 128 block's scale) and written as
     an ordinary float32 checkpoint in `target`. Read through torch's safetensors, not the engine's loader."""

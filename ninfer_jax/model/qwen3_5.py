@@ -22,6 +22,7 @@ Entry points:
   prefill(...)  one lane's chunk of T tokens at absolute positions [base, base + T), with in-kernel state
                 taps; returns final-normed hidden states [T, H] and the updated DeviceState.
   decode(...)   one token for each of B lanes.
+  mixed(...)    one lane's prefill chunk and a decode round over other lanes, in one pass over the weights.
   verify(...)   T tokens for each of B lanes (speculative decoding), then `commit_verified` keeps each lane's
                 accepted rows.
   logits(...)   hidden -> float32 logits.
@@ -40,7 +41,7 @@ import numpy as np
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
-from ninfer_jax.model.params import AttnParams, GDNParams, LayerParams, MLPParams, MoEParams, Params
+from ninfer_jax.model.params import GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 # rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
 from pallas_kernels import kv_quant
@@ -176,9 +177,24 @@ def gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
     return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
 
 
-def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
+def _gdn_normed(p: GDNParams, core, z, cfg: ModelConfig, dtype):
+    """The delta rule's output [N, Hv, Dv] -> the out-projection's input [N, Hv Dv] (the gated norm)."""
     y = gated_rms_norm(core.astype(dtype), z, p.norm_w, cfg.rms_norm_eps)
-    return dot(kc, y.reshape(y.shape[0], -1), p.out_proj, to_norm=True)
+    return y.reshape(y.shape[0], -1)
+
+
+def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
+    return dot(kc, _gdn_normed(p, core, z, cfg, dtype), p.out_proj, to_norm=True)
+
+
+def _projected(core_fn, in_w, out_w):
+    """A token mixer from its core: x -> in-projection -> core_fn(proj, *pools) -> (y, *pools) -> out-projection
+    of y. `mixed` runs the projections over all of a step's rows and the cores over their own rows."""
+    def mixer(kc: KernelConfig, x, *pools):
+        y, *pools = core_fn(dot(kc, x, in_w), *pools)
+        return dot(kc, y, out_w, to_norm=True), *pools
+
+    return mixer
 
 
 def _conv(window, conv_w):
@@ -190,10 +206,11 @@ def _conv(window, conv_w):
 
 
 # --- prefill -----------------------------------------------------------------------------------------
-def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
-    t = x.shape[0]
+def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
+    """One lane's chunk from its in-projection rows proj [T, P] -> (the out-projection's input [T, Hv Dv], ssm,
+    conv)."""
+    t = proj.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
-    proj = dot(kc, x, p.in_proj)
     qkv, z, a, b = _gdn_split(proj, cfg)
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
     history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
@@ -220,7 +237,12 @@ def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
         rows = jax.lax.dynamic_slice_in_dim(window, jnp.clip(pos - base, 0, t), km1, axis=0)
         target = jnp.where(ok, ctx["tap_slots"][j], conv.shape[0])
         conv = conv.at[target].set(rows.astype(conv.dtype), mode="drop")
-    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
+    return _gdn_normed(p, core, z, cfg, proj.dtype), ssm, conv
+
+
+def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
+    return _projected(lambda proj, s, c: _gdn_prefill_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj)(
+        kc, x, ssm, conv)
 
 
 def _attn_split(proj, cfg: ModelConfig):
@@ -252,22 +274,29 @@ def attn_decode_qkv_composed(q_norm, k_norm, proj, positions, tables, active, k_
     return q, kv_quant.write(k_pages, k, page_ids, rows), kv_quant.write(v_pages, v, page_ids, rows)
 
 
-def _attn_out(p: AttnParams, core, gate, kc: KernelConfig, dtype):
-    y = core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
-    return dot(kc, y, p.o_proj, to_norm=True)
+def _attn_gated(core, gate, dtype):
+    """Attention's output [N, Hq, D] -> the out-projection's input [N, Hq D] (times sigmoid(gate))."""
+    return core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
 
 
-def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
-    t = x.shape[0]
+def _attn_prefill_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
+    """One lane's chunk from its qkv-projection rows proj [T, P] -> (the out-projection's input, k_pages,
+    v_pages)."""
+    t = proj.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
     rotary = positions if ctx.get("rope_positions") is None else ctx["rope_positions"]  # MRoPE: image spans' 3-D
-    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, dot(kc, x, p.qkv_proj), rotary, cfg)
+    q, k, v, gate = _attn_qkv(p.q_norm, p.k_norm, proj, rotary, cfg)
     # Padded tokens write nowhere: page id P is out of range and dropped.
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = kv_quant.write(k_pages, k, page_ids, positions % PAGE)
     v_pages = kv_quant.write(v_pages, v, page_ids, positions % PAGE)
     core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
-    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
+    return _attn_gated(core, gate, proj.dtype), k_pages, v_pages
+
+
+def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
+    return _projected(lambda proj, kp, vp: _attn_prefill_core(p, proj, cfg, kc, kp, vp, ctx), p.qkv_proj,
+                      p.o_proj)(kc, x, k_pages, v_pages)
 
 
 def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
@@ -338,14 +367,14 @@ def prefill(
 
 
 # --- decode ------------------------------------------------------------------------------------------
-def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
+def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
+    """One token per lane from its in-projection rows proj [B, P] -> (the out-projection's input, ssm, conv)."""
     slots, active = ctx["slots"], ctx["active"]
-    proj = dot(kc, x, p.in_proj)
-    if kc.fuse_gdn_decode:  # the rest of this function, up to out_proj, as one kernel
+    if kc.fuse_gdn_decode:  # the rest of this function as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
         conv = conv.at[slots].set(tail.astype(conv.dtype))
-        return dot(kc, y.reshape(y.shape[0], -1), p.out_proj, to_norm=True), ssm, conv
+        return y.reshape(y.shape[0], -1), ssm, conv
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
@@ -356,13 +385,19 @@ def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
     core, ssm = ops.gdn_decode(kc, q, k, v, g * m, beta * m, ssm, slots)
     new_hist = jnp.where(active[:, None, None], window[:, 1:], history)
     conv = conv.at[slots].set(new_hist.astype(conv.dtype))
-    return _gdn_out(p, core, z, cfg, kc, x.dtype), ssm, conv
+    return _gdn_normed(p, core, z, cfg, proj.dtype), ssm, conv
 
 
-def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
+def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
+    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj)(
+        kc, x, ssm, conv)
+
+
+def _attn_decode_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
+    """One token per lane from its qkv-projection rows proj [B, P] -> (the out-projection's input, k_pages,
+    v_pages)."""
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
     rotary = positions + ctx.get("rope_shift", 0)  # a prompt's MRoPE delta: its images moved later tokens' positions
-    proj = dot(kc, x, p.qkv_proj)
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
     fused = ops.attn_decode_qkv(kc, proj, p.q_norm, p.k_norm, rope_inv_freq(cfg), positions, tables, active,
                                 k_pages, v_pages, cfg, rotary)
@@ -372,7 +407,12 @@ def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
     q, k_pages, v_pages = fused
     gate = _attn_split(proj, cfg)[3]
     core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
-    return _attn_out(p, core, gate, kc, x.dtype), k_pages, v_pages
+    return _attn_gated(core, gate, proj.dtype), k_pages, v_pages
+
+
+def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
+    return _projected(lambda proj, kp, vp: _attn_decode_core(p, proj, cfg, kc, kp, vp, ctx), p.qkv_proj,
+                      p.o_proj)(kc, x, k_pages, v_pages)
 
 
 def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions, page_tables, slots, active,
@@ -392,6 +432,43 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
         params, cfg, kc, x, state,
         lambda p, h, ssm, conv: gdn_decode_mixer(p, h, cfg, kc, ssm, conv, ctx),
         lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, ctx),
+    )
+
+
+# --- mixed: one lane's prefill chunk and a decode round in one step ------------------------------------
+def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, prefill_ctx: dict, tokens, decode_ctx,
+          state: DeviceState):
+    """A prefill chunk of T rows (`prefill`'s, its embeddings given) and a decode round of B rows (`decode`'s) as one
+    pass over the layers: every projection, norm and FFN runs once over the T + B rows, so the round's weight reads
+    carry the chunk; each mixer's core runs the chunk's rows as prefill and the round's as decode, the chunk first
+    (its lane is not in the round; a padding row of the round that names the chunk's slot writes back the state
+    the chunk left).
+
+    prefill_ctx: `prefill`'s slot, base, n_valid, page_table, tap_positions, tap_slots, rope_positions ([3, T]).
+    decode_ctx: `decode`'s positions, page_tables, slots, active, rope_shift. Returns (hidden [T + B, H], state).
+    """
+    t = prefill_embeds.shape[0]
+    p_ctx = dict(prefill_ctx, valid=jnp.arange(t) < prefill_ctx["n_valid"])
+
+    def split(prefill_core, decode_core, in_w, out_w):
+        def core(proj, *pools):
+            y_p, *pools = prefill_core(proj[:t], *pools)
+            y_d, *pools = decode_core(proj[t:], *pools)
+            return jnp.concatenate([y_p, y_d]), *pools
+
+        return _projected(core, in_w, out_w)
+
+    x = jnp.concatenate([prefill_embeds, params.embed[tokens]])
+    return _run_layers(
+        params, cfg, kc, x, state,
+        lambda p, h, ssm, conv: split(
+            lambda proj, s, c: _gdn_prefill_core(p, proj, cfg, kc, s, c, p_ctx),
+            lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, decode_ctx), p.in_proj, p.out_proj,
+        )(kc, h, ssm, conv),
+        lambda p, h, kp, vp: split(
+            lambda proj, k, v: _attn_prefill_core(p, proj, cfg, kc, k, v, p_ctx),
+            lambda proj, k, v: _attn_decode_core(p, proj, cfg, kc, k, v, decode_ctx), p.qkv_proj, p.o_proj,
+        )(kc, h, kp, vp),
     )
 
 

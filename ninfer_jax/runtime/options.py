@@ -21,10 +21,10 @@ from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCac
                                              default_tap_min_gap_tokens, tap_spacing_problem)
 
 __all__ = [
-    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB", "HOST_CACHE_SHARE",
-    "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_PREFILL_CHUNK", "OPTIONS",
-    "EngineOptions", "Option", "OptionsError", "add_engine_arguments", "auto_host_cache_mib", "default_max_new_taps",
-    "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
+    "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_MIXED_TOKENS", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB",
+    "HOST_CACHE_SHARE", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_MIXED_TOKENS",
+    "MOE_PREFILL_CHUNK", "OPTIONS", "EngineOptions", "Option", "OptionsError", "add_engine_arguments",
+    "auto_host_cache_mib", "default_max_new_taps", "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
 ]
 
 
@@ -40,6 +40,11 @@ MOE_PREFILL_CHUNK = 8192
 # weights fewer times still. A dense model gains less than two more compiled programs cost, so its idle pass stays
 # its prefill chunk (docs/benchmarks/prefill_profile.md).
 MOE_IDLE_PREFILL_CHUNK = 32768
+# A pass that rides in one step with the running lanes' decode round (mixed_prefill_tokens) lengthens every running
+# request's token by its own compute: a dense model's 256 tokens cost about what a wide round does. A round of an MoE
+# model already reads most experts' weights, which a longer pass then shares.
+DENSE_MIXED_TOKENS = 256
+MOE_MIXED_TOKENS = 1024
 MAX_DEFAULT_MODEL_LEN = 32768  # the default context: the model's limit, at most this
 MAX_CONCURRENCY = 256  # vLLM's and SGLang's default running sequences; a decode round's weights serve them all
 CPU_CONCURRENCY = 4  # max_concurrency auto where the device reports no memory (a CPU)
@@ -155,6 +160,12 @@ class EngineOptions:
         int, None, "prompt tokens per prefill pass while no request decodes (a prompt takes this or its half), "
         "at least the prefill chunk", flag="--idle-prefill-chunk", minimum=64, multiple_of=64,
         rule=f"{MOE_IDLE_PREFILL_CHUNK} for a model with routed experts, else the prefill chunk")
+    mixed_prefill_tokens: int | str = _option(
+        int, "auto", "prompt tokens a prefill pass takes while requests decode, run in one step with their decode "
+        "round so the round's weight reads carry it (chunked prefill); 0: passes of the prefill chunk and rounds "
+        "as separate steps", flag="--mixed-prefill-tokens", minimum=0, multiple_of=64, auto=True,
+        rule=f"auto: on a GPU {DENSE_MIXED_TOKENS}, or {MOE_MIXED_TOKENS} for a model with routed experts (at most "
+             f"the prefill chunk); 0 on a CPU, with speculative decoding and with batch_invariant")
     kv_capacity: int | str = _option(
         int, "auto", "KV cache size in tokens; auto: the device memory left after the weights",
         flag="--kv-capacity", minimum=1, auto=True, metavar="TOKENS")
@@ -272,6 +283,10 @@ class EngineOptions:
         attention = self.prefill_attention
         if attention == "auto":
             attention = "cudnn" if hopper and self.cudnn_conflict(backend) is None else "pallas"
+        mixed = self.mixed_prefill_tokens
+        if mixed == "auto":
+            mixed = 0 if backend != "gpu" or self.speculative or self.batch_invariant \
+                else MOE_MIXED_TOKENS if moe else DENSE_MIXED_TOKENS
         pass_images = min(chunk, longest) + 2 * self.max_image_tokens  # a pass can cut an image at both ends
         vision_rows = self.vision_cache_tokens if self.vision_cache_tokens != "auto" \
             else pass_images + 2 * self.max_image_tokens
@@ -290,6 +305,7 @@ class EngineOptions:
             vision_cache_tokens=vision_rows,
             prefill_chunk=min(chunk, longest),
             idle_prefill_chunk=min(idle, longest),
+            mixed_prefill_tokens=min(mixed, chunk, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
             else default_snapshot_slots(lanes, host),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
@@ -335,6 +351,13 @@ class EngineOptions:
                 raise OptionsError(spacing)
 
     def _check_speculative(self) -> None:
+        if self.mixed_prefill_tokens not in ("auto", 0):
+            if self.speculative is not None:
+                raise OptionsError(f"mixed_prefill_tokens {self.mixed_prefill_tokens} conflicts with speculative: "
+                                   f"verify rounds run apart from prefill passes; leave it auto or 0")
+            if self.batch_invariant:
+                raise OptionsError(f"mixed_prefill_tokens {self.mixed_prefill_tokens} conflicts with "
+                                   f"batch_invariant: a lane's rows would share a step with another's prompt")
         if self.speculative is None:
             if self.num_speculative_tokens is not None:
                 raise OptionsError("num_speculative_tokens needs speculative decoding; set speculative")

@@ -93,6 +93,9 @@ class Scheduler:
         self.proposer = NgramProposer(k, options.prompt_lookup_min, options.prompt_lookup_max) \
             if options.speculative == "ngram" else None
         self.speculating = options.speculative is not None
+        # Whether a pass rides in the decode round's step while lanes decode (its programs exist when the runner
+        # has mixed_tokens); scripts/bench_arrivals.py turns it off to time passes and rounds apart on one engine.
+        self.mix = runner.mixed_tokens > 0 and not self.speculating
         self.speculative, self.pause = SpeculativeStats(k), DraftPause()
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
@@ -142,7 +145,11 @@ class Scheduler:
         self._admit()
         clock.lap("admit")
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
-        prefilled = self._prefill_pass(min(prefilling, key=lambda r: r.arrival)) if prefilling else None
+        head = min(prefilling, key=lambda r: r.arrival) if prefilling else None
+        # While lanes decode, the head's pass rides in the round's step (runner.mixed) when the engine mixes
+        mixed = head is not None and self.mix and any(
+            r is not None and not r.prefilling and r.output for r in self.lanes)
+        prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
         if previous is not None and self._may_speculate():
@@ -150,7 +157,8 @@ class Scheduler:
             self._retire(previous)
             clock.lap("round_read")
             previous = None
-        self.pending = self._dispatch_round(previous)
+        self.pending, in_round = self._dispatch_round(previous, head if mixed else None)
+        prefilled = prefilled or in_round
         clock.lap("round_dispatch")
         if prefilled is not None:  # read after the round's dispatch, so the device goes on computing meanwhile
             self._first_token(*prefilled)
@@ -202,11 +210,13 @@ class Scheduler:
             self.outputs.admitted(head)
 
     # --- prefill ---------------------------------------------------------------------------------
-    def _prefill_pass(self, req: Request):
-        """Dispatches the lane's next prefill pass; returns (req, outputs) when it ends the prompt, for
-        `_first_token` to read once the decode round is dispatched too."""
+    def _prefill_pass(self, req: Request, decode_round: dict | None = None):
+        """Dispatches the lane's next prefill pass, alone or (`decode_round`: `runner.decode`'s arguments) in one
+        step with a decode round (`runner.mixed`, a pass of at most mixed_tokens). Returns (the pass's outputs when
+        it ends the prompt, for `_first_token` to read once the step's round is dispatched too, else None; the
+        round's outputs or None)."""
         base = req.computed
-        end = self._pass_end(req)
+        end = self._pass_end(req, mixed=decode_round is not None)
         last = end == req.num_prompt
         self.sampler.step[req.lane] = len(req.output)
         tap_positions, tap_slots = self.cache_manager.taps_for_chunk(req, end)
@@ -216,13 +226,20 @@ class Scheduler:
         rope_positions = media_rows = None
         if req.prompt.media is not None:
             rope_positions, media_rows = self.images.pass_inputs(req.prompt, base, end)
-        tokens_out, chosen, top = self.runner.prefill(
-            req.prompt_ids[base:end], base, self.page_tables[req.lane], self.cache_manager.lane_slot(req.lane),
-            self._lane_sampler(req.lane), tap_positions, tap_slots, full=last and not req.sampling.greedy,
+        chunk = dict(
+            tokens=req.prompt_ids[base:end], base=base, page_table=self.page_tables[req.lane],
+            slot=self.cache_manager.lane_slot(req.lane), sampler=self._lane_sampler(req.lane),
+            tap_positions=tap_positions, tap_slots=tap_slots, full=last and not req.sampling.greedy,
             logprobs=last and req.sampling.logprobs is not None, lane=req.lane,
             allowed=processing["allowed"][req.lane] if processing else None, resumed=0 < base == req.cached_tokens,
             rope_positions=rope_positions, media_rows=media_rows,
         )
+        round_out = None
+        if decode_round is None:
+            tokens_out, chosen, top = self.runner.prefill(**chunk)
+        else:
+            (tokens_out, chosen, top), round_out = self.runner.mixed(chunk, decode_round)
+            self.counters["mixed_steps"] += 1
         req.computed = end
         self.cache_manager.computed(req)
         self.cache_manager.flush()  # the pass computes meanwhile
@@ -233,13 +250,15 @@ class Scheduler:
             previous.block_until_ready()
         self.counters["prefill_tokens"] += end - base
         self.counters["prefill_chunks"] += 1
-        return (req, tokens_out, chosen, top) if last else None
+        return ((req, tokens_out, chosen, top) if last else None), round_out
 
-    def _pass_end(self, req: Request) -> int:
-        """Where the lane's next pass ends: prefill_chunk tokens on; or, while no lane decodes (no round waits on
-        the pass), the longest idle size that fits the prompt. An idle size ends the prompt only for a greedy
-        request: those sizes are compiled for the greedy sampler alone."""
+    def _pass_end(self, req: Request, mixed: bool = False) -> int:
+        """Where the lane's next pass ends: mixed_tokens on in a mixed step; prefill_chunk tokens on; or, while no
+        lane decodes (no round waits on the pass), the longest idle size that fits the prompt. An idle size ends
+        the prompt only for a greedy request: those sizes are compiled for the greedy sampler alone."""
         base, n = req.computed, req.num_prompt
+        if mixed:
+            return min(n, base + self.runner.mixed_tokens)
         end = min(n, base + self.options.prefill_chunk)
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
             return end
@@ -262,9 +281,11 @@ class Scheduler:
         return {} if masks is None else {"allowed": masks[0], "processed": masks[1]}
 
     # --- decode ----------------------------------------------------------------------------------
-    def _dispatch_round(self, previous: _Round | None) -> _Round | None:
+    def _dispatch_round(self, previous: _Round | None, chunk_of: Request | None = None):
         """Dispatches a decode round over every lane with a token to feed, the tokens of lanes in `previous` (not
-        read back yet) taken from its output on the device. Returns the round, or None when no lane decodes."""
+        read back yet) taken from its output on the device; with `chunk_of`, that prefilling lane's next pass in the
+        same step (alone when no lane decodes after all). Returns (the round, or None when no lane decodes; the
+        pass's outputs as `_prefill_pass` gives them, None without `chunk_of`)."""
         c = len(self.lanes)
         ahead = np.zeros(c, bool)  # the lane's previous token is still on the device
         if previous is not None:
@@ -298,24 +319,29 @@ class Scheduler:
         if previous is not None:
             previous.starved |= starved
         if not active.any():
-            return None
+            return None, self._prefill_pass(chunk_of)[0] if chunk_of is not None else None
         if self.speculating:
             verify = self._dispatch_verify(active) if previous is None and self._may_speculate() else None
             if verify is not None:
-                return verify
+                return verify, None
             self.speculative.plain_rounds += 1
             self.pause.plain_round()
         live = [r for r in self.lanes if r is not None and active[r.lane]]
-        out = self.runner.decode(
-            tokens, positions, self.page_tables, self.cache_manager.lane_slots, active, self.sampler.arrays(),
-            full=any(not r.sampling.greedy for r in live),
+        decode_round = dict(
+            tokens=tokens, positions=positions, page_tables=self.page_tables, slots=self.cache_manager.lane_slots,
+            active=active, sampler=self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
             prev_tokens=previous.out[0] if previous is not None else None, use_prev=ahead & active,
             logprobs=any(r.sampling.logprobs is not None for r in live), rope_shift=self.rope_shift,
             **self._processing(live),
         )
+        prefilled = None
+        if chunk_of is None:
+            out = self.runner.decode(**decode_round)
+        else:
+            prefilled, out = self._prefill_pass(chunk_of, decode_round)
         self.cache_manager.flush()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1
-        return _Round(live, out, set())
+        return _Round(live, out, set()), prefilled
 
     def _may_speculate(self) -> bool:
         """Whether the next round may verify drafts: speculation is on and not paused, and every decoding lane can

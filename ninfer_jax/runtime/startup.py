@@ -194,7 +194,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
-                         stop_ids=stop_ids, mtp=o.speculative == "mtp")
+                         stop_ids=stop_ids, mtp=o.speculative == "mtp", mixed_tokens=o.mixed_prefill_tokens)
     if vision is not None:
         vcfg, vparams, patches = vision
         runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, patches)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from oracle import ORACLE_VOCAB, hf_model
+from oracle import ORACLE_VOCAB, forward_greedy, hf_model
 from ninfer_jax import Engine, InvalidRequestError, PromptTooLongError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -50,16 +50,7 @@ def hf_greedy(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_forward_greedy(checkpoint):
-    """The greedy choice at each generated position of one forward over prompt + tokens (transformers' generate
-    can flip a near-tie on a long random prompt, where this oracle does not depend on its cache path)."""
-    model = hf_model(checkpoint)
-
-    def run(prompt, tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor(list(prompt) + list(tokens))[None]).logits[0]
-        return tuple(int(logits[len(prompt) - 1 + i].argmax()) for i in range(len(tokens)))
-
-    return run
+    return forward_greedy(checkpoint)
 
 
 @pytest.fixture(autouse=True)

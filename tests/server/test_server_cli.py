@@ -127,6 +127,8 @@ def test_every_prefix_cache_flag_is_a_spec_name():
     (["--cache-tap-ladder", "1024", "--cache-tap-min-gap", "2048"],
      r"--cache-tap-min-gap \(2048\) must not exceed --cache-tap-ladder \(1024\)"),
     (["--port", "70000"], "--port must be in 0..65535"),
+    (["--speculative", "ngram", "--mixed-prefill-tokens", "512"],
+     "--mixed-prefill-tokens 512 conflicts with --speculative"),
 ])
 def test_conflicting_options_are_refused_before_loading(argv, message, tmp_path):
     tmp = tmp_path.resolve()

@@ -97,27 +97,41 @@ def pack_prefill_inputs(tokens, size: int, base: int, slot: int, sampler, tap_po
     return packed
 
 
-def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=None):
-    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
-    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry. media [R, H]: the image
-    encoder's output rows (`ModelRunner.enable_vision`), read where a token names one."""
+def _unpack_prefill_inputs(params, layout, packed, media):
+    """A pass's packed inputs -> (its embeddings [T, H] (the media rows' where a token names one), `qwen3_5.prefill`'s
+    context, the lane's sampler inputs, the raw scalars)."""
     size, taps = layout  # static: the bucket's token count and the tap capacity
     rows = packed[:PREFILL_ROWS * size].reshape(PREFILL_ROWS, size)
     tokens, rope_positions, media_rows = rows[0], rows[1:4], rows[4]
     at = PREFILL_ROWS * size
     scalars = packed[at:at + PREFILL_SCALARS]
-    tap_positions = packed[at + PREFILL_SCALARS:at + PREFILL_SCALARS + taps]
-    tap_slots = packed[at + PREFILL_SCALARS + taps:at + PREFILL_SCALARS + 2 * taps]
-    page_table = packed[at + PREFILL_SCALARS + 2 * taps:]
-    n_valid, base, slot = scalars[0], scalars[1], scalars[2]
     sampler = _sampler_from_columns([scalars[3 + i][None] for i in range(5)])
     embeds = jnp.where((media_rows >= 0)[:, None], media[jnp.clip(media_rows, 0)].astype(params.embed.dtype),
                        params.embed[tokens])
-    hidden, state = qwen3_5.prefill(params, cfg, kc, tokens, n_valid, base, page_table, slot, state, tap_positions,
-                                    tap_slots, rope_positions=rope_positions, inputs_embeds=embeds)
+    ctx = dict(n_valid=scalars[0], base=scalars[1], slot=scalars[2], rope_positions=rope_positions,
+               tap_positions=packed[at + PREFILL_SCALARS:at + PREFILL_SCALARS + taps],
+               tap_slots=packed[at + PREFILL_SCALARS + taps:at + PREFILL_SCALARS + 2 * taps],
+               page_table=packed[at + PREFILL_SCALARS + 2 * taps:])
+    return tokens, embeds, ctx, sampler, scalars
+
+
+def _sample_last(params, hidden, n_valid, sampler, full):
+    """A pass's next token from its last real row: (token [1], that row's logits [1, V]), and the row [1, H]."""
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=0)  # [1, H]
     logits = qwen3_5.logits(params, last)
-    out = (sample(logits, sampler, full=full), logits)
+    return (sample(logits, sampler, full=full), logits), last
+
+
+def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=None):
+    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
+    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry. media [R, H]: the image
+    encoder's output rows (`ModelRunner.enable_vision`), read where a token names one."""
+    tokens, embeds, ctx, sampler, scalars = _unpack_prefill_inputs(params, layout, packed, media)
+    n_valid, base, page_table, rope_positions = ctx["n_valid"], ctx["base"], ctx["page_table"], ctx["rope_positions"]
+    hidden, state = qwen3_5.prefill(params, cfg, kc, tokens, n_valid, base, page_table, ctx["slot"], state,
+                                    ctx["tap_positions"], ctx["tap_slots"], rope_positions=rope_positions,
+                                    inputs_embeds=embeds)
+    out, last = _sample_last(params, hidden, n_valid, sampler, full)
     if carry is None:
         return out, state
     lane, resumed = scalars[8], scalars[9] != 0
@@ -151,10 +165,34 @@ def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, 
     return packed
 
 
-def _unpack_decode_inputs(packed):
+def _round_inputs(packed, prev_tokens):
+    """A round's packed rows -> (tokens [R], `qwen3_5.decode`'s context, each row's lane, the sampler inputs). A lane
+    whose previous round is still in flight takes its token from that round's output on the device."""
     col = [packed[:, i] for i in range(DECODE_COLUMNS)]
-    sampler, page_tables = _sampler_from_columns(col[6:11]), packed[:, DECODE_COLUMNS:]
-    return col[0], col[1], col[2], col[3] != 0, col[4] != 0, col[5], sampler, page_tables, col[11]
+    tokens, use_prev, lanes = col[0], col[4] != 0, col[5]
+    tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
+    ctx = dict(positions=col[1], slots=col[2], active=col[3] != 0, page_tables=packed[:, DECODE_COLUMNS:],
+               rope_shift=col[11])
+    return tokens, ctx, lanes, _sampler_from_columns(col[6:11])
+
+
+def _round_out(params, hidden, sampler, lanes, full, width: int):
+    """A round's final hidden rows -> (tokens by lane [width], zero for lanes not in the round; logits by row)."""
+    logits = qwen3_5.logits(params, hidden)
+    return _rows_to_lanes(sample(logits, sampler, full=full), lanes, width), logits
+
+
+def _mixed_step(params, cfg, kc, full, layout, state, packed, media, round_packed, prev_tokens):
+    """One lane's prefill chunk and a decode round over other lanes in one pass (`qwen3_5.mixed`) -> (the chunk's
+    (next token [1], logits [1, V]), the round's (tokens by lane [C], logits by row [rows, V])), state). The inputs
+    are `_prefill_step`'s (no MTP) and `_decode_step`'s; full: either may sample (the full sampler takes a greedy
+    row's argmax)."""
+    _, embeds, p_ctx, p_sampler, _ = _unpack_prefill_inputs(params, layout, packed, media)
+    tokens, d_ctx, lanes, sampler = _round_inputs(round_packed, prev_tokens)
+    hidden, state = qwen3_5.mixed(params, cfg, kc, embeds, p_ctx, tokens, d_ctx, state)
+    t = embeds.shape[0]
+    chunk, _ = _sample_last(params, hidden[:t], p_ctx["n_valid"], p_sampler, full)
+    return (chunk, _round_out(params, hidden[t:], sampler, lanes, full, prev_tokens.shape[0])), state
 
 
 def _rows_to_lanes(x, rows, width: int):
@@ -166,13 +204,10 @@ def _rows_to_lanes(x, rows, width: int):
 def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     """One decode round over a bucket of rows (active lanes first, then padding) -> ((tokens indexed by lane [C]
     like prev_tokens, zero for lanes not in the round; logits by row [rows, V]), state)."""
-    tokens, positions, slots, active, use_prev, lanes, sampler, page_tables, shift = _unpack_decode_inputs(packed)
-    # A lane whose previous round is still in flight takes its token from that round's output on the device.
-    tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
-    hidden, state = qwen3_5.decode(params, cfg, kc, tokens, positions, page_tables, slots, active, state, shift)
-    logits = qwen3_5.logits(params, hidden)
-    tokens = sample(logits, sampler, full=full)
-    return (_rows_to_lanes(tokens, lanes, prev_tokens.shape[0]), logits), state
+    tokens, c, lanes, sampler = _round_inputs(packed, prev_tokens)
+    hidden, state = qwen3_5.decode(params, cfg, kc, tokens, c["positions"], c["page_tables"], c["slots"], c["active"],
+                                   state, c["rope_shift"])
+    return _round_out(params, hidden, sampler, lanes, full, prev_tokens.shape[0]), state
 
 
 # position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
@@ -309,7 +344,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, kernels: KernelConfig, *, num_pages: int,
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
                  kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
-                 kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=(), mtp: bool = False):
+                 kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=(), mtp: bool = False,
+                 mixed_tokens: int = 0):
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
@@ -320,6 +356,10 @@ class ModelRunner:
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
+        # A pass of this many tokens rides in one step with a decode round (`mixed`), a program per round size and
+        # sampler; 0: passes and rounds are separate steps.
+        self.mixed_tokens = mixed_tokens
+        self.mixed_sizes = self.decode_sizes if mixed_tokens else ()
         # Verify rounds (speculative decoding) feed k + 1 rows per lane, for up to SPECULATIVE_MAX_LANES lanes.
         self.verify_rows = speculative_tokens + 1 if speculative_tokens else 0
         self.verify_sizes = pow2_buckets(min(max_lanes, SPECULATIVE_MAX_LANES)) if speculative_tokens else ()
@@ -348,6 +388,8 @@ class ModelRunner:
             "process": jax.jit(_own(_process_step), static_argnames=("width",), donate_argnames=("sampler_state",)),
             "sampler_lane": jax.jit(_own(set_lane_row), donate_argnames=("state",)),
             "decode": jit_decode_step(),
+            "mixed": jax.jit(_own(_mixed_step), static_argnames=("cfg", "kc", "full", "layout"),
+                             donate_argnames=("state",)),
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
                               donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
@@ -448,6 +490,13 @@ class ModelRunner:
         and media_rows [n]: a prompt with images (`pack_prefill_inputs`).
         """
         size = self.bucket(len(tokens))
+        packed, extras = self._pass_inputs(size, tokens, base, page_table, slot, sampler, tap_positions, tap_slots,
+                                           lane, allowed, resumed, rope_positions, media_rows)
+        return self._prefill_packed(packed, size, full, logprobs, extras)
+
+    def _pass_inputs(self, size: int, tokens, base, page_table, slot, sampler, tap_positions=None, tap_slots=None,
+                     lane=None, allowed=None, resumed=False, rope_positions=None, media_rows=None):
+        """`prefill`'s arguments -> (the packed inputs at `size` tokens, the processing row or None)."""
         no_taps = tap_positions is None
         packed = pack_prefill_inputs(tokens, size, base, slot, sampler, () if no_taps else tap_positions,
                                      () if no_taps else tap_slots, page_table, self.max_taps, lane or 0, resumed,
@@ -456,7 +505,7 @@ class ModelRunner:
         if allowed is not None:
             extras = np.concatenate([[lane], *(c[:1] for c in _sampler_columns(sampler)), [lane], allowed])
             extras = extras.astype(np.int32)
-        return self._prefill_packed(packed, size, full, logprobs, extras)
+        return packed, extras
 
     # The packed arrays go to the steps as numpy: jit's own transfer of them is cheaper than an eager
     # jnp.asarray (docs/kernels_notes.md, the decode round's host side). Each is new and never written again, so
@@ -506,13 +555,20 @@ class ModelRunner:
         the lanes whose SamplerState rows apply, the rest sampled as without), the round samples from processed
         logits (`process_logits`). rope_shift [C]: each lane's prompt's MRoPE delta (None: zeros). Returns (tokens,
         chosen logprobs, top) indexed by lane, the last two None unless `logprobs`."""
+        packed, extras, prev_tokens = self._round_inputs(tokens, positions, page_tables, slots, active, sampler,
+                                                         prev_tokens, use_prev, allowed, processed, rope_shift)
+        return self._decode_packed(packed, full, prev_tokens, logprobs, extras)
+
+    def _round_inputs(self, tokens, positions, page_tables, slots, active, sampler, prev_tokens=None, use_prev=None,
+                      allowed=None, processed=None, rope_shift=None):
+        """`decode`'s arguments -> (the packed rows, the processing rows or None, the previous round's tokens)."""
         if prev_tokens is None:
             prev_tokens, use_prev = self._no_prev, np.zeros(self.max_lanes, bool)
         lanes = np.flatnonzero(active)
         packed = pack_decode_inputs(lanes, self.decode_size(len(lanes)), tokens, positions, page_tables, slots,
                                     use_prev, sampler, rope_shift)
         extras = None if allowed is None else self._decode_extras(packed, allowed, processed)
-        return self._decode_packed(packed, full, prev_tokens, logprobs, extras)
+        return packed, extras, prev_tokens
 
     def _decode_extras(self, packed: np.ndarray, allowed, processed) -> np.ndarray:
         """`_process_step`'s rows [R, PROCESS_COLUMNS + mask_words] of a round: each row's lane and sampler columns
@@ -530,12 +586,40 @@ class ModelRunner:
 
     def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens, logprobs: bool, extras=None):
         full = full and extras is None  # the step's own tokens are replaced: its cheapest sampler will do
-        (tokens, logits), state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state,
-                                                        packed, prev_tokens)
+        out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state, packed, prev_tokens)
         self._swap(state, ("decode", packed.shape[0], full))
+        return self._round_outputs(out, packed, logprobs, extras)
+
+    def _round_outputs(self, out, packed: np.ndarray, logprobs: bool, extras):
+        tokens, logits = out
         if extras is not None:
             tokens = self._process(logits, extras, self.max_lanes)
         return self._with_logprobs(tokens, logits, packed[:, 5], logprobs)  # column 5: each row's lane
+
+    def mixed(self, chunk: dict, decode_round: dict):
+        """One lane's prefill pass of at most `mixed_tokens` tokens (`prefill`'s keyword arguments, no MTP) and a
+        decode round over other lanes (`decode`'s) as one step (`qwen3_5.mixed`): the round's weight reads carry
+        the pass. Returns (the pass's outputs as `prefill` returns them, the round's as `decode` does)."""
+        chunk, decode_round = dict(chunk), dict(decode_round)
+        p_full, p_logprobs, r_full, r_logprobs = (d.pop(k, False) for d, k in
+                                                  ((chunk, "full"), (chunk, "logprobs"), (decode_round, "full"),
+                                                   (decode_round, "logprobs")))
+        packed, p_extras = self._pass_inputs(self.mixed_tokens, **chunk)
+        r_packed, r_extras, prev_tokens = self._round_inputs(**decode_round)
+        full = (p_full and p_extras is None) or (r_full and r_extras is None)
+        return self._mixed_packed(packed, r_packed, full, prev_tokens, p_extras, r_extras, p_logprobs, r_logprobs)
+
+    def _mixed_packed(self, packed, r_packed, full: bool, prev_tokens, p_extras=None, r_extras=None,
+                      p_logprobs=False, r_logprobs=False):
+        (chunk, rnd), state = self._steps["mixed"](self.params, self.cfg, self.kernels, full,
+                                                   (self.mixed_tokens, self.max_taps), self.state, packed, self.media,
+                                                   r_packed, prev_tokens)
+        self._swap(state, ("mixed", r_packed.shape[0], full))
+        tokens, logits = chunk
+        if p_extras is not None:
+            tokens = self._process(logits, p_extras[None], 0)
+        return (self._with_logprobs(tokens, logits, self._prefill_rows, p_logprobs),
+                self._round_outputs(rnd, r_packed, r_logprobs, r_extras))
 
     def verify_size(self, lanes: int) -> int:
         """The compiled verify round size for `lanes` speculating lanes."""
@@ -625,7 +709,8 @@ class ModelRunner:
         c = self.max_lanes
         variants = (False, True)
         # The model steps per sampler, then logit processing: one program per round size and one for a prefill.
-        total = (len(self.buckets) + len(self.decode_sizes) + len(self.verify_sizes)) * len(variants) \
+        total = (len(self.buckets) + len(self.decode_sizes) + len(self.verify_sizes) + len(self.mixed_sizes)) \
+            * len(variants) \
             + len(self.idle_sizes) \
             + len(self.decode_sizes) + 1 + len(self.patch_buckets)
         done = 0
@@ -649,6 +734,12 @@ class ModelRunner:
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
                       f"decode {size} lanes sampler={'full' if full else 'greedy'}")
+            for size in self.mixed_sizes:  # a pass with no valid token and a round of padding rows: nothing written
+                chunk = pack_prefill_inputs((), self.mixed_tokens, PAGE, 0, one, (), (), table, self.max_taps)
+                packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
+                                            np.zeros(c), np.zeros(c), lanes)
+                ready(self._mixed_packed(chunk, packed, full, self._no_prev),
+                      f"mixed {self.mixed_tokens} tokens + {size} lanes sampler={'full' if full else 'greedy'}")
             for size in self.verify_sizes:  # rounds of padding rows only: nothing is written
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),

@@ -1,0 +1,177 @@
+"""Running requests' token latency while long prompts keep arriving (issue 31): mixed steps against passes and
+rounds apart, on one engine, random weights at the real shapes.
+
+`--lanes` requests decode greedily from `--context`-token prompts for the whole run. Then, for each phase of
+`--phase-s` seconds:
+  * "no arrivals": the lanes decode alone (the TPOT baseline);
+  * "mixed": `--arrival-tokens`-token prompts arrive back to back (the next when the last has its first token), and
+    each of their passes rides in the lanes' decode round (`mixed_prefill_tokens`, the engine's default);
+  * "apart": the same arrivals with the scheduler's mixing off: a pass of the prefill chunk, then a round.
+TPOT samples are the gaps between a running lane's consecutive tokens inside the phase; TTFT is each arrival's.
+Target: TPOT p99 with arrivals <= 2x TPOT p50 without. An untimed warm phase first compiles every program the timed
+phases use (the engine skips its warmup: the 35B-A3B's full warmup takes minutes).
+
+    python scripts/bench_arrivals.py --model 35b-a3b --out docs/benchmarks     # one H200; arrivals.{json,md}
+    python scripts/bench_arrivals.py --smoke                                   # tiny MoE on CPU, a temp folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from ninfer_jax import SamplingParams
+from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.models import model_config, random_engine, tiny_engine
+
+
+class Lanes:
+    """The running requests: each token event's time, per lane."""
+
+    def __init__(self, engine, prompts, max_tokens: int):
+        self.times = [[] for _ in prompts]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.ids = [engine.submit(p, sampling, sink=self._sink(i)) for i, p in enumerate(prompts)]
+
+    def _sink(self, i):
+        def sink(event):
+            self.times[i].extend([time.perf_counter()] * max(1, len(event.token_ids)))
+        return sink
+
+    def decoding(self) -> int:
+        return sum(bool(t) for t in self.times)
+
+    def gaps(self, start: float, end: float) -> np.ndarray:
+        """Seconds between consecutive tokens of a lane, both inside [start, end], over every lane."""
+        out = []
+        for times in self.times:
+            t = np.asarray(times)
+            t = t[(t >= start) & (t <= end)]
+            out.append(np.diff(t))
+        return np.concatenate(out) if out else np.zeros(0)
+
+
+def arrivals(engine, rng, vocab: int, tokens: int, until: float) -> list[float]:
+    """Prompts of `tokens` tokens, one after another until `until` (at least one): each arrives when the last has its
+    first token. Returns their TTFTs."""
+    ttfts = []
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    while not ttfts or time.perf_counter() < until:
+        out = engine.generate(rng.integers(0, vocab, tokens).tolist(), one)
+        ttfts.append(out.metrics.ttft_s)
+    return ttfts
+
+
+def phase(engine, lanes: Lanes, name: str, seconds: float, rng, vocab: int, tokens: int, mix: bool | None) -> dict:
+    """One timed phase; mix None: no arrivals."""
+    if mix is not None:
+        engine.scheduler.mix = mix
+    before = dict(engine.stats()["scheduler"])
+    start = time.perf_counter()
+    if mix is None:
+        time.sleep(seconds)
+        ttfts = []
+    else:
+        ttfts = arrivals(engine, rng, vocab, tokens, start + seconds)
+    end = time.perf_counter()
+    after = engine.stats()["scheduler"]
+    gaps = lanes.gaps(start, end) * 1e3
+    row = {"phase": name, "seconds": end - start, "tpot_samples": int(gaps.size),
+           "tpot_p50_ms": float(np.percentile(gaps, 50)) if gaps.size else None,
+           "tpot_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
+           "tpot_max_ms": float(gaps.max()) if gaps.size else None,
+           "decode_tok_s": gaps.size / (end - start), "arrivals": len(ttfts),
+           "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+           "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+           "arrival_prefill_tok_s": len(ttfts) * tokens / (end - start),
+           "mixed_steps": after.get("mixed_steps", 0) - before.get("mixed_steps", 0),
+           "prefill_chunks": after.get("prefill_chunks", 0) - before.get("prefill_chunks", 0)}
+    print(f"{name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, p99 {row['tpot_p99_ms']:.1f} ms, max "
+          f"{row['tpot_max_ms']:.1f} ms over {gaps.size} tokens ({row['decode_tok_s']:.0f} tok/s); "
+          f"{len(ttfts)} arrivals" + (f", TTFT p50 {row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s"
+                                      if ttfts else "") + f"; {row['mixed_steps']} mixed steps", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="35b-a3b", help="27b or 35b-a3b (random bf16 weights)")
+    ap.add_argument("--lanes", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024, help="each running lane's prompt tokens")
+    ap.add_argument("--arrival-tokens", type=int, default=8192)
+    ap.add_argument("--phase-s", type=float, default=20.0)
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=None, help="default: the engine's auto")
+    ap.add_argument("--smoke", action="store_true", help="the tiny MoE on CPU, small sizes, a temporary folder")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.lanes, args.context, args.arrival_tokens, args.phase_s = 2, 64, 256, 3.0
+    mixed = {} if args.mixed_prefill_tokens is None else {"mixed_prefill_tokens": args.mixed_prefill_tokens}
+    tokens_per_lane = 8192  # the lanes' budget: they decode through every phase
+    limits = dict(max_concurrency=args.lanes + 2, max_model_len=args.context + tokens_per_lane + 64,
+                  kv_capacity=args.lanes * (args.context + tokens_per_lane) + 4 * args.arrival_tokens + 4096,
+                  no_prefix_reuse=True)
+    t = time.perf_counter()
+    if args.smoke:
+        engine = tiny_engine(**limits, prefill_chunk=128, mixed_prefill_tokens=64)
+        vocab, name = 1000, "tiny"
+    else:
+        engine, _ = random_engine(args.model, **limits, **mixed)
+        vocab, name = model_config(args.model).vocab_size, args.model
+    print(f"engine ready in {time.perf_counter() - t:.1f} s: {engine.options.summary()}", flush=True)
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    engine.scheduler.mix = False  # the lanes' prompts fill without mixed programs at every round size on the way
+    lanes = Lanes(engine, [rng.integers(0, vocab, args.context).tolist() for _ in range(args.lanes)], tokens_per_lane)
+    while lanes.decoding() < args.lanes:
+        time.sleep(0.05)
+    print(f"{args.lanes} lanes decoding after {time.perf_counter() - t:.1f} s", flush=True)
+    # Untimed: every program the phases use (mixed steps at this width, the chunk's passes and idle sizes)
+    t = time.perf_counter()
+    for mix in (True, False):
+        engine.scheduler.mix = mix
+        arrivals(engine, rng, vocab, args.arrival_tokens, time.perf_counter())  # one arrival
+    print(f"warm phase (compiles) {time.perf_counter() - t:.1f} s; {engine.stats()['compiles_since_warmup']} "
+          f"programs compiled so far", flush=True)
+    compiles = engine.stats()["compiles_since_warmup"]
+    rows = [phase(engine, lanes, "no arrivals", args.phase_s, rng, vocab, args.arrival_tokens, None),
+            phase(engine, lanes, "mixed", args.phase_s, rng, vocab, args.arrival_tokens, True),
+            phase(engine, lanes, "apart", args.phase_s, rng, vocab, args.arrival_tokens, False)]
+    compiled = engine.stats()["compiles_since_warmup"] - compiles
+    for lane_id in lanes.ids:
+        engine.cancel(lane_id)
+    threading.Event().wait(1.0)
+    engine.stop()
+    base = rows[0]["tpot_p50_ms"]
+    for row in rows:
+        row["tpot_p99_over_base_p50"] = row["tpot_p99_ms"] / base if base else None
+    o = engine.options
+    meta = report.run_meta(model=name, lanes=args.lanes, context=args.context, arrival_tokens=args.arrival_tokens,
+                           mixed_prefill_tokens=o.mixed_prefill_tokens, prefill_chunk=o.prefill_chunk,
+                           idle_prefill_chunk=o.idle_prefill_chunk, compiled_in_timed_phases=compiled)
+    f = report.fmt
+    page = report.header(
+        "Token latency of running requests while long prompts arrive", meta,
+        f"model: {name}, random bf16 weights; {args.lanes} lanes decoding greedily from {args.context}-token prompts; "
+        f"{args.arrival_tokens}-token prompts arriving back to back (max_tokens 1) in the arrival phases, "
+        f"{args.phase_s:g} s per phase",
+        f"mixed: passes of {o.mixed_prefill_tokens} tokens in the round's step; apart: passes of the prefill chunk "
+        f"({o.prefill_chunk}) and rounds as separate steps; programs compiled during the timed phases: {compiled}",
+        "target (issue 31): TPOT p99 with arrivals <= 2x TPOT p50 without")
+    page += report.table(
+        ["phase", "TPOT p50 ms", "TPOT p99 ms", "TPOT max ms", "p99 / p50 no arrivals", "decode tok/s", "arrivals",
+         "TTFT p50 s", "TTFT p99 s", "arrival prefill tok/s", "mixed steps"],
+        [[r["phase"], f(r["tpot_p50_ms"]), f(r["tpot_p99_ms"]), f(r["tpot_max_ms"]),
+          f"{r['tpot_p99_over_base_p50']:.2f}x" if r["tpot_p99_over_base_p50"] else "-", f(r["decode_tok_s"]),
+          r["arrivals"], f(r["ttft_p50_s"]), f(r["ttft_p99_s"]), f(r["arrival_prefill_tok_s"]), r["mixed_steps"]]
+         for r in rows])
+    out = args.out or tempfile.mkdtemp(prefix="bench_arrivals_")
+    print(report.write_report(out, "arrivals", {**meta, "rows": rows}, page), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Mixed steps (chunked prefill): while lanes decode, a prompt's pass runs in the same step as their round
+(`runner.mixed`), and every request still gets the tokens a cacheless forward gives."""
+
+import numpy as np
+import pytest
+
+import oracle
+from oracle import ORACLE_VOCAB
+from ninfer_jax import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# Two lanes, passes of 128 tokens (64 in a mixed step): each prompt but the first prefills while the other lane
+# decodes
+OPTIONS = dict(max_concurrency=2, prefill_chunk=128, idle_prefill_chunk=128, mixed_prefill_tokens=64,
+               max_model_len=512, kv_capacity=24 * 64, output_window=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-moe", "text", seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    engine = Engine.from_pretrained(checkpoint, **OPTIONS)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def forward_greedy(checkpoint):
+    return oracle.forward_greedy(checkpoint)
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, ORACLE_VOCAB, n).tolist()
+
+
+def _mixed_steps(engine) -> int:
+    return engine.stats()["scheduler"].get("mixed_steps", 0)
+
+
+def test_passes_mixed_into_rounds_give_the_forwards_greedy_tokens_and_compile_nothing(engine, forward_greedy):
+    prompts = [_prompt(n, seed) for seed, n in enumerate((20, 150, 260, 90))]
+    before = _mixed_steps(engine)
+    outs = engine.generate_many(prompts, GREEDY)
+    # each prompt but the first prefills while the other lane decodes: its passes ride in that lane's rounds
+    assert _mixed_steps(engine) - before >= 4
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == forward_greedy(prompt, out.token_ids)
+    # the second turn resumes from what the mixed passes cached (their taps and the endpoint) and extends it
+    turn2 = prompts[2] + list(outs[2].token_ids) + _prompt(100, 9)
+    out = engine.generate_many([prompts[0] + [5] * 40, turn2], GREEDY)[1]
+    assert out.usage.cached_tokens >= 256
+    assert out.token_ids == forward_greedy(turn2, out.token_ids)
+    stats = engine.stats()
+    assert stats["compiles_since_warmup"] == 0 and stats["pages"]["active"] == 0
+    engine.check_ledger()
+
+
+def test_a_mixed_pass_that_ends_a_sampled_prompt_samples_as_a_pass_alone(engine):
+    """A seeded sampled request with logprobs and a logit bias whose last pass rides in a greedy lane's round takes
+    the same tokens and logprobs as when it prefills alone."""
+    prompt = _prompt(200, 11)
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True,
+                             logit_bias={7: 2.5}, prefix_cache=False)  # neither run reads the other's blocks
+    alone = engine.generate(prompt, sampled)
+    before = _mixed_steps(engine)
+    _, mixed = engine.generate_many([_prompt(30, 12), prompt], [GREEDY, sampled])
+    assert _mixed_steps(engine) > before
+    assert mixed.token_ids == alone.token_ids
+    for a, b in zip(alone.logprobs, mixed.logprobs):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    engine.check_ledger()
