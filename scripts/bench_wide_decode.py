@@ -30,6 +30,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -163,7 +164,8 @@ def bench(name: str, args) -> dict:
             continue
         roof = round_roofline(cfg, n, args.decode_context + (window.start_tokens + window.end_tokens) / 2,
                               tflops, tbps)
-        row.update(status="measured", tok_s=window.tok_s, rounds=window.rounds, ms_per_round=window.ms_per_round,
+        row.update(status="measured", tok_s=window.tok_s, rounds=window.rounds, every_lane=window.every_lane,
+                   finish_reasons=collections.Counter(timed.finish_reasons), ms_per_round=window.ms_per_round,
                    mean_context=roof.context, roofline_tok_s=roof.tok_s, roofline_ms=roof.seconds * 1e3,
                    roofline_bound=roof.bound, pct_of_roofline=100 * window.tok_s / roof.tok_s,
                    round_gb=roof.bytes / 1e9, weight_gb=roof.weight_bytes / 1e9, kv_gb=roof.kv_bytes / 1e9,
@@ -174,7 +176,8 @@ def bench(name: str, args) -> dict:
              f"{timed.seconds:.1f} s ({timed.compiles}); {window.tok_s:.0f} tok/s over {window.rounds} full-width "
              f"rounds ({window.ms_per_round:.2f} ms each); roofline {roof.tok_s:.0f} tok/s ({roof.seconds * 1e3:.2f} "
              f"ms, {roof.bound}-bound: {roof.bytes / 1e9:.2f} GB, {roof.flops / 1e12:.2f} TFLOP at mean context "
-             f"{roof.context:.0f}) -> {row['pct_of_roofline']:.1f}%")
+             f"{roof.context:.0f}) -> {row['pct_of_roofline']:.1f}%"
+             + ("" if window.every_lane else "; a timed round lacked a lane"))
     result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
     result["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB
     engine.stop()
@@ -248,7 +251,8 @@ def lane_cells(row: dict) -> list:
         return [n, why, *["-"] * 9]
     pct = row["pct_of_roofline"]
     verdict = "" if n < TARGET_FROM_LANES else " (met)" if pct >= TARGET_PCT else " (missed)"
-    return [n, f"{row['tok_s']:,.0f}", f"{row['roofline_tok_s']:,.0f}", f"{pct:.1f}%{verdict}",
+    lacked = "" if row.get("every_lane", True) else " (a round lacked a lane)"
+    return [n, f"{row['tok_s']:,.0f}{lacked}", f"{row['roofline_tok_s']:,.0f}", f"{pct:.1f}%{verdict}",
             f"{row['ms_per_round']:.2f}", f"{row['roofline_ms']:.2f} ({row['roofline_bound']})",
             f"{row['round_gb']:.2f}", f"{row['experts_per_layer']:.1f}" if row["experts_per_layer"] else "-",
             f"{row['mean_context']:.0f}", f"{row['first_wave_s']:.1f} ({row['first_wave_compiles']})",

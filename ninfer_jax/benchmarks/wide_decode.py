@@ -10,7 +10,9 @@ rates.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import queue
 import time
 
@@ -81,13 +83,15 @@ def wave_tokens(cfg, lanes: int, context: int, rounds: int, prefill_chunk: int |
 @dataclasses.dataclass(frozen=True)
 class DecodeWindow:
     """The full-width rounds of a wave: `rounds` rounds of `lanes` rows in `seconds`; each lane had emitted
-    `start_tokens` tokens on average when the window opened and `end_tokens` when it closed."""
+    `start_tokens` tokens on average when the window opened and `end_tokens` when it closed. `every_lane`: each
+    lane emitted exactly one token per round read inside the window (a round that lacked a lane would show)."""
 
     lanes: int
     rounds: int
     seconds: float
     start_tokens: float
     end_tokens: float
+    every_lane: bool
 
     @property
     def tok_s(self) -> float:
@@ -105,7 +109,10 @@ def full_width_window(events: list[list[tuple[float, int]]]) -> DecodeWindow | N
     is one round read). It opens at its second read after the last lane's first token: a round is read one step
     after its dispatch, and the rounds read until then were dispatched before that token was read, so they lack
     that lane. It closes at the first lane's last token. None when fewer than two reads lie between, or a lane has
-    no token (the first lane finished too early: give each lane more tokens than there are lanes)."""
+    no token (the first lane finished too early: give each lane more tokens than there are lanes).
+
+    `every_lane` checks that each lane has an event within half the shortest gap between reads of each read in
+    the window: a read emits every lane's event within moments, before or after the first lane's."""
     if not all(events):
         return None
     last_first = max(lane[0][0] for lane in events)
@@ -114,24 +121,31 @@ def full_width_window(events: list[list[tuple[float, int]]]) -> DecodeWindow | N
     if len(reads) < 2:
         return None
     start, end = reads[0][0], reads[-1][0]
+    rounds = sum(n for _, n in reads[1:])
+    half_gap = min(b[0] - a[0] for a, b in itertools.pairwise(reads)) / 2
+
+    def emitted_at(lane: list[tuple[float, int]], read: float) -> bool:
+        i = bisect.bisect_left(lane, (read - half_gap,))
+        return i < len(lane) and lane[i][0] < read + half_gap
 
     def mean_emitted(until: float) -> float:
         return sum(n for lane in events for t, n in lane if t <= until) / len(events)
 
-    return DecodeWindow(len(events), sum(n for _, n in reads[1:]), end - start, mean_emitted(start),
-                        mean_emitted(end))
+    return DecodeWindow(len(events), rounds, end - start, mean_emitted(start), mean_emitted(end),
+                        all(emitted_at(lane, t) for lane in events for t, _ in reads[1:]))
 
 
 @dataclasses.dataclass(frozen=True)
 class Wave:
     """A wave's token events per lane (perf_counter seconds, tokens), its wall seconds (submission to its last
-    event), the programs it compiled and the worker's seconds by phase (`Scheduler.stats` "seconds_*") per decode
-    round it ran."""
+    event), the programs it compiled, the worker's seconds by phase (`Scheduler.stats` "seconds_*") per decode
+    round it ran, and each lane's finish reason."""
 
     events: list[list[tuple[float, int]]]
     seconds: float
     compiles: int
     ms_per_round_by_phase: dict[str, float]
+    finish_reasons: list[str]
 
     def window(self) -> DecodeWindow | None:
         return full_width_window(self.events)
@@ -155,19 +169,19 @@ def run_wave(engine, prompts: list[list[int]], sampling) -> Wave:
 
     start = time.perf_counter()
     ids = [engine.submit(p, sampling, sink=sink(i)) for i, p in enumerate(prompts)]
-    done: set[int] = set()
-    while len(done) < len(prompts):
+    reasons: list[str | None] = [None] * len(prompts)
+    for _ in prompts:
         lane, event = finished.get()
         if event.finish_reason == "error":
             raise RuntimeError(f"a wave request failed: {event.error}")
-        if not done:
+        if not any(reasons):
             for other, rid in enumerate(ids):
                 if other != lane:
                     engine.cancel(rid)
-        done.add(lane)
+        reasons[lane] = event.finish_reason
     seconds = time.perf_counter() - start
     after = engine.stats()
     rounds = max(1, after["scheduler"].get("decode_rounds", 0) - before["scheduler"].get("decode_rounds", 0))
     phases = {k.removeprefix("seconds_"): (v - before["scheduler"].get(k, 0)) / rounds * 1e3
               for k, v in after["scheduler"].items() if k.startswith("seconds_")}
-    return Wave(events, seconds, after["compiles_since_warmup"] - before["compiles_since_warmup"], phases)
+    return Wave(events, seconds, after["compiles_since_warmup"] - before["compiles_since_warmup"], phases, reasons)

@@ -58,5 +58,36 @@ def test_the_window_runs_from_the_second_read_after_the_last_first_token_to_the_
     assert (window.lanes, window.rounds, window.seconds) == (3, 3, 1.5)
     assert (window.tok_s, window.ms_per_round) == (6.0, 500.0)
     assert (window.start_tokens, window.end_tokens) == (8 / 3, 17 / 3)  # tokens emitted by 2.5 and by 4
+    assert window.every_lane
+    # lane 2 emitted just after lane 0 in each read still counts once per round; a round without lane 1 shows
+    late = [(t + 0.001, n) for t, n in lane2]
+    assert full_width_window([lane0, lane1, late]).every_lane
+    assert not full_width_window([lane0, [e for e in lane1 if e[0] != 3.5], lane2]).every_lane
     assert full_width_window([lane0[:4], lane1, lane2]) is None  # lane 0 ends at the read that opens the window
     assert full_width_window([lane0, lane1, []]) is None  # a lane without a token
+
+
+def test_a_wave_times_only_rounds_that_run_every_lane(checkpoint_factory):
+    """run_wave on the tiny model: the lane admitted first decodes while the second prefills; the window holds only
+    rounds of both lanes, and the wave ends with the pools' ledger clean."""
+    from ninfer_jax import Engine, SamplingParams
+    from ninfer_jax.benchmarks.wide_decode import run_wave, wave_tokens
+    from ninfer_jax.config import ModelConfig
+
+    directory = checkpoint_factory("tiny-dense", "text", seed=3)
+    cfg = ModelConfig.from_file(directory / "config.json")
+    engine = Engine.from_pretrained(directory, kernels="reference", warmup=False, max_concurrency=2,
+                                    max_model_len=256, prefill_chunk=64, no_prefix_reuse=True)
+    try:
+        tokens = wave_tokens(cfg, 2, 100, 3, 64)  # prompts of two passes: the second lane's first token comes 2 later
+        assert tokens == 2 + 3 + 4
+        sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        wave = run_wave(engine, [[3] * 100, [4] * 100], sampling)
+        engine.check_ledger()
+    finally:
+        engine.stop()
+    window = wave.window()
+    assert window.every_lane and window.rounds >= 3
+    # the first to finish ran to its length; the other was cancelled then, unless its last rounds were already read
+    assert wave.finish_reasons[0] == "length" and wave.finish_reasons[1] in ("cancelled", "length")
+    assert sum(n for _, n in wave.events[0]) == tokens
