@@ -178,9 +178,12 @@ def bench(name: str, args) -> dict:
              f"ms, {roof.bound}-bound: {roof.bytes / 1e9:.2f} GB, {roof.flops / 1e12:.2f} TFLOP at mean context "
              f"{roof.context:.0f}) -> {row['pct_of_roofline']:.1f}%"
              + ("" if window.every_lane else "; a timed round lacked a lane"))
-    result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
     result["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / GiB
-    engine.stop()
+    try:  # an engine a wave failed may fail these too; the rows are what counts
+        result["compiles_since_warmup"] = engine.stats()["compiles_since_warmup"]
+        engine.stop()
+    except Exception as e:  # noqa: BLE001
+        result["stop_error"] = f"{type(e).__name__}: {e}"[:500]
     save(f"done in {time.monotonic() - STARTED:.0f} s")
     return result
 
