@@ -5,7 +5,9 @@ One run on the H200 measures, for each model shape (27B dense, 35B-A3B MoE):
   * cold prefill tokens/s for 8k and 32k prompts (TTFT of a max_tokens=1 request): the first request of each
     length compiles the passes it is the first to use, so its TTFT is reported apart ("first"); the steady
     figure is the best of --prefill-reps requests after it,
-  * decode tokens/s at 1 and 8 lanes, each lane at a --decode-context prompt (1024 by default),
+  * decode tokens/s at 1 and 8 lanes, each lane at a --decode-context prompt (1024 by default), over about
+    --decode-tokens rounds that run every lane (`wide_decode.full_width_window`: after the last prompt's first
+    token, until the first lane's last; each lane asks the tokens `wide_decode.wave_tokens` gives),
   * the two ceilings in the same run (a bf16 matmul through jax, a device-to-device copy) and the rooflines
     they give (prefill: 2 x active params FLOPs per token; decode: active weight bytes per token),
   * HF transformers (+ fla when it imports) on the same shapes, in a subprocess after ours exits.
@@ -47,6 +49,7 @@ def bench_ours(name: str, args) -> dict:
 
     from ninfer_jax import SamplingParams
     from ninfer_jax.benchmarks.models import random_engine
+    from ninfer_jax.benchmarks.wide_decode import run_wave, wave_tokens
     from ninfer_jax.model.state import prefill_activation_bytes
 
     cfg = model_config(name)
@@ -54,7 +57,8 @@ def bench_ours(name: str, args) -> dict:
     fp8 = args.weights.startswith("fp8")
     total, active, decode_bytes = param_counts(cfg, fp8=fp8)
     sizes = SMOKE if args.smoke else FULL
-    max_model_len = max(sizes["max_model_len"], args.decode_context + args.decode_tokens + 64)
+    max_model_len = max(sizes["max_model_len"], args.decode_context + 64 + wave_tokens(
+        cfg, max(sizes["lanes"]), args.decode_context, args.decode_tokens, args.prefill_chunk))
     engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
                                    **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
                                    max_concurrency=sizes["max_concurrency"], prefill_chunk=args.prefill_chunk,
@@ -100,22 +104,19 @@ def bench_ours(name: str, args) -> dict:
 
     def time_decode(lanes: int, sampling: SamplingParams, suffix: str = "") -> None:
         prompts = [rng.integers(0, cfg.vocab_size, args.decode_context).tolist() for _ in range(lanes)]
-        before = engine.stats()["scheduler"]
-        outs = engine.generate_many(prompts, sampling)
+        tokens = wave_tokens(cfg, lanes, args.decode_context, args.decode_tokens, chunk)
+        wave = run_wave(engine, prompts, dataclasses.replace(sampling, max_tokens=tokens))
         # The worker's seconds by phase over these requests, per decode round: round_dispatch and round_read are
         # the decode's host time (the read includes waiting for the device); the prefill phases are the prompts'.
-        after = engine.stats()["scheduler"]
-        rounds = max(1, after.get("decode_rounds", 0) - before.get("decode_rounds", 0))
-        phases = {k.removeprefix("seconds_"): (v - before.get(k, 0)) / rounds * 1e3
-                  for k, v in after.items() if k.startswith("seconds_")}
-        result[f"decode_{lanes}lane_worker_ms_per_round{suffix}"] = phases
+        result[f"decode_{lanes}lane_worker_ms_per_round{suffix}"] = wave.ms_per_round_by_phase
         print(f"[{name}] decode {lanes} lanes{suffix}, worker ms per round: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
-        # decode time: after the last first token until the last finish
-        span = max(o.metrics.latency_s for o in outs) - max(o.metrics.ttft_s for o in outs)
-        tokens = sum(o.usage.completion_tokens - 1 for o in outs)
-        result[f"decode_{lanes}lane_tok_s{suffix}"] = tokens / span
-        print(f"[{name}] decode {lanes} lanes{suffix}: {tokens / span:.1f} tok/s", flush=True)
+              + ", ".join(f"{k} {v:.2f}" for k, v in wave.ms_per_round_by_phase.items()), flush=True)
+        window = wave.window()  # the rounds that run every lane: the prompts' prefill excluded
+        if window is None:
+            raise RuntimeError(f"decode {lanes} lanes: no round ran every lane; raise --decode-tokens")
+        result[f"decode_{lanes}lane_tok_s{suffix}"] = window.tok_s
+        print(f"[{name}] decode {lanes} lanes{suffix}: {window.tok_s:.1f} tok/s over {window.rounds} rounds",
+              flush=True)
 
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     for lanes in sizes["lanes"]:
@@ -247,7 +248,7 @@ def main() -> int:
     p.add_argument("--kernels", default="pallas")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill pass (default: the engine's, 2048 for a dense model and 8192 for MoE)")
-    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=64, help="decode rounds timed with every lane decoding")
     p.add_argument("--peer-decode-tokens", type=int, default=16)
     p.add_argument("--part", choices=["ours", "peer", "all", "ours-only"], default="all",
                    help="all: ours (each --weights) then the peer; ours-only: ours for each --weights, no peer")

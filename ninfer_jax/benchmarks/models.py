@@ -58,25 +58,51 @@ def tiny_checkpoint_config():
     return ModelConfig.from_file(default_checkpoint() / "config.json")
 
 
-def param_counts(cfg, fp8: bool = False) -> tuple[int, int, int]:
-    """(total params, active params per token, active weight bytes per decode token at 1 lane): bf16 weights, or with
-    fp8 the linears the FP8 packs quantize at one byte (their block scales add 1/4096 and are left out)."""
-    h, v = cfg.hidden_size, cfg.vocab_size
+@dataclasses.dataclass(frozen=True)
+class WeightParts:
+    """Parameter counts of a text model's parts as the benchmarks count them: the projections of the mixers and
+    FFNs, the routed experts, the embedding and the lm_head. Norms, convolutions and routers (under 1% of the
+    active bytes) are left out."""
+
+    mixers: int  # every layer's attention or GDN projections
+    ffn: int  # per layer: the dense MLP, or the shared expert of a layer with routed experts
+    expert: int  # one routed expert (0 for a dense model)
+    num_experts: int
+    experts_per_token: int
+    layers: int
+    vocab_rows: int  # vocab x hidden: the embedding, and the lm_head again unless tied
+    hidden: int
+    tied: bool
+
+    @property
+    def active(self) -> int:
+        """Parameters a token multiplies by: the embedding is a lookup, the lm_head a matmul."""
+        return self.mixers + self.layers * (self.ffn + self.experts_per_token * self.expert) + self.vocab_rows
+
+
+def weight_parts(cfg) -> WeightParts:
+    """The WeightParts of a text model's config."""
+    h = cfg.hidden_size
     attn = h * (cfg.num_attention_heads * 2 * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim) \
         + cfg.num_attention_heads * cfg.head_dim * h
     gdn = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
-    if cfg.is_moe:
-        expert = 3 * h * cfg.moe_intermediate_size
-        ffn_total = cfg.num_experts * expert + 3 * h * cfg.shared_expert_intermediate_size
-        ffn_active = cfg.num_experts_per_tok * expert + 3 * h * cfg.shared_expert_intermediate_size
-    else:
-        ffn_total = ffn_active = 3 * h * cfg.intermediate_size
-    mixers = len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn
-    head = v * h * (1 if cfg.tie_word_embeddings else 2)
-    total = mixers + cfg.num_layers * ffn_total + head
-    active = mixers + cfg.num_layers * ffn_active + v * h  # embedding is a lookup, lm_head a matmul
+    moe = cfg.is_moe
+    return WeightParts(
+        mixers=len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn,
+        ffn=3 * h * (cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size),
+        expert=3 * h * cfg.moe_intermediate_size if moe else 0, num_experts=cfg.num_experts if moe else 0,
+        experts_per_token=cfg.num_experts_per_tok if moe else 0, layers=cfg.num_layers,
+        vocab_rows=cfg.vocab_size * h, hidden=h, tied=cfg.tie_word_embeddings)
+
+
+def param_counts(cfg, fp8: bool = False) -> tuple[int, int, int]:
+    """(total params, active params per token, active weight bytes per decode token at 1 lane): bf16 weights, or with
+    fp8 the linears the FP8 packs quantize at one byte (their block scales add 1/4096 and are left out)."""
+    w = weight_parts(cfg)
+    total = w.mixers + w.layers * (w.ffn + w.num_experts * w.expert) + w.vocab_rows * (1 if w.tied else 2)
+    active = w.active
     # GDN's b and a projections and the lm_head stay bf16 in the packs
-    unquantized = len(cfg.gdn_layers) * 2 * cfg.linear_num_value_heads * h + v * h
+    unquantized = len(cfg.gdn_layers) * 2 * cfg.linear_num_value_heads * w.hidden + w.vocab_rows
     return total, active, 2 * active - (active - unquantized if fp8 else 0)
 
 
