@@ -4,14 +4,16 @@ rounds apart, on one engine, random weights at the real shapes.
 `--lanes` requests decode greedily from `--context`-token prompts for the whole run. Then, for each phase of
 `--phase-s` seconds:
   * "no arrivals": the lanes decode alone (the TPOT baseline);
-  * "mixed": `--arrival-tokens`-token prompts arrive back to back (the next when the last has its first token), and
-    each of their passes rides in the lanes' decode round (`mixed_prefill_tokens`, the engine's default);
+  * "mixed M": `--arrival-tokens`-token prompts arrive back to back (the next when the last has its first token),
+    and each of their passes of M tokens rides in the lanes' decode round (`--mixed-tokens`, each M in turn on the
+    same engine; default: the engine's mixed_prefill_tokens);
   * "apart": the same arrivals with the scheduler's mixing off: a pass of the prefill chunk, then a round.
 TPOT samples are the gaps between a running lane's consecutive tokens inside the phase; TTFT is each arrival's.
 Target: TPOT p99 with arrivals <= 2x TPOT p50 without. An untimed warm phase first compiles every program the timed
 phases use (the engine skips its warmup: the 35B-A3B's full warmup takes minutes).
 
     python scripts/bench_arrivals.py --model 35b-a3b --out docs/benchmarks     # one H200; arrivals.{json,md}
+    python scripts/bench_arrivals.py --model 35b-a3b --mixed-tokens 256,512 --no-apart ...   # other pass lengths
     python scripts/bench_arrivals.py --smoke                                   # tiny MoE on CPU, a temp folder
 """
 
@@ -42,8 +44,9 @@ class Lanes:
             self.times[i].extend([time.perf_counter()] * max(1, len(event.token_ids)))
         return sink
 
-    def decoding(self) -> int:
-        return sum(bool(t) for t in self.times)
+    def decoding(self, tokens: int = 1) -> int:
+        """Lanes with at least `tokens` tokens."""
+        return sum(len(t) >= tokens for t in self.times)
 
     def gaps(self, start: float, end: float) -> np.ndarray:
         """Seconds between consecutive tokens of a lane, both inside [start, end], over every lane."""
@@ -90,8 +93,8 @@ def phase(engine, lanes: Lanes, name: str, seconds: float, rng, vocab: int, toke
            "arrival_prefill_tok_s": len(ttfts) * tokens / (end - start),
            "mixed_steps": after.get("mixed_steps", 0) - before.get("mixed_steps", 0),
            "prefill_chunks": after.get("prefill_chunks", 0) - before.get("prefill_chunks", 0)}
-    print(f"{name}: TPOT p50 {row['tpot_p50_ms']:.1f} ms, p99 {row['tpot_p99_ms']:.1f} ms, max "
-          f"{row['tpot_max_ms']:.1f} ms over {gaps.size} tokens ({row['decode_tok_s']:.0f} tok/s); "
+    print(f"{name}: TPOT p50 {report.fmt(row['tpot_p50_ms'])} ms, p99 {report.fmt(row['tpot_p99_ms'])} ms, max "
+          f"{report.fmt(row['tpot_max_ms'])} ms over {gaps.size} tokens ({row['decode_tok_s']:.0f} tok/s); "
           f"{len(ttfts)} arrivals" + (f", TTFT p50 {row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s"
                                       if ttfts else "") + f"; {row['mixed_steps']} mixed steps", flush=True)
     return row
@@ -104,13 +107,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="each running lane's prompt tokens")
     ap.add_argument("--arrival-tokens", type=int, default=8192)
     ap.add_argument("--phase-s", type=float, default=20.0)
-    ap.add_argument("--mixed-prefill-tokens", type=int, default=None, help="default: the engine's auto")
+    ap.add_argument("--mixed-tokens", default=None,
+                    help="comma-separated pass lengths of the mixed phases (default: the engine's auto)")
+    ap.add_argument("--no-apart", action="store_true", help="skip the phase with passes and rounds apart")
     ap.add_argument("--smoke", action="store_true", help="the tiny MoE on CPU, small sizes, a temporary folder")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
         args.lanes, args.context, args.arrival_tokens, args.phase_s = 2, 64, 256, 3.0
-    mixed = {} if args.mixed_prefill_tokens is None else {"mixed_prefill_tokens": args.mixed_prefill_tokens}
+    variants = [int(v) for v in args.mixed_tokens.split(",")] if args.mixed_tokens else []
+    mixed = {"mixed_prefill_tokens": variants[0]} if variants else {}
     tokens_per_lane = 8192  # the lanes' budget: they decode through every phase
     limits = dict(max_concurrency=args.lanes + 2, max_model_len=args.context + tokens_per_lane + 64,
                   kv_capacity=args.lanes * (args.context + tokens_per_lane) + 4 * args.arrival_tokens + 4096,
@@ -127,21 +133,25 @@ def main() -> None:
     t = time.perf_counter()
     engine.scheduler.mix = False  # the lanes' prompts fill without mixed programs at every round size on the way
     lanes = Lanes(engine, [rng.integers(0, vocab, args.context).tolist() for _ in range(args.lanes)], tokens_per_lane)
-    while lanes.decoding() < args.lanes:
+    while lanes.decoding(3) < args.lanes:  # rounds at full width ran (their program compiled)
         time.sleep(0.05)
     print(f"{args.lanes} lanes decoding after {time.perf_counter() - t:.1f} s", flush=True)
-    # Untimed: every program the phases use (mixed steps at this width, the chunk's passes and idle sizes)
-    t = time.perf_counter()
-    for mix in (True, False):
+    variants = variants or [engine.options.mixed_prefill_tokens]
+    runs = [(m, True) for m in variants] + ([] if args.no_apart else [(variants[0], False)])
+    rows, compiled = [phase(engine, lanes, "no arrivals", args.phase_s, rng, vocab, args.arrival_tokens, None)], 0
+    for m, mix in runs:
+        # The runner's pass length swapped on the running engine (as bench_engine swaps its kernels): its mixed
+        # program for this width compiles in the untimed arrival first
+        engine.runner.mixed_tokens = m
         engine.scheduler.mix = mix
-        arrivals(engine, rng, vocab, args.arrival_tokens, time.perf_counter())  # one arrival
-    print(f"warm phase (compiles) {time.perf_counter() - t:.1f} s; {engine.stats()['compiles_since_warmup']} "
-          f"programs compiled so far", flush=True)
-    compiles = engine.stats()["compiles_since_warmup"]
-    rows = [phase(engine, lanes, "no arrivals", args.phase_s, rng, vocab, args.arrival_tokens, None),
-            phase(engine, lanes, "mixed", args.phase_s, rng, vocab, args.arrival_tokens, True),
-            phase(engine, lanes, "apart", args.phase_s, rng, vocab, args.arrival_tokens, False)]
-    compiled = engine.stats()["compiles_since_warmup"] - compiles
+        t, compiles = time.perf_counter(), engine.stats()["compiles_since_warmup"]
+        arrivals(engine, rng, vocab, args.arrival_tokens, time.perf_counter())
+        print(f"warm arrival ({'mixed ' + str(m) if mix else 'apart'}) {time.perf_counter() - t:.1f} s, "
+              f"{engine.stats()['compiles_since_warmup'] - compiles} programs compiled", flush=True)
+        compiles = engine.stats()["compiles_since_warmup"]
+        rows.append(phase(engine, lanes, f"mixed {m}" if mix else "apart", args.phase_s, rng, vocab,
+                          args.arrival_tokens, mix))
+        compiled += engine.stats()["compiles_since_warmup"] - compiles
     for lane_id in lanes.ids:
         engine.cancel(lane_id)
     threading.Event().wait(1.0)
@@ -151,7 +161,7 @@ def main() -> None:
         row["tpot_p99_over_base_p50"] = row["tpot_p99_ms"] / base if base else None
     o = engine.options
     meta = report.run_meta(model=name, lanes=args.lanes, context=args.context, arrival_tokens=args.arrival_tokens,
-                           mixed_prefill_tokens=o.mixed_prefill_tokens, prefill_chunk=o.prefill_chunk,
+                           mixed_tokens=variants, prefill_chunk=o.prefill_chunk,
                            idle_prefill_chunk=o.idle_prefill_chunk, compiled_in_timed_phases=compiled)
     f = report.fmt
     page = report.header(
@@ -159,7 +169,7 @@ def main() -> None:
         f"model: {name}, random bf16 weights; {args.lanes} lanes decoding greedily from {args.context}-token prompts; "
         f"{args.arrival_tokens}-token prompts arriving back to back (max_tokens 1) in the arrival phases, "
         f"{args.phase_s:g} s per phase",
-        f"mixed: passes of {o.mixed_prefill_tokens} tokens in the round's step; apart: passes of the prefill chunk "
+        "mixed M: passes of M tokens in the round's step; apart: passes of the prefill chunk "
         f"({o.prefill_chunk}) and rounds as separate steps; programs compiled during the timed phases: {compiled}",
         "target (issue 31): TPOT p99 with arrivals <= 2x TPOT p50 without")
     page += report.table(
