@@ -650,7 +650,9 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _warmup_calls(self, ready) -> None:
-        """Calls every step variant once with side-effect-free inputs, `ready(outputs, what)` after each program."""
+        """Calls every step variant once with side-effect-free inputs, `ready(outputs, what)` after each program.
+        `warmup` plays it twice, first on the steps' output shapes only: it must not read an output's values, and it
+        must make the same calls both times."""
         from ninfer_jax.runtime.sampling import SamplerInputs
 
         table = np.zeros(self.max_pages, np.int32)
