@@ -10,7 +10,8 @@ bodies arrive.
 
 With --serving it runs the serving benchmark instead (`ninfer_jax/benchmarks/serving.py`): ShareGPT-like and fixed
 1k-in/1k-out token-id completions at --concurrency 1 16 64 256, output and total tok/s, TTFT and TPOT p50/p99,
-written to serving_benchmark.{json,md}.
+written to serving_benchmark.{json,md}; with a server it starts, also the startup: seconds from the process's start
+to /health/ready and to its first served completion (16 tokens in, 1 out).
 
 The server runs as a subprocess on a free loopback port. Each level starts C clients at once; each client
 sends its requests one after another: streamed chat completions (short distinct prompts, greedy, a fixed
@@ -274,8 +275,18 @@ def _token_prompt(seed: int, tokens: int) -> list[int]:
 def _serving_benchmark(args: argparse.Namespace) -> int:
     """Each workload at each concurrency, on a server started here (or at --url); every request must succeed."""
     server = None if args.url else ServerProcess(args.server_args)
+    launched = time.perf_counter()
     with server or contextlib.nullcontext(SimpleNamespace(url=args.url.rstrip("/"))) as running:
+        ready_s = time.perf_counter() - launched
         model = httpx.get(f"{running.url}/v1/models").json()["data"][0]["id"]
+        startup = None
+        if server is not None:  # the process's start to /health/ready, and to its first served completion
+            first = asyncio.run(serving.run_level(running.url, model, [serving.BenchRequest(_token_prompt(0, 16), 1)],
+                                                  1))
+            startup = {"ready_s": round(ready_s, 1), "first_response_s": round(time.perf_counter() - launched, 1),
+                       "first_response_ok": first["errors"] == 0}
+            print(f"startup | ready {startup['ready_s']} s | first completion {startup['first_response_s']} s"
+                  f"{'' if startup['first_response_ok'] else ' (failed)'}", flush=True)
         levels: dict[str, list[dict]] = {}
         for name in args.workloads:
             asyncio.run(serving.run_level(running.url, model, serving.workload(name, 1, args.seed + 1), 1))  # warm
@@ -289,7 +300,7 @@ def _serving_benchmark(args: argparse.Namespace) -> int:
                       f"{level['tpot_p99_ms']} ms", flush=True)
                 levels.setdefault(name, []).append(level)
     report = {**reports.run_meta(), "server_args": args.server_args, "url": args.url, "model": model,
-              "seed": args.seed, "workloads": levels}
+              "seed": args.seed, "startup": startup, "workloads": levels}
     out = args.out or reports.DOCS
     reports.write_report(out, "serving_benchmark", report, [
         *reports.header("ninfer-serve serving benchmark", report,
@@ -298,9 +309,13 @@ def _serving_benchmark(args: argparse.Namespace) -> int:
                         "load: streamed /v1/completions of token-id prompts, greedy, ignore_eos; C clients each send "
                         "the next request when their last ends; TTFT to the first chunk with text, TPOT (latency - "
                         "TTFT) / (output tokens - 1)",
-                        f"workloads (seed {args.seed}): {serving.WORKLOADS}"),
+                        f"workloads (seed {args.seed}): {serving.WORKLOADS}",
+                        *([f"startup: /health/ready {startup['ready_s']} s and the first served completion (16 "
+                           f"tokens in, 1 out) {startup['first_response_s']} s after the server process started"]
+                          if startup else [])),
         *serving.markdown(report)])
     errors = sum(lv["errors"] for lvs in levels.values() for lv in lvs)
+    errors += startup is not None and not startup["first_response_ok"]
     return 1 if errors or (server is not None and server.exit_status != 0) else 0
 
 

@@ -22,9 +22,10 @@ from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCac
 
 __all__ = [
     "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_MIXED_TOKENS", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB",
-    "HOST_CACHE_SHARE", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK", "MOE_MIXED_TOKENS",
-    "MOE_PREFILL_CHUNK", "OPTIONS", "EngineOptions", "Option", "OptionsError", "add_engine_arguments",
-    "auto_host_cache_mib", "default_max_new_taps", "default_snapshot_slots", "engine_kwargs_from_args", "flag_words",
+    "HOST_CACHE_SHARE", "MAX_COMPILE_THREADS", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK",
+    "MOE_MIXED_TOKENS", "MOE_PREFILL_CHUNK", "OPTIONS", "EngineOptions", "Option", "OptionsError",
+    "add_engine_arguments", "auto_host_cache_mib", "default_max_new_taps", "default_snapshot_slots",
+    "engine_kwargs_from_args", "flag_words",
 ]
 
 
@@ -58,6 +59,9 @@ HOST_CACHE_SHARE = 0.25
 HOST_CACHE_CAP_MIB = 64 << 10
 MAX_SPECULATIVE_TOKENS = 4
 DEFAULT_SPECULATIVE_TOKENS = 3
+# compile_threads auto: one per CPU core, at most this many. Not measured past 2 cores yet (docs/engine_notes.md
+# "Compiling"); each compile also holds its own scratch and autotuning buffers on the device.
+MAX_COMPILE_THREADS = 8
 # The KV storage profiles of pallas_kernels.kv_quant (spec §3.1), named here so the options stay free of jax
 KV_DTYPES = ("auto", "bfloat16", "int8", "fp8", "k8v4", "nvfp4")
 
@@ -223,6 +227,10 @@ class EngineOptions:
         minimum=1)
     memory_fraction: float = _option(
         float, 0.9, "share of the free device memory that KV capacity auto may take", above=0, maximum=1)
+    compile_threads: int | str = _option(
+        int, "auto", "programs the warm-up compiles at once (it runs them one at a time afterwards)",
+        flag="--compile-threads", minimum=1, auto=True,
+        rule=f"auto: one per CPU core the process may use, at most {MAX_COMPILE_THREADS}")
     # A decode round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order
     # depends on that row count.
     batch_invariant: bool = _option(
@@ -259,11 +267,12 @@ class EngineOptions:
 
     def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
                 hopper: bool = True, auto_lanes: int | None = None, available_memory: int | None = None,
-                quantized: bool = False) -> "EngineOptions":
+                quantized: bool = False, cpu_cores: int | None = None) -> "EngineOptions":
         """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
         known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper, what
         max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY), the host memory
-        available in bytes (None: not known) and whether the checkpoint's weights are block-FP8 are arguments."""
+        available in bytes (None: not known), whether the checkpoint's weights are block-FP8 and the CPU cores the
+        process may use (None: not known, one) are arguments."""
         self.check_conflicts(backend)
         if self.fp8_activations == "dynamic" and not quantized:
             raise OptionsError("fp8_activations 'dynamic' needs a block-FP8 checkpoint; this one's weights are "
@@ -299,6 +308,8 @@ class EngineOptions:
             num_speculative_tokens=self.num_speculative_tokens or (DEFAULT_SPECULATIVE_TOKENS
                                                                    if self.speculative else None),
             host_cache_mib=host_mib,
+            compile_threads=self.compile_threads if self.compile_threads != "auto"
+            else max(1, min(cpu_cores or 1, MAX_COMPILE_THREADS)),
             kernels=kernels,
             prefill_attention=attention,
             max_model_len=max_len,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +42,20 @@ def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOption
     def resolve(lanes: int | None) -> EngineOptions:
         return options.resolve(config.max_position_embeddings, backend, moe=config.is_moe,
                                hopper=is_hopper(jax.devices()[0]), auto_lanes=lanes,
-                               available_memory=available_memory_bytes(), quantized=config.quantization is not None)
+                               available_memory=available_memory_bytes(), quantized=config.quantization is not None,
+                               cpu_cores=usable_cpu_cores())
 
     if options.max_concurrency != "auto" or backend != "gpu":
         return resolve(None)
     return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None))
+
+
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS tells it; a container's limit often)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def available_memory_bytes() -> int | None:
@@ -229,7 +239,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
             cache_load = cache.load(cache_file)
             if progress is not None:
                 progress("restoring", 1, 1)
-        seconds = runner.warmup(progress) if warmup else runner.warmup_copies()
+        seconds = runner.warmup(progress, o.compile_threads) if warmup else runner.warmup_copies()
     except BaseException:
         cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
         raise

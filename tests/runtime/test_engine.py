@@ -2,6 +2,7 @@
 cancellation, bounded completion, refusal of bad input, no leaks and no compiles while serving."""
 
 import asyncio
+import collections
 import threading
 import time
 
@@ -285,17 +286,38 @@ def test_published_stats_answer_while_the_engine_thread_is_busy(engine8, monkeyp
         gate.set()
 
 
-def test_startup_reports_its_progress(checkpoint):
-    seen = []
-    with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=256,
-                                kv_capacity=8 * 64, progress=lambda *event: seen.append(event)) as engine:
-        stages = [stage for stage, _, _ in seen]
-        loading = [e for e in seen if e[0] == "loading"]
-        compiling = [e for e in seen if e[0] == "compiling"]
-        assert loading[-1][1] == loading[-1][2] == engine.config.num_layers
-        assert [done for _, done, _ in compiling] == list(range(1, len(compiling) + 1))
-        assert compiling[-1][2] == len(compiling)
-        assert stages.index("loading") < stages.index("compiling") and seen[-1] == ("ready", 1, 1)
+def test_startup_compiles_each_program_once_on_its_threads_and_reports_its_progress(checkpoint):
+    seen, compiled = [], []
+
+    def heard(event, seconds, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":  # a compile, or a load from jax's cache
+            compiled.append((fun_name, threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=256,
+                                    kv_capacity=8 * 64, compile_threads=2,
+                                    progress=lambda *event: seen.append(event)) as engine:
+            stages = [stage for stage, _, _ in seen]
+            loading = [e for e in seen if e[0] == "loading"]
+            compiling = [e for e in seen if e[0] == "compiling"]
+            assert loading[-1][1] == loading[-1][2] == engine.config.num_layers
+            assert [done for _, done, _ in compiling] == list(range(1, len(compiling) + 1))
+            assert compiling[-1][2] == len(compiling)
+            assert stages.index("loading") < stages.index("compiling") and seen[-1] == ("ready", 1, 1)
+            # Compiled ahead on the pool's threads, each program once: the warm-up's runs compiled nothing more.
+            steps = {f"jit({fn.__name__})": name for name, fn in engine.runner._steps.items()}
+            ours = [(steps[f], thread) for f, thread in compiled if f in steps]
+            assert {thread.split("_")[0] for _, thread in ours} == {"compile"}
+            at_start = collections.Counter(name for name, _ in ours)
+            assert at_start == {name: n for name, n in engine.runner.compile_counts().items() if n}
+            assert at_start["prefill"] == at_start["decode"] == 2 and at_start["logprobs"] == 1  # greedy, full
+            compiled.clear()
+            engine.generate_many([[1, 2, 3], [4, 5, 6, 7]], [GREEDY, SamplingParams(
+                max_tokens=3, temperature=0.7, seed=1, logprobs=2, repetition_penalty=1.1)])
+            assert [f for f, _ in compiled if f in steps] == [] and engine.stats()["compiles_since_warmup"] == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
 
 
 def test_cancel_mid_decode_frees_everything(engine8):

@@ -157,6 +157,11 @@ def test_auto_host_cache_takes_a_quarter_of_the_available_memory_at_most_64_gib(
     assert EngineOptions(host_cache_mib=100).resolve(4096, available_memory=20 * gib).host_cache_mib == 100
 
 
+def test_auto_compile_threads_are_the_usable_cores_at_most_8():
+    assert [EngineOptions().resolve(4096, cpu_cores=n).compile_threads for n in (None, 1, 2, 16)] == [1, 1, 2, 8]
+    assert EngineOptions(compile_threads=12).resolve(4096, cpu_cores=2).compile_threads == 12
+
+
 def test_the_prefix_cache_values_follow_the_host_tier_and_the_chunk():
     dense = EngineOptions(max_concurrency=3).resolve(65536, "gpu")
     assert (dense.device_snapshot_slots, dense.max_new_taps, dense.tap_ladder_tokens, dense.tap_min_gap_tokens) \

@@ -27,7 +27,7 @@ def test_every_engine_option_is_declared_once_on_its_field():
         "kv_dtype",
         "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
         "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
-        "vision_cache_tokens", "interpret", "output_window", "memory_fraction",
+        "vision_cache_tokens", "interpret", "output_window", "memory_fraction", "compile_threads",
         "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
@@ -46,6 +46,7 @@ def test_the_flags_are_the_spec_names():
         "--num-speculative-tokens": "num_speculative_tokens", "--prompt-lookup-max": "prompt_lookup_max",
         "--prompt-lookup-min": "prompt_lookup_min", "--load-format": "load_format",
         "--max-image-tokens": "max_image_tokens", "--vision-cache-tokens": "vision_cache_tokens",
+        "--compile-threads": "compile_threads",
         "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",
         "--host-cache-mib": "host_cache_mib", "--device-snapshot-slots": "device_snapshot_slots",
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
@@ -80,6 +81,7 @@ def test_help_shows_every_default_in_plain_words(prog, capsys):
                   "default 8 with host memory, 2 without",
                   "default max(4096, 2 x prefill chunk)",
                   "default max(1024, prefill chunk)",
+                  "default auto: one per CPU core the process may use, at most 8",
                   "auto: float32 on a CPU, bfloat16 on a GPU; default auto"):
         assert shown in text
 

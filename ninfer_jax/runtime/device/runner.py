@@ -31,6 +31,7 @@ from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
 from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
+from ninfer_jax.runtime.device.compiling import AheadOfTime
 from ninfer_jax.runtime.device.transfer import WORD_BYTES
 from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
@@ -697,33 +698,52 @@ class ModelRunner:
         self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.asarray(slot, jnp.int32), jnp.asarray(rows)))
 
     # --- compilation -----------------------------------------------------------------------------
-    def warmup(self, progress=None) -> float:
-        """Compiles every step variant with side-effect-free inputs; returns seconds spent. `progress(stage, done,
-        total)` hears of each program as it is ready."""
+    def warmup(self, progress=None, threads: int = 1) -> float:
+        """Compiles every step variant on `threads` threads, then runs each once with side-effect-free inputs
+        (`compiling.AheadOfTime`: the warm-up's calls are recorded, compiled together, then replayed); returns
+        seconds spent. `progress(stage, done, total)` hears of each program as it is ready."""
+        start = time.perf_counter()
+        steps = self._steps
+        with AheadOfTime(threads) as ahead:
+            # The recording pass swaps shapes into the runner's state: it gets its arrays back afterwards.
+            kept = {**vars(self), "_layout_checked": set(self._layout_checked)}
+            whats: list[str] = []
+            self._steps = {name: ahead.lowering(name, fn) for name, fn in steps.items()}
+            try:
+                self._warmup_calls(lambda out, what: whats.append(what))
+            finally:
+                vars(self).update(kept)
+            log.info("compiling | %d programs lowered in %.1f s | compiling on %d threads", ahead.programs,
+                     ahead.lowering_s, threads)
+            done = 0
+
+            def ready(out, what: str) -> None:
+                nonlocal done
+                jax.block_until_ready(out)  # so each line times the program's compile and first run, not its dispatch
+                done += 1
+                log.info("compiling | %s | %d/%d | %.1f s", what, done, len(whats), time.perf_counter() - start)
+                if progress is not None:
+                    progress("compiling", done, len(whats))
+
+            self._steps = {name: ahead.waiting(name, fn) for name, fn in steps.items()}
+            try:
+                self._warmup_calls(ready)
+            finally:
+                self._steps = steps
+            ahead.check_replayed()
+        return time.perf_counter() - start
+
+    def _warmup_calls(self, ready) -> None:
+        """Calls every step variant once with side-effect-free inputs, `ready(outputs, what)` after each program.
+        `warmup` plays it twice, first on the steps' output shapes only: it must not read an output's values, and it
+        must make the same calls both times."""
         from ninfer_jax.runtime.sampling import SamplerInputs
 
-        start = time.perf_counter()
         table = np.zeros(self.max_pages, np.int32)
         one = SamplerInputs.empty(1).arrays()
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
-        variants = (False, True)
-        # The model steps per sampler, then logit processing: one program per round size and one for a prefill.
-        total = (len(self.buckets) + len(self.decode_sizes) + len(self.verify_sizes) + len(self.mixed_sizes)) \
-            * len(variants) \
-            + len(self.idle_sizes) \
-            + len(self.decode_sizes) + 1 + len(self.patch_buckets)
-        done = 0
-
-        def ready(out, what: str) -> None:
-            nonlocal done
-            jax.block_until_ready(out)  # so each line times the program's compile and first run, not its dispatch
-            done += 1
-            log.info("compiling | %s | %d/%d | %.1f s", what, done, total, time.perf_counter() - start)
-            if progress is not None:
-                progress("compiling", done, total)
-
-        for full in variants:
+        for full in (False, True):
             for size in self.buckets + (() if full else self.idle_sizes):
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
@@ -759,27 +779,32 @@ class ModelRunner:
         for size, width in [(1, 0)] + [(size, c) for size in self.decode_sizes]:
             logits = jnp.zeros((size, self.cfg.vocab_size), jnp.float32)
             ready(self._process(logits, row[None].repeat(size, 0), width), f"logit processing {size} rows")
-        return time.perf_counter() - start + self.warmup_copies()
+        self._copy_calls(ready)
 
     def warmup_copies(self) -> float:
         """Compiles the cache's slot and page copies and the Host transfers (small programs; the engine
-        compiles them even when it skips the model steps' warmup); returns seconds spent."""
+        compiles them here when it skips the model steps' warmup); returns seconds spent."""
         start = time.perf_counter()
+        self._copy_calls(lambda out, what: log.info("compiling | %s | %.1f s", what, time.perf_counter() - start))
+        jax.block_until_ready(self.state)
+        return time.perf_counter() - start
+
+    def _copy_calls(self, ready) -> None:
+        """Calls the slot and page copies and the Host transfers once, changing nothing."""
         # Slot and page copies with src == dst (and length 0) change nothing.
         self.copy_slot(0, 0)
         self.copy_page(0, 0, 0)
+        ready(self.state, "slot and page copies")
         if self.transfer_sizes:  # reads, and scatters whose every row is dropped (out-of-range ids)
+            gathered = []
             for size in self.transfer_sizes:
-                self.gather_pages(np.zeros(size, np.int32))
+                gathered.append(self.gather_pages(np.zeros(size, np.int32)))
                 self.scatter_pages(np.full(size, self.state.num_pages, np.int32),
                                    np.zeros((size, self.row_bytes // WORD_BYTES), np.uint32))
-            self.gather_slot(0)
+            gathered.append(self.gather_slot(0))
             self.scatter_slot(self.state.num_slots,
                               np.zeros((self.image_rows, self.row_bytes // WORD_BYTES), np.uint32))
-            log.info("compiling | host transfers, page batches %s | %.1f s", self.transfer_sizes,
-                     time.perf_counter() - start)
-        jax.block_until_ready(self.state)
-        return time.perf_counter() - start
+            ready((gathered, self.state), f"host transfers, page batches {self.transfer_sizes}")
 
     def kv_stats(self) -> dict:
         """The KV pools' storage: `dtype` (the profile, or a plain pool's dtype for "auto"), `bytes_per_token`
