@@ -133,10 +133,14 @@ def bench(name: str, args) -> dict:
          f"in {init_s:.1f} s" + (f", {result['bytes_in_use_gib']:.1f} of {result['bytes_limit_gib']:.1f} GiB in use"
                                  if memory else ""))
     rng = np.random.default_rng(0)
-    previous = None  # (lanes, seconds of its two waves)
+    previous = None  # (lanes, its timed wave's seconds, seconds per program its first wave compiled)
     for n in fitting:
         elapsed = time.monotonic() - STARTED
-        projected = previous[1] * n / previous[0] if previous else 0.0
+        projected = 0.0
+        if previous:  # two waves of the timed one's length per lane, and the round sizes new at this width compiled
+            lanes, timed_s, per_program = previous
+            new_sizes = sum(1 for size in engine.runner.decode_sizes if lanes < size <= n)
+            projected = 2 * timed_s * n / lanes + per_program * new_sizes
         if args.deadline and elapsed + projected > args.deadline:
             result["lanes"].append({"lanes": n, "status": "skipped", "elapsed_s": elapsed, "projected_s": projected})
             save(f"{n} lanes skipped: {elapsed:.0f} s elapsed + {projected:.0f} s projected > --deadline "
@@ -152,7 +156,7 @@ def bench(name: str, args) -> dict:
             save(f"{n} lanes failed: {result['lanes'][-1]['error']}")
             break
         first, timed = waves
-        previous = (n, first.seconds + timed.seconds)
+        previous = (n, timed.seconds, max(0.0, first.seconds - timed.seconds) / max(1, first.compiles))
         row = {"lanes": n, "first_wave_s": first.seconds, "first_wave_compiles": first.compiles,
                "timed_wave_s": timed.seconds, "timed_wave_compiles": timed.compiles,
                "worker_ms_per_round": timed.ms_per_round_by_phase}
@@ -274,7 +278,8 @@ def main() -> int:
                    "engine's)")
     p.add_argument("--kernels", default="pallas")
     p.add_argument("--deadline", type=float, default=None, help="seconds from the start: a lane count whose "
-                   "waves would end later (projected from the last one) is skipped and recorded as skipped")
+                   "waves would end later (projected from the last timed wave and its first wave's compiles) is "
+                   "skipped and recorded as skipped")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU with reference kernels")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
