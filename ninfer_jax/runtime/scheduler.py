@@ -101,6 +101,7 @@ class Scheduler:
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
         self.closing: set[int] = set()
         self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
+        self._first_pending = None  # a mixed step's first token (`_prefill_pass`'s), read at the next step
 
     # --- queue -----------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -158,18 +159,22 @@ class Scheduler:
             clock.lap("round_read")
             previous = None
         self.pending, in_round = self._dispatch_round(previous, head if mixed else None)
-        prefilled = prefilled or in_round
         clock.lap("round_dispatch")
-        if prefilled is not None:  # read after the round's dispatch, so the device goes on computing meanwhile
-            self._first_token(*prefilled)
-            clock.lap("first_token_read")
+        # A pass's first token is read after the round's dispatch, so the device goes on computing meanwhile. One
+        # from the round's own step waits for the next step's dispatch: read now, it would hold this step's host
+        # work until the whole step ends and leave the device idle for it (the lane joins the round after next).
+        deferred, self._first_pending = self._first_pending, in_round
+        for first in (prefilled, deferred):
+            if first is not None:
+                self._first_token(*first)
+                clock.lap("first_token_read")
         if previous is not None:
             self._retire(previous)
             clock.lap("round_read")
         if all(r is None for r in self.lanes):
             self.cache_manager.flush()  # no model step follows to hide the Host writes behind
             clock.lap("idle_writes")
-        return bool(prefilling) or previous is not None or self.pending is not None
+        return bool(prefilling) or previous is not None or self.pending is not None or self._first_pending is not None
 
     def _entitlement(self, req: Request) -> int:
         n = req.num_prompt
@@ -476,7 +481,11 @@ class Scheduler:
                    for r in reqs if r.finish_reason is None)
 
     def _read_pending(self) -> None:
-        """Reads the round in flight, if any, with none following it (cancel, stop): every lane settles."""
+        """Reads the round in flight, if any, and a first token waiting, with none following them (cancel, stop):
+        every lane settles."""
+        first, self._first_pending = self._first_pending, None
+        if first is not None:
+            self._first_token(*first)
         if self.pending is not None:
             done, self.pending = self.pending, None
             self._retire(done)

@@ -1,6 +1,8 @@
 """Mixed steps (chunked prefill): while lanes decode, a prompt's pass runs in the same step as their round
 (`runner.mixed`), and every request still gets the tokens a cacheless forward gives."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -71,4 +73,24 @@ def test_a_mixed_pass_that_ends_a_sampled_prompt_samples_as_a_pass_alone(engine)
     assert mixed.token_ids == alone.token_ids
     for a, b in zip(alone.logprobs, mixed.logprobs):
         assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    engine.check_ledger()
+
+
+def test_cancels_while_passes_ride_in_rounds_free_everything(engine, forward_greedy):
+    """Requests cancelled at every point of their mixed passes (a first token read a step later included) leave
+    the running request's tokens exact and nothing held."""
+    running = _prompt(40, 21)
+    rid = engine.submit(running, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for i, delay in enumerate((0.0, 0.05, 0.2, 0.5)):
+        cancelled = engine.submit(_prompt(190, 30 + i), SamplingParams(max_tokens=3, ignore_eos=True))
+        time.sleep(delay)
+        engine.cancel(cancelled)
+    out = engine.generate(running + [3], GREEDY)  # waits behind the rest: every cancel has landed
+    assert out.token_ids == forward_greedy(running + [3], out.token_ids)
+    engine.cancel(rid)
+    deadline = time.monotonic() + 30
+    while engine.stats()["requests"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["requests"]["running"] == 0 and stats["pages"]["active"] == 0
     engine.check_ledger()
