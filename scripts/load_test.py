@@ -25,8 +25,8 @@ compiles the prefill and decode programs; then one client sends a prompt of --pr
 (max_tokens 1) while two others poll /health and /metrics back to back, each on its own connection, until the
 prefill ends. Then a short chat completion is timed --probe-requests times idle, and as often again, each time
 while 8 clients send a body of --probe-body-mib MiB of text at once (the server refuses them by their
-characters, before tokenizing). The clients share the server's machine. Targets: /health p99 within 50 ms, /metrics p99 within 200 ms, the loaded median within 100 ms of
-the idle one.
+characters, before tokenizing). The clients share the server's machine. Targets: /health p99 within 50 ms,
+/metrics p99 within 200 ms, the loaded median within 100 ms of the idle one.
 """
 
 from __future__ import annotations
@@ -309,7 +309,8 @@ def _serving_benchmark(args: argparse.Namespace) -> int:
                         "load: streamed /v1/completions of token-id prompts, greedy, ignore_eos; C clients each send "
                         "the next request when their last ends; TTFT to the first chunk with text, TPOT (latency - "
                         "TTFT) / (output tokens - 1)",
-                        f"workloads (seed {args.seed}): {serving.WORKLOADS}",
+                        f"workloads (seed {args.seed}): "
+                        + "; ".join(f"{name}: {serving.WORKLOADS[name]}" for name in args.workloads),
                         *([f"startup: /health/ready {startup['ready_s']} s and the first served completion (16 "
                            f"tokens in, 1 out) {startup['first_response_s']} s after the server process started"]
                           if startup else [])),

@@ -25,10 +25,13 @@ import numpy as np
 SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA = 161.31, 337.99, 1.0
 MIN_TOKENS, MAX_INPUT, MAX_TOTAL = 4, 1024, 2048
 FIXED_INPUT = FIXED_OUTPUT = 1024
-VOCAB_LOW, VOCAB_HIGH = 1000, 100_000
-WORKLOADS = (f"sharegpt: log-normal lengths with ShareGPT's means as the vLLM paper reports them ({SHAREGPT_MEAN_INPUT} "
-             f"in, {SHAREGPT_MEAN_OUTPUT} out), sigma {SHAREGPT_SIGMA}, input {MIN_TOKENS}..{MAX_INPUT} and input + "
-             f"output <= {MAX_TOTAL}; fixed: {FIXED_INPUT} in, {FIXED_OUTPUT} out")  # ordinary text tokens of the Qwen3.5 vocabulary, no special ones
+VOCAB_LOW, VOCAB_HIGH = 1000, 100_000  # ordinary text tokens of the Qwen3.5 vocabulary, no special ones
+WORKLOADS = {
+    "sharegpt": f"log-normal lengths with ShareGPT's means as the vLLM paper reports them ({SHAREGPT_MEAN_INPUT} in, "
+                f"{SHAREGPT_MEAN_OUTPUT} out), sigma {SHAREGPT_SIGMA}, input {MIN_TOKENS}..{MAX_INPUT} and input + "
+                f"output <= {MAX_TOTAL}",
+    "fixed": f"{FIXED_INPUT} in, {FIXED_OUTPUT} out",
+}
 
 
 @dataclasses.dataclass(frozen=True)
