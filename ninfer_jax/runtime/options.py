@@ -25,8 +25,14 @@ __all__ = [
     "HOST_CACHE_SHARE", "MAX_COMPILE_THREADS", "MAX_CONCURRENCY", "MAX_DEFAULT_MODEL_LEN", "MOE_IDLE_PREFILL_CHUNK",
     "MOE_MIXED_TOKENS", "MOE_PREFILL_CHUNK", "OPTIONS", "EngineOptions", "Option", "OptionsError",
     "add_engine_arguments", "auto_host_cache_mib", "default_max_new_taps", "default_snapshot_slots",
-    "engine_kwargs_from_args", "flag_words",
+    "engine_kwargs_from_args", "flag_words", "snapshot_slots",
 ]
+
+
+def snapshot_slots(lanes: int, host_tier: bool, no_prefix_reuse: bool) -> int:
+    """device_snapshot_slots when unset: the cache's rule (`default_snapshot_slots`), or 1 with the cache off, where
+    nothing is ever snapshotted (the index keeps one slot; C + 2 would hold 257 unused slots at 256 lanes)."""
+    return 1 if no_prefix_reuse else default_snapshot_slots(lanes, host_tier)
 
 
 class OptionsError(ValueError):
@@ -245,7 +251,7 @@ class EngineOptions:
     device_snapshot_slots: int | None = _option(
         int, None, "device slots for saved conversation states (snapshot slots, spec D)",
         flag="--device-snapshot-slots", minimum=1, cache=True,
-        rule="lanes + 1 with host memory, lanes + 2 without (C+1 / C+2)")
+        rule="lanes + 1 with host memory, lanes + 2 without (C+1 / C+2); 1 with no_prefix_reuse")
     max_new_taps: int | None = _option(
         int, None, "conversation states saved per request (taps)", flag="--cache-taps-per-request", minimum=0,
         cache=True, rule="8 with host memory, 2 without")
@@ -318,7 +324,7 @@ class EngineOptions:
             idle_prefill_chunk=min(idle, longest),
             mixed_prefill_tokens=min(mixed, chunk, longest),
             device_snapshot_slots=self.device_snapshot_slots if self.device_snapshot_slots is not None
-            else default_snapshot_slots(lanes, host),
+            else snapshot_slots(lanes, host, self.no_prefix_reuse),
             max_new_taps=self.max_new_taps if self.max_new_taps is not None else default_max_new_taps(host),
             tap_ladder_tokens=self.tap_ladder_tokens or default_tap_ladder_tokens(chunk),
             tap_min_gap_tokens=self.tap_min_gap_tokens or default_tap_min_gap_tokens(chunk),

@@ -20,7 +20,7 @@ from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
 from ninfer_jax.runtime.device.host_tier import HostTier
 from ninfer_jax.runtime.device.runner import ModelRunner
 from ninfer_jax.runtime.options import (AUTO_LANE_KV_TOKENS, CPU_CONCURRENCY, MAX_CONCURRENCY, EngineOptions,
-                                        OptionsError, default_snapshot_slots)
+                                        OptionsError, snapshot_slots)
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.scheduler import Scheduler, pages_for
 from pallas_kernels.paged_attention import PrefillConfig
@@ -96,7 +96,8 @@ def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_gi
     host = options.host_cache_mib > 0 and not options.no_prefix_reuse
     per_lane = min(options.max_model_len, AUTO_LANE_KV_TOKENS)
     for lanes in range(MAX_CONCURRENCY, 1, -1):
-        snapshots = options.device_snapshot_slots if snapshot_slots_given else default_snapshot_slots(lanes, host)
+        snapshots = options.device_snapshot_slots if snapshot_slots_given \
+            else snapshot_slots(lanes, host, options.no_prefix_reuse)
         pages = pages_for(max(lanes * per_lane, options.max_model_len) if options.kv_capacity == "auto"
                           else options.kv_capacity)
         if (lanes + snapshots) * per_slot + pages * per_page <= budget and pages >= lanes:

@@ -167,7 +167,7 @@ def test_the_prefix_cache_values_follow_the_host_tier_and_the_chunk():
     assert (dense.device_snapshot_slots, dense.max_new_taps, dense.tap_ladder_tokens, dense.tap_min_gap_tokens) \
         == (4, 8, 4096, 2048)  # C + 1, 8, max(4096, 2 chunk), max(1024, chunk)
     off = EngineOptions(max_concurrency=3, no_prefix_reuse=True).resolve(65536, "gpu")
-    assert (off.device_snapshot_slots, off.max_new_taps) == (5, 2)  # no Host tier without the cache: C + 2, 2
+    assert (off.device_snapshot_slots, off.max_new_taps) == (1, 2)  # nothing is snapshotted without the cache
     given = EngineOptions(device_snapshot_slots=9, max_new_taps=0, tap_ladder_tokens=8192,
                           tap_min_gap_tokens=64).resolve(65536, "gpu", moe=True)
     assert (given.device_snapshot_slots, given.max_new_taps, given.tap_ladder_tokens, given.tap_min_gap_tokens) \
@@ -181,7 +181,7 @@ def test_prefix_cache_options_are_the_resolved_values_as_the_index_takes_them():
         tap_min_gap_tokens=8192)
     off = EngineOptions(max_concurrency=3, no_prefix_reuse=True).resolve(65536, "gpu")
     assert off.prefix_cache_options() == PrefixCacheOptions(
-        host_cache_bytes=0, device_snapshot_slots=5, max_new_taps=2, tap_ladder_tokens=4096, tap_min_gap_tokens=2048)
+        host_cache_bytes=0, device_snapshot_slots=1, max_new_taps=2, tap_ladder_tokens=4096, tap_min_gap_tokens=2048)
     with pytest.raises(OptionsError, match=r"call resolve\(\) first"):
         EngineOptions().prefix_cache_options()
     # a ladder given alone that the model's derived gap outgrows is the index's to refuse, by name
