@@ -32,7 +32,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def root(checkpoint):
-    engine = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, warmup=False, **COMMON)
+    # Mixed steps on (a CPU's default is off), so an image prompt's passes can ride in another lane's rounds
+    engine = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, warmup=False, mixed_prefill_tokens=64, **COMMON)
     yield engine
     engine.stop()
 
@@ -51,12 +52,16 @@ def prompt(engine, *parts):
 
 
 def test_images_in_the_engine_give_the_cacheless_forwards_tokens(root):
-    """Text, an image, text, a larger image, text: prefill passes cut both images, decode rotates at the prompt's
-    MRoPE delta, and each greedy token is the argmax of a cacheless forward of the whole sequence there."""
+    """Text, an image, text, a larger image, text: prefill passes cut both images and ride in another lane's decode
+    rounds (mixed steps), decode rotates at the prompt's MRoPE delta, and each greedy token is the argmax of a
+    cacheless forward of the whole sequence there."""
     p = prompt(root, tokens(20, 1), png(1, 256, 256), tokens(9, 2), png(2, 300, 420), tokens(5, 3))
     images = p.media.images
     assert [im.length for im in images] == [64, 88] and p.media.rope_delta < 0
-    out = root.generate(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    mixed = root.stats()["scheduler"].get("mixed_steps", 0)
+    out = root.generate_many([tokens(30, 4), p], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])[1]
+    assert root.stats()["scheduler"]["mixed_steps"] - mixed >= 2
     vparams, vcfg = root.runner.vision
     embeds = vision_forward(vparams, vcfg, np.concatenate([im.pixel_values for im in images]),
                             [im.grid for im in images])
