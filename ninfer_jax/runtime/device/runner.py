@@ -450,7 +450,8 @@ class ModelRunner:
     def _swap_media(self, media) -> None:
         """The one place the media rows are written back."""
         assert media.shape == self.media.shape and media.dtype == self.media.dtype
-        self.media = media
+        if not self._recording:  # as `_swap`
+            self.media = media
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int, max_batch: int = 64) -> None:
         """Adds the Host tier's transfer ops: page batches of rows of `row_bytes` (one slab each, at least one
@@ -480,7 +481,8 @@ class ModelRunner:
         whose outputs keep one layout from call to call: its layout is checked on its first call only (walking
         every pool on every round costs host time the round does not have). A layout includes the pools'
         shardings. A recorded warm-up call returns shapes only (`compiling.AheadOfTime`): the pools stay, so the
-        calls after it lower with their shardings, as the replay does."""
+        calls after it lower with their shardings, as the replay does (the sampler state, MTP carry and media rows
+        likewise)."""
         if program is None or program not in self._layout_checked:
             assert self._same_layout(new_state), "a step changed the DeviceState layout"
             self._layout_checked.add(program)
@@ -499,7 +501,8 @@ class ModelRunner:
         """The one place the SamplerState is written back."""
         layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
         assert layout == self._sampler_layout, "a step changed the SamplerState layout"
-        self.sampler_state = new_state
+        if not self._recording:  # as `_swap`
+            self.sampler_state = new_state
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
@@ -548,7 +551,7 @@ class ModelRunner:
                                                                  (size, self.max_taps), self.state, packed,
                                                                  self.media, self.mtp_carry)
         self._swap(state, ("prefill", size, full))
-        if carry:
+        if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
         if extras is not None:
             tokens = self._process(logits, extras[None], 0)
@@ -675,7 +678,7 @@ class ModelRunner:
                                                    packed, self._stop_mask, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
         (emitted, kept, logits), drafts = out[:3], out[3:]
-        if carry:
+        if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
         # row r's t-th logits chose emitted[lane r, t]: index l T + t of the flattened tokens (padding: past them)
         places = (packed[:, rows + 4][:, None] * rows + np.arange(rows)).reshape(-1).astype(np.int32)
