@@ -25,11 +25,13 @@ import numpy as np
 
 from ninfer_jax import Engine, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-COLD = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prefix_cache=False)
-# Snapshot slots for every tap and endpoint a layout's turns make, so the Device turn finds its image on the Device
-OPTIONS = {"max_concurrency": 2, "prefill_chunk": 64, "max_model_len": 512, "output_window": 64,
-           "host_cache_mib": 16, "device_snapshot_slots": 8, "warmup": False}
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+COLD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prefix_cache=False)
+# Snapshot slots for every tap and endpoint a layout's turns make, so the Device turn finds its image on the Device;
+# 8 KV pages hold a layout's turns and compile the Host transfers of 1 to 8 pages only; full-width rounds compile one
+# decode program, not two (each compile of a sharded program is most of a layout's time)
+OPTIONS = {"max_concurrency": 2, "prefill_chunk": 64, "max_model_len": 512, "output_window": 64, "kv_capacity": 512,
+           "host_cache_mib": 16, "device_snapshot_slots": 8, "batch_invariant": True, "warmup": False}
 
 
 class Prompts:

@@ -380,7 +380,8 @@ class ModelRunner:
         if layout is None:
             self.state = init()
         else:  # zeros made in place on each device: a pool larger than one device never lands whole on one
-            self.state = jax.jit(init, out_shardings=layout.shardings(layout.state_specs(jax.eval_shape(init))))()
+            specs = layout.state_specs(jax.eval_shape(init), cfg)
+            self.state = jax.jit(init, out_shardings=layout.shardings(specs))()
         # MTP drafting: each lane's last target hidden (the MTP row of a position needs it and the next token, which
         # the next step feeds), written by the prefill and verify steps; None without MTP.
         self.mtp_carry = jnp.zeros((max_lanes, cfg.hidden_size), params.embed.dtype) if mtp else None

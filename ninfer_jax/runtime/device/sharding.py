@@ -2,25 +2,26 @@
 param leaf and per pool. The arrays carry their NamedShardings into the jitted steps, and XLA partitions the steps
 and inserts the collectives; the step functions are the single-device ones.
 
-What is split (an axis the mesh size does not divide stays replicated, as vLLM replicates KV heads past their
-count):
+What is split (a mixer whose head counts the mesh size does not all divide stays replicated whole, weights and
+pools, as does any other axis it does not divide; vLLM likewise replicates KV heads past their count):
   embed [V, H] rows and lm_head [H, V] columns      the vocabulary
   attention qkv_proj columns, o_proj rows           fused [q+gate | k | v] columns cut in N contiguous pieces (not
                                                     head-aligned: XLA moves what a head's slice needs); o_proj rows
-                                                    by query head
+                                                    by query head; both when N divides the query and KV heads
   GDN in_proj columns, conv_w channels              fused [qkv | z | b | a] cut in N contiguous pieces, likewise
-  GDN out_proj rows, A_log and dt_bias              by value head
+  GDN out_proj rows, A_log and dt_bias              by value head; all when N divides the key and value heads
   MLP and shared-expert gate_up columns, down rows  the intermediate axis
   MoE gate_up [E, H, 2I], down [E, I, H]            the expert axis with expert parallel, else each expert's
                                                     intermediate axis
-  KV pages [P, 64, Hkv, D] (every plane)            by KV head
-  ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head, by channel
+  KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights
+  ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head, by channel, as the GDN's weights
 Norms, the router, the shared-expert gate and block-FP8 weights (their scales' block grid) stay replicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -37,6 +38,16 @@ REPLICATED = PartitionSpec()
 
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
+
+
+def attention_heads(cfg: ModelConfig) -> int:
+    """A count the mesh size divides exactly when it divides both the query and the KV heads."""
+    return math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads)
+
+
+def gdn_heads(cfg: ModelConfig) -> int:
+    """A count the mesh size divides exactly when it divides both the GDN key and value heads."""
+    return math.gcd(cfg.linear_num_key_heads, cfg.linear_num_value_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +102,13 @@ class ParallelLayout:
 
     def _mixer(self, p, cfg: ModelConfig):
         if isinstance(p, AttnParams):
-            return AttnParams(qkv_proj=self._weight(p.qkv_proj, 1), q_norm=REPLICATED, k_norm=REPLICATED,
-                              o_proj=self._weight(p.o_proj, 0, cfg.num_attention_heads))
-        return GDNParams(in_proj=self._weight(p.in_proj, 1), conv_w=self.split(p.conv_w.shape, 1),
-                         a_log=self.split(p.a_log.shape, 0), dt_bias=self.split(p.dt_bias.shape, 0),
-                         norm_w=REPLICATED, out_proj=self._weight(p.out_proj, 0, cfg.linear_num_value_heads))
+            heads = attention_heads(cfg)
+            return AttnParams(qkv_proj=self._weight(p.qkv_proj, 1, heads), q_norm=REPLICATED, k_norm=REPLICATED,
+                              o_proj=self._weight(p.o_proj, 0, heads))
+        heads = gdn_heads(cfg)
+        return GDNParams(in_proj=self._weight(p.in_proj, 1, heads), conv_w=self.split(p.conv_w.shape, 1, heads),
+                         a_log=self.split(p.a_log.shape, 0, heads), dt_bias=self.split(p.dt_bias.shape, 0, heads),
+                         norm_w=REPLICATED, out_proj=self._weight(p.out_proj, 0, heads))
 
     def _layer(self, p: LayerParams, cfg: ModelConfig) -> LayerParams:
         return LayerParams(input_norm=REPLICATED, post_norm=REPLICATED, mixer=self._mixer(p.mixer, cfg),
@@ -116,14 +129,16 @@ class ParallelLayout:
         return jax.device_put(params, self.shardings(self.param_specs(params, cfg)))
 
     # --- pools -----------------------------------------------------------------------------------
-    def state_specs(self, state: DeviceState) -> DeviceState:
+    def state_specs(self, state: DeviceState, cfg: ModelConfig) -> DeviceState:
         """A DeviceState-shaped pytree of PartitionSpecs (of arrays or their shapes): every KV plane by KV head,
-        ssm by value head, conv by channel."""
-        def by(axis):
-            return lambda a: self.split(a.shape, axis)
+        ssm by value head, conv by channel, each where its mixer's weights are split."""
+        def by(axis, heads):
+            return lambda a: self.split(a.shape, axis, heads)
 
-        return DeviceState(k_pages=jax.tree.map(by(2), state.k_pages), v_pages=jax.tree.map(by(2), state.v_pages),
-                           ssm=jax.tree.map(by(1), state.ssm), conv=jax.tree.map(by(2), state.conv))
+        attn, gdn = attention_heads(cfg), gdn_heads(cfg)
+        return DeviceState(k_pages=jax.tree.map(by(2, attn), state.k_pages),
+                           v_pages=jax.tree.map(by(2, attn), state.v_pages),
+                           ssm=jax.tree.map(by(1, gdn), state.ssm), conv=jax.tree.map(by(2, gdn), state.conv))
 
     def replicate(self, tree):
         """Small device arrays every shard reads (the sampler's state, the MTP carry, the media rows)."""
