@@ -142,7 +142,8 @@ class Engine:
                                     kv_capacity=kv_capacity, no_prefix_reuse=no_prefix_reuse, **other_options)
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
-        options.resolve(10**9, jax.default_backend())  # refuse bad options before reading any weights
+        # refuse bad options before reading any weights
+        options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
         if options.load_format == "dummy":
             config_file = directory if directory.is_file() else directory / "config.json"
             config, params, tower = load_dummy(config_file, dtype)
@@ -379,6 +380,7 @@ class Engine:
             "tokens": {"prompt": c.get("prefill_tokens", 0), "generated": c.get("generated_tokens", 0)},
             "pages": scheduler["pages"],
             "kv": self.runner.kv_stats(),
+            "parallel": self.runner.parallel_stats(),
             "slots": {"active": self.options.max_concurrency, "snapshot": self.options.device_snapshot_slots},
             "scheduler": {k: v for k, v in c.items() if not k.startswith(("requests_", "finished_"))},
             "speculative": scheduler["speculative"],

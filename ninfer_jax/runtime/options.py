@@ -242,6 +242,15 @@ class EngineOptions:
     batch_invariant: bool = _option(
         bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
         "(slower at low concurrency)", flag="--batch-invariant")
+    # GSPMD lays the params and pools out over a mesh and XLA inserts the collectives; the Pallas kernels would
+    # need shard_map around each, which is not built, so only the jnp reference kernels run sharded.
+    tensor_parallel_size: int = _option(
+        int, 1, "devices the model is split across (tensor parallel: heads, MLP columns and the vocabulary split "
+        "over a mesh of the first N devices), a power of two; runs the reference kernels",
+        flag="--tensor-parallel-size", minimum=1)
+    enable_expert_parallel: bool = _option(
+        bool, False, "with tensor parallel, split the routed experts across the devices instead of each expert's "
+        "columns (expert parallel)", flag="--enable-expert-parallel")
     no_prefix_reuse: bool = _option(bool, False, "turn the prefix cache off", flag="--no-prefix-reuse", cache=True)
     host_cache_mib: int | str = _option(
         int, "auto", "host memory for the prefix cache in MiB (the Host tier, spec §5.4); 0: device memory only",
@@ -273,12 +282,13 @@ class EngineOptions:
 
     def resolve(self, config_max_positions: int, backend: str | None = "cpu", *, moe: bool = False,
                 hopper: bool = True, auto_lanes: int | None = None, available_memory: int | None = None,
-                quantized: bool = False, cpu_cores: int | None = None) -> "EngineOptions":
+                quantized: bool = False, cpu_cores: int | None = None, devices: int | None = None
+                ) -> "EngineOptions":
         """Checks every value and fills every derived one. Pure: the device's backend ("gpu" or other; None: not
         known, its rules skipped), whether the model routes to experts, whether a GPU is a Hopper, what
         max_concurrency auto comes to (`startup.auto_lanes` on a GPU; None: CPU_CONCURRENCY), the host memory
-        available in bytes (None: not known), whether the checkpoint's weights are block-FP8 and the CPU cores the
-        process may use (None: not known, one) are arguments."""
+        available in bytes (None: not known), whether the checkpoint's weights are block-FP8, the CPU cores the
+        process may use (None: not known, one) and the devices it sees (None: not known) are arguments."""
         self.check_conflicts(backend)
         if self.fp8_activations == "dynamic" and not quantized:
             raise OptionsError("fp8_activations 'dynamic' needs a block-FP8 checkpoint; this one's weights are "
@@ -294,6 +304,7 @@ class EngineOptions:
         # §14.2: a Host tier is present when its budget is nonzero (and the cache is on).
         host = host_mib > 0 and not self.no_prefix_reuse
         kernels = self.kernels if self.kernels != "auto" else "pallas" if backend == "gpu" else "reference"
+        self._check_parallel(kernels, devices)
         longest = -(-max_len // 64) * 64  # no pass outgrows the context (the idle one stays >= prefill_chunk)
         attention = self.prefill_attention
         if attention == "auto":
@@ -354,6 +365,7 @@ class EngineOptions:
                 raise OptionsError(f"prefix_cache_file {path}: the directory {path.resolve().parent} does not "
                                    f"exist")
         self._check_speculative()
+        self._check_parallel(self.kernels)
         if self.fp8_activations == "dynamic" and self.kernels == "reference":
             raise OptionsError("fp8_activations 'dynamic' runs in the Pallas decode kernels; it conflicts with "
                                "kernels 'reference'")
@@ -366,6 +378,21 @@ class EngineOptions:
             spacing = tap_spacing_problem(self.tap_ladder_tokens, self.tap_min_gap_tokens)
             if spacing:
                 raise OptionsError(spacing)
+
+    def _check_parallel(self, kernels: str, devices: int | None = None) -> None:
+        """The mesh's size against the devices (None: not known) and the kernels, and expert parallel against it."""
+        tp = self.tensor_parallel_size
+        if tp & (tp - 1):
+            raise OptionsError(f"tensor_parallel_size must be a power of two, got {tp}")
+        if devices is not None and tp > devices:
+            raise OptionsError(f"tensor_parallel_size {tp} exceeds the {devices} device(s) this process sees")
+        if tp > 1 and kernels == "pallas":
+            raise OptionsError(f"tensor_parallel_size {tp} runs the jnp reference kernels only (the Pallas kernels "
+                               f"under shard_map are not built); it conflicts with kernels 'pallas' (the default on "
+                               f"a GPU): pass kernels 'reference'")
+        if self.enable_expert_parallel and tp == 1:
+            raise OptionsError("enable_expert_parallel splits the experts across the tensor parallel devices; it "
+                               "needs tensor_parallel_size > 1")
 
     def _check_speculative(self) -> None:
         if self.mixed_prefill_tokens not in ("auto", 0):

@@ -19,6 +19,7 @@ from ninfer_jax.runtime.device.cache_file import FORMAT, LoadReport, PrefixCache
 from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer
 from ninfer_jax.runtime.device.host_tier import HostTier
 from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.device.sharding import ParallelLayout
 from ninfer_jax.runtime.options import (AUTO_LANE_KV_TOKENS, CPU_CONCURRENCY, MAX_CONCURRENCY, EngineOptions,
                                         OptionsError, snapshot_slots)
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
@@ -43,8 +44,10 @@ def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOption
         return options.resolve(config.max_position_embeddings, backend, moe=config.is_moe,
                                hopper=is_hopper(jax.devices()[0]), auto_lanes=lanes,
                                available_memory=available_memory_bytes(), quantized=config.quantization is not None,
-                               cpu_cores=usable_cpu_cores())
+                               cpu_cores=usable_cpu_cores(), devices=jax.device_count())
 
+    if options.enable_expert_parallel and not config.is_moe:
+        raise OptionsError("enable_expert_parallel needs a model with routed experts; this one is dense")
     if options.max_concurrency != "auto" or backend != "gpu":
         return resolve(None)
     return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None))
@@ -205,7 +208,9 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
-                         stop_ids=stop_ids, mtp=o.speculative == "mtp", mixed_tokens=o.mixed_prefill_tokens)
+                         stop_ids=stop_ids, mtp=o.speculative == "mtp", mixed_tokens=o.mixed_prefill_tokens,
+                         layout=ParallelLayout.over(o.tensor_parallel_size, o.enable_expert_parallel)
+                         if o.tensor_parallel_size > 1 else None)
     if vision is not None:
         vcfg, vparams, patches = vision
         runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, patches)
@@ -213,6 +218,10 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                  vcfg.depth, vcfg.hidden_size, runner.patch_buckets, o.vision_cache_tokens,
                  runner.media.nbytes / 2**20)
     log.info("engine options | %s", o.summary())
+    if runner.layout is not None:
+        experts = (" | experts split across them" if o.enable_expert_parallel
+                   else " | each expert's columns split" if config.is_moe else "")
+        log.info("tensor parallel | %d devices (GSPMD, reference kernels)%s", runner.layout.size, experts)
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
              o.max_concurrency, o.device_snapshot_slots, sizes.state_bytes / 2**20)

@@ -28,7 +28,7 @@ def test_every_engine_option_is_declared_once_on_its_field():
         "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
         "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
         "vision_cache_tokens", "interpret", "output_window", "memory_fraction", "compile_threads",
-        "batch_invariant", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
+        "batch_invariant", "tensor_parallel_size", "enable_expert_parallel", "no_prefix_reuse", "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
     for field in dataclasses.fields(EngineOptions):
@@ -47,7 +47,8 @@ def test_the_flags_are_the_spec_names():
         "--prompt-lookup-min": "prompt_lookup_min", "--load-format": "load_format",
         "--max-image-tokens": "max_image_tokens", "--vision-cache-tokens": "vision_cache_tokens",
         "--compile-threads": "compile_threads",
-        "--batch-invariant": "batch_invariant", "--no-prefix-reuse": "no_prefix_reuse",
+        "--batch-invariant": "batch_invariant", "--tensor-parallel-size": "tensor_parallel_size",
+        "--enable-expert-parallel": "enable_expert_parallel", "--no-prefix-reuse": "no_prefix_reuse",
         "--host-cache-mib": "host_cache_mib", "--device-snapshot-slots": "device_snapshot_slots",
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
         "--cache-tap-min-gap": "tap_min_gap_tokens", "--prefix-cache-file": "prefix_cache_file",
@@ -147,6 +148,8 @@ def test_the_declared_bounds():
     ["--dtype", "float32", "--prefill-attention", "cudnn"],
     ["--prefill-chunk", "4096", "--idle-prefill-chunk", "2048"],
     ["--cache-tap-ladder", "1024", "--cache-tap-min-gap", "2048"],
+    ["--tensor-parallel-size", "2", "--kernels", "pallas"],
+    ["--enable-expert-parallel"],
 ])
 def test_the_command_lines_refuse_what_engine_options_refuse_in_the_same_words(argv):
     args = cli.build_parser().parse_args(argv)

@@ -32,6 +32,7 @@ from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
 from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
 from ninfer_jax.runtime.device.compiling import AheadOfTime
+from ninfer_jax.runtime.device.sharding import ParallelLayout
 from ninfer_jax.runtime.device.transfer import WORD_BYTES
 from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
@@ -346,7 +347,11 @@ class ModelRunner:
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
                  kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
                  kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=(), mtp: bool = False,
-                 mixed_tokens: int = 0):
+                 mixed_tokens: int = 0, layout: ParallelLayout | None = None):
+        """layout: the mesh the params and pools are laid out on (tensor parallel); None: the first device."""
+        self.layout = layout
+        if layout is not None:
+            params = layout.place_params(params, cfg)
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)
@@ -369,18 +374,28 @@ class ModelRunner:
         self._stop_mask = jnp.asarray(stop_mask)
         # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
-        self.state = init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile, mtp=mtp)
+        def init():
+            return init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile, mtp=mtp)
+
+        if layout is None:
+            self.state = init()
+        else:  # zeros made in place on each device: a pool larger than one device never lands whole on one
+            specs = layout.state_specs(jax.eval_shape(init), cfg)
+            self.state = jax.jit(init, out_shardings=layout.shardings(specs))()
         # MTP drafting: each lane's last target hidden (the MTP row of a position needs it and the next token, which
         # the next step feeds), written by the prefill and verify steps; None without MTP.
         self.mtp_carry = jnp.zeros((max_lanes, cfg.hidden_size), params.embed.dtype) if mtp else None
         self.kv_profile = kv_profile
-        self._layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.state)]  # what every step returns
+        self._recording = False  # the warm-up's recording pass: steps return shapes (`_swap`)
         self._layout_checked: set = set()
         # Penalty statistics and logit biases per lane, read and written only by the processing variants.
         self.sampler_state = SamplerState.empty(max_lanes, cfg.vocab_size)
         self._sampler_layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.sampler_state)]
         self.mask_words = mask_words(cfg.vocab_size)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
+        if layout is not None:  # on the mesh from the start, as the steps return them: one program per step
+            self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry = layout.replicate(
+                (self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry))
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
         self._steps = {
@@ -403,7 +418,11 @@ class ModelRunner:
         # The image encoder's output rows that prefill reads at image placeholders (enable_vision); one unused row
         # without a vision tower, so every prefill program has the same inputs.
         self.vision, self.patch_buckets = None, ()
-        self.media = jnp.zeros((1, cfg.hidden_size), params.embed.dtype)
+        self.media = self._placed(jnp.zeros((1, cfg.hidden_size), params.embed.dtype))
+
+    def _placed(self, x):
+        """x replicated over the mesh (tensor parallel), else as it is."""
+        return x if self.layout is None else self.layout.replicate(x)
 
     def enable_vision(self, vparams, vcfg, media_rows: int, patches: tuple[int, int]) -> None:
         """Adds the vision tower: a buffer of `media_rows` encoder output rows and an encode program per patch
@@ -413,7 +432,7 @@ class ModelRunner:
         # Flash attention where cuDNN runs it (a GPU, bf16): XLA's materialises [heads, bucket, bucket] logits
         gpu_bf16 = jax.devices()[0].platform == "gpu" and vparams.patch_w.dtype == jnp.bfloat16
         self.vision_attention = "cudnn" if gpu_bf16 else "xla"
-        self.media = jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype)
+        self.media = self._placed(jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype))
 
     def encode_image(self, patches: np.ndarray, table: np.ndarray, grid, rows: np.ndarray) -> None:
         """Encodes one image (uint8 patches [t h w, 3, P, P], the normalisation table [3, 256], its grid) into media
@@ -432,7 +451,8 @@ class ModelRunner:
     def _swap_media(self, media) -> None:
         """The one place the media rows are written back."""
         assert media.shape == self.media.shape and media.dtype == self.media.dtype
-        self.media = media
+        if not self._recording:  # as `_swap`
+            self.media = media
 
     def enable_host_transfers(self, row_bytes: int, image_rows: int, max_batch: int = 64) -> None:
         """Adds the Host tier's transfer ops: page batches of rows of `row_bytes` (one slab each, at least one
@@ -443,9 +463,11 @@ class ModelRunner:
         self.transfer_sizes = pow2_buckets(max(1, min(max_batch, self.state.num_pages)))
         device = jax.devices()[0]
         kinds = {m.kind for m in device.addressable_memories()}
-        # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md "Host tier").
-        host = {"out_shardings": jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")} \
-            if "pinned_host" in kinds else {}
+        # The gathers' output lands in pinned host memory where the backend has it (DESIGN.md "Host tier"); from a
+        # mesh, every shard's bytes of a row gathered (one slab holds them all).
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if self.layout is None \
+            else self.layout.sharding(jax.sharding.PartitionSpec(), "pinned_host")
+        host = {"out_shardings": pinned} if "pinned_host" in kinds else {}
         gather_slot = functools.partial(transfer.gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
         self._steps.update({
             "gather_pages": jax.jit(_own(transfer.gather_pages), **host),
@@ -458,18 +480,30 @@ class ModelRunner:
     def _swap(self, new_state: DeviceState, program=None) -> None:
         """Takes a step's returned state. `program` names a compiled program of the hot steps (prefill, decode),
         whose outputs keep one layout from call to call: its layout is checked on its first call only (walking
-        every pool on every round costs host time the round does not have)."""
+        every pool on every round costs host time the round does not have). A layout includes the pools'
+        shardings. A recorded warm-up call returns shapes only (`compiling.AheadOfTime`): the pools stay, so the
+        calls after it lower with their shardings, as the replay does (the sampler state, MTP carry and media rows
+        likewise)."""
         if program is None or program not in self._layout_checked:
-            layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
-            assert layout == self._layout, "a step changed the DeviceState layout"
+            assert self._same_layout(new_state), "a step changed the DeviceState layout"
             self._layout_checked.add(program)
-        self.state = new_state
+        if not self._recording:
+            self.state = new_state
+
+    def _same_layout(self, new_state: DeviceState) -> bool:
+        """new_state's pools have the shapes and dtypes of the state's, and on a mesh their shardings."""
+        old, new = jax.tree.leaves(self.state), jax.tree.leaves(new_state)
+        if [(a.shape, a.dtype) for a in old] != [(a.shape, a.dtype) for a in new]:
+            return False
+        return self.layout is None or self._recording or all(
+            a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(old, new))
 
     def _swap_sampler(self, new_state: SamplerState) -> None:
         """The one place the SamplerState is written back."""
         layout = [(a.shape, a.dtype) for a in jax.tree.leaves(new_state)]
         assert layout == self._sampler_layout, "a step changed the SamplerState layout"
-        self.sampler_state = new_state
+        if not self._recording:  # as `_swap`
+            self.sampler_state = new_state
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
@@ -518,7 +552,7 @@ class ModelRunner:
                                                                  (size, self.max_taps), self.state, packed,
                                                                  self.media, self.mtp_carry)
         self._swap(state, ("prefill", size, full))
-        if carry:
+        if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
         if extras is not None:
             tokens = self._process(logits, extras[None], 0)
@@ -645,7 +679,7 @@ class ModelRunner:
                                                    packed, self._stop_mask, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
         (emitted, kept, logits), drafts = out[:3], out[3:]
-        if carry:
+        if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
         # row r's t-th logits chose emitted[lane r, t]: index l T + t of the flattened tokens (padding: past them)
         places = (packed[:, rows + 4][:, None] * rows + np.arange(rows)).reshape(-1).astype(np.int32)
@@ -709,6 +743,7 @@ class ModelRunner:
             kept = {**vars(self), "_layout_checked": set(self._layout_checked)}
             whats: list[str] = []
             self._steps = {name: ahead.lowering(name, fn) for name, fn in steps.items()}
+            self._recording = True
             try:
                 self._warmup_calls(lambda out, what: whats.append(what))
             finally:
@@ -814,6 +849,12 @@ class ModelRunner:
         name = self.kv_profile if self.kv_profile != "auto" else jnp.dtype(pools[0].dtype).name if pools else "none"
         return {"dtype": name, "bytes_per_token": sum(a.nbytes for a in jax.tree.leaves(pools)) // max(1, tokens),
                 "capacity_tokens": tokens}
+
+    def parallel_stats(self) -> dict:
+        """The mesh the model runs on: its size, whether experts are split across it, its devices."""
+        if self.layout is not None:
+            return self.layout.stats()
+        return {"tensor_parallel_size": 1, "expert_parallel": False, "devices": [str(jax.devices()[0])]}
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled programs per jitted step (grows only when a new shape or static value appears)."""

@@ -1,0 +1,87 @@
+"""Tensor and expert parallelism (runtime/device/sharding.py) on CPU with 8 forced host devices: every layout gives
+the one-device engine's greedy tokens on the tiny dense and MoE checkpoints, including resumes from the Device cache,
+the Host tier and a prefix cache file saved by another layout; the option rules refuse what cannot run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.runtime import startup
+from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from oracle import oracle_config
+
+ROOT = Path(__file__).resolve().parents[2]
+# The reference first. TP 2 splits every mixer; at TP 4 and 8 the tiny models' mixers stay replicated (2 KV heads,
+# 2 GDN key heads) while the MLP columns, expert columns and vocabulary split: the MoE skips TP 4, whose paths its
+# TP 8 takes, and adds expert parallel.
+LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep"}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_factory, tmp_path_factory):
+    """Each layout's JSON record (`tensor_parallel_run.py`), by checkpoint, in layout order. The two chains run in
+    processes of their own at once: each is mostly one thread compiling."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for preset, layouts in LAYOUTS.items():
+        # one GDN and one attention layer reach every path that more do
+        checkpoint = checkpoint_factory(preset, "text", seed=7, num_hidden_layers=2, full_attention_interval=2)
+        runs[preset] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("tensor_parallel_run.py")),
+             str(tmp_path_factory.mktemp("tp")), str(checkpoint), layouts],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    records: dict[str, list[dict]] = {}
+    for preset, run in runs.items():
+        out, err = run.communicate(timeout=900)
+        assert run.returncode == 0, err[-3000:]
+        records[preset] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return records
+
+
+@pytest.mark.parametrize("preset", sorted(LAYOUTS))
+def test_every_layout_gives_the_one_device_tokens_through_device_host_and_file_resumes(served, preset):
+    reference, *layouts = served[preset]
+    assert [r["layout"] for r in served[preset]] == LAYOUTS[preset].split(",")
+    assert reference["parallel"] == {"tensor_parallel_size": 1, "expert_parallel": False, "devices": ["cpu:0"]}
+    for k, record in enumerate(layouts, 1):
+        tp, _, ep = record["layout"].partition(":")
+        assert record["parallel"] == {"tensor_parallel_size": int(tp), "expert_parallel": ep == "ep",
+                                      "devices": [f"cpu:{i}" for i in range(int(tp))]}
+        # the file the layout before saved, resumed against the reference's cold computation
+        assert record["loaded"] == "restored"
+        assert record["file"]["cached"] >= 128 and record["file"]["host_bytes"] > 0
+        assert record["file"]["tokens"] == reference["file"]["tokens"]
+        ours, theirs = record["sets"][str(k)], reference["sets"][str(k)]
+        assert ours["device"]["cached"] >= 128 and ours["device"]["host_bytes"] == 0
+        assert ours["host"]["cached"] >= 128 and ours["host"]["host_bytes"] > 0
+        assert ours["first"] == theirs["first"]  # two lanes prefilled and decoded together
+        assert ours["device"]["tokens"] == theirs["device"]["tokens"]
+        assert ours["host"]["tokens"] == theirs["host"]["tokens"]
+
+
+def test_the_mesh_must_fit_the_devices_and_the_kernels():
+    def refused(**options):
+        with pytest.raises(OptionsError) as error:
+            backend, devices = options.pop("backend", "cpu"), options.pop("devices", 8)
+            EngineOptions(**options).resolve(4096, backend, devices=devices)
+        return str(error.value)
+
+    assert refused(tensor_parallel_size=6) == "tensor_parallel_size must be a power of two, got 6"
+    assert refused(tensor_parallel_size=8, devices=4) == \
+        "tensor_parallel_size 8 exceeds the 4 device(s) this process sees"
+    assert "needs tensor_parallel_size > 1" in refused(enable_expert_parallel=True)
+    # on a GPU kernels auto means the Pallas kernels, which do not run under shard_map yet
+    assert "Pallas kernels under shard_map are not built" in refused(tensor_parallel_size=2, backend="gpu")
+    resolved = EngineOptions(tensor_parallel_size=2, kernels="reference").resolve(4096, "gpu", devices=2)
+    assert resolved.kernels == "reference" and resolved.tensor_parallel_size == 2
+    dense = ModelConfig.from_dict(oracle_config("tiny-dense"))
+    with pytest.raises(OptionsError, match="enable_expert_parallel needs a model with routed experts"):
+        startup.resolve_options(EngineOptions(tensor_parallel_size=2, enable_expert_parallel=True), dense)
