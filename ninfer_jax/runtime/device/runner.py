@@ -554,6 +554,11 @@ class ModelRunner:
         self._swap(state, ("prefill", size, full))
         if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
+        return self._pass_outputs((tokens, logits), logprobs, extras)
+
+    def _pass_outputs(self, out, logprobs: bool, extras):
+        """A pass's (token, logits) -> `prefill`'s outputs: sampled again from processed logits with `extras`."""
+        tokens, logits = out
         if extras is not None:
             tokens = self._process(logits, extras[None], 0)
         return self._with_logprobs(tokens, logits, self._prefill_rows, logprobs)
@@ -636,9 +641,8 @@ class ModelRunner:
         decode round over other lanes (`decode`'s) as one step (`qwen3_5.mixed`): the round's weight reads carry
         the pass. Returns (the pass's outputs as `prefill` returns them, the round's as `decode` does)."""
         chunk, decode_round = dict(chunk), dict(decode_round)
-        p_full, p_logprobs, r_full, r_logprobs = (d.pop(k, False) for d, k in
-                                                  ((chunk, "full"), (chunk, "logprobs"), (decode_round, "full"),
-                                                   (decode_round, "logprobs")))
+        p_full, p_logprobs = chunk.pop("full", False), chunk.pop("logprobs", False)
+        r_full, r_logprobs = decode_round.pop("full", False), decode_round.pop("logprobs", False)
         packed, p_extras = self._pass_inputs(self.mixed_tokens, **chunk)
         r_packed, r_extras, prev_tokens = self._round_inputs(**decode_round)
         full = (p_full and p_extras is None) or (r_full and r_extras is None)
@@ -650,11 +654,7 @@ class ModelRunner:
                                                    (self.mixed_tokens, self.max_taps), self.state, packed, self.media,
                                                    r_packed, prev_tokens)
         self._swap(state, ("mixed", r_packed.shape[0], full))
-        tokens, logits = chunk
-        if p_extras is not None:
-            tokens = self._process(logits, p_extras[None], 0)
-        return (self._with_logprobs(tokens, logits, self._prefill_rows, p_logprobs),
-                self._round_outputs(rnd, r_packed, r_logprobs, r_extras))
+        return self._pass_outputs(chunk, p_logprobs, p_extras), self._round_outputs(rnd, r_packed, r_logprobs, r_extras)
 
     def verify_size(self, lanes: int) -> int:
         """The compiled verify round size for `lanes` speculating lanes."""
