@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
+import re
 import time
 from pathlib import Path
 
@@ -178,3 +180,50 @@ def profiled_scheduler(clock=time.perf_counter):
         yield prof
     finally:
         Scheduler.step = step
+
+
+_COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\bcopy(?:-start)?\(")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1, "f64": 8}
+
+
+def hlo_copies(text: str, top: int = 8) -> dict:
+    """The copy instructions of an optimized HLO module: how many, their bytes, each one's shape ("f32[76,64,2,64]",
+    largest first) and the `top` largest with their MiB."""
+    sizes = []
+    for dtype, dims in _COPY.findall(text):
+        n = math.prod(int(d) for d in dims.split(",") if d)
+        sizes.append((n * _BYTES.get(dtype, 4), f"{dtype}[{dims}]"))
+    sizes.sort(reverse=True)
+    return {"copies": len(sizes), "bytes": sum(b for b, _ in sizes), "shapes": [s for _, s in sizes],
+            "largest": [f"{s} ({b / 2**20:.1f} MiB)" for b, s in sizes[:top]]}
+
+
+def compiled_copies(engine, which: str, *inputs) -> dict:
+    """`hlo_copies` of the runner's compiled `which` step ("decode" or "mixed") for packed inputs."""
+    r = engine.runner
+    if which == "decode":
+        packed, prev = inputs
+        lowered = r._steps["decode"].lower(r.params, r.cfg, r.kernels, False, r.state, packed, prev)
+    else:
+        packed, r_packed, prev = inputs
+        lowered = r._steps["mixed"].lower(r.params, r.cfg, r.kernels, False, (r.mixed_tokens, r.max_taps), r.state,
+                                          packed, r.media, r_packed, prev)
+    return hlo_copies(lowered.compile().as_text())
+
+
+def mixed_inputs(engine, lanes: int, context: int, tokens: int, base: int):
+    """Packed inputs of a mixed step (`compiled_copies`): a pass of `tokens` tokens at `base` into lane `lanes`'s slot,
+    beside a round of lanes 0 .. lanes - 1 at position `context` -> (pass, round, previous tokens)."""
+    import numpy as np
+
+    from ninfer_jax.model.state import PAGE
+    from ninfer_jax.runtime.sampling import SamplerInputs
+
+    r = engine.runner
+    ids, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, context)
+    r_packed, _, prev = r._round_inputs(ids, positions, tables, slots, active, sampler)
+    table = np.zeros(r.max_pages, np.int32)
+    table[:-(-(base + tokens) // PAGE)] = 1
+    packed, _ = r._pass_inputs(r.mixed_tokens, np.zeros(tokens, np.int32), base, table, lanes,
+                               SamplerInputs.empty(1).arrays())
+    return packed, r_packed, prev

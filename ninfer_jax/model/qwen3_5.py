@@ -279,9 +279,9 @@ def _attn_gated(core, gate, dtype):
     return core.astype(dtype).reshape(core.shape[0], -1) * jax.nn.sigmoid(gate)
 
 
-def _attn_prefill_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
-    """One lane's chunk from its qkv-projection rows proj [T, P] -> (the out-projection's input, k_pages,
-    v_pages)."""
+def _attn_prefill_write(p, proj, cfg, k_pages, v_pages, ctx):
+    """One lane's chunk from its qkv-projection rows proj [T, P] up to the attention kernel -> (q, gate, the pools
+    with the chunk's keys and values written)."""
     t = proj.shape[0]
     positions = ctx["base"] + jnp.arange(t, dtype=jnp.int32)
     rotary = positions if ctx.get("rope_positions") is None else ctx["rope_positions"]  # MRoPE: image spans' 3-D
@@ -290,8 +290,19 @@ def _attn_prefill_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
     page_ids = jnp.where(ctx["valid"], ctx["page_table"][positions // PAGE], k_pages.shape[0])
     k_pages = kv_quant.write(k_pages, k, page_ids, positions % PAGE)
     v_pages = kv_quant.write(v_pages, v, page_ids, positions % PAGE)
-    core = ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"])
-    return _attn_gated(core, gate, proj.dtype), k_pages, v_pages
+    return q, gate, k_pages, v_pages
+
+
+def _attn_prefill_read(kc, q, gate, k_pages, v_pages, ctx, dtype):
+    """The chunk's attention over its lane's pages (written) -> the out-projection's input."""
+    return _attn_gated(ops.attention_prefill(kc, q, k_pages, v_pages, ctx["page_table"], ctx["base"]), gate, dtype)
+
+
+def _attn_prefill_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
+    """One lane's chunk from its qkv-projection rows proj [T, P] -> (the out-projection's input, k_pages,
+    v_pages)."""
+    q, gate, k_pages, v_pages = _attn_prefill_write(p, proj, cfg, k_pages, v_pages, ctx)
+    return _attn_prefill_read(kc, q, gate, k_pages, v_pages, ctx, proj.dtype), k_pages, v_pages
 
 
 def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
@@ -393,9 +404,9 @@ def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
         kc, x, ssm, conv)
 
 
-def _attn_decode_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
-    """One token per lane from its qkv-projection rows proj [B, P] -> (the out-projection's input, k_pages,
-    v_pages)."""
+def _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx):
+    """One token per lane from its qkv-projection rows proj [B, P] up to the attention kernel -> (q, gate, the pools
+    with each active lane's key and value written)."""
     positions, tables, active = ctx["positions"], ctx["page_tables"], ctx["active"]
     rotary = positions + ctx.get("rope_shift", 0)  # a prompt's MRoPE delta: its images moved later tokens' positions
     # With kc.fuse_attn_qkv the norms, RoPE and the KV writes are one kernel
@@ -405,9 +416,20 @@ def _attn_decode_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
         fused = attn_decode_qkv_composed(p.q_norm, p.k_norm, proj, positions, tables, active, k_pages, v_pages, cfg,
                                          rotary)
     q, k_pages, v_pages = fused
-    gate = _attn_split(proj, cfg)[3]
-    core = ops.attention_decode(kc, q, k_pages, v_pages, tables, positions + 1)
-    return _attn_gated(core, gate, proj.dtype), k_pages, v_pages
+    return q, _attn_split(proj, cfg)[3], k_pages, v_pages
+
+
+def _attn_decode_read(kc, q, gate, k_pages, v_pages, ctx, dtype):
+    """Each lane's attention over its pages (written) -> the out-projection's input."""
+    core = ops.attention_decode(kc, q, k_pages, v_pages, ctx["page_tables"], ctx["positions"] + 1)
+    return _attn_gated(core, gate, dtype)
+
+
+def _attn_decode_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
+    """One token per lane from its qkv-projection rows proj [B, P] -> (the out-projection's input, k_pages,
+    v_pages)."""
+    q, gate, k_pages, v_pages = _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx)
+    return _attn_decode_read(kc, q, gate, k_pages, v_pages, ctx, proj.dtype), k_pages, v_pages
 
 
 def _attn_decode(p, x, cfg, kc, k_pages, v_pages, ctx):
@@ -458,6 +480,15 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
 
         return _projected(core, in_w, out_w)
 
+    def attn_core(p, proj, k_pages, v_pages):
+        # Every write before any read: a read of a pool between two of its writes makes XLA copy the whole pool
+        # (in place, the second write could overtake the read), every layer, every step.
+        q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], cfg, kc, k_pages, v_pages, decode_ctx)
+        q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], cfg, k_pages, v_pages, p_ctx)
+        y_p = _attn_prefill_read(kc, q_p, gate_p, k_pages, v_pages, p_ctx, proj.dtype)
+        y_d = _attn_decode_read(kc, q_d, gate_d, k_pages, v_pages, decode_ctx, proj.dtype)
+        return jnp.concatenate([y_p, y_d]), k_pages, v_pages
+
     x = jnp.concatenate([prefill_embeds, params.embed[tokens]])
     return _run_layers(
         params, cfg, kc, x, state,
@@ -465,10 +496,8 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
             lambda proj, s, c: _gdn_prefill_core(p, proj, cfg, kc, s, c, p_ctx),
             lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, decode_ctx), p.in_proj, p.out_proj,
         )(kc, h, ssm, conv),
-        lambda p, h, kp, vp: split(
-            lambda proj, k, v: _attn_prefill_core(p, proj, cfg, kc, k, v, p_ctx),
-            lambda proj, k, v: _attn_decode_core(p, proj, cfg, kc, k, v, decode_ctx), p.qkv_proj, p.o_proj,
-        )(kc, h, kp, vp),
+        lambda p, h, kp, vp: _projected(lambda proj, k, v: attn_core(p, proj, k, v), p.qkv_proj, p.o_proj)(
+            kc, h, kp, vp),
     )
 
 

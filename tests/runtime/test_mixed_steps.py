@@ -94,3 +94,15 @@ def test_cancels_while_passes_ride_in_rounds_free_everything(engine, forward_gre
     stats = engine.stats()
     assert stats["requests"]["running"] == 0 and stats["pages"]["active"] == 0
     engine.check_ledger()
+
+
+def test_a_mixed_step_writes_the_kv_pools_in_place(engine):
+    # The pass's and the round's KV writes both come before either attention reads a pool: a read between two
+    # writes of a pool made XLA copy the whole pool, each layer, each mixed step.
+    from ninfer_jax.benchmarks.profiling import compiled_copies, mixed_inputs
+
+    k_pages = engine.runner.state.k_pages[0]
+    pool = f"{k_pages.dtype.name.replace('float', 'f')}[{','.join(map(str, k_pages.shape))}]"
+    copies = compiled_copies(engine, "mixed", *mixed_inputs(engine, 1, 64, engine.runner.mixed_tokens, 128))
+    assert copies["copies"] > 0  # the parse finds copies (the GDN pools' on a CPU)
+    assert pool not in copies["shapes"]
