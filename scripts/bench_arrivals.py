@@ -20,6 +20,7 @@ phases use (the engine skips its warmup: the 35B-A3B's full warmup takes minutes
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import threading
 import time
@@ -59,6 +60,67 @@ class Lanes:
         return np.concatenate(out) if out else np.zeros(0)
 
 
+class StepLog:
+    """Each step the scheduler dispatches on the runner (its time, kind and, for a pass, its first position) and each
+    garbage collection of the Python process, so a phase's slowest steps can be told apart."""
+
+    def __init__(self, engine):
+        self.steps: list[tuple[float, str, int]] = []
+        self.collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self._gc_start = 0.0
+        self.host: list[tuple[float, float, dict]] = []  # each scheduler step: start, seconds, its phases' seconds
+        runner = engine.runner
+        for kind in ("decode", "mixed", "prefill"):
+            setattr(runner, kind, self._logged(getattr(runner, kind), kind))
+        gc.callbacks.append(self._on_gc)
+        scheduler = engine.scheduler
+        step = scheduler.step
+
+        def timed_step():  # the engine's thread calls scheduler.step() each loop: this instance attribute
+            before, t = dict(scheduler.counters), time.perf_counter()
+            ran = step()
+            phases = {k[8:]: v - before.get(k, 0.0) for k, v in scheduler.counters.items() if k.startswith("seconds_")}
+            self.host.append((t, time.perf_counter() - t, {k: v for k, v in phases.items() if v > 5e-4}))
+            return ran
+
+        scheduler.step = timed_step
+
+    def _logged(self, fn, kind: str):
+        def step(*args, **kwargs):
+            chunk = args[0] if kind == "mixed" else kwargs
+            self.steps.append((time.perf_counter(), kind, int(chunk.get("base", -1))))
+            return fn(*args, **kwargs)
+        return step
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collections.append((self._gc_start, time.perf_counter() - self._gc_start, info["generation"]))
+
+    def summary(self, start: float, end: float, top: int = 6) -> dict:
+        """Per step kind, the seconds from its dispatch to the next step's (the device's pace once it is the
+        bound); the `top` longest with the step before them; the collections inside [start, end]."""
+        steps = [s for s in self.steps if start <= s[0] <= end]
+        gaps = [(b[0] - a[0], a, prev) for prev, a, b in zip([None] + steps, steps, steps[1:])]
+        kinds = {}
+        for gap, (_, kind, _), _ in gaps:
+            kinds.setdefault(kind, []).append(gap * 1e3)
+        by_kind = {k: {"steps": len(v), "p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99)),
+                       "max_ms": float(max(v))} for k, v in kinds.items()}
+        gcs = [c for c in self.collections if start <= c[0] <= end]
+        slowest = []
+        for gap, (t, kind, base), prev in sorted(gaps, key=lambda g: -g[0])[:top]:
+            collected = sum(s for c0, s, _ in gcs if t <= c0 <= t + gap)
+            host = [f"{(h0 - t) * 1e3:+.1f}: {d * 1e3:.1f} ms ("
+                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()) + ")"
+                    for h0, d, ph in self.host if t - 0.06 <= h0 <= t + gap]
+            slowest.append({"ms": gap * 1e3, "kind": kind, "base": base, "before": prev[1] if prev else None,
+                            "gc_ms_inside": collected * 1e3, "host_steps": host})
+        return {"by_kind": by_kind, "slowest": slowest, "collections": len(gcs),
+                "gc_ms": sum(c[1] for c in gcs) * 1e3, "gc_max_ms": max((c[1] for c in gcs), default=0.0) * 1e3}
+
+
 def prompts(rng, vocab: int, tokens: int) -> list:
     """Arrival prompts drawn and prepared (block hashes) before a phase's clock starts, taken in turn (the engine
     caches nothing, so a repeat computes again): the arrivals' thread then holds the GIL as little as a server's
@@ -77,7 +139,8 @@ def arrivals(engine, ready: list, until: float) -> list[float]:
     return ttfts
 
 
-def phase(engine, lanes: Lanes, name: str, seconds: float, rng, vocab: int, tokens: int, mix: bool | None) -> dict:
+def phase(engine, lanes: Lanes, name: str, seconds: float, rng, vocab: int, tokens: int, mix: bool | None,
+          log: StepLog) -> dict:
     """One timed phase; mix None: no arrivals."""
     if mix is not None:
         engine.scheduler.mix = mix
@@ -101,11 +164,21 @@ def phase(engine, lanes: Lanes, name: str, seconds: float, rng, vocab: int, toke
            "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
            "arrival_prefill_tok_s": len(ttfts) * tokens / (end - start),
            "mixed_steps": after.get("mixed_steps", 0) - before.get("mixed_steps", 0),
-           "prefill_chunks": after.get("prefill_chunks", 0) - before.get("prefill_chunks", 0)}
+           "prefill_chunks": after.get("prefill_chunks", 0) - before.get("prefill_chunks", 0),
+           "steps": log.summary(start, end)}
     print(f"{name}: TPOT p50 {report.fmt(row['tpot_p50_ms'])} ms, p99 {report.fmt(row['tpot_p99_ms'])} ms, max "
           f"{report.fmt(row['tpot_max_ms'])} ms over {gaps.size} tokens ({row['decode_tok_s']:.0f} tok/s); "
           f"{len(ttfts)} arrivals" + (f", TTFT p50 {row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.3f} s"
                                       if ttfts else "") + f"; {row['mixed_steps']} mixed steps", flush=True)
+    steps = row["steps"]
+    print(f"{name}: steps " + ", ".join(f"{k} x{v['steps']} p50 {v['p50_ms']:.1f} p99 {v['p99_ms']:.1f} max "
+                                       f"{v['max_ms']:.1f} ms" for k, v in steps["by_kind"].items())
+          + f"; {steps['collections']} collections, {steps['gc_ms']:.1f} ms (max {steps['gc_max_ms']:.1f}); slowest: "
+          + ", ".join(f"{s['ms']:.1f} ms {s['kind']}@{s['base']} after {s['before']} (gc {s['gc_ms_inside']:.1f})"
+                      for s in steps["slowest"]), flush=True)
+    for s in steps["slowest"][:2]:
+        print(f"{name}: the host's steps around the {s['ms']:.1f} ms {s['kind']}@{s['base']} (start from its dispatch, "
+              "seconds by phase): " + "; ".join(s["host_steps"]), flush=True)
     return row
 
 
@@ -147,7 +220,8 @@ def main() -> None:
     print(f"{args.lanes} lanes decoding after {time.perf_counter() - t:.1f} s", flush=True)
     variants = variants or [engine.options.mixed_prefill_tokens]
     runs = [(m, True) for m in variants] + ([] if args.no_apart else [(variants[0], False)])
-    rows, compiled = [phase(engine, lanes, "no arrivals", args.phase_s, rng, vocab, args.arrival_tokens, None)], 0
+    log = StepLog(engine)
+    rows, compiled = [phase(engine, lanes, "no arrivals", args.phase_s, rng, vocab, args.arrival_tokens, None, log)], 0
     for m, mix in runs:
         # The runner's pass length swapped on the running engine (as bench_engine swaps its kernels): its mixed
         # program for this width compiles in the untimed arrival first
@@ -159,7 +233,7 @@ def main() -> None:
               f"{engine.stats()['compiles_since_warmup'] - compiles} programs compiled", flush=True)
         compiles = engine.stats()["compiles_since_warmup"]
         rows.append(phase(engine, lanes, f"mixed {m}" if mix else "apart", args.phase_s, rng, vocab,
-                          args.arrival_tokens, mix))
+                          args.arrival_tokens, mix, log))
         compiled += engine.stats()["compiles_since_warmup"] - compiles
     for lane_id in lanes.ids:
         engine.cancel(lane_id)
@@ -188,6 +262,18 @@ def main() -> None:
           f"{r['tpot_p99_over_base_p50']:.2f}x" if r["tpot_p99_over_base_p50"] else "-", f(r["decode_tok_s"]),
           r["arrivals"], f(r["ttft_p50_s"]), f(r["ttft_p99_s"]), f(r["arrival_prefill_tok_s"]), r["mixed_steps"]]
          for r in rows])
+    page += ["", "Steps by kind (milliseconds from a step's dispatch to the next one's) and the garbage collections in "
+             "each phase; the slowest steps with the kind of the step before them and the collection time inside them:",
+             ""]
+    page += report.table(
+        ["phase", "kind", "steps", "p50 ms", "p99 ms", "max ms"],
+        [[r["phase"], k, v["steps"], f(v["p50_ms"]), f(v["p99_ms"]), f(v["max_ms"])]
+         for r in rows for k, v in r["steps"]["by_kind"].items()])
+    page += [""] + report.table(
+        ["phase", "collections", "gc ms", "slowest steps: ms kind@position (after kind, gc ms inside)"],
+        [[r["phase"], r["steps"]["collections"], f(r["steps"]["gc_ms"]),
+          "; ".join(f"{x['ms']:.1f} {x['kind']}@{x['base']} (after {x['before']}, gc {x['gc_ms_inside']:.1f})"
+                    for x in r["steps"]["slowest"])] for r in rows])
     out = args.out or tempfile.mkdtemp(prefix="bench_arrivals_")
     print(report.write_report(out, "arrivals", {**meta, "rows": rows}, page), flush=True)
 
