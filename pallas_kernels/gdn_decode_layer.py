@@ -156,7 +156,10 @@ class GdnDecodeLayerConfig:
 DEFAULT_CONFIG = GdnDecodeLayerConfig()
 # Several rows a program: 8 warps spill at 8 lanes x 4 rows of whole 128-column heads (27B: 214 against 65 us for
 # the kernel alone on the H200, `bench_speculative.py --sweep-rows-kernel`); 4 warps were within noise elsewhere.
+# Wide rounds take it too: from 2048 (lane, head) programs 4 warps run the step in half the time of 8 (35B-A3B heads
+# at 64 / 256 lanes: 105 / 358 us against 208 / 796 us; docs/kernels_notes.md, "GDN decode at many lanes").
 ROWS_CONFIG = GdnDecodeLayerConfig(num_warps=4)
+WIDE_PROGRAMS = 2048
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config"))
@@ -200,7 +203,7 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
       ssm_pool when write_state).
     """
     lanes, t = proj.shape[:2]
-    config = config or (DEFAULT_CONFIG if t == 1 else ROWS_CONFIG)
+    config = config or (DEFAULT_CONFIG if t == 1 and lanes * ssm_pool.shape[1] < WIDE_PROGRAMS else ROWS_CONFIG)
     taps, channels = conv_w.shape
     hv, dk, dv = ssm_pool.shape[1:]
     if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, t, channels + hv * dv + 2 * hv):
