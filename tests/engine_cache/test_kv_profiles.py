@@ -34,7 +34,8 @@ BYTES_PER_TOKEN = {"int8": 264, "k8v4": 204}
 
 @pytest.fixture(scope="module")
 def checkpoint(checkpoint_factory):
-    return checkpoint_factory("tiny-dense", "text", seed=41, num_hidden_layers=4)
+    return checkpoint_factory("tiny-dense", "text", seed=41, num_hidden_layers=4,
+                              full_attention_interval=4)
 
 
 def same_as_without_reuse(engine, prompt, cached, source, host):

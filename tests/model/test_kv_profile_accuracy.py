@@ -41,7 +41,8 @@ _dequantized = jax.jit(kv_quant.take)  # one program per format, not one per eag
 @pytest.fixture(scope="module")
 def runs(checkpoint_factory):
     """profile -> (logits [PROMPT, V], the K and V pools' rows dequantized [layers x (K, V)]) of one prompt."""
-    cfg, params = load_checkpoint(checkpoint_factory("tiny-dense", "text", seed=7, num_hidden_layers=4),
+    cfg, params = load_checkpoint(checkpoint_factory("tiny-dense", "text", seed=7, num_hidden_layers=4,
+                              full_attention_interval=4),
                                   dtype="float32")
     prompt = np.random.default_rng(0).integers(0, ORACLE_VOCAB, PROMPT).astype(np.int32)
     pages = jnp.arange(PROMPT // 64, dtype=jnp.int32)

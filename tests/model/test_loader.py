@@ -90,7 +90,7 @@ def test_unknown_architecture_is_named(dense_dir):
         ("num_attention_heads", 3, "'num_attention_heads' \\(3\\) must be a multiple of 'num_key_value_heads'"),
         ("linear_num_value_heads", 3, "'linear_num_value_heads' \\(3\\) must be a multiple"),
         ("hidden_size", -1, "'hidden_size' must be a positive integer"),
-        ("layer_types", ["linear_attention"], "'layer_types' must list 8 entries"),
+        ("layer_types", ["linear_attention"], "'layer_types' must list 4 entries"),
         ("hidden_act", "gelu", "'hidden_act' 'gelu' is not supported"),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6}, "'rope_parameters.rope_type' 'yarn'"),
     ],
