@@ -9,7 +9,8 @@ import time
 from ninfer_jax.benchmarks.report import ROOT
 
 # Benchmark name -> configs/<file>.json
-MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "tiny-dense": "tiny-dense", "tiny-moe": "tiny-moe"}
+MODELS = {"27b": "qwen3.5-27b", "35b-a3b": "qwen3.5-35b-a3b", "122b-a10b": "qwen3.5-122b-a10b",
+          "397b-a17b": "qwen3.5-397b-a17b", "tiny-dense": "tiny-dense", "tiny-moe": "tiny-moe"}
 
 
 def model_config(name: str):

@@ -185,7 +185,7 @@ def _fuse(parts: list, put):
         if not isinstance(run[0], _Fp8):
             return put(np.swapaxes(cat(run), -1, -2))
         # FP8 stays [out, in] as on disk: the kernels stream each row's 128-blocks (QuantizedWeight)
-        return QuantizedWeight(jnp.asarray(cat([q.values for q in run])), jnp.asarray(cat([q.scales for q in run])))
+        return QuantizedWeight(put.raw(cat([q.values for q in run])), put.raw(cat([q.scales for q in run])))
 
     weights = tuple(one(run) for run in runs)
     return weights[0] if len(weights) == 1 else ConcatWeight(weights)
@@ -222,8 +222,8 @@ def _load_layer(t: _Tensors, cfg: ModelConfig, pre: str, kind: str, put) -> Laye
         mixer = GDNParams(
             in_proj=in_proj,
             conv_w=put(t.get(a + "conv1d.weight", (cd, 1, cfg.linear_conv_kernel_dim))[:, 0, :].T),
-            a_log=jnp.asarray(t.get(a + "A_log", (hv,)), jnp.float32),
-            dt_bias=jnp.asarray(t.get(a + "dt_bias", (hv,)), jnp.float32),
+            a_log=put.raw(t.get(a + "A_log", (hv,)), np.float32),
+            dt_bias=put.raw(t.get(a + "dt_bias", (hv,)), np.float32),
             norm_w=put(t.get(a + "norm.weight", (cfg.linear_value_head_dim,))),
             out_proj=_fuse([lin(a + "out_proj.weight", (h, vd))], put),
         )
@@ -304,13 +304,30 @@ def _checkpoint_dir(path: str | Path, dtype: str) -> Path:
     return directory
 
 
-def _putter(dtype: str):
-    """array -> a contiguous device array in `dtype` ("bfloat16" or "float32")."""
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    return lambda array: jnp.asarray(np.ascontiguousarray(array.astype(np_dtype, copy=False)))
+class _Putter:
+    """array -> a contiguous array in `dtype` ("bfloat16" or "float32") on the default device, or in host memory
+    (`host`: a tensor-parallel engine then places each shard on its own device, and a model larger than one device
+    never lands whole on one)."""
+
+    def __init__(self, dtype: str, host: bool = False):
+        self.np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+        self.host = host
+
+    def __call__(self, array):
+        return self.raw(array, self.np_dtype)
+
+    def raw(self, array, dtype=None):
+        """`array` as it is (in `dtype` when given): FP8 values and their scales, the GDN's float32 constants."""
+        array = np.ascontiguousarray(array if dtype is None else array.astype(dtype, copy=False))
+        return array if self.host else jnp.asarray(array)
 
 
-def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) -> tuple[ModelConfig, Params]:
+def _putter(dtype: str, host: bool = False) -> _Putter:
+    return _Putter(dtype, host)
+
+
+def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None,
+                    host: bool = False) -> tuple[ModelConfig, Params]:
     """Read an HF Qwen3.5 checkpoint directory.
 
     Args:
@@ -318,8 +335,9 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
       dtype: "bfloat16" or "float32", the dtype every weight is converted to (A_log and dt_bias stay f32),
         except FP8 linears, which stay FP8 with float32 block scales.
       progress: called as progress("loading", layers done, layers) after each layer.
+      host: keep the weights in host memory (numpy) for a tensor-parallel engine to place shard by shard.
     Returns:
-      (ModelConfig, Params on the default device).
+      (ModelConfig, Params on the default device, or in host memory).
     Raises:
       ConfigError for a bad config.json, CheckpointError for missing, mis-shaped or unreadable tensors.
     """
@@ -328,7 +346,7 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
     start = time.perf_counter()
     tensors = _Tensors(directory)
     prefix = _prefix(cfg, tensors)
-    put = _putter(dtype)
+    put = _putter(dtype, host)
 
     v, h = cfg.vocab_size, cfg.hidden_size
     embed = put(tensors.get(prefix + "embed_tokens.weight", (v, h)))
@@ -348,7 +366,8 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None) ->
         lm_head = put(tensors.get("lm_head.weight", (v, h)).T)
     params = Params(embed=embed, layers=tuple(layers), final_norm=final_norm, lm_head=lm_head,
                     mtp=_load_mtp(tensors, cfg, put))
-    jax.block_until_ready(params)
+    if not host:
+        jax.block_until_ready(params)
     log.info(
         "weights loaded | %s | %d layers | %.2f GB | %.1f s",
         cfg.architecture, cfg.num_layers, tensors.bytes_read / 1e9, time.perf_counter() - start,
@@ -383,9 +402,11 @@ def has_vision_tower(config_file: str | Path) -> bool:
         return False
 
 
-def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
+def load_dummy(config_file: str | Path, dtype: str = "bfloat16", init=None):
     """Random weights at a config.json's shapes (`load_format="dummy"`, as vLLM's): benchmarks and serving tests
     at real shapes with no checkpoint on disk. Seed 0, so two loads of one config hold the same weights.
+    init(make, cfg): makes the params from `make()` (a tensor-parallel engine's `ParallelLayout.init_params`, which
+    makes each device's shards in place); None: on the default device.
 
     Returns:
       (ModelConfig, Params, (VisionConfig, VisionParams) or None: a random tower when the config has one).
@@ -401,7 +422,10 @@ def load_dummy(config_file: str | Path, dtype: str = "bfloat16"):
                           "file")
     cfg = ModelConfig.from_file(config_file)
     start = time.perf_counter()
-    params = random_params(cfg, seed=0, dtype=DTYPES[dtype], fp8=cfg.quantization is not None)
+    def make():
+        return random_params(cfg, seed=0, dtype=DTYPES[dtype], fp8=cfg.quantization is not None)
+
+    params = make() if init is None else init(make, cfg)
     jax.block_until_ready(params)
     log.info("dummy weights | %s | %.1f s", config_file, time.perf_counter() - start)
     if not has_vision_tower(config_file):

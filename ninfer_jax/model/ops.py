@@ -23,6 +23,7 @@ from pallas_kernels import reference as ref
 
 if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by the reference path
     from pallas_kernels.paged_attention import PrefillConfig
+    from ninfer_jax.model.spmd import Spmd
 
 PAGE = ref.PAGE
 
@@ -53,6 +54,9 @@ class KernelConfig:
     # Block-FP8 weights: a decode round's 2-16 rows quantized to FP8 for an FP8 x FP8 product
     # (pallas_kernels/fp8_matmul.py); the engine turns it on with fp8_activations "dynamic"
     fp8_activations: bool = False
+    # Tensor / expert parallel: the mesh the model's explicit SPMD blocks run on (model/spmd.py); the runner sets it
+    # from its layout. None: one device, or GSPMD alone.
+    spmd: Spmd | None = None
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model import ops
+from ninfer_jax.model import ops, spmd
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
@@ -121,18 +121,32 @@ def rope(x, positions, cfg: ModelConfig):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def mlp(p: MLPParams, x, kc: KernelConfig):
+def _mlp_act(p: MLPParams, x, kc: KernelConfig):
     gu = dot(kc, x, p.gate_up)
     inter = p.down.shape[0]
-    return dot(kc, jax.nn.silu(gu[..., :inter]) * gu[..., inter:], p.down, to_norm=True)
+    return jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+
+
+def mlp(p: MLPParams, x, kc: KernelConfig):
+    if kc.spmd is not None and kc.spmd.splits_ffn(p):  # each device's partial down-projection, summed in f32
+        return kc.spmd.ffn(p, x, lambda p, x, _: jnp.dot(_mlp_act(p, x, kc), p.down,
+                                                         preferred_element_type=jnp.float32)).astype(x.dtype)
+    return dot(kc, _mlp_act(p, x, kc), p.down, to_norm=True)
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
-    ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
-    # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
-    # kernels (docs/kernels_notes.md).
-    shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
-    return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared).astype(x.dtype)
+    def experts(p, x, expert_offset):  # f32
+        ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
+        if expert_offset is not None:
+            ids, weights = spmd.local_experts(ids, weights, expert_offset, p.gate_up.shape[0])
+        # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
+        # kernels (docs/kernels_notes.md).
+        shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
+        return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared)
+
+    if kc.spmd is not None and kc.spmd.splits_ffn(p):
+        return kc.spmd.ffn(p, x, experts).astype(x.dtype)
+    return experts(p, x, None).astype(x.dtype)
 
 
 def ffn(p, x, cfg, kc):

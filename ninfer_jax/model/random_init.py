@@ -25,9 +25,11 @@ from ninfer_jax.model.params import (
 from pallas_kernels import fp8_matmul
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
-def _normal(key, shape, dtype, scale):
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "offset"))
+def _normal(key, shape, dtype, scale, offset=0.0):
+    # The offset inside the same program: added after it, XLA may fuse it into the product (one rounding) in one
+    # program and not another, and weights made on a mesh (`ParallelLayout.init_params`) would differ by an ulp.
+    return (jax.random.normal(key, shape, jnp.float32) * scale + offset).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "scale"))
@@ -47,9 +49,9 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, fp8: bool
     models)."""
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64 * (cfg.num_layers + 2)))  # ample for the MTP layer too
 
-    def w(*shape, scale=None):
+    def w(*shape, scale=None, offset=0.0):
         return _normal(next(keys), shape, dtype, scale if scale is not None else shape[-2] ** -0.5
-                       if len(shape) >= 2 else 0.1)
+                       if len(shape) >= 2 else 0.1, offset)
 
     def lin(*shape):  # a linear the FP8 packs quantize, in x @ w shape [..., K, N]
         if not fp8:
@@ -69,7 +71,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, fp8: bool
                 conv_w=w(cfg.linear_conv_kernel_dim, cfg.conv_dim, scale=0.5),
                 a_log=jnp.log(jax.random.uniform(next(keys), (hv,), jnp.float32, 0.05, 2.0)),
                 dt_bias=_normal(next(keys), (hv,), jnp.float32, 0.5),
-                norm_w=1.0 + w(cfg.linear_value_head_dim),
+                norm_w=w(cfg.linear_value_head_dim, offset=1.0),
                 out_proj=lin(cfg.value_dim, h),
             )
         else:

@@ -92,7 +92,7 @@ class Engine:
         progress(stage, done, total) hears of the startup's steps ("compiling", "restoring").
         """
         self.config, self.model_name = config, model_name
-        self.options = o = startup.resolve_options(options, config)
+        self.options = o = startup.resolve_options(options, config, startup.device_share(config, params, options))
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.max_model_len = o.max_model_len
         eos = set(config.eos_token_ids)
@@ -146,14 +146,16 @@ class Engine:
         options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
         if options.load_format == "dummy":
             config_file = directory if directory.is_file() else directory / "config.json"
-            config, params, tower = load_dummy(config_file, dtype)
+            config, params, tower = load_dummy(config_file, dtype, init=startup.parallel_init(options))
             directory = config_file.parent
             tokenizer = load_tokenizer(directory) or load_tokenizer(qwen35_tokenizer_dir())
             # Seed 0 weights are a function of the config: a saved prefix cache serves the next dummy load
             identity = {"load_format": "dummy", "config": hashlib.sha256(config_file.read_bytes()).hexdigest()}
             name = config_file.stem if config_file.name != "config.json" else directory.name
         else:
-            config, params = load_checkpoint(directory, dtype=dtype, progress=progress)
+            # A tensor-parallel engine places each shard on its own device from host memory
+            config, params = load_checkpoint(directory, dtype=dtype, progress=progress,
+                                             host=options.tensor_parallel_size > 1)
             tokenizer = load_tokenizer(directory)
             config_file = directory / "config.json"
             tower = load_vision_checkpoint(directory, dtype=dtype) if has_vision_tower(config_file) else None

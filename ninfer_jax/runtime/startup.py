@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model.ops import KernelConfig
@@ -35,9 +36,9 @@ def is_hopper(device) -> bool:
     return device.platform == "gpu" and capability.split(".")[0] == "9"
 
 
-def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOptions:
+def resolve_options(options: EngineOptions, config: ModelConfig, share: DeviceShare | None = None) -> EngineOptions:
     """The options with every derived value filled in for this model on this process's first device (after the
-    weights are loaded: max_concurrency auto counts the memory they leave)."""
+    weights are loaded: max_concurrency auto counts the memory they leave, and `share`'s pending bytes)."""
     backend = jax.default_backend()
 
     def resolve(lanes: int | None) -> EngineOptions:
@@ -50,7 +51,8 @@ def resolve_options(options: EngineOptions, config: ModelConfig) -> EngineOption
         raise OptionsError("enable_expert_parallel needs a model with routed experts; this one is dense")
     if options.max_concurrency != "auto" or backend != "gpu":
         return resolve(None)
-    return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None))
+    return resolve(auto_lanes(config, resolve(1), snapshot_slots_given=options.device_snapshot_slots is not None,
+                              share=share or DeviceShare()))
 
 
 def usable_cpu_cores() -> int:
@@ -86,14 +88,42 @@ def device_budget(options: EngineOptions, fixed_bytes: int, activation_bytes: in
     return int((free - reserve) * options.memory_fraction)
 
 
-def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_given: bool) -> int:
+@dataclasses.dataclass(frozen=True)
+class DeviceShare:
+    """What one device of the engine's mesh holds: the fractions of a KV page and of a state slot (1 / N where
+    the attention's or the GDN's heads split over N devices), and weight bytes not yet on it (host-loaded params,
+    which the runner places after the pools are sized). One device: all of each, nothing pending."""
+
+    page: float = 1.0
+    slot: float = 1.0
+    pending_bytes: int = 0
+
+    def bytes(self, pages: int, page: int, slots: int, slot: int) -> int:
+        """One device's bytes of `pages` pages and `slots` slots of the given full sizes."""
+        return int(pages * page * self.page + slots * slot * self.slot)
+
+
+def device_share(config: ModelConfig, params: Params, options: EngineOptions) -> DeviceShare:
+    """The DeviceShare of an engine on `options`' mesh (`parallel_layout`) for these params."""
+    layout = parallel_layout(options)
+    if layout is None:
+        return DeviceShare()
+    page, slot = layout.pool_shares(config)
+    on_host = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+    return DeviceShare(page, slot, layout.device_bytes(params, config) if on_host else 0)
+
+
+def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_given: bool,
+               share: DeviceShare = DeviceShare()) -> int:
     """max_concurrency auto: the most lanes C, at most MAX_CONCURRENCY, whose C + D state slots and a KV pool of
-    AUTO_LANE_KV_TOKENS per lane (max_model_len if shorter; kv_capacity's pool when given) fit `device_budget`.
-    `options` is resolved with any lane count; D is its device_snapshot_slots when given, else the default rule."""
+    AUTO_LANE_KV_TOKENS per lane (max_model_len if shorter; kv_capacity's pool when given) fit `device_budget`
+    (one device's share of them, on a mesh). `options` is resolved with any lane count; D is its
+    device_snapshot_slots when given, else the default rule."""
     dtype = kv_dtype(options)
     per_slot = slot_bytes(config, dtype)
     per_page = max(1, page_bytes(config, dtype, options.kv_dtype, options.speculative == "mtp"))
-    budget = device_budget(options, 0, prefill_activation_bytes(config, options.idle_prefill_chunk, dtype))
+    budget = device_budget(options, share.pending_bytes,
+                           prefill_activation_bytes(config, options.idle_prefill_chunk, dtype))
     if budget is None:
         return CPU_CONCURRENCY
     host = options.host_cache_mib > 0 and not options.no_prefix_reuse
@@ -103,7 +133,7 @@ def auto_lanes(config: ModelConfig, options: EngineOptions, *, snapshot_slots_gi
             else snapshot_slots(lanes, host, options.no_prefix_reuse)
         pages = pages_for(max(lanes * per_lane, options.max_model_len) if options.kv_capacity == "auto"
                           else options.kv_capacity)
-        if (lanes + snapshots) * per_slot + pages * per_page <= budget and pages >= lanes:
+        if share.bytes(pages, per_page, lanes + snapshots, per_slot) <= budget and pages >= lanes:
             return lanes
     return 1
 
@@ -134,12 +164,12 @@ def auto_kv_tokens(options: EngineOptions, bytes_per_page: int, fixed_bytes: int
     usable = device_budget(options, fixed_bytes, activation_bytes)
     if usable is None:
         return options.max_concurrency * options.max_model_len
-    return max(PAGE, usable // bytes_per_page * PAGE)
+    return max(PAGE, usable // max(1, bytes_per_page) * PAGE)
 
 
-def size_pools(config: ModelConfig, options: EngineOptions) -> PoolSizes:
-    """Pages for kv_capacity tokens ("auto": what the device holds) and C + D state slots. Raises ValueError
-    when the pool cannot give every lane a page."""
+def size_pools(config: ModelConfig, options: EngineOptions, share: DeviceShare = DeviceShare()) -> PoolSizes:
+    """Pages for kv_capacity tokens ("auto": what the device holds, counting one device's share of each page and
+    slot on a mesh) and C + D state slots. Raises ValueError when the pool cannot give every lane a page."""
     dtype = kv_dtype(options)
     num_slots = options.max_concurrency + options.device_snapshot_slots
     per_slot = slot_bytes(config, dtype)
@@ -147,12 +177,26 @@ def size_pools(config: ModelConfig, options: EngineOptions) -> PoolSizes:
     tokens = options.kv_capacity
     if tokens == "auto":
         longest_pass = prefill_activation_bytes(config, options.idle_prefill_chunk, dtype)  # >= prefill_chunk
-        tokens = auto_kv_tokens(options, per_page, num_slots * per_slot, longest_pass)
+        tokens = auto_kv_tokens(options, share.bytes(1, per_page, 0, 0),
+                                share.pending_bytes + share.bytes(0, 0, num_slots, per_slot), longest_pass)
     num_pages = pages_for(tokens)
     if num_pages < options.max_concurrency:
         raise ValueError(f"kv_capacity {tokens} tokens gives {num_pages} pages, fewer than "
                          f"max_concurrency {options.max_concurrency}")
     return PoolSizes(num_pages, num_slots, per_page, per_slot)
+
+
+def parallel_layout(options: EngineOptions) -> ParallelLayout | None:
+    """The mesh of a tensor-parallel engine; None on one device."""
+    if options.tensor_parallel_size == 1:
+        return None
+    return ParallelLayout.over(options.tensor_parallel_size, options.enable_expert_parallel)
+
+
+def parallel_init(options: EngineOptions):
+    """`load_dummy`'s init: random weights made shard by shard on a tensor-parallel engine's mesh; else None."""
+    layout = parallel_layout(options)
+    return None if layout is None else layout.init_params
 
 
 def kernel_config(options: EngineOptions) -> KernelConfig:
@@ -202,15 +246,14 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     if o.speculative == "mtp" and params.mtp is None:
         raise OptionsError("speculative 'mtp' drafts with the checkpoint's MTP layer, and this checkpoint has none "
                            "(no mtp.* tensors); use 'ngram'")
-    sizes = size_pools(config, o)
+    sizes = size_pools(config, o, device_share(config, params, o))
     runner = ModelRunner(config, params, kernel_config(o), num_pages=sizes.num_pages, num_slots=sizes.num_slots,
                          max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
                          stop_ids=stop_ids, mtp=o.speculative == "mtp", mixed_tokens=o.mixed_prefill_tokens,
-                         layout=ParallelLayout.over(o.tensor_parallel_size, o.enable_expert_parallel)
-                         if o.tensor_parallel_size > 1 else None)
+                         layout=parallel_layout(o))
     if vision is not None:
         vcfg, vparams, patches = vision
         runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, patches)
@@ -221,7 +264,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     if runner.layout is not None:
         experts = (" | experts split across them" if o.enable_expert_parallel
                    else " | each expert's columns split" if config.is_moe else "")
-        log.info("tensor parallel | %d devices (GSPMD, reference kernels)%s", runner.layout.size, experts)
+        log.info("tensor parallel | %d devices (GSPMD; FFNs under shard_map, reference kernels)%s", runner.layout.size,
+                 experts)
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
              o.max_concurrency, o.device_snapshot_slots, sizes.state_bytes / 2**20)

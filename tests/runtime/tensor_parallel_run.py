@@ -4,7 +4,8 @@
 usage: python tests/runtime/tensor_parallel_run.py WORKDIR CHECKPOINT LAYOUTS [CHECKPOINT LAYOUTS ...]
 LAYOUTS: comma-separated tensor parallel sizes, ":ep" for expert parallel (e.g. 1,2,4,8,2:ep); the first is the
 reference. Prints one JSON line per layout: its stats' "parallel", the file's load outcome and, per turn, the
-tokens and cache record (an AssertionError from a ledger check fails the run).
+tokens and cache record (an AssertionError from a ledger check fails the run); then, for the last layout, whether
+random weights made on its mesh equal the one-device ones placed on it (`dummy_init`).
 
 One engine per layout, in order, on one prefix cache file: each loads the file the engine before it saved at its
 stop, so the file crosses layouts too. Layout k first resumes conversation C from that file, then serves its turn
@@ -81,6 +82,26 @@ def serve(checkpoint: str, cache_file: Path, layouts: list[str], k: int, prompts
     return result
 
 
+def dummy_init(checkpoint: str, layout: str) -> dict:
+    """Whether random weights made shard by shard on the layout's mesh (`ParallelLayout.init_params`, as a
+    load_format "dummy" engine makes them) equal the one-device ones placed by `place_params`, leaf by leaf."""
+    import jax
+
+    from ninfer_jax.model.loader import load_dummy
+    from ninfer_jax.runtime.device.sharding import ParallelLayout
+
+    tp, _, ep = layout.partition(":")
+    mesh = ParallelLayout.over(int(tp), expert_parallel=ep == "ep")
+    config = str(Path(checkpoint) / "config.json")
+    _, made, _ = load_dummy(config, "float32", init=mesh.init_params)
+    cfg, canonical, _ = load_dummy(config, "float32")
+    placed = mesh.place_params(canonical, cfg)
+    pairs = list(zip(jax.tree.leaves(made), jax.tree.leaves(placed)))
+    return {"layout": layout, "leaves": len(pairs),
+            "equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs),
+            "same_shardings": all(a.sharding == b.sharding for a, b in pairs)}
+
+
 def main(argv: list[str]) -> None:
     workdir, *groups = argv
     for checkpoint, layouts in zip(groups[::2], groups[1::2]):
@@ -92,6 +113,8 @@ def main(argv: list[str]) -> None:
             result = serve(checkpoint, cache_file, layouts, k, prompts)
             print(json.dumps({"checkpoint": Path(checkpoint).name, **result,
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+        print(json.dumps({"checkpoint": Path(checkpoint).name, "dummy_init": dummy_init(checkpoint, layouts[-1])}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -265,3 +265,41 @@ def test_auto_max_concurrency_takes_the_most_lanes_whose_slots_and_kv_fit_the_gp
     assert startup.resolve_options(EngineOptions(), cfg).max_concurrency == min(256, max(
         c for c in range(1, 300) if fits(c)))
     assert startup.resolve_options(EngineOptions(max_concurrency=8), cfg).max_concurrency == 8  # given: kept
+
+
+def test_a_mesh_sizes_its_pools_by_one_devices_share_and_the_weights_still_to_come(monkeypatch):
+    # Tensor parallel: each device holds 1 / N of a split page and slot, and host-loaded weights take their share
+    # of the device after the pools are sized, so the budget leaves room for them.
+    import jax
+    import jax.numpy as jnp
+
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
+    from ninfer_jax.runtime import startup
+
+    cfg = ModelConfig.from_file("configs/qwen3.5-27b.json")
+    gib = 2**30
+
+    class Device:
+        platform, compute_capability = "gpu", "9.0"
+
+        def memory_stats(self):
+            return {"bytes_limit": 140 * gib, "bytes_in_use": 20 * gib}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = startup.resolve_options(EngineOptions(max_concurrency=8), cfg)
+    slot, page = slot_bytes(cfg, jnp.bfloat16), page_bytes(cfg, jnp.bfloat16)
+    reserve = max(7 * gib, prefill_activation_bytes(cfg, options.idle_prefill_chunk, jnp.bfloat16))
+    slots = options.max_concurrency + options.device_snapshot_slots
+
+    def pages(share, pending):  # the rule: the budget after the pending weights and the slots' share, in pages
+        budget = int((140 * gib - 20 * gib - pending - int(slots * slot * share) - reserve) * 0.9)
+        return budget // int(page * share) * PAGE // PAGE
+
+    alone = startup.size_pools(cfg, options)
+    halves = startup.size_pools(cfg, options, startup.DeviceShare(0.5, 0.5, 0))
+    pending = startup.size_pools(cfg, options, startup.DeviceShare(0.5, 0.5, 25 * gib))
+    assert alone.num_pages == pages(1.0, 0) and halves.num_pages == pages(0.5, 0)
+    assert pending.num_pages == pages(0.5, 25 * gib) < halves.num_pages < 2.2 * alone.num_pages
+    assert halves.page_bytes == alone.page_bytes == page  # a page's bytes stay the whole page's (the Host slab's)

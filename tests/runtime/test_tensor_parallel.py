@@ -46,10 +46,18 @@ def served(checkpoint_factory, tmp_path_factory):
     return records
 
 
+def test_random_weights_made_on_the_mesh_equal_the_placed_one_device_weights(served):
+    # load_format "dummy" on a mesh makes each device's shards in place (a 397B-A17B never lands on one device)
+    for preset, records in served.items():
+        made = records[-1]["dummy_init"]
+        assert made["layout"] == LAYOUTS[preset].split(",")[-1]
+        assert made["leaves"] > 20 and made["equal"] and made["same_shardings"], made
+
+
 @pytest.mark.parametrize("preset", sorted(LAYOUTS))
 def test_every_layout_gives_the_one_device_tokens_through_device_host_and_file_resumes(served, preset):
-    reference, *layouts = served[preset]
-    assert [r["layout"] for r in served[preset]] == LAYOUTS[preset].split(",")
+    reference, *layouts = served[preset][:-1]  # the last record is dummy_init's
+    assert [r["layout"] for r in served[preset][:-1]] == LAYOUTS[preset].split(",")
     assert reference["parallel"] == {"tensor_parallel_size": 1, "expert_parallel": False, "devices": ["cpu:0"]}
     for k, record in enumerate(layouts, 1):
         tp, _, ep = record["layout"].partition(":")

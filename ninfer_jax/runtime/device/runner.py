@@ -16,6 +16,7 @@ and never move a padding row.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -352,6 +353,7 @@ class ModelRunner:
         self.layout = layout
         if layout is not None:
             params = layout.place_params(params, cfg)
+            kernels = dataclasses.replace(kernels, spmd=layout.spmd)
         self.cfg, self.params, self.kernels = cfg, params, kernels
         self.max_pages = -(-max_model_len // PAGE)
         self.buckets = prefill_buckets(prefill_chunk)

@@ -1,6 +1,7 @@
-"""Tensor and expert parallelism the GSPMD way: a Mesh over the first N devices (axis "tp") and a PartitionSpec per
-param leaf and per pool. The arrays carry their NamedShardings into the jitted steps, and XLA partitions the steps
-and inserts the collectives; the step functions are the single-device ones.
+"""Tensor and expert parallelism: a Mesh over the first N devices (axis "tp") and a PartitionSpec per param leaf and
+per pool. The arrays carry their NamedShardings into the jitted steps, and XLA partitions the steps and inserts the
+collectives; the step functions are the single-device ones, except the FFNs, which run per device under shard_map
+(`model/spmd.py`: each device's slice, one psum).
 
 What is split (a mixer whose head counts the mesh size does not all divide stays replicated whole, weights and
 pools, as does any other axis it does not divide; vLLM likewise replicates KV heads past their count):
@@ -10,9 +11,10 @@ pools, as does any other axis it does not divide; vLLM likewise replicates KV he
                                                     by query head; both when N divides the query and KV heads
   GDN in_proj columns, conv_w channels              fused [qkv | z | b | a] cut in N contiguous pieces, likewise
   GDN out_proj rows, A_log and dt_bias              by value head; all when N divides the key and value heads
-  MLP and shared-expert gate_up columns, down rows  the intermediate axis
+  MLP and shared-expert gate_up columns, down rows  the intermediate axis, gate_up's columns reordered so that each
+                                                    device's slice is [gate_i | up_i] (`spmd.shard_gate_up`)
   MoE gate_up [E, H, 2I], down [E, I, H]            the expert axis with expert parallel, else each expert's
-                                                    intermediate axis
+                                                    intermediate axis, likewise; an FFN splits whole or not at all
   KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights
   ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head, by channel, as the GDN's weights
 Norms, the router, the shared-expert gate and block-FP8 weights (their scales' block grid) stay replicated.
@@ -21,6 +23,7 @@ Norms, the router, the shared-expert gate and block-FP8 weights (their scales' b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -28,16 +31,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model.params import (AttnParams, ConcatWeight, GDNParams, LayerParams, MLPParams, MoEParams,
-                                     MTPParams, Params, QuantizedWeight)
+from ninfer_jax.model.params import (AttnParams, ConcatWeight, GDNParams, LayerParams, MTPParams, Params,
+                                     QuantizedWeight)
+from ninfer_jax.model.spmd import AXIS, REPLICATED, Spmd, place_ffn
 from ninfer_jax.model.state import DeviceState
 
-AXIS = "tp"
-REPLICATED = PartitionSpec()
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
+
+
+def device_bytes(shapes, specs, size: int) -> int:
+    """Bytes one of `size` devices holds of `shapes` (arrays or their shapes) laid out by `specs`."""
+    def one(spec, leaf):
+        split = size if any(a == AXIS for a in spec) else 1
+        return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // split
+    return sum(jax.tree.leaves(jax.tree.map(one, specs, shapes, is_leaf=_is_spec)))
 
 
 def attention_heads(cfg: ModelConfig) -> int:
@@ -90,15 +100,10 @@ class ParallelLayout:
             return jax.tree.map(lambda _: REPLICATED, w)
         return self.split(w.shape, axis, units)
 
-    def _mlp(self, p: MLPParams) -> MLPParams:
-        return MLPParams(gate_up=self._weight(p.gate_up, 1), down=self._weight(p.down, 0))
-
-    def _ffn(self, p):
-        if isinstance(p, MLPParams):
-            return self._mlp(p)
-        gate_up_axis, down_axis = (0, 0) if self.expert_parallel else (2, 1)  # [E, H, 2I], [E, I, H]
-        return MoEParams(router=REPLICATED, gate_up=self._weight(p.gate_up, gate_up_axis),
-                         down=self._weight(p.down, down_axis), shared=self._mlp(p.shared), shared_gate=REPLICATED)
+    @property
+    def spmd(self) -> Spmd:
+        """The mesh of the model's explicit SPMD blocks (the FFNs)."""
+        return Spmd(self.mesh, self.expert_parallel)
 
     def _mixer(self, p, cfg: ModelConfig):
         if isinstance(p, AttnParams):
@@ -112,7 +117,7 @@ class ParallelLayout:
 
     def _layer(self, p: LayerParams, cfg: ModelConfig) -> LayerParams:
         return LayerParams(input_norm=REPLICATED, post_norm=REPLICATED, mixer=self._mixer(p.mixer, cfg),
-                           ffn=self._ffn(p.ffn))
+                           ffn=self.spmd.ffn_specs(p.ffn))
 
     def param_specs(self, params: Params, cfg: ModelConfig) -> Params:
         """A Params-shaped pytree of PartitionSpecs."""
@@ -125,8 +130,39 @@ class ParallelLayout:
                       final_norm=REPLICATED, lm_head=lm_head, mtp=mtp)
 
     def place_params(self, params: Params, cfg: ModelConfig) -> Params:
-        """The params moved onto the mesh, each leaf with its NamedSharding."""
-        return jax.device_put(params, self.shardings(self.param_specs(params, cfg)))
+        """The params moved onto the mesh, each leaf with its NamedSharding and each split FFN's gate_up in the
+        order its SPMD block reads (`spmd.place_ffn`), layer by layer: host (numpy) weights reach each device as
+        its shards only. Params already on this mesh (`init_params`) are taken as placed."""
+        if isinstance(params.embed, jax.Array) and getattr(params.embed.sharding, "mesh", None) == self.mesh:
+            return params
+        specs = self.shardings(self.param_specs(params, cfg))
+
+        def layer(p: LayerParams, s: LayerParams) -> LayerParams:
+            if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(p.ffn)):
+                ffn = jax.device_put(place_ffn(self.spmd, p.ffn), s.ffn)
+            else:
+                ffn = jax.jit(functools.partial(place_ffn, self.spmd), out_shardings=s.ffn)(p.ffn)
+            return jax.device_put(p.replace(ffn=ffn), s)
+
+        mtp = params.mtp
+        if mtp is not None:
+            mtp = jax.device_put(mtp.replace(layer=layer(mtp.layer, specs.mtp.layer)), specs.mtp)
+        layers = tuple(layer(p, s) for p, s in zip(params.layers, specs.layers))
+        rest = jax.device_put(params.replace(layers=(), mtp=None), specs.replace(layers=(), mtp=None))
+        return rest.replace(layers=layers, mtp=mtp)
+
+    def init_params(self, make, cfg: ModelConfig) -> Params:
+        """Params made by `make()` (traced: random weights) straight onto the mesh, in `place_params`' layout,
+        so no device ever holds more than its own shards."""
+        specs = self.shardings(self.param_specs(jax.eval_shape(make), cfg))
+
+        def placed():
+            params = make()
+            return params.replace(layers=tuple(p.replace(ffn=place_ffn(self.spmd, p.ffn)) for p in params.layers),
+                                  mtp=None if params.mtp is None else params.mtp.replace(
+                                      layer=params.mtp.layer.replace(ffn=place_ffn(self.spmd, params.mtp.layer.ffn))))
+
+        return jax.jit(placed, out_shardings=specs)()
 
     # --- pools -----------------------------------------------------------------------------------
     def state_specs(self, state: DeviceState, cfg: ModelConfig) -> DeviceState:
@@ -139,6 +175,16 @@ class ParallelLayout:
         return DeviceState(k_pages=jax.tree.map(by(2, attn), state.k_pages),
                            v_pages=jax.tree.map(by(2, attn), state.v_pages),
                            ssm=jax.tree.map(by(1, gdn), state.ssm), conv=jax.tree.map(by(2, gdn), state.conv))
+
+    def pool_shares(self, cfg: ModelConfig) -> tuple[float, float]:
+        """The fractions of a KV page and of a state slot one device holds (`state_specs`' splits)."""
+        def share(heads: int) -> float:
+            return 1.0 / self.size if heads % self.size == 0 else 1.0
+        return share(attention_heads(cfg)), share(gdn_heads(cfg))
+
+    def device_bytes(self, params: Params, cfg: ModelConfig) -> int:
+        """The weight bytes one device holds once `place_params` placed them."""
+        return device_bytes(params, self.param_specs(params, cfg), self.size)
 
     def replicate(self, tree):
         """Small device arrays every shard reads (the sampler's state, the MTP carry, the media rows)."""
