@@ -49,7 +49,7 @@ def bench_ours(name: str, args) -> dict:
 
     from ninfer_jax import SamplingParams
     from ninfer_jax.benchmarks.models import random_engine
-    from ninfer_jax.benchmarks.wide_decode import run_wave, wave_tokens
+    from ninfer_jax.benchmarks.wide_decode import default_pass_tokens, engine_pass_tokens, run_wave, wave_tokens
     from ninfer_jax.model.state import prefill_activation_bytes
 
     cfg = model_config(name)
@@ -58,7 +58,8 @@ def bench_ours(name: str, args) -> dict:
     total, active, decode_bytes = param_counts(cfg, fp8=fp8)
     sizes = SMOKE if args.smoke else FULL
     max_model_len = max(sizes["max_model_len"], args.decode_context + 64 + wave_tokens(
-        cfg, max(sizes["lanes"]), args.decode_context, args.decode_tokens, args.prefill_chunk))
+        cfg, max(sizes["lanes"]), args.decode_context, args.decode_tokens,
+        default_pass_tokens(cfg, args.prefill_chunk)))
     engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
                                    **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
                                    max_concurrency=sizes["max_concurrency"], prefill_chunk=args.prefill_chunk,
@@ -104,7 +105,7 @@ def bench_ours(name: str, args) -> dict:
 
     def time_decode(lanes: int, sampling: SamplingParams, suffix: str = "") -> None:
         prompts = [rng.integers(0, cfg.vocab_size, args.decode_context).tolist() for _ in range(lanes)]
-        tokens = wave_tokens(cfg, lanes, args.decode_context, args.decode_tokens, chunk)
+        tokens = wave_tokens(cfg, lanes, args.decode_context, args.decode_tokens, engine_pass_tokens(engine))
         wave = run_wave(engine, prompts, dataclasses.replace(sampling, max_tokens=tokens))
         # The worker's seconds by phase over these requests, per decode round: round_dispatch and round_read are
         # the decode's host time (the read includes waiting for the device); the prefill phases are the prompts'.

@@ -54,7 +54,7 @@ def memory_plan(cfg, lanes: int, args, weight_bytes: int) -> dict:
     `startup.device_budget` leaves (None on a backend that reports no memory: a CPU)."""
     import jax.numpy as jnp
 
-    from ninfer_jax.benchmarks.wide_decode import wave_tokens
+    from ninfer_jax.benchmarks.wide_decode import default_pass_tokens, wave_tokens
     from ninfer_jax.model.state import (
         PAGE,
         page_bytes,
@@ -66,7 +66,7 @@ def memory_plan(cfg, lanes: int, args, weight_bytes: int) -> dict:
     from ninfer_jax.runtime.startup import device_budget
 
     context = args.decode_context + wave_tokens(cfg, lanes, args.decode_context, args.decode_tokens,
-                                                args.prefill_chunk)
+                                                default_pass_tokens(cfg, args.prefill_chunk))
     max_model_len = pages_for(context + 2) * PAGE
     pages = lanes * pages_for(context) + 8  # 8 spare: a snapshot's tail page
     slots = lanes + args.device_snapshot_slots
@@ -88,7 +88,7 @@ def bench(name: str, args) -> dict:
 
     from ninfer_jax import SamplingParams
     from ninfer_jax.benchmarks.models import random_engine
-    from ninfer_jax.benchmarks.wide_decode import round_roofline, run_wave, wave_tokens
+    from ninfer_jax.benchmarks.wide_decode import engine_pass_tokens, round_roofline, run_wave, wave_tokens
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.model.state import slot_bytes
 
@@ -147,7 +147,7 @@ def bench(name: str, args) -> dict:
                  f"{args.deadline:.0f} s")
             continue
         sampling = SamplingParams(max_tokens=wave_tokens(cfg, n, args.decode_context, args.decode_tokens,
-                                                         args.prefill_chunk), temperature=0, ignore_eos=True)
+                                                         engine_pass_tokens(engine)), temperature=0, ignore_eos=True)
         try:
             waves = [run_wave(engine, [rng.integers(0, cfg.vocab_size, args.decode_context).tolist()
                                        for _ in range(n)], sampling) for _ in range(2)]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ninfer_jax.benchmarks.models import weight_parts
 from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
-from ninfer_jax.runtime.options import DENSE_PREFILL_CHUNK, MOE_PREFILL_CHUNK
+from ninfer_jax.runtime.options import DENSE_MIXED_TOKENS, DENSE_PREFILL_CHUNK, MOE_MIXED_TOKENS, MOE_PREFILL_CHUNK
 
 BF16_BYTES = 2
 
@@ -71,13 +71,27 @@ def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float) 
                          "bytes" if by_bytes >= by_flops else "flops")
 
 
-def wave_tokens(cfg, lanes: int, context: int, rounds: int, prefill_chunk: int | None = None) -> int:
+def wave_tokens(cfg, lanes: int, context: int, rounds: int, pass_tokens: int | None = None) -> int:
     """Tokens each lane of a wave asks so that about `rounds` rounds run all `lanes` lanes: a lane decodes one token
     a step from its first token on, and the last lane's prompt ends (lanes - 1) x its passes later (one pass a step,
-    at most ceil(context / chunk) each, the chunk given or the engine's default). 4 spare: 3 more rounds when
-    admission keeps pace, fewer when a prompt arrives after the passes before it ran."""
+    ceil(context / pass_tokens) each). pass_tokens: a prompt's pass while other lanes decode (the engine's
+    `mixed_prefill_tokens`, or its prefill chunk where steps do not mix); None: a GPU engine's default, the mixed
+    pass. 4 spare: 3 more rounds when admission keeps pace, fewer when a prompt arrives after the passes before it
+    ran."""
+    pass_tokens = pass_tokens or default_pass_tokens(cfg)
+    return (lanes - 1) * -(-context // pass_tokens) + rounds + 4
+
+
+def default_pass_tokens(cfg, prefill_chunk: int | None = None) -> int:
+    """A GPU engine's pass beside decoding lanes, before it starts: its mixed pass, at most `prefill_chunk` (on a
+    CPU, which does not mix, this undercounts the pass and so asks more tokens than needed, never fewer)."""
     chunk = prefill_chunk or (MOE_PREFILL_CHUNK if cfg.is_moe else DENSE_PREFILL_CHUNK)
-    return (lanes - 1) * -(-context // chunk) + rounds + 4
+    return min(MOE_MIXED_TOKENS if cfg.is_moe else DENSE_MIXED_TOKENS, chunk)
+
+
+def engine_pass_tokens(engine) -> int:
+    """`wave_tokens`' pass_tokens of a running engine."""
+    return engine.options.mixed_prefill_tokens or engine.options.prefill_chunk
 
 
 @dataclasses.dataclass(frozen=True)
