@@ -38,14 +38,17 @@ def main() -> None:
         " `--enable-expert-parallel`), reference kernels, bf16 weights and KV; compiled for CPU host devices, whose "
         "collectives are XLA's partitioner's choices (a GPU compile may fuse or schedule them differently, never "
         "remove them)",
-        "weights: every param a device holds, the MTP layer included; page: one 64-token KV page of every attention "
+        "weights: every param a device holds, the MTP layer included, bf16 and as Qwen's block-FP8 packs hold them "
+        "(projections and experts FP8 with their scales); page: one 64-token KV page of every attention "
         "layer; slot: one GDN state slot (ssm f32 + conv) of every GDN layer",
         "collectives: ops and bytes of their results per round, the whole layer stack (one- and two-period compiles "
         "extrapolated exactly: `sharding_report.decode_collectives`)")
     page += report.table(
-        ["model", "TP", "EP", "weights GiB / device", "page KiB / device", "slot MiB / device",
+        ["model", "TP", "EP", "weights GiB / device", "FP8 weights GiB / device", "page KiB / device",
+         "slot MiB / device",
          *[f"{k} ops (MiB)" for k in COLLECTIVES], "compile s"],
-        [[r["model"], r["tp"], "yes" if r["ep"] else "", f"{r['weights'] / gib:.1f}", f"{r['page'] / 2**10:.0f}",
+        [[r["model"], r["tp"], "yes" if r["ep"] else "", f"{r['weights'] / gib:.1f}", f"{r['weights_fp8'] / gib:.1f}",
+          f"{r['page'] / 2**10:.0f}",
           f"{r['slot'] / mib:.1f}",
           *[f"{c['ops']} ({c['bytes'] / mib:.2f})" if (c := r["collectives"].get(k)) else "" for k in COLLECTIVES],
           f"{r['compile_s']:.1f}"] for r in rows])

@@ -99,14 +99,15 @@ def memory(cfg: ModelConfig, layout: ParallelLayout, weights: str = "bf16") -> d
 
 
 def report(models: dict[str, ModelConfig], sizes: list[int], rows: list[int], max_pages: int = 512) -> list[dict]:
-    """One row per (model, mesh size, expert parallel, round rows): memory per device and the round's collectives.
+    """One row per (model, mesh size, expert parallel, round rows): memory per device (the weights bf16 and as
+    Qwen's block-FP8 packs hold them) and the round's collectives.
     Needs as many jax devices as the largest size (XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU)."""
     out = []
     for name, cfg in models.items():
         for size in sizes:
             for ep in ([False, True] if cfg.is_moe and size > 1 else [False]):
                 layout = ParallelLayout.over(size, expert_parallel=ep)
-                mem = memory(cfg, layout)
+                mem = {**memory(cfg, layout), "weights_fp8": memory(cfg, layout, "fp8")["weights"]}
                 for r in rows:
                     out.append({"model": name, "tp": size, "ep": ep, "rows": r, **mem,
                                 **decode_collectives(cfg, layout, r, max_pages)})
@@ -117,7 +118,8 @@ def report(models: dict[str, ModelConfig], sizes: list[int], rows: list[int], ma
 def _line(row: dict) -> str:
     coll = ", ".join(f"{k} {v['ops']} ({v['bytes'] / 2**20:.2f} MiB)" for k, v in row["collectives"].items())
     return (f"{row['model']} TP {row['tp']}{' EP' if row['ep'] else ''} {row['rows']} rows: weights "
-            f"{row['weights'] / 2**30:.1f} GiB a device, a page {row['page'] / 2**10:.0f} KiB, a slot "
+            f"{row['weights'] / 2**30:.1f} GiB a device ({row['weights_fp8'] / 2**30:.1f} FP8), a page "
+            f"{row['page'] / 2**10:.0f} KiB, a slot "
             f"{row['slot'] / 2**20:.1f} MiB; collectives per round: {coll or 'none'} "
             f"(compiled in {row['compile_s']:.1f} s)")
 

@@ -129,8 +129,13 @@ def _mlp_act(p: MLPParams, x, kc: KernelConfig):
 
 def mlp(p: MLPParams, x, kc: KernelConfig):
     if kc.spmd is not None and kc.spmd.splits_ffn(p):  # each device's partial down-projection, summed in f32
-        return kc.spmd.ffn(p, x, lambda p, x, _: jnp.dot(_mlp_act(p, x, kc), p.down,
-                                                         preferred_element_type=jnp.float32)).astype(x.dtype)
+        def partial(p, x, _):
+            act = _mlp_act(p, x, kc)
+            if ops.is_quantized(p.down):
+                return ops.quantized_dot(kc, act, p.down).astype(F32)
+            return jnp.dot(act, p.down, preferred_element_type=F32)
+
+        return kc.spmd.ffn(p, x, partial).astype(x.dtype)
     return dot(kc, _mlp_act(p, x, kc), p.down, to_norm=True)
 
 

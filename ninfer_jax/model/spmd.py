@@ -1,6 +1,7 @@
 """The model's explicit SPMD blocks: on a tensor-parallel mesh an FFN runs per device under `shard_map` on its own
 slice (the intermediate axis, or with expert parallel its experts) and sums the devices' partial outputs with one
-f32 psum, where XLA's partitioner, left alone, moved each token's expert weights between devices.
+f32 psum, where XLA's partitioner, left alone, moved each token's expert weights between devices. Block-FP8
+weights split too where each device's slice is whole 128-blocks.
 
 A split FFN's fused `gate_up` holds each device's gate and up columns side by side ([gate_0 | up_0 | gate_1 | ...],
 `shard_gate_up`), so that a device's contiguous slice is the single-device layout at I / N."""
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ninfer_jax.model.params import MLPParams, MoEParams, QuantizedWeight, ConcatWeight
+from ninfer_jax.model.params import FP8_BLOCK, ConcatWeight, MLPParams, MoEParams, QuantizedWeight
 
 AXIS = "tp"
 REPLICATED = PartitionSpec()
@@ -36,19 +37,23 @@ class Spmd:
         return self.mesh.size
 
     def splits_ffn(self, p) -> bool:
-        """Whether an FFN (MLPParams or MoEParams) is split: every one of its big weights is plain (block-FP8 ones
-        stay whole: their 128-blocks) and the mesh divides the axis it splits on. Otherwise it runs whole on every
-        device."""
+        """Whether an FFN (MLPParams or MoEParams) is split: the mesh divides every big weight's split axis, into
+        whole 128-blocks for a block-FP8 weight's intermediate axis (a ConcatWeight stays whole). Otherwise the FFN
+        runs whole on every device."""
         mlps = [p] if isinstance(p, MLPParams) else [p.shared]
-        weights = [w for m in mlps for w in (m.gate_up, m.down)]
+        pieces = [(w, m.down.shape[0], True) for m in mlps for w in (m.gate_up, m.down)]  # weight, units, blocked
         if isinstance(p, MoEParams):
-            weights += [p.gate_up, p.down]
-            units = p.gate_up.shape[0] if self.expert_parallel else p.down.shape[1]
-        else:
-            units = p.down.shape[0]
-        if any(isinstance(w, (QuantizedWeight, ConcatWeight)) for w in weights):
+            if self.expert_parallel:
+                pieces += [(w, w.shape[0], False) for w in (p.gate_up, p.down)]
+            else:
+                pieces += [(w, p.down.shape[1], True) for w in (p.gate_up, p.down)]
+        return all(self._divides(w, units, blocked) for w, units, blocked in pieces)
+
+    def _divides(self, w, units: int, blocked: bool) -> bool:
+        if isinstance(w, ConcatWeight):
             return False
-        return units % self.size == 0 and all(m.down.shape[0] % self.size == 0 for m in mlps)
+        block = FP8_BLOCK if blocked and isinstance(w, QuantizedWeight) else 1
+        return units % (self.size * block) == 0
 
     def ffn_specs(self, p):
         """The PartitionSpecs of an FFN's params (the placement's and the shard_map's)."""
@@ -56,13 +61,13 @@ class Spmd:
             return jax.tree.map(lambda _: REPLICATED, p)
 
         def mlp(m: MLPParams) -> MLPParams:  # [H, 2I] columns, [I, H] rows
-            return MLPParams(gate_up=_on(1), down=_on(0))
+            return MLPParams(gate_up=_split(m.gate_up, 1), down=_split(m.down, 0))
 
         if isinstance(p, MLPParams):
             return mlp(p)
-        experts = (_on(0), _on(0)) if self.expert_parallel else (_on(2), _on(1))  # [E, H, 2I], [E, I, H]
-        return MoEParams(router=REPLICATED, gate_up=experts[0], down=experts[1], shared=mlp(p.shared),
-                         shared_gate=REPLICATED)
+        axes = (0, 0) if self.expert_parallel else (2, 1)  # [E, H, 2I], [E, I, H]
+        return MoEParams(router=REPLICATED, gate_up=_split(p.gate_up, axes[0]), down=_split(p.down, axes[1]),
+                         shared=mlp(p.shared), shared_gate=REPLICATED)
 
     def ffn(self, p, x, local):
         """local(p, x, expert_offset) -> f32 [T, H], the FFN on one device's slice (expert_offset: its first
@@ -75,6 +80,22 @@ class Spmd:
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.ffn_specs(p), REPLICATED),
                              out_specs=REPLICATED)(p, x)
+
+
+def _stored_axis(w, axis: int) -> int:
+    """A weight's axis in its x @ w shape [..., K, N] -> the axis of its stored arrays (a QuantizedWeight keeps the
+    checkpoint's [..., N, K], and its scales the same order)."""
+    if not isinstance(w, QuantizedWeight) or axis < len(w.shape) - 2:
+        return axis
+    return len(w.shape) - 1 if axis == len(w.shape) - 2 else len(w.shape) - 2
+
+
+def _split(w, axis: int):
+    """The spec of a weight split on `axis` of its x @ w shape."""
+    if isinstance(w, QuantizedWeight):
+        spec = _on(_stored_axis(w, axis))
+        return QuantizedWeight(values=spec, scales=spec)
+    return _on(axis)
 
 
 def shard_gate_up(w, axis: int, size: int):
@@ -92,12 +113,19 @@ def place_ffn(spmd: Spmd, p):
     if not spmd.splits_ffn(p):
         return p
 
+    def reorder(w, axis: int):  # a block-FP8 weight's values and scales alike: its halves are whole blocks
+        if isinstance(w, QuantizedWeight):
+            axis = _stored_axis(w, axis)
+            return w.replace(values=shard_gate_up(w.values, axis, spmd.size),
+                             scales=shard_gate_up(w.scales, axis, spmd.size))
+        return shard_gate_up(w, axis, spmd.size)
+
     def mlp(m: MLPParams) -> MLPParams:
-        return m.replace(gate_up=shard_gate_up(m.gate_up, 1, spmd.size))
+        return m.replace(gate_up=reorder(m.gate_up, 1))
 
     if isinstance(p, MLPParams):
         return mlp(p)
-    gate_up = p.gate_up if spmd.expert_parallel else shard_gate_up(p.gate_up, 2, spmd.size)
+    gate_up = p.gate_up if spmd.expert_parallel else reorder(p.gate_up, 2)
     return p.replace(gate_up=gate_up, shared=mlp(p.shared))
 
 

@@ -15,34 +15,54 @@ import pytest
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
+from ninfer_jax.model.tiny import write_random_checkpoint
 from oracle import oracle_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # The reference first. TP 2 splits every mixer; at TP 4 and 8 the tiny models' mixers stay replicated (2 KV heads,
 # 2 GDN key heads) while the MLP columns, expert columns and vocabulary split: the MoE skips TP 4, whose paths its
-# TP 8 takes, and adds expert parallel.
-LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep"}
+# TP 8 takes, and adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate
+# sizes of 256: one 128-block per device and half).
+LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep"}
+
+
+def _checkpoint(checkpoint_factory, tmp_path_factory, name: str) -> Path:
+    # one GDN and one attention layer reach every path that more do
+    shape = {"num_hidden_layers": 2, "full_attention_interval": 2}
+    if not name.endswith("-fp8"):
+        return checkpoint_factory(name, "text", seed=7, **shape)
+    preset = name.removesuffix("-fp8")
+    if preset == "tiny-moe":
+        shape.update(moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    return write_random_checkpoint(tmp_path_factory.mktemp(name), oracle_config(preset, "text", **shape), seed=7,
+                                   fp8=True)
 
 
 @pytest.fixture(scope="module")
 def served(checkpoint_factory, tmp_path_factory):
-    """Each layout's JSON record (`tensor_parallel_run.py`), by checkpoint, in layout order. The two chains run in
-    processes of their own at once: each is mostly one thread compiling."""
+    """Each layout's JSON record (`tensor_parallel_run.py`), by checkpoint, in layout order, then its dummy_init
+    record. Two processes at once (each is mostly one thread compiling), a preset's FP8 pack after it."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
-    runs = {}
-    for preset, layouts in LAYOUTS.items():
-        # one GDN and one attention layer reach every path that more do
-        checkpoint = checkpoint_factory(preset, "text", seed=7, num_hidden_layers=2, full_attention_interval=2)
-        runs[preset] = subprocess.Popen(
+    runs, names = [], {}
+    for preset in ("tiny-dense", "tiny-moe"):
+        groups = []
+        for name in (preset, f"{preset}-fp8"):
+            checkpoint = _checkpoint(checkpoint_factory, tmp_path_factory, name)
+            names[checkpoint.name] = name
+            groups += [str(checkpoint), LAYOUTS[name]]
+        runs.append(subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("tensor_parallel_run.py")),
-             str(tmp_path_factory.mktemp("tp")), str(checkpoint), layouts],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    records: dict[str, list[dict]] = {}
-    for preset, run in runs.items():
+             str(tmp_path_factory.mktemp("tp")), *groups],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    records: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
+    for run in runs:
         out, err = run.communicate(timeout=900)
         assert run.returncode == 0, err[-3000:]
-        records[preset] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        for line in out.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                records[names[record["checkpoint"]]].append(record)
     return records
 
 

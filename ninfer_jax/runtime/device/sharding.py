@@ -17,7 +17,8 @@ pools, as does any other axis it does not divide; vLLM likewise replicates KV he
                                                     intermediate axis, likewise; an FFN splits whole or not at all
   KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights
   ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head, by channel, as the GDN's weights
-Norms, the router, the shared-expert gate and block-FP8 weights (their scales' block grid) stay replicated.
+Norms, the router, the shared-expert gate and the mixers' block-FP8 weights (their scales' block grid) stay
+replicated; an FFN's block-FP8 weights split where each device's slice is whole 128-blocks.
 """
 
 from __future__ import annotations
