@@ -129,7 +129,7 @@ def _mlp_act(p: MLPParams, x, kc: KernelConfig):
 
 def mlp(p: MLPParams, x, kc: KernelConfig):
     if kc.spmd is not None and kc.spmd.splits_ffn(p):  # each device's partial down-projection, summed in f32
-        def partial(p, x, _):
+        def partial(p, x, *_):
             act = _mlp_act(p, x, kc)
             if ops.is_quantized(p.down):
                 return ops.quantized_dot(kc, act, p.down).astype(F32)
@@ -140,10 +140,12 @@ def mlp(p: MLPParams, x, kc: KernelConfig):
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
-    def experts(p, x, expert_offset):  # f32
+    def experts(p, x, expert_offset=None, shared_weight=None):  # f32
         ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
         if expert_offset is not None:
             ids, weights = spmd.local_experts(ids, weights, expert_offset, p.gate_up.shape[0])
+        if shared_weight is not None:  # a shared expert whole on every device counts on one
+            gate = gate * shared_weight
         # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
         # kernels (docs/kernels_notes.md).
         shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
@@ -151,7 +153,7 @@ def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
 
     if kc.spmd is not None and kc.spmd.splits_ffn(p):
         return kc.spmd.ffn(p, x, experts).astype(x.dtype)
-    return experts(p, x, None).astype(x.dtype)
+    return experts(p, x).astype(x.dtype)
 
 
 def ffn(p, x, cfg, kc):

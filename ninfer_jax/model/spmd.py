@@ -40,14 +40,19 @@ class Spmd:
         """Whether an FFN (MLPParams or MoEParams) is split: the mesh divides every big weight's split axis, into
         whole 128-blocks for a block-FP8 weight's intermediate axis (a ConcatWeight stays whole). Otherwise the FFN
         runs whole on every device."""
-        mlps = [p] if isinstance(p, MLPParams) else [p.shared]
-        pieces = [(w, m.down.shape[0], True) for m in mlps for w in (m.gate_up, m.down)]  # weight, units, blocked
-        if isinstance(p, MoEParams):
-            if self.expert_parallel:
-                pieces += [(w, w.shape[0], False) for w in (p.gate_up, p.down)]
-            else:
-                pieces += [(w, p.down.shape[1], True) for w in (p.gate_up, p.down)]
-        return all(self._divides(w, units, blocked) for w, units, blocked in pieces)
+        if isinstance(p, MLPParams):
+            return self._splits_mlp(p)
+        if self.expert_parallel:  # the shared expert may stay whole (`shared_splits`)
+            return all(self._divides(w, w.shape[0], False) for w in (p.gate_up, p.down))
+        return self._splits_mlp(p.shared) and all(self._divides(w, p.down.shape[1], True) for w in (p.gate_up, p.down))
+
+    def shared_splits(self, p: MoEParams) -> bool:
+        """Whether a split MoE's shared expert splits too; where it does not (expert parallel with a shared
+        expert narrower than a block-FP8 split allows) it runs whole on every device, weighed on the first only."""
+        return self._splits_mlp(p.shared)
+
+    def _splits_mlp(self, m: MLPParams) -> bool:
+        return all(self._divides(w, m.down.shape[0], True) for w in (m.gate_up, m.down))
 
     def _divides(self, w, units: int, blocked: bool) -> bool:
         if isinstance(w, ConcatWeight):
@@ -66,17 +71,25 @@ class Spmd:
         if isinstance(p, MLPParams):
             return mlp(p)
         axes = (0, 0) if self.expert_parallel else (2, 1)  # [E, H, 2I], [E, I, H]
+        shared = mlp(p.shared) if self.shared_splits(p) else jax.tree.map(lambda _: REPLICATED, p.shared)
         return MoEParams(router=REPLICATED, gate_up=_split(p.gate_up, axes[0]), down=_split(p.down, axes[1]),
-                         shared=mlp(p.shared), shared_gate=REPLICATED)
+                         shared=shared, shared_gate=REPLICATED)
 
     def ffn(self, p, x, local):
-        """local(p, x, expert_offset) -> f32 [T, H], the FFN on one device's slice (expert_offset: its first
-        expert's index with expert parallel, else None); run per device and summed. x replicated."""
+        """local(p, x, expert_offset, shared_weight) -> f32 [T, H], the FFN on one device's slice (expert_offset: its
+        first expert's index with expert parallel, else None; shared_weight: None, or where the shared expert runs
+        whole on every device 1 on the first and 0 elsewhere); run per device and summed. x replicated."""
+        moe = isinstance(p, MoEParams)
+        shared_whole = moe and not self.shared_splits(p)  # decided on the whole params: the body sees its slices
+
         def body(p, x):
-            offset = None
-            if self.expert_parallel and isinstance(p, MoEParams):
-                offset = jax.lax.axis_index(AXIS) * p.gate_up.shape[0]
-            return jax.lax.psum(local(p, x, offset), AXIS)
+            offset, shared_weight = None, None
+            device = jax.lax.axis_index(AXIS)
+            if moe and self.expert_parallel:
+                offset = device * p.gate_up.shape[0]  # this device's experts
+            if shared_whole:
+                shared_weight = (device == 0).astype(jnp.float32)
+            return jax.lax.psum(local(p, x, offset, shared_weight), AXIS)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.ffn_specs(p), REPLICATED),
                              out_specs=REPLICATED)(p, x)
@@ -126,7 +139,7 @@ def place_ffn(spmd: Spmd, p):
     if isinstance(p, MLPParams):
         return mlp(p)
     gate_up = p.gate_up if spmd.expert_parallel else reorder(p.gate_up, 2)
-    return p.replace(gate_up=gate_up, shared=mlp(p.shared))
+    return p.replace(gate_up=gate_up, shared=mlp(p.shared) if spmd.shared_splits(p) else p.shared)
 
 
 def local_experts(ids, weights, offset, count: int):

@@ -22,20 +22,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # The reference first. TP 2 splits every mixer; at TP 4 and 8 the tiny models' mixers stay replicated (2 KV heads,
 # 2 GDN key heads) while the MLP columns, expert columns and vocabulary split: the MoE skips TP 4, whose paths its
 # TP 8 takes, and adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate
-# sizes of 256: one 128-block per device and half).
-LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep"}
+# sizes of 256: one 128-block per device and half); with a shared expert of 128, expert parallel keeps it whole on
+# every device and counts it on one.
+LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep",
+           "tiny-moe-fp8-narrow-shared": "1,2:ep"}
+FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
+             "tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
+             "tiny-moe-fp8-narrow-shared": ("tiny-moe", {"moe_intermediate_size": 256,
+                                                         "shared_expert_intermediate_size": 128})}
 
 
 def _checkpoint(checkpoint_factory, tmp_path_factory, name: str) -> Path:
     # one GDN and one attention layer reach every path that more do
     shape = {"num_hidden_layers": 2, "full_attention_interval": 2}
-    if not name.endswith("-fp8"):
+    if name not in FP8_PACKS:
         return checkpoint_factory(name, "text", seed=7, **shape)
-    preset = name.removesuffix("-fp8")
-    if preset == "tiny-moe":
-        shape.update(moe_intermediate_size=256, shared_expert_intermediate_size=256)
-    return write_random_checkpoint(tmp_path_factory.mktemp(name), oracle_config(preset, "text", **shape), seed=7,
-                                   fp8=True)
+    preset, sizes = FP8_PACKS[name]
+    return write_random_checkpoint(tmp_path_factory.mktemp(name), oracle_config(preset, "text", **shape, **sizes),
+                                   seed=7, fp8=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def served(checkpoint_factory, tmp_path_factory):
     runs, names = [], {}
     for preset in ("tiny-dense", "tiny-moe"):
         groups = []
-        for name in (preset, f"{preset}-fp8"):
+        for name in [preset, *(n for n, (base, _) in FP8_PACKS.items() if base == preset)]:
             checkpoint = _checkpoint(checkpoint_factory, tmp_path_factory, name)
             names[checkpoint.name] = name
             groups += [str(checkpoint), LAYOUTS[name]]
