@@ -20,7 +20,7 @@ from ninfer_jax.model import ops
 from ninfer_jax.model.random_init import random_params
 from ninfer_jax.model.state import PAGE, init_device_state
 from ninfer_jax.runtime.device.runner import DECODE_COLUMNS, jit_decode_step
-from ninfer_jax.runtime.device.sharding import REPLICATED, ParallelLayout, device_bytes
+from ninfer_jax.runtime.device.sharding import ParallelLayout, device_bytes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = bf16[8,2048]{1,0} all-reduce(` or a tuple of shapes; the async forms end in -start
@@ -65,9 +65,9 @@ def decode_collectives(cfg: ModelConfig, layout: ParallelLayout, rows: int, max_
         params = jax.eval_shape(lambda c=part: random_params(c))
         params = params.replace(mtp=None)
         state = jax.eval_shape(lambda c=part: init_device_state(c, 4 * rows, rows + 2, jnp.bfloat16, jnp.bfloat16))
-        replicated = layout.sharding(REPLICATED)
-        packed = jax.ShapeDtypeStruct((rows, DECODE_COLUMNS + max_pages), jnp.int32, sharding=replicated)
-        prev = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+        # the round's host arrays, uncommitted as the runner passes them
+        packed = jax.ShapeDtypeStruct((rows, DECODE_COLUMNS + max_pages), jnp.int32)
+        prev = jax.ShapeDtypeStruct((rows,), jnp.int32)
         compiled = step.lower(_abstract(params, layout.shardings(layout.param_specs(params, part))), part, kc, False,
                               _abstract(state, layout.shardings(layout.state_specs(state, part))), packed,
                               prev).compile()

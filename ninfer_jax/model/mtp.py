@@ -43,7 +43,7 @@ def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens
     one = _one_layer(cfg)
     pools = DeviceState((k_pages,), (v_pages,), (), ())
     hidden, pools = _run_layers(params.replace(layers=(mtp.layer,), final_norm=mtp.norm), one, kc, x, pools, None,
-                                lambda p, h, kp, vp: attn(p, one, h, kp, vp))
+                                lambda p, h, kp, vp, c: attn(p, c, h, kp, vp))
     return hidden, pools.k_pages[0], pools.v_pages[0]
 
 

@@ -331,8 +331,16 @@ def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
                       p.o_proj)(kc, x, k_pages, v_pages)
 
 
+def _mix(kc: KernelConfig, cfg: ModelConfig, fn, p, x, *pools):
+    """fn(p, x, *pools, cfg) -> (y, *pools): one token mixer, per device on its heads where the mesh splits it."""
+    if kc.spmd is not None and kc.spmd.splits_mixer(p, cfg):
+        return kc.spmd.mixer(fn, p, x, pools, cfg)
+    return fn(p, x, *pools, cfg)
+
+
 def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
-    """The layer loop, unrolled; gdn_fn / attn_fn apply one token mixer and return its new pools."""
+    """The layer loop, unrolled; gdn_fn(p, x, ssm, conv, cfg) / attn_fn(p, x, k_pages, v_pages, cfg) apply one
+    token mixer under the config given (a device's share of the heads on a mesh) and return its new pools."""
     ks, vs, ssms, convs = list(state.k_pages), list(state.v_pages), list(state.ssm), list(state.conv)
     gi = ai = 0
     eps = cfg.rms_norm_eps
@@ -341,10 +349,10 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
         layer: LayerParams
         x, normed = add_norm(kc, x, h, layer.input_norm, eps)
         if isinstance(layer.mixer, GDNParams):
-            h, ssms[gi], convs[gi] = gdn_fn(layer.mixer, normed, ssms[gi], convs[gi])
+            h, ssms[gi], convs[gi] = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi])
             gi += 1
         else:
-            h, ks[ai], vs[ai] = attn_fn(layer.mixer, normed, ks[ai], vs[ai])
+            h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai])
             ai += 1
         x, normed = add_norm(kc, x, h, layer.post_norm, eps)
         h = ffn(layer.ffn, normed, cfg, kc)
@@ -393,8 +401,8 @@ def prefill(
     x = params.embed[tokens] if inputs_embeds is None else inputs_embeds
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv: _gdn_prefill(p, h, cfg, kc, ssm, conv, ctx),
-        lambda p, h, kp, vp: _attn_prefill(p, h, cfg, kc, kp, vp, ctx),
+        lambda p, h, ssm, conv, c: _gdn_prefill(p, h, c, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp, c: _attn_prefill(p, h, c, kc, kp, vp, ctx),
     )
 
 
@@ -473,8 +481,8 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     x = params.embed[tokens]
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv: gdn_decode_mixer(p, h, cfg, kc, ssm, conv, ctx),
-        lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, ctx),
+        lambda p, h, ssm, conv, c: gdn_decode_mixer(p, h, c, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, ctx),
     )
 
 
@@ -501,11 +509,11 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
 
         return _projected(core, in_w, out_w)
 
-    def attn_core(p, proj, k_pages, v_pages):
+    def attn_core(p, proj, k_pages, v_pages, c):
         # Every write before any read: a read of a pool between two of its writes makes XLA copy the whole pool
         # (in place, the second write could overtake the read), every layer, every step.
-        q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], cfg, kc, k_pages, v_pages, decode_ctx)
-        q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], cfg, k_pages, v_pages, p_ctx)
+        q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], c, kc, k_pages, v_pages, decode_ctx)
+        q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], c, k_pages, v_pages, p_ctx)
         y_p = _attn_prefill_read(kc, q_p, gate_p, k_pages, v_pages, p_ctx, proj.dtype)
         y_d = _attn_decode_read(kc, q_d, gate_d, k_pages, v_pages, decode_ctx, proj.dtype)
         return jnp.concatenate([y_p, y_d]), k_pages, v_pages
@@ -513,11 +521,11 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
     x = jnp.concatenate([prefill_embeds, params.embed[tokens]])
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv: split(
-            lambda proj, s, c: _gdn_prefill_core(p, proj, cfg, kc, s, c, p_ctx),
-            lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, decode_ctx), p.in_proj, p.out_proj,
+        lambda p, h, ssm, conv, cf: split(
+            lambda proj, s, c: _gdn_prefill_core(p, proj, cf, kc, s, c, p_ctx),
+            lambda proj, s, c: _gdn_decode_core(p, proj, cf, kc, s, c, decode_ctx), p.in_proj, p.out_proj,
         )(kc, h, ssm, conv),
-        lambda p, h, kp, vp: _projected(lambda proj, k, v: attn_core(p, proj, k, v), p.qkv_proj, p.o_proj)(
+        lambda p, h, kp, vp, cf: _projected(lambda proj, k, v: attn_core(p, proj, k, v, cf), p.qkv_proj, p.o_proj)(
             kc, h, kp, vp),
     )
 
@@ -596,8 +604,8 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     replays: list = []
     hidden, state = _run_layers(
         params, cfg, kc, params.embed[tokens.reshape(-1)], state,
-        lambda p, h, ssm, conv: _gdn_verify(p, h, cfg, kc, ssm, conv, gdn_ctx, replays),
-        lambda p, h, kp, vp: _attn_decode(p, h, cfg, kc, kp, vp, attn_ctx),
+        lambda p, h, ssm, conv, c: _gdn_verify(p, h, c, kc, ssm, conv, gdn_ctx, replays),
+        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, attn_ctx),
     )
     return hidden, state, tuple(replays)
 

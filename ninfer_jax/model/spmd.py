@@ -1,10 +1,12 @@
-"""The model's explicit SPMD blocks: on a tensor-parallel mesh an FFN runs per device under `shard_map` on its own
-slice (the intermediate axis, or with expert parallel its experts) and sums the devices' partial outputs with one
-f32 psum, where XLA's partitioner, left alone, moved each token's expert weights between devices. Block-FP8
-weights split too where each device's slice is whole 128-blocks.
+"""The model's explicit SPMD blocks: on a tensor-parallel mesh each token mixer runs per device under `shard_map` on
+its own heads (the single-device code under a config of its share), and each FFN on its own slice (the
+intermediate axis, or with expert parallel its experts); one psum sums the devices' partial outputs. Left alone,
+XLA's partitioner moved what the single-device code touched: each token's expert weights, and each head's columns
+of the fused projections. Block-FP8 FFN weights split too where each device's slice is whole 128-blocks.
 
-A split FFN's fused `gate_up` holds each device's gate and up columns side by side ([gate_0 | up_0 | gate_1 | ...],
-`shard_gate_up`), so that a device's contiguous slice is the single-device layout at I / N."""
+A split block's fused weights hold each device's pieces side by side (`shard_sections`: [gate_0 | up_0 | gate_1 |
+...], [q+gate_0 | k_0 | v_0 | q+gate_1 | ...]), so that a device's contiguous slice is the single-device layout of
+its share. The conv pool's channels follow the same order on the device (`conv_order`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ninfer_jax.model.params import FP8_BLOCK, ConcatWeight, MLPParams, MoEParams, QuantizedWeight
+from ninfer_jax.config import ModelConfig
+from ninfer_jax.model.params import (FP8_BLOCK, AttnParams, ConcatWeight, GDNParams, MLPParams, MoEParams,
+                                     QuantizedWeight)
 
 AXIS = "tp"
 REPLICATED = PartitionSpec()
@@ -75,6 +79,58 @@ class Spmd:
         return MoEParams(router=REPLICATED, gate_up=_split(p.gate_up, axes[0]), down=_split(p.down, axes[1]),
                          shared=shared, shared_gate=REPLICATED)
 
+    # --- mixers ----------------------------------------------------------------------------------
+    def splits_mixer(self, p, cfg: ModelConfig) -> bool:
+        """Whether a token mixer is split by head: the mesh divides all its head counts (query and KV heads, or the
+        GDN's key and value heads) and its projections are plain (block-FP8 ones stay whole, and so does the mixer).
+        Otherwise it runs whole on every device."""
+        if isinstance(p, AttnParams):
+            heads, weights = (cfg.num_attention_heads, cfg.num_key_value_heads), (p.qkv_proj, p.o_proj)
+        else:
+            heads, weights = (cfg.linear_num_key_heads, cfg.linear_num_value_heads), (p.in_proj, p.out_proj)
+        plain = not any(isinstance(w, (QuantizedWeight, ConcatWeight)) for w in weights)
+        return plain and all(h % self.size == 0 for h in heads)
+
+    def local_config(self, p, cfg: ModelConfig) -> ModelConfig:
+        """The config one device runs a split mixer under: its share of the heads."""
+        n = self.size
+        if isinstance(p, AttnParams):
+            return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
+                                       num_key_value_heads=cfg.num_key_value_heads // n)
+        return dataclasses.replace(cfg, linear_num_key_heads=cfg.linear_num_key_heads // n,
+                                   linear_num_value_heads=cfg.linear_num_value_heads // n)
+
+    def mixer_specs(self, p, cfg: ModelConfig):
+        """The PartitionSpecs of a mixer's params: by head where it splits (fused projections in `place_mixer`'s
+        order), else whole."""
+        if not self.splits_mixer(p, cfg):
+            return jax.tree.map(lambda _: REPLICATED, p)
+        if isinstance(p, AttnParams):
+            return AttnParams(qkv_proj=_on(1), q_norm=REPLICATED, k_norm=REPLICATED, o_proj=_on(0))
+        return GDNParams(in_proj=_on(1), conv_w=_on(1), a_log=_on(0), dt_bias=_on(0), norm_w=REPLICATED,
+                         out_proj=_on(0))
+
+    @staticmethod
+    def pool_specs(p, pools):
+        """A split mixer's pools by head: every KV plane [P, 64, Hkv, ...] on its axis 2; ssm [S, Hv, Dk, Dv] on 1;
+        conv [S, K-1, channels] on 2 (channels in `conv_order`)."""
+        if isinstance(p, AttnParams):
+            return tuple(jax.tree.map(lambda _: _on(2), pool) for pool in pools)
+        return _on(1), _on(2)
+
+    def mixer(self, fn, p, x, pools, cfg: ModelConfig):
+        """fn(p, x, *pools, cfg) -> (out-projection output, *pools), run per device on its heads with its local
+        config, the outputs summed. x replicated; the caller checked `splits_mixer`."""
+        local = self.local_config(p, cfg)
+        pool_specs = self.pool_specs(p, pools)
+
+        def body(p, x, *pools):
+            y, *pools = fn(p, x, *pools, local)
+            return (jax.lax.psum(y, AXIS), *pools)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.mixer_specs(p, cfg), REPLICATED, *pool_specs),
+                             out_specs=(REPLICATED, *pool_specs))(p, x, *pools)
+
     def ffn(self, p, x, local):
         """local(p, x, expert_offset, shared_weight) -> f32 [T, H], the FFN on one device's slice (expert_offset: its
         first expert's index with expert parallel, else None; shared_weight: None, or where the shared expert runs
@@ -111,14 +167,28 @@ def _split(w, axis: int):
     return _on(axis)
 
 
-def shard_gate_up(w, axis: int, size: int):
-    """[..., gate (I) | up (I)] along `axis` -> each of `size` devices' gate and up columns side by side."""
+def shard_sections(w, axis: int, sections: tuple[int, ...], size: int):
+    """[s_0 | s_1 | ...] along `axis` (sections of those widths, each split in `size` pieces) -> each device's pieces
+    side by side: [s_0 piece 0 | s_1 piece 0 | ... | s_0 piece 1 | ...]; a device's contiguous slice is then the
+    single-device layout of its share."""
     xp = np if isinstance(w, np.ndarray) else jnp  # host weights stay on the host
     w = xp.moveaxis(w, axis, -1)
-    lead, inter = w.shape[:-1], w.shape[-1] // 2
-    w = w.reshape(*lead, 2, size, inter // size)
-    w = xp.swapaxes(w, -3, -2).reshape(*lead, 2 * inter)
-    return xp.ascontiguousarray(xp.moveaxis(w, -1, axis)) if xp is np else xp.moveaxis(w, -1, axis)
+    lead, starts = w.shape[:-1], np.cumsum((0,) + tuple(sections))
+    parts = [w[..., a:b].reshape(*lead, size, (b - a) // size) for a, b in zip(starts[:-1], starts[1:])]
+    w = xp.concatenate(parts, axis=-1).reshape(*lead, w.shape[-1])
+    w = xp.moveaxis(w, -1, axis)
+    return xp.ascontiguousarray(w) if xp is np else w
+
+
+def shard_gate_up(w, axis: int, size: int):
+    """[..., gate (I) | up (I)] along `axis` -> each of `size` devices' gate and up columns side by side."""
+    half = w.shape[axis] // 2
+    return shard_sections(w, axis, (half, half), size)
+
+
+def sections_order(sections: tuple[int, ...], size: int) -> np.ndarray:
+    """`shard_sections`' permutation as indices: position i of the reordered axis holds canonical index order[i]."""
+    return shard_sections(np.arange(sum(sections)), 0, sections, size)
 
 
 def place_ffn(spmd: Spmd, p):
@@ -140,6 +210,34 @@ def place_ffn(spmd: Spmd, p):
         return mlp(p)
     gate_up = p.gate_up if spmd.expert_parallel else reorder(p.gate_up, 2)
     return p.replace(gate_up=gate_up, shared=mlp(p.shared) if spmd.shared_splits(p) else p.shared)
+
+
+def mixer_sections(attention: bool, cfg: ModelConfig) -> dict:
+    """An attention (or GDN) mixer's fused weights, by field: (axis, sections) that `shard_sections` reorders by
+    head."""
+    if attention:
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        return {"qkv_proj": (1, (2 * hq * d, hkv * d, hkv * d))}  # [q+gate (per head) | k | v]
+    kd, vd, hv = cfg.key_dim, cfg.value_dim, cfg.linear_num_value_heads
+    return {"in_proj": (1, (kd, kd, vd, vd, hv, hv)),  # [q | k | v | z | b | a]
+            "conv_w": (1, (kd, kd, vd))}
+
+
+def conv_order(spmd: Spmd | None, cfg: ModelConfig) -> np.ndarray | None:
+    """The conv pool's channel order on a mesh whose GDN mixers split (position i holds canonical channel
+    order[i]); None where it is the canonical order. The Host tier stores the canonical order."""
+    if spmd is None or spmd.size == 1 or not cfg.gdn_layers or cfg.linear_num_key_heads % spmd.size \
+            or cfg.linear_num_value_heads % spmd.size:
+        return None
+    return sections_order(mixer_sections(False, cfg)["conv_w"][1], spmd.size)
+
+
+def place_mixer(spmd: Spmd, p, cfg: ModelConfig):
+    """A mixer's params in the layout `mixer_specs` splits: fused weights reordered by head (`mixer_sections`)."""
+    if not spmd.splits_mixer(p, cfg):
+        return p
+    return p.replace(**{name: shard_sections(getattr(p, name), axis, sections, spmd.size)
+                        for name, (axis, sections) in mixer_sections(isinstance(p, AttnParams), cfg).items()})
 
 
 def local_experts(ids, weights, offset, count: int):

@@ -110,6 +110,7 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
     assert refused(tensor_parallel_size=8, devices=4) == \
         "tensor_parallel_size 8 exceeds the 4 device(s) this process sees"
     assert "needs tensor_parallel_size > 1" in refused(enable_expert_parallel=True)
+    assert "conflicts with speculative 'ngram'" in refused(tensor_parallel_size=2, speculative="ngram")
     # on a GPU kernels auto means the Pallas kernels, which do not run under shard_map yet
     assert "Pallas kernels under shard_map are not built" in refused(tensor_parallel_size=2, backend="gpu")
     resolved = EngineOptions(tensor_parallel_size=2, kernels="reference").resolve(4096, "gpu", devices=2)

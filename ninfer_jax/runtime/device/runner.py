@@ -29,6 +29,7 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import mtp, qwen3_5, vision
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
+from ninfer_jax.model.spmd import conv_order
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
 from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
@@ -470,12 +471,22 @@ class ModelRunner:
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if self.layout is None \
             else self.layout.sharding(jax.sharding.PartitionSpec(), "pinned_host")
         host = {"out_shardings": pinned} if "pinned_host" in kinds else {}
-        gather_slot = functools.partial(transfer.gather_slot, rows=image_rows, row_words=row_bytes // WORD_BYTES)
+        # On a mesh whose GDN mixers split, the conv pool's channels are in the devices' order; the Host keeps the
+        # canonical one, so a slab and the cache file are the same at any size.
+        order = conv_order(self.kernels.spmd, self.cfg)  # a constant of the programs, not an argument
+
+        def gather_slot(ssm, conv, slot):
+            return transfer.gather_slot(ssm, conv, slot, rows=image_rows, row_words=row_bytes // WORD_BYTES,
+                                        conv_order=order)
+
+        def scatter_slot(ssm_pools, conv_pools, slot, rows):
+            return transfer.scatter_slot(ssm_pools, conv_pools, slot, rows, conv_order=order)
+
         self._steps.update({
             "gather_pages": jax.jit(_own(transfer.gather_pages), **host),
             "scatter_pages": jax.jit(_own(transfer.scatter_pages), donate_argnames=("k_pages", "v_pages")),
             "gather_slot": jax.jit(gather_slot, **host),
-            "scatter_slot": jax.jit(_own(transfer.scatter_slot), donate_argnames=("ssm_pools", "conv_pools")),
+            "scatter_slot": jax.jit(scatter_slot, donate_argnames=("ssm_pools", "conv_pools")),
         })
 
     # --- the one place the donated state is written back ----------------------------------------

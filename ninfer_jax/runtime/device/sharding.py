@@ -1,22 +1,22 @@
 """Tensor and expert parallelism: a Mesh over the first N devices (axis "tp") and a PartitionSpec per param leaf and
-per pool. The arrays carry their NamedShardings into the jitted steps, and XLA partitions the steps and inserts the
-collectives; the step functions are the single-device ones, except the FFNs, which run per device under shard_map
-(`model/spmd.py`: each device's slice, one psum).
+per pool. The arrays carry their NamedShardings into the jitted steps, whose model code runs each token mixer and
+each FFN per device under shard_map (`model/spmd.py`: a device's heads or slice, one psum); XLA partitions the rest
+(the embedding, the lm_head, sampling) and inserts its collectives.
 
-What is split (a mixer whose head counts the mesh size does not all divide stays replicated whole, weights and
-pools, as does any other axis it does not divide; vLLM likewise replicates KV heads past their count):
+What is split (a mixer whose head counts the mesh size does not all divide, or whose projections are block-FP8,
+stays whole on every device, weights and pools, as vLLM replicates KV heads past their count):
   embed [V, H] rows and lm_head [H, V] columns      the vocabulary
-  attention qkv_proj columns, o_proj rows           fused [q+gate | k | v] columns cut in N contiguous pieces (not
-                                                    head-aligned: XLA moves what a head's slice needs); o_proj rows
-                                                    by query head; both when N divides the query and KV heads
-  GDN in_proj columns, conv_w channels              fused [qkv | z | b | a] cut in N contiguous pieces, likewise
-  GDN out_proj rows, A_log and dt_bias              by value head; all when N divides the key and value heads
+  attention qkv_proj columns, o_proj rows           by head: the fused [q+gate | k | v] columns reordered so each
+                                                    device's slice is its heads' [q+gate | k | v] (`spmd.place_mixer`)
+  GDN in_proj columns, conv_w channels              by head likewise: [q | k | v | z | b | a], [q | k | v]
+  GDN out_proj rows, A_log and dt_bias              by value head
   MLP and shared-expert gate_up columns, down rows  the intermediate axis, gate_up's columns reordered so that each
                                                     device's slice is [gate_i | up_i] (`spmd.shard_gate_up`)
   MoE gate_up [E, H, 2I], down [E, I, H]            the expert axis with expert parallel, else each expert's
                                                     intermediate axis, likewise; an FFN splits whole or not at all
   KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights
-  ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head, by channel, as the GDN's weights
+  ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head; conv by channel in the devices' order
+                                                    (`spmd.conv_order`; the Host tier keeps the canonical order)
 Norms, the router, the shared-expert gate and the mixers' block-FP8 weights (their scales' block grid) stay
 replicated; an FFN's block-FP8 weights split where each device's slice is whole 128-blocks.
 """
@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.model.params import (AttnParams, ConcatWeight, GDNParams, LayerParams, MTPParams, Params,
+from ninfer_jax.model.params import (ConcatWeight, LayerParams, MTPParams, Params,
                                      QuantizedWeight)
-from ninfer_jax.model.spmd import AXIS, REPLICATED, Spmd, place_ffn
+from ninfer_jax.model.spmd import AXIS, REPLICATED, Spmd, place_ffn, place_mixer
 from ninfer_jax.model.state import DeviceState
 
 
@@ -107,14 +107,7 @@ class ParallelLayout:
         return Spmd(self.mesh, self.expert_parallel)
 
     def _mixer(self, p, cfg: ModelConfig):
-        if isinstance(p, AttnParams):
-            heads = attention_heads(cfg)
-            return AttnParams(qkv_proj=self._weight(p.qkv_proj, 1, heads), q_norm=REPLICATED, k_norm=REPLICATED,
-                              o_proj=self._weight(p.o_proj, 0, heads))
-        heads = gdn_heads(cfg)
-        return GDNParams(in_proj=self._weight(p.in_proj, 1, heads), conv_w=self.split(p.conv_w.shape, 1, heads),
-                         a_log=self.split(p.a_log.shape, 0, heads), dt_bias=self.split(p.dt_bias.shape, 0, heads),
-                         norm_w=REPLICATED, out_proj=self._weight(p.out_proj, 0, heads))
+        return self.spmd.mixer_specs(p, cfg)
 
     def _layer(self, p: LayerParams, cfg: ModelConfig) -> LayerParams:
         return LayerParams(input_norm=REPLICATED, post_norm=REPLICATED, mixer=self._mixer(p.mixer, cfg),
@@ -139,11 +132,9 @@ class ParallelLayout:
         specs = self.shardings(self.param_specs(params, cfg))
 
         def layer(p: LayerParams, s: LayerParams) -> LayerParams:
-            if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(p.ffn)):
-                ffn = jax.device_put(place_ffn(self.spmd, p.ffn), s.ffn)
-            else:
-                ffn = jax.jit(functools.partial(place_ffn, self.spmd), out_shardings=s.ffn)(p.ffn)
-            return jax.device_put(p.replace(ffn=ffn), s)
+            if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(p)):
+                return jax.device_put(self._reordered(p, cfg), s)
+            return jax.jit(functools.partial(self._reordered, cfg=cfg), out_shardings=s)(p)
 
         mtp = params.mtp
         if mtp is not None:
@@ -159,11 +150,15 @@ class ParallelLayout:
 
         def placed():
             params = make()
-            return params.replace(layers=tuple(p.replace(ffn=place_ffn(self.spmd, p.ffn)) for p in params.layers),
+            return params.replace(layers=tuple(self._reordered(p, cfg) for p in params.layers),
                                   mtp=None if params.mtp is None else params.mtp.replace(
-                                      layer=params.mtp.layer.replace(ffn=place_ffn(self.spmd, params.mtp.layer.ffn))))
+                                      layer=self._reordered(params.mtp.layer, cfg)))
 
         return jax.jit(placed, out_shardings=specs)()
+
+    def _reordered(self, p: LayerParams, cfg: ModelConfig) -> LayerParams:
+        """A layer's fused weights in the order its SPMD blocks read (`spmd.place_mixer`, `spmd.place_ffn`)."""
+        return p.replace(mixer=place_mixer(self.spmd, p.mixer, cfg), ffn=place_ffn(self.spmd, p.ffn))
 
     # --- pools -----------------------------------------------------------------------------------
     def state_specs(self, state: DeviceState, cfg: ModelConfig) -> DeviceState:

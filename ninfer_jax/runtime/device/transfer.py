@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import kv_quant
 
@@ -72,23 +73,30 @@ def scatter_pages(k_pages, v_pages, pages, rows):
     return tuple(ks), tuple(vs)
 
 
-def gather_slot(ssm, conv, slot, *, rows: int, row_words: int):
+def gather_slot(ssm, conv, slot, *, rows: int, row_words: int, conv_order=None):
     """State slot `slot` as words: per GDN layer in order, its ssm row then its conv row, padded and cut into
-    `rows` rows of `row_words` (the image's packed byte o lands in row o // (4 * row_words))."""
+    `rows` rows of `row_words` (the image's packed byte o lands in row o // (4 * row_words)). conv_order: the conv
+    pool's channel order on a mesh (`spmd.conv_order`), put back to the canonical one, as the Host keeps it."""
     parts = []
+    inverse = None if conv_order is None else np.argsort(conv_order)
     for s, c in zip(ssm, conv):
-        parts += [as_words(s[slot][None])[0], as_words(c[slot][None])[0]]
+        row = c[slot] if inverse is None else c[slot][..., inverse]
+        parts += [as_words(s[slot][None])[0], as_words(row[None])[0]]
     flat = jnp.concatenate(parts)
     return jnp.pad(flat, (0, rows * row_words - flat.shape[0])).reshape(rows, row_words)
 
 
-def scatter_slot(ssm_pools, conv_pools, slot, rows):
-    """Host rows (the gather_slot layout) into state slot `slot`; an out-of-range slot is dropped."""
+def scatter_slot(ssm_pools, conv_pools, slot, rows, conv_order=None):
+    """Host rows (the gather_slot layout) into state slot `slot`; an out-of-range slot is dropped. conv_order: as
+    gather_slot's, the canonical channels put in the pool's order."""
     flat, offset = rows.reshape(-1), 0
     ssm, conv = [], []
     for s, c in zip(ssm_pools, conv_pools):
         for pool, out in ((s, ssm), (c, conv)):
             width = words_per_row(pool)
-            out.append(pool.at[slot].set(from_words(flat[None, offset:offset + width], pool)[0], mode="drop"))
+            row = from_words(flat[None, offset:offset + width], pool)[0]
+            if pool is c and conv_order is not None:
+                row = row[..., conv_order]
+            out.append(pool.at[slot].set(row, mode="drop"))
             offset += width
     return tuple(ssm), tuple(conv)
