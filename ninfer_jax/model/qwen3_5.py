@@ -331,16 +331,19 @@ def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
                       p.o_proj)(kc, x, k_pages, v_pages)
 
 
-def _mix(kc: KernelConfig, cfg: ModelConfig, fn, p, x, *pools):
-    """fn(p, x, *pools, cfg) -> (y, *pools): one token mixer, per device on its heads where the mesh splits it."""
+def _mix(kc: KernelConfig, cfg: ModelConfig, fn, p, x, *pools, extras: int = 0):
+    """fn(p, x, *pools, cfg) -> (y, *pools, *extras): one token mixer, per device on its heads where the mesh
+    splits it."""
     if kc.spmd is not None and kc.spmd.splits_mixer(p, cfg):
-        return kc.spmd.mixer(fn, p, x, pools, cfg)
+        return kc.spmd.mixer(fn, p, x, pools, cfg, extras)
     return fn(p, x, *pools, cfg)
 
 
-def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn):
+def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn,
+                gdn_sink: list | None = None):
     """The layer loop, unrolled; gdn_fn(p, x, ssm, conv, cfg) / attn_fn(p, x, k_pages, v_pages, cfg) apply one
-    token mixer under the config given (a device's share of the heads on a mesh) and return its new pools."""
+    token mixer under the config given (a device's share of the heads on a mesh) and return its new pools. With
+    gdn_sink, gdn_fn returns one more output per layer, appended to it."""
     ks, vs, ssms, convs = list(state.k_pages), list(state.v_pages), list(state.ssm), list(state.conv)
     gi = ai = 0
     eps = cfg.rms_norm_eps
@@ -349,7 +352,10 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
         layer: LayerParams
         x, normed = add_norm(kc, x, h, layer.input_norm, eps)
         if isinstance(layer.mixer, GDNParams):
-            h, ssms[gi], convs[gi] = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi])
+            out = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi], extras=gdn_sink is not None)
+            h, ssms[gi], convs[gi] = out[:3]
+            if gdn_sink is not None:
+                gdn_sink.append(out[3])
             gi += 1
         else:
             h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai])
@@ -531,20 +537,19 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
 
 
 # --- verify (speculative decoding) ---------------------------------------------------------------------
-def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx, replays: list):
+def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx):
     """T rows per lane, each lane's rows in order from its slot's state, reading the pools only (which row a lane
-    keeps is known only from the logits). Appends the in-projection's rows to `replays`, from which
+    keeps is known only from the logits) -> (y, ssm, conv, the in-projection's rows [B, T, P]), from which
     `commit_verified` advances the state to the kept row."""
     b, t = ctx["shape"]
     slots, counts = ctx["slots"], ctx["counts"]
     proj = dot(kc, x, p.in_proj).reshape(b, t, -1)
-    replays.append(proj)
     if kc.fuse_gdn_decode:  # conv, delta rule and gated norm of every row as one kernel
         y, _ = ops.gdn_rows_layer(kc, proj, counts, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                   num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=False)
-        return dot(kc, y.reshape(b * t, -1), p.out_proj, to_norm=True), ssm, conv
+        return dot(kc, y.reshape(b * t, -1), p.out_proj, to_norm=True), ssm, conv, proj
     core, _, z, _ = gdn_rows_composed(p, proj, cfg, kc, conv, ssm[slots], slots, counts)
-    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv
+    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv, proj
 
 
 def gdn_rows_composed(p: GDNParams, proj, cfg: ModelConfig, kc: KernelConfig, conv, states, slots, rows):
@@ -604,8 +609,8 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     replays: list = []
     hidden, state = _run_layers(
         params, cfg, kc, params.embed[tokens.reshape(-1)], state,
-        lambda p, h, ssm, conv, c: _gdn_verify(p, h, c, kc, ssm, conv, gdn_ctx, replays),
-        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, attn_ctx),
+        lambda p, h, ssm, conv, c: _gdn_verify(p, h, c, kc, ssm, conv, gdn_ctx),
+        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, attn_ctx), gdn_sink=replays,
     )
     return hidden, state, tuple(replays)
 
@@ -616,16 +621,23 @@ def commit_verified(params: Params, cfg: ModelConfig, kc: KernelConfig, state: D
     replay): what a plain decode of those tokens would have left. Rows past kept[b] leave no trace."""
     ssms, convs = list(state.ssm), list(state.conv)
     rows = jnp.where(active, kept + 1, 0).astype(jnp.int32)
+
+    def commit(p, proj, ssm, conv, c):
+        if kc.fuse_gdn_decode:
+            _, history, ssm = ops.gdn_rows_layer(
+                kc, proj, rows, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
+                num_key_heads=c.linear_num_key_heads, eps=c.rms_norm_eps, write_state=True)
+        else:
+            _, states, _, history = gdn_rows_composed(p, proj, c, kc, conv, ssm[slots], slots, rows)
+            ssm = ssm.at[slots].set(states)
+        return ssm, conv.at[slots].set(history.astype(conv.dtype))
+
     for j, proj in enumerate(replay):
         p = params.layers[cfg.gdn_layers[j]].mixer
-        if kc.fuse_gdn_decode:
-            _, history, ssms[j] = ops.gdn_rows_layer(
-                kc, proj, rows, convs[j], p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssms[j], slots,
-                num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=True)
+        if kc.spmd is not None and kc.spmd.splits_mixer(p, cfg):  # each device its heads' rows (`verify`'s order)
+            ssms[j], convs[j] = kc.spmd.state_update(commit, p, proj, (ssms[j], convs[j]), cfg)
         else:
-            _, states, _, history = gdn_rows_composed(p, proj, cfg, kc, convs[j], ssms[j][slots], slots, rows)
-            ssms[j] = ssms[j].at[slots].set(states)
-        convs[j] = convs[j].at[slots].set(history.astype(convs[j].dtype))
+            ssms[j], convs[j] = commit(p, proj, ssms[j], convs[j], cfg)
     return DeviceState(state.k_pages, state.v_pages, tuple(ssms), tuple(convs))
 
 

@@ -118,18 +118,30 @@ class Spmd:
             return tuple(jax.tree.map(lambda _: _on(2), pool) for pool in pools)
         return _on(1), _on(2)
 
-    def mixer(self, fn, p, x, pools, cfg: ModelConfig):
-        """fn(p, x, *pools, cfg) -> (out-projection output, *pools), run per device on its heads with its local
-        config, the outputs summed. x replicated; the caller checked `splits_mixer`."""
+    def mixer(self, fn, p, x, pools, cfg: ModelConfig, extras: int = 0):
+        """fn(p, x, *pools, cfg) -> (out-projection output, *pools, *extras), run per device on its heads with its
+        local config, the outputs summed. x replicated; the caller checked `splits_mixer`. Each extra output (a
+        verify round's in-projection rows) stays split on its last axis: its columns in the devices' order, which
+        `state_update` takes back."""
         local = self.local_config(p, cfg)
         pool_specs = self.pool_specs(p, pools)
 
         def body(p, x, *pools):
-            y, *pools = fn(p, x, *pools, local)
-            return (jax.lax.psum(y, AXIS), *pools)
+            y, *rest = fn(p, x, *pools, local)
+            return (jax.lax.psum(y, AXIS), *rest)
 
+        extra_specs = (PartitionSpec(None, None, AXIS),) * extras  # [B, T, columns]
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.mixer_specs(p, cfg), REPLICATED, *pool_specs),
-                             out_specs=(REPLICATED, *pool_specs))(p, x, *pools)
+                             out_specs=(REPLICATED, *pool_specs, *extra_specs))(p, x, *pools)
+
+    def state_update(self, fn, p, rows, pools, cfg: ModelConfig):
+        """fn(p, rows, *pools, cfg) -> pools, per device on its heads: a split GDN mixer's state advanced over its
+        in-projection rows [B, T, columns] (`mixer`'s extra output)."""
+        local = self.local_config(p, cfg)
+        pool_specs = self.pool_specs(p, pools)
+        return jax.shard_map(lambda p, rows, *pools: tuple(fn(p, rows, *pools, local)), mesh=self.mesh,
+                             in_specs=(self.mixer_specs(p, cfg), PartitionSpec(None, None, AXIS), *pool_specs),
+                             out_specs=tuple(pool_specs))(p, rows, *pools)
 
     def ffn(self, p, x, local):
         """local(p, x, expert_offset, shared_weight) -> f32 [T, H], the FFN on one device's slice (expert_offset: its

@@ -390,9 +390,9 @@ class EngineOptions:
             raise OptionsError(f"tensor_parallel_size {tp} runs the jnp reference kernels only (the Pallas kernels "
                                f"under shard_map are not built); it conflicts with kernels 'pallas' (the default on "
                                f"a GPU): pass kernels 'reference'")
-        if tp > 1 and self.speculative is not None:
-            raise OptionsError(f"tensor_parallel_size {tp} conflicts with speculative {self.speculative!r}: verify "
-                               "rounds do not run on a mesh's per-device mixers yet")
+        if tp > 1 and self.speculative == "mtp":
+            raise OptionsError(f"tensor_parallel_size {tp} conflicts with speculative 'mtp': the MTP layer's rows do "
+                               "not run on a mesh's per-device mixers yet; speculative 'ngram' does")
         if self.enable_expert_parallel and tp == 1:
             raise OptionsError("enable_expert_parallel splits the experts across the tensor parallel devices; it "
                                "needs tensor_parallel_size > 1")

@@ -2,10 +2,11 @@
 (`test_tensor_parallel.py` starts it with XLA_FLAGS forcing 8 host devices, which jax reads when it starts).
 
 usage: python tests/runtime/tensor_parallel_run.py WORKDIR CHECKPOINT LAYOUTS [CHECKPOINT LAYOUTS ...]
-LAYOUTS: comma-separated tensor parallel sizes, ":ep" for expert parallel (e.g. 1,2,4,8,2:ep); the first is the
-reference. Prints one JSON line per layout: its stats' "parallel", the file's load outcome and, per turn, the
-tokens and cache record (an AssertionError from a ledger check fails the run); then, for the last layout, whether
-random weights made on its mesh equal the one-device ones placed on it (`dummy_init`).
+LAYOUTS: comma-separated tensor parallel sizes, ":ep" for expert parallel, ":ngram" for speculative decoding by
+prompt lookup (e.g. 1,2,4,8,2:ep); the first is the reference. Prints one JSON line per layout: its stats'
+"parallel", the file's load outcome and, per turn, the tokens and cache record (an AssertionError from a ledger
+check fails the run); then, for the last layout, whether random weights made on its mesh equal the one-device ones
+placed on it (`dummy_init`).
 
 One engine per layout, in order, on one prefix cache file: each loads the file the engine before it saved at its
 stop, so the file crosses layouts too. Layout k first resumes conversation C from that file, then serves its turn
@@ -48,7 +49,8 @@ class Prompts:
 def turn(engine, prompt, sampling=GREEDY) -> dict:
     out = engine.generate(prompt, sampling)
     record = engine.cache_record(out.request_id)
-    return {"tokens": list(out.token_ids), "cached": record["cached_tokens"], "host_bytes": record["restored_host_bytes"]}
+    return {"tokens": list(out.token_ids), "cached": record["cached_tokens"],
+            "host_bytes": record["restored_host_bytes"]}
 
 
 def turn_set(engine, prompts: Prompts, k: int, sampling=GREEDY) -> dict:
@@ -63,9 +65,10 @@ def turn_set(engine, prompts: Prompts, k: int, sampling=GREEDY) -> dict:
 
 def serve(checkpoint: str, cache_file: Path, layouts: list[str], k: int, prompts: Prompts) -> dict:
     """Layout k's engine and turns (k = 0: the reference's)."""
-    tp, _, ep = layouts[k].partition(":")
-    engine = Engine.from_pretrained(checkpoint, tensor_parallel_size=int(tp), enable_expert_parallel=ep == "ep",
-                                    prefix_cache_file=str(cache_file), **OPTIONS)
+    tp, _, mode = layouts[k].partition(":")
+    options = dict(OPTIONS, speculative="ngram", batch_invariant=False) if mode == "ngram" else OPTIONS
+    engine = Engine.from_pretrained(checkpoint, tensor_parallel_size=int(tp), enable_expert_parallel=mode == "ep",
+                                    prefix_cache_file=str(cache_file), **options)
     stats = engine.stats()
     result = {"layout": layouts[k], "parallel": stats["parallel"], "loaded": stats["prefix_cache"]["loaded"]["outcome"]}
     opening = prompts(150, 7)
@@ -77,6 +80,10 @@ def serve(checkpoint: str, cache_file: Path, layouts: list[str], k: int, prompts
         engine.generate(opening, GREEDY)
         result["sets"] = {i: turn_set(engine, prompts, i, COLD) for i in range(1, len(layouts))}
         result["file"] = turn(engine, resumed, COLD)
+    if mode == "ngram":  # the tiny model's greedy output here cycles, so its lookup drafts and verify rounds run
+        result["repeats"] = turn(engine, resumed, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                 prefix_cache=False))  # the next file unchanged
+        result["drafted"] = engine.stats()["speculative"]["drafted"]
     engine.check_ledger()
     engine.stop()  # saves the Host tier to the file
     return result

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # 2 GDN key heads) while the MLP columns, expert columns and vocabulary split: the MoE skips TP 4, whose paths its
 # TP 8 takes, and adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate
 # sizes of 256: one 128-block per device and half); with a shared expert of 128, expert parallel keeps it whole on
-# every device and counts it on one.
+# every device and counts it on one. Speculative verify rounds commit the GDN state per device too (the reference
+# speculates as well).
 LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep",
-           "tiny-moe-fp8-narrow-shared": "1,2:ep"}
+           "tiny-moe-fp8-narrow-shared": "1,2:ep", "tiny-dense-ngram": "1:ngram,2:ngram"}
 FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
              "tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
              "tiny-moe-fp8-narrow-shared": ("tiny-moe", {"moe_intermediate_size": 256,
@@ -35,6 +36,8 @@ FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
 def _checkpoint(checkpoint_factory, tmp_path_factory, name: str) -> Path:
     # one GDN and one attention layer reach every path that more do
     shape = {"num_hidden_layers": 2, "full_attention_interval": 2}
+    if name == "tiny-dense-ngram":  # a seed of its own: a checkpoint directory of its own
+        return checkpoint_factory("tiny-dense", "text", seed=8, **shape)
     if name not in FP8_PACKS:
         return checkpoint_factory(name, "text", seed=7, **shape)
     preset, sizes = FP8_PACKS[name]
@@ -51,7 +54,8 @@ def served(checkpoint_factory, tmp_path_factory):
     runs, names = [], {}
     for preset in ("tiny-dense", "tiny-moe"):
         groups = []
-        for name in [preset, *(n for n, (base, _) in FP8_PACKS.items() if base == preset)]:
+        for name in [preset, *(n for n, (base, _) in FP8_PACKS.items() if base == preset),
+                     *(["tiny-dense-ngram"] if preset == "tiny-dense" else [])]:
             checkpoint = _checkpoint(checkpoint_factory, tmp_path_factory, name)
             names[checkpoint.name] = name
             groups += [str(checkpoint), LAYOUTS[name]]
@@ -97,6 +101,8 @@ def test_every_layout_gives_the_one_device_tokens_through_device_host_and_file_r
         assert ours["first"] == theirs["first"]  # two lanes prefilled and decoded together
         assert ours["device"]["tokens"] == theirs["device"]["tokens"]
         assert ours["host"]["tokens"] == theirs["host"]["tokens"]
+        if "repeats" in record:  # verify rounds ran, on every device's heads
+            assert record["drafted"] > 0 and record["repeats"]["tokens"] == reference["repeats"]["tokens"]
 
 
 def test_the_mesh_must_fit_the_devices_and_the_kernels():
@@ -110,7 +116,7 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
     assert refused(tensor_parallel_size=8, devices=4) == \
         "tensor_parallel_size 8 exceeds the 4 device(s) this process sees"
     assert "needs tensor_parallel_size > 1" in refused(enable_expert_parallel=True)
-    assert "conflicts with speculative 'ngram'" in refused(tensor_parallel_size=2, speculative="ngram")
+    assert "conflicts with speculative 'mtp'" in refused(tensor_parallel_size=2, speculative="mtp")
     # on a GPU kernels auto means the Pallas kernels, which do not run under shard_map yet
     assert "Pallas kernels under shard_map are not built" in refused(tensor_parallel_size=2, backend="gpu")
     resolved = EngineOptions(tensor_parallel_size=2, kernels="reference").resolve(4096, "gpu", devices=2)
