@@ -55,7 +55,7 @@ class KernelConfig:
     # (pallas_kernels/fp8_matmul.py); the engine turns it on with fp8_activations "dynamic"
     fp8_activations: bool = False
     # Tensor / expert parallel: the mesh the model's explicit SPMD blocks run on (model/spmd.py); the runner sets it
-    # from its layout. None: one device, or GSPMD alone.
+    # from its layout. None: one device.
     spmd: Spmd | None = None
 
     def __post_init__(self):

@@ -242,8 +242,8 @@ class EngineOptions:
     batch_invariant: bool = _option(
         bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
         "(slower at low concurrency)", flag="--batch-invariant")
-    # GSPMD lays the params and pools out over a mesh and XLA inserts the collectives; the Pallas kernels would
-    # need shard_map around each, which is not built, so only the jnp reference kernels run sharded.
+    # Each mixer and FFN runs per device under shard_map (model/spmd.py); the Pallas kernels would run there as on
+    # one device, but no multi-GPU machine has checked them yet, so only the jnp reference kernels run sharded.
     tensor_parallel_size: int = _option(
         int, 1, "devices the model is split across (tensor parallel: heads, MLP columns and the vocabulary split "
         "over a mesh of the first N devices), a power of two; runs the reference kernels",
@@ -388,8 +388,8 @@ class EngineOptions:
             raise OptionsError(f"tensor_parallel_size {tp} exceeds the {devices} device(s) this process sees")
         if tp > 1 and kernels == "pallas":
             raise OptionsError(f"tensor_parallel_size {tp} runs the jnp reference kernels only (the Pallas kernels "
-                               f"under shard_map are not built); it conflicts with kernels 'pallas' (the default on "
-                               f"a GPU): pass kernels 'reference'")
+                               f"per device are not checked on several GPUs yet); it conflicts with kernels 'pallas' "
+                               f"(the default on a GPU): pass kernels 'reference'")
         if tp > 1 and self.speculative == "mtp":
             raise OptionsError(f"tensor_parallel_size {tp} conflicts with speculative 'mtp': the MTP layer's rows do "
                                "not run on a mesh's per-device mixers yet; speculative 'ngram' does")

@@ -264,8 +264,8 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     if runner.layout is not None:
         experts = (" | experts split across them" if o.enable_expert_parallel
                    else " | each expert's columns split" if config.is_moe else "")
-        log.info("tensor parallel | %d devices (GSPMD; FFNs under shard_map, reference kernels)%s", runner.layout.size,
-                 experts)
+        log.info("tensor parallel | %d devices (mixers and FFNs per device under shard_map, reference kernels)%s",
+                 runner.layout.size, experts)
     log.info("device pools | %d KV pages (%d tokens, %.1f MiB) | %d state slots (%d active + %d snapshot, %.1f MiB)",
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
              o.max_concurrency, o.device_snapshot_slots, sizes.state_bytes / 2**20)

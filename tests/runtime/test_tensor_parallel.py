@@ -117,8 +117,8 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
         "tensor_parallel_size 8 exceeds the 4 device(s) this process sees"
     assert "needs tensor_parallel_size > 1" in refused(enable_expert_parallel=True)
     assert "conflicts with speculative 'mtp'" in refused(tensor_parallel_size=2, speculative="mtp")
-    # on a GPU kernels auto means the Pallas kernels, which do not run under shard_map yet
-    assert "Pallas kernels under shard_map are not built" in refused(tensor_parallel_size=2, backend="gpu")
+    # on a GPU kernels auto means the Pallas kernels, not yet checked per device on several GPUs
+    assert "Pallas kernels per device are not checked" in refused(tensor_parallel_size=2, backend="gpu")
     resolved = EngineOptions(tensor_parallel_size=2, kernels="reference").resolve(4096, "gpu", devices=2)
     assert resolved.kernels == "reference" and resolved.tensor_parallel_size == 2
     dense = ModelConfig.from_dict(oracle_config("tiny-dense"))
