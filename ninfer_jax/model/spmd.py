@@ -235,11 +235,12 @@ def mixer_sections(attention: bool, cfg: ModelConfig) -> dict:
             "conv_w": (1, (kd, kd, vd))}
 
 
-def conv_order(spmd: Spmd | None, cfg: ModelConfig) -> np.ndarray | None:
-    """The conv pool's channel order on a mesh whose GDN mixers split (position i holds canonical channel
-    order[i]); None where it is the canonical order. The Host tier stores the canonical order."""
-    if spmd is None or spmd.size == 1 or not cfg.gdn_layers or cfg.linear_num_key_heads % spmd.size \
-            or cfg.linear_num_value_heads % spmd.size:
+def conv_order(spmd: Spmd | None, params, cfg: ModelConfig) -> np.ndarray | None:
+    """The conv pool's channel order where the GDN mixers split (`splits_mixer`, decided as for the mixers
+    themselves: a block-FP8 one runs whole and reads the canonical order): position i holds canonical channel
+    order[i]; None where it is the canonical order. The Host tier stores the canonical order."""
+    gdn = next((layer.mixer for layer in params.layers if isinstance(layer.mixer, GDNParams)), None)
+    if spmd is None or gdn is None or not spmd.splits_mixer(gdn, cfg):
         return None
     return sections_order(mixer_sections(False, cfg)["conv_w"][1], spmd.size)
 

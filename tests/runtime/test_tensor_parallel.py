@@ -124,3 +124,22 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
     dense = ModelConfig.from_dict(oracle_config("tiny-dense"))
     with pytest.raises(OptionsError, match="enable_expert_parallel needs a model with routed experts"):
         startup.resolve_options(EngineOptions(tensor_parallel_size=2, enable_expert_parallel=True), dense)
+
+
+def test_the_conv_pool_keeps_the_canonical_order_where_the_gdn_mixer_runs_whole():
+    # The Host tier keeps the canonical channel order; the transfers reorder only a pool the per-device GDN mixers
+    # read in their order. A block-FP8 in_proj keeps the mixer whole, reading the canonical order.
+    import types
+
+    import jax
+
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.model.spmd import Spmd, conv_order
+
+    cfg = ModelConfig.from_dict(oracle_config("tiny-dense"))
+    mesh = Spmd(types.SimpleNamespace(size=2))  # only its size is read
+    plain = jax.eval_shape(lambda: random_params(cfg))
+    order = conv_order(mesh, plain, cfg)
+    assert sorted(order.tolist()) == list(range(cfg.conv_dim)) and order.tolist() != list(range(cfg.conv_dim))
+    assert conv_order(mesh, jax.eval_shape(lambda: random_params(cfg, fp8=True)), cfg) is None
+    assert conv_order(None, plain, cfg) is None

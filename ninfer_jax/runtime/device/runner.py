@@ -473,7 +473,7 @@ class ModelRunner:
         host = {"out_shardings": pinned} if "pinned_host" in kinds else {}
         # On a mesh whose GDN mixers split, the conv pool's channels are in the devices' order; the Host keeps the
         # canonical one, so a slab and the cache file are the same at any size.
-        order = conv_order(self.kernels.spmd, self.cfg)  # a constant of the programs, not an argument
+        order = conv_order(self.kernels.spmd, self.params, self.cfg)  # a constant of the programs, not an argument
 
         def gather_slot(ssm, conv, slot):
             return transfer.gather_slot(ssm, conv, slot, rows=image_rows, row_words=row_bytes // WORD_BYTES,
