@@ -183,7 +183,14 @@ def profiled_scheduler(clock=time.perf_counter):
 
 
 _COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\bcopy(?:-start)?\(")
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1, "f64": 8}
+# Bytes per element of HLO's element types (an unlisted one counts 4)
+HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                   "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def hlo_array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of the HLO array type `dtype[dims]` (e.g. "bf16", "8,2048")."""
+    return math.prod(int(d) for d in dims.split(",") if d) * HLO_DTYPE_BYTES.get(dtype, 4)
 
 
 def hlo_copies(text: str, top: int = 8) -> dict:
@@ -191,8 +198,7 @@ def hlo_copies(text: str, top: int = 8) -> dict:
     largest first) and the `top` largest with their MiB."""
     sizes = []
     for dtype, dims in _COPY.findall(text):
-        n = math.prod(int(d) for d in dims.split(",") if d)
-        sizes.append((n * _BYTES.get(dtype, 4), f"{dtype}[{dims}]"))
+        sizes.append((hlo_array_bytes(dtype, dims), f"{dtype}[{dims}]"))
     sizes.sort(reverse=True)
     return {"copies": len(sizes), "bytes": sum(b for b, _ in sizes), "shapes": [s for _, s in sizes],
             "largest": [f"{s} ({b / 2**20:.1f} MiB)" for b, s in sizes[:top]]}

@@ -8,7 +8,6 @@ is exact without compiling every layer."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.config import ModelConfig
+from ninfer_jax.benchmarks.profiling import HLO_DTYPE_BYTES, hlo_array_bytes
 from ninfer_jax.model import ops
 from ninfer_jax.model.random_init import random_params
 from ninfer_jax.model.state import PAGE, init_device_state
@@ -25,9 +25,7 @@ from ninfer_jax.runtime.device.sharding import ParallelLayout, device_bytes
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = bf16[8,2048]{1,0} all-reduce(` or a tuple of shapes; the async forms end in -start
 _OP = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(HLO_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
 def hlo_collectives(text: str) -> dict[str, dict[str, int]]:
@@ -37,8 +35,7 @@ def hlo_collectives(text: str) -> dict[str, dict[str, int]]:
         m = _OP.search(line)
         if m is None:
             continue
-        nbytes = sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-                     for t, dims in _SHAPE.findall(m.group(1)))
+        nbytes = sum(hlo_array_bytes(t, dims) for t, dims in _SHAPE.findall(m.group(1)))
         entry = out.setdefault(m.group(2), {"ops": 0, "bytes": 0})
         entry["ops"] += 1
         entry["bytes"] += nbytes

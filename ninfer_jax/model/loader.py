@@ -322,10 +322,6 @@ class _Putter:
         return array if self.host else jnp.asarray(array)
 
 
-def _putter(dtype: str, host: bool = False) -> _Putter:
-    return _Putter(dtype, host)
-
-
 def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None,
                     host: bool = False) -> tuple[ModelConfig, Params]:
     """Read an HF Qwen3.5 checkpoint directory.
@@ -346,7 +342,7 @@ def load_checkpoint(path: str | Path, dtype: str = "bfloat16", progress=None,
     start = time.perf_counter()
     tensors = _Tensors(directory)
     prefix = _prefix(cfg, tensors)
-    put = _putter(dtype, host)
+    put = _Putter(dtype, host)
 
     v, h = cfg.vocab_size, cfg.hidden_size
     embed = put(tensors.get(prefix + "embed_tokens.weight", (v, h)))
@@ -387,7 +383,7 @@ def load_vision_checkpoint(path: str | Path, dtype: str = "bfloat16") -> tuple[V
     directory = _checkpoint_dir(path, dtype)
     vcfg = VisionConfig.from_file(directory / "config.json")
     tensors = _Tensors(directory)
-    put = _putter(dtype)
+    put = _Putter(dtype)
 
     params = vision_params_from_tensors(vcfg, tensors.get, put)
     jax.block_until_ready(params)
@@ -432,7 +428,7 @@ def load_dummy(config_file: str | Path, dtype: str = "bfloat16", init=None):
         return cfg, params, None
     vcfg = VisionConfig.from_file(config_file)
     tensors = random_vision_tensors(vcfg, np.random.default_rng(0))
-    put = _putter(dtype)
+    put = _Putter(dtype)
     return cfg, params, (vcfg, vision_params_from_tensors(vcfg, lambda name, shape: tensors[name], put))
 
 

@@ -92,7 +92,8 @@ class Engine:
         progress(stage, done, total) hears of the startup's steps ("compiling", "restoring").
         """
         self.config, self.model_name = config, model_name
-        self.options = o = startup.resolve_options(options, config, startup.device_share(config, params, options))
+        share = startup.device_share(config, params, options)  # what one device of the mesh holds
+        self.options = o = startup.resolve_options(options, config, share)
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.max_model_len = o.max_model_len
         eos = set(config.eos_token_ids)
@@ -104,7 +105,8 @@ class Engine:
             self.vision = frontend.limited_to(o.max_image_tokens)
         parts = startup.build(config, params, o, stop_ids=frozenset(eos), warmup=warmup,
                               weights_identity=weights_identity, progress=progress,
-                              vision=None if vision is None else (*vision[:2], self.vision.patch_range()))
+                              vision=None if vision is None else (*vision[:2], self.vision.patch_range()),
+                              share=share)
         self.runner, self.cache_manager, self.scheduler = parts.runner, parts.cache_manager, parts.scheduler
         self.cache_load = parts.cache_load  # the LoadReport of the prefix cache file (§5.5)
         self._cache_file = parts.cache_file

@@ -234,11 +234,12 @@ class EngineParts:
 
 
 def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_ids: frozenset[int],
-          warmup: bool = True, weights_identity: dict | None = None, progress=None, vision=None) -> EngineParts:
+          warmup: bool = True, weights_identity: dict | None = None, progress=None, vision=None,
+          share: DeviceShare | None = None) -> EngineParts:
     """Starts every part of an engine on resolved `options`. Without `warmup` the model steps compile on first
     use; the small cache copies compile here. A failed start releases the Host tier's memory. progress(stage,
     done, total) hears of "restoring" and "compiling". vision: None, or (VisionConfig, VisionParams, (fewest, most)
-    patches of one image)."""
+    patches of one image). share: the params' `device_share` where the caller has it (None: computed here)."""
     o = options
     if o.prefix_cache_file is not None and weights_identity is None:
         raise OptionsError("prefix_cache_file needs the weights' identity to know a saved cache is theirs: "
@@ -246,7 +247,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
     if o.speculative == "mtp" and params.mtp is None:
         raise OptionsError("speculative 'mtp' drafts with the checkpoint's MTP layer, and this checkpoint has none "
                            "(no mtp.* tensors); use 'ngram'")
-    sizes = size_pools(config, o, device_share(config, params, o))
+    sizes = size_pools(config, o, share or device_share(config, params, o))
     runner = ModelRunner(config, params, kernel_config(o), num_pages=sizes.num_pages, num_slots=sizes.num_slots,
                          max_model_len=o.max_model_len, prefill_chunk=o.prefill_chunk, max_lanes=o.max_concurrency,
                          max_taps=o.max_new_taps, kv_dtype=kv_dtype(o), conv_dtype=kv_dtype(o),
