@@ -104,7 +104,7 @@ async def _stream(ctx: ServerContext, body: MessagesRequest, given: MessagesInpu
                    "usage": {"output_tokens": run.outcome().completion_tokens}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
     finally:
-        run.cancel()  # a no-op unless the client left mid-stream
+        await run.close()  # cancels it if the client left mid-stream
 
 
 class _BlockStream:

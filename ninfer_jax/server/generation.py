@@ -118,6 +118,7 @@ class EngineRun:
             self.last = event
             outcome = self.outcome()
             self._count(outcome.finish_reason, outcome.completion_tokens, event.metrics)
+            await self._events.aclose()  # the source waits at its last yield; end it now, not at garbage collection
         return event
 
     async def events(self, first: Any) -> AsyncIterator[Any]:
@@ -160,6 +161,12 @@ class EngineRun:
         if not self.finished and not self._counted:
             self.engine.cancel(self.request_id)
             self._count("cancelled", len(self.token_ids), None)
+
+    async def close(self) -> None:
+        """Cancels the request unless it finished, and closes its event source (a source left waiting at a yield
+        would end only when garbage-collected). No task may be awaiting `next_event` meanwhile."""
+        self.cancel()
+        await self._events.aclose()
 
     def raise_if_failed(self) -> None:
         """Raises the ApiError of a request that ended without an answer (after its final event)."""
@@ -225,8 +232,7 @@ async def interleave(runs: Sequence[EngineRun], first: Any) -> AsyncIterator[tup
                 if event.finish_reason is None:
                     waiting[asyncio.ensure_future(runs[index].next_event())] = index
     finally:
-        for task in waiting:
-            task.cancel()
+        await _cancel_and_wait(*waiting)  # so that no run is mid-event when the caller closes them
 
 
 def _refusal(error: Exception) -> ApiError:
@@ -249,9 +255,23 @@ async def until_disconnect(request: Request, work: Awaitable[T], *runs: EngineRu
             run.cancel()
         raise ClientGone(", ".join(run.request_id for run in runs) or "a request before its prompt was ready")
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
+        await _cancel_and_wait(watcher, task)
+
+
+async def close_runs(runs: Sequence[EngineRun]) -> None:
+    """Closes every run (`EngineRun.close`); the unfinished ones are cancelled."""
+    for run in runs:
+        await run.close()
+
+
+async def _cancel_and_wait(*tasks: asyncio.Future) -> None:
+    """Cancels the tasks that have not finished and waits until they have (a cancelled task only ends at its next
+    await)."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
 
 
 async def _disconnected(request: Request) -> None:

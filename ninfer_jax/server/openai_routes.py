@@ -26,8 +26,8 @@ from .chat_prompt import prepare_completion_prompt, prepare_prompt
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
 from .generation import (
-    ANSWERED, EngineRun, Outcome, failure, first_event, interleave, prepare_sampling, sample_runs, sampling_params,
-    until_disconnect,
+    ANSWERED, EngineRun, Outcome, close_runs, failure, first_event, interleave, prepare_sampling, sample_runs,
+    sampling_params, until_disconnect,
 )
 from .limits import check_context
 from .logprobs import chat_logprobs, completion_logprobs
@@ -101,8 +101,7 @@ async def completions(request: Request):
         for p, prompt in enumerate(prepared):
             runs += sample_runs(engine, prompt, sampling, body.n, f"{request_id}-{p}", ctx)
     except ApiError:
-        for run in runs:
-            run.cancel()
+        await close_runs(runs)
         raise
     if body.stream:
         first = await _first_event(request, runs)
@@ -132,10 +131,11 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
                                           "finish_reason": finish_reason}], **usage_field})
 
     calls = [0] * len(runs)
+    events = interleave(runs, first)
     try:
         for index in range(len(runs)):
             yield chunk(index, {"role": "assistant", "content": ""})
-        async for index, event in interleave(runs, first):
+        async for index, event in events:
             parser = parsers[index]
             pieces = parser.push(event.text) + (parser.finish() if event.finish_reason else [])
             # An event's logprobs ride on its first chunk (held-back text may leave it none of its own).
@@ -159,8 +159,8 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
         for out in _ending(head, body.include_usage, [run.outcome() for run in runs], body.n):
             yield out
     finally:
-        for run in runs:
-            run.cancel()  # a no-op unless the client left mid-stream
+        await events.aclose()  # its tasks end before the runs close
+        await close_runs(runs)  # cancels them if the client left mid-stream
 
 
 async def _completion_stream(ctx: ServerContext, body: CompletionRequest, request_id: str, runs: list[EngineRun],
@@ -174,8 +174,9 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
                                           "finish_reason": finish_reason}], **usage_field})
 
     shown = [0] * len(runs)  # characters sent per choice: the text offset of its next event's tokens
+    events = interleave(runs, first)
     try:
-        async for index, event in interleave(runs, first):
+        async for index, event in events:
             if event.text or (event.logprobs and body.logprobs is not None):
                 logprobs = _completion_logprobs(ctx.engine, body, event.logprobs, shown[index])
                 yield chunk(index, event.text, logprobs=logprobs)
@@ -189,8 +190,8 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
         for out in _ending(head, body.include_usage, [run.outcome() for run in runs], body.n):
             yield out
     finally:
-        for run in runs:
-            run.cancel()  # a no-op unless the client left mid-stream
+        await events.aclose()  # its tasks end before the runs close
+        await close_runs(runs)  # cancels them if the client left mid-stream
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -248,8 +249,7 @@ async def _first_event(request: Request, runs: list[EngineRun]) -> Any:
     try:
         return await first_event(request, runs[0])
     except BaseException:
-        for run in runs:
-            run.cancel()
+        await close_runs(runs)
         raise
 
 
@@ -258,8 +258,7 @@ async def _collect(request: Request, runs: list[EngineRun]) -> list[Outcome]:
     try:
         outcomes = await until_disconnect(request, asyncio.gather(*(run.collect() for run in runs)), *runs)
     finally:
-        for run in runs:
-            run.cancel()  # the rest of a batch one of whose prompts was refused
+        await close_runs(runs)  # cancels the rest of a batch one of whose prompts was refused
     for run in runs:
         run.raise_if_failed()
     return outcomes

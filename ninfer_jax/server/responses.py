@@ -118,7 +118,7 @@ async def _stream(run: EngineRun, first: Any, output: _Output, shell: dict[str, 
         done = output.finished(shell, outcome)
         yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)
     finally:
-        run.cancel()  # a no-op unless the client left mid-stream
+        await run.close()  # cancels it if the client left mid-stream
 
 
 class _Output:

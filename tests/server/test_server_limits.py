@@ -4,6 +4,7 @@ usable."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -14,6 +15,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from ninfer_jax import SamplingParams
+from ninfer_jax.server.context import ServerContext
+from ninfer_jax.server.generation import EngineRun, close_runs, interleave
 from ninfer_jax.server.limits import Limits
 from server_support import LiveServer, ScriptedEngine, wait_for
 
@@ -254,3 +258,27 @@ def test_a_full_request_queue_answers_503_with_retry_after_and_disconnects_give_
         assert len(engine._cancelled) == 6
         served = httpx.post(live.url + CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 3}, timeout=30)
         assert served.status_code == 200 and live.context.queue.in_flight == 0
+
+
+def test_closing_an_interleaved_stream_closes_every_engine_event_source():
+    """A stream closed while a sample's next event waits unread still ends that sample's engine generator at once
+    (left suspended at a yield, it would end only when garbage-collected), and every place in the queue is given
+    back."""
+    engine = ScriptedEngine()
+    engine.default_text = "word " * 50
+    ctx = ServerContext(engine=engine)
+
+    async def scenario() -> None:
+        runs = [EngineRun(engine, engine._prepare("Hi"), SamplingParams(), f"r{i}", ctx) for i in range(2)]
+        first = await runs[0].next_event()
+        events = interleave(runs, first)
+        for _ in range(3):
+            await events.__anext__()
+        for _ in range(4):  # both runs' next events come, and stay unread
+            await asyncio.sleep(0)
+        assert engine.running == 2
+        await events.aclose()
+        await close_runs(runs)
+        assert engine.running == 0 and engine._cancelled == {"r0", "r1"} and ctx.queue.in_flight == 0
+
+    asyncio.run(scenario())
