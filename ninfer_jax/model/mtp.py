@@ -32,10 +32,10 @@ def _one_layer(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, layer_types=("full_attention",))
 
 
-def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, k_pages, v_pages, attn):
+def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, k_pages, v_pages, attn, ctx):
     """The MTP layer over rows of (target hidden [R, H], following token [R]) -> (its final-normed hidden [R, H],
-    k_pages, v_pages). attn(p, one, h, kp, vp) is its attention over its own pages (prefill or decode form), `one`
-    the one-layer config it runs under."""
+    k_pages, v_pages). attn(p, one, h, kp, vp, ctx) is its attention over its own pages (prefill or decode form),
+    `one` the one-layer config it runs under, ctx the arrays it reads (`qwen3_5._run_layers`)."""
     mtp, eps = params.mtp, cfg.rms_norm_eps
     embedded = rms_norm(params.embed[tokens], mtp.pre_fc_norm_embedding, eps)
     x = dot(kc, jnp.concatenate([embedded, rms_norm(hidden, mtp.pre_fc_norm_hidden, eps)], axis=-1), mtp.fc)
@@ -43,7 +43,7 @@ def mtp_layer(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens
     one = _one_layer(cfg)
     pools = DeviceState((k_pages,), (v_pages,), (), ())
     hidden, pools = _run_layers(params.replace(layers=(mtp.layer,), final_norm=mtp.norm), one, kc, x, pools, None,
-                                lambda p, h, kp, vp, c: attn(p, c, h, kp, vp))
+                                lambda p, h, kp, vp, c, ctx: attn(p, c, h, kp, vp, ctx), ctx)
     return hidden, pools.k_pages[0], pools.v_pages[0]
 
 
@@ -55,7 +55,7 @@ def _mtp_forward_jit(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
     state = init_device_state(_one_layer(cfg), num_pages, 1, hidden.dtype, hidden.dtype)
     ctx = {"base": jnp.int32(0), "valid": jnp.ones((t,), bool), "page_table": jnp.arange(num_pages, dtype=jnp.int32)}
     out, _, _ = mtp_layer(params, cfg, kc, hidden, next_tokens, state.k_pages[0], state.v_pages[0],
-                          lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))
+                          lambda p, one, h, kp, vp, ctx: _attn_prefill(p, h, one, kc, kp, vp, ctx), ctx)
     return out
 
 
@@ -85,7 +85,7 @@ def mtp_prefill_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden,
         behind = jnp.concatenate([rope_positions[:, :1] - 1, rope_positions[:, :-1]], axis=1)
         ctx["rope_positions"] = jnp.where(first, rope_positions, behind)
     _, k_pages, v_pages = mtp_layer(params, cfg, kc, hidden_in, tokens_in, k_pages, v_pages,
-                                    lambda p, one, h, kp, vp: _attn_prefill(p, h, one, kc, kp, vp, ctx))
+                                    lambda p, one, h, kp, vp, ctx: _attn_prefill(p, h, one, kc, kp, vp, ctx), ctx)
     return k_pages, v_pages
 
 
@@ -96,7 +96,7 @@ def mtp_decode_rows(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, 
     inactive rows write nothing. -> (hidden [R, H], k_pages, v_pages)."""
     ctx = dict(positions=positions, page_tables=page_tables, active=active, rope_shift=rope_shift)
     return mtp_layer(params, cfg, kc, hidden, tokens, k_pages, v_pages,
-                     lambda p, one, h, kp, vp: _attn_decode(p, h, one, kc, kp, vp, ctx))
+                     lambda p, one, h, kp, vp, ctx: _attn_decode(p, h, one, kc, kp, vp, ctx), ctx)
 
 
 def mtp_draft(params: Params, cfg: ModelConfig, kc: KernelConfig, hidden, tokens, positions, page_tables, active,

@@ -331,19 +331,20 @@ def _attn_prefill(p, x, cfg, kc, k_pages, v_pages, ctx):
                       p.o_proj)(kc, x, k_pages, v_pages)
 
 
-def _mix(kc: KernelConfig, cfg: ModelConfig, fn, p, x, *pools, extras: int = 0):
-    """fn(p, x, *pools, cfg) -> (y, *pools, *extras): one token mixer, per device on its heads where the mesh
-    splits it."""
+def _mix(kc: KernelConfig, cfg: ModelConfig, fn, p, x, *pools, ctx, extras: int = 0):
+    """fn(p, x, *pools, cfg, ctx) -> (y, *pools, *extras): one token mixer, per device on its heads where the mesh
+    splits it (`Spmd.mixer`, which takes ctx, the step's arrays the mixer reads, as an input)."""
     if kc.spmd is not None and kc.spmd.splits_mixer(p, cfg):
-        return kc.spmd.mixer(fn, p, x, pools, cfg, extras)
-    return fn(p, x, *pools, cfg)
+        return kc.spmd.mixer(fn, p, x, pools, cfg, ctx, extras)
+    return fn(p, x, *pools, cfg, ctx)
 
 
-def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn,
+def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: DeviceState, gdn_fn, attn_fn, ctx,
                 gdn_sink: list | None = None):
-    """The layer loop, unrolled; gdn_fn(p, x, ssm, conv, cfg) / attn_fn(p, x, k_pages, v_pages, cfg) apply one
-    token mixer under the config given (a device's share of the heads on a mesh) and return its new pools. With
-    gdn_sink, gdn_fn returns one more output per layer, appended to it."""
+    """The layer loop, unrolled; gdn_fn(p, x, ssm, conv, cfg, ctx) / attn_fn(p, x, k_pages, v_pages, cfg, ctx)
+    apply one token mixer under the config given (a device's share of the heads on a mesh) and return its new pools;
+    ctx is a pytree of the step's arrays they read (positions, page tables, slots), passed in rather than closed
+    over (`Spmd.mixer`). With gdn_sink, gdn_fn returns one more output per layer, appended to it."""
     ks, vs, ssms, convs = list(state.k_pages), list(state.v_pages), list(state.ssm), list(state.conv)
     gi = ai = 0
     eps = cfg.rms_norm_eps
@@ -352,13 +353,14 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
         layer: LayerParams
         x, normed = add_norm(kc, x, h, layer.input_norm, eps)
         if isinstance(layer.mixer, GDNParams):
-            out = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi], extras=gdn_sink is not None)
+            out = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi], ctx=ctx,
+                       extras=gdn_sink is not None)
             h, ssms[gi], convs[gi] = out[:3]
             if gdn_sink is not None:
                 gdn_sink.append(out[3])
             gi += 1
         else:
-            h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai])
+            h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai], ctx=ctx)
             ai += 1
         x, normed = add_norm(kc, x, h, layer.post_norm, eps)
         h = ffn(layer.ffn, normed, cfg, kc)
@@ -407,8 +409,8 @@ def prefill(
     x = params.embed[tokens] if inputs_embeds is None else inputs_embeds
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv, c: _gdn_prefill(p, h, c, kc, ssm, conv, ctx),
-        lambda p, h, kp, vp, c: _attn_prefill(p, h, c, kc, kp, vp, ctx),
+        lambda p, h, ssm, conv, c, ctx: _gdn_prefill(p, h, c, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp, c, ctx: _attn_prefill(p, h, c, kc, kp, vp, ctx), ctx,
     )
 
 
@@ -487,8 +489,8 @@ def decode(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     x = params.embed[tokens]
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv, c: gdn_decode_mixer(p, h, c, kc, ssm, conv, ctx),
-        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, ctx),
+        lambda p, h, ssm, conv, c, ctx: gdn_decode_mixer(p, h, c, kc, ssm, conv, ctx),
+        lambda p, h, kp, vp, c, ctx: _attn_decode(p, h, c, kc, kp, vp, ctx), ctx,
     )
 
 
@@ -515,24 +517,26 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
 
         return _projected(core, in_w, out_w)
 
-    def attn_core(p, proj, k_pages, v_pages, c):
+    def attn_core(p, proj, k_pages, v_pages, c, ctx):
         # Every write before any read: a read of a pool between two of its writes makes XLA copy the whole pool
         # (in place, the second write could overtake the read), every layer, every step.
-        q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], c, kc, k_pages, v_pages, decode_ctx)
-        q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], c, k_pages, v_pages, p_ctx)
-        y_p = _attn_prefill_read(kc, q_p, gate_p, k_pages, v_pages, p_ctx, proj.dtype)
-        y_d = _attn_decode_read(kc, q_d, gate_d, k_pages, v_pages, decode_ctx, proj.dtype)
+        pc, dc = ctx
+        q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], c, kc, k_pages, v_pages, dc)
+        q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], c, k_pages, v_pages, pc)
+        y_p = _attn_prefill_read(kc, q_p, gate_p, k_pages, v_pages, pc, proj.dtype)
+        y_d = _attn_decode_read(kc, q_d, gate_d, k_pages, v_pages, dc, proj.dtype)
         return jnp.concatenate([y_p, y_d]), k_pages, v_pages
 
     x = jnp.concatenate([prefill_embeds, params.embed[tokens]])
     return _run_layers(
         params, cfg, kc, x, state,
-        lambda p, h, ssm, conv, cf: split(
-            lambda proj, s, c: _gdn_prefill_core(p, proj, cf, kc, s, c, p_ctx),
-            lambda proj, s, c: _gdn_decode_core(p, proj, cf, kc, s, c, decode_ctx), p.in_proj, p.out_proj,
+        lambda p, h, ssm, conv, cf, ctx: split(
+            lambda proj, s, c: _gdn_prefill_core(p, proj, cf, kc, s, c, ctx[0]),
+            lambda proj, s, c: _gdn_decode_core(p, proj, cf, kc, s, c, ctx[1]), p.in_proj, p.out_proj,
         )(kc, h, ssm, conv),
-        lambda p, h, kp, vp, cf: _projected(lambda proj, k, v: attn_core(p, proj, k, v, cf), p.qkv_proj, p.o_proj)(
-            kc, h, kp, vp),
+        lambda p, h, kp, vp, cf, ctx: _projected(lambda proj, k, v: attn_core(p, proj, k, v, cf, ctx), p.qkv_proj,
+                                                 p.o_proj)(kc, h, kp, vp),
+        (p_ctx, decode_ctx),
     )
 
 
@@ -541,8 +545,9 @@ def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx):
     """T rows per lane, each lane's rows in order from its slot's state, reading the pools only (which row a lane
     keeps is known only from the logits) -> (y, ssm, conv, the in-projection's rows [B, T, P]), from which
     `commit_verified` advances the state to the kept row."""
-    b, t = ctx["shape"]
     slots, counts = ctx["slots"], ctx["counts"]
+    b = counts.shape[0]
+    t = x.shape[0] // b
     proj = dot(kc, x, p.in_proj).reshape(b, t, -1)
     if kc.fuse_gdn_decode:  # conv, delta rule and gated norm of every row as one kernel
         y, _ = ops.gdn_rows_layer(kc, proj, counts, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
@@ -605,12 +610,13 @@ def verify(params: Params, cfg: ModelConfig, kc: KernelConfig, tokens, positions
     attn_ctx = dict(positions=(positions[:, None] + rows[None, :]).reshape(-1), active=active,
                     page_tables=jnp.repeat(page_tables, t, axis=0),
                     rope_shift=jnp.repeat(jnp.broadcast_to(rope_shift, (b,)), t))
-    gdn_ctx = dict(shape=(b, t), slots=slots, counts=counts)
+    gdn_ctx = dict(slots=slots, counts=counts)
     replays: list = []
     hidden, state = _run_layers(
         params, cfg, kc, params.embed[tokens.reshape(-1)], state,
-        lambda p, h, ssm, conv, c: _gdn_verify(p, h, c, kc, ssm, conv, gdn_ctx),
-        lambda p, h, kp, vp, c: _attn_decode(p, h, c, kc, kp, vp, attn_ctx), gdn_sink=replays,
+        lambda p, h, ssm, conv, c, ctx: _gdn_verify(p, h, c, kc, ssm, conv, ctx[0]),
+        lambda p, h, kp, vp, c, ctx: _attn_decode(p, h, c, kc, kp, vp, ctx[1]), (gdn_ctx, attn_ctx),
+        gdn_sink=replays,
     )
     return hidden, state, tuple(replays)
 

@@ -118,21 +118,24 @@ class Spmd:
             return tuple(jax.tree.map(lambda _: _on(2), pool) for pool in pools)
         return _on(1), _on(2)
 
-    def mixer(self, fn, p, x, pools, cfg: ModelConfig, extras: int = 0):
-        """fn(p, x, *pools, cfg) -> (out-projection output, *pools, *extras), run per device on its heads with its
-        local config, the outputs summed. x replicated; the caller checked `splits_mixer`. Each extra output (a
+    def mixer(self, fn, p, x, pools, cfg: ModelConfig, ctx, extras: int = 0):
+        """fn(p, x, *pools, cfg, ctx) -> (out-projection output, *pools, *extras), run per device on its heads with
+        its local config, the outputs summed. x and ctx (the step's arrays the mixer reads) replicated; the caller
+        checked `splits_mixer`. ctx is an input, not a closure: an array the step computed from an SPMD block's
+        output carries the mesh in its type, which a closure cannot bring into another block. Each extra output (a
         verify round's in-projection rows) stays split on its last axis: its columns in the devices' order, which
         `state_update` takes back."""
         local = self.local_config(p, cfg)
         pool_specs = self.pool_specs(p, pools)
 
-        def body(p, x, *pools):
-            y, *rest = fn(p, x, *pools, local)
+        def body(p, x, ctx, *pools):
+            y, *rest = fn(p, x, *pools, local, ctx)
             return (jax.lax.psum(y, AXIS), *rest)
 
         extra_specs = (PartitionSpec(None, None, AXIS),) * extras  # [B, T, columns]
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.mixer_specs(p, cfg), REPLICATED, *pool_specs),
-                             out_specs=(REPLICATED, *pool_specs, *extra_specs))(p, x, *pools)
+        return jax.shard_map(body, mesh=self.mesh,
+                             in_specs=(self.mixer_specs(p, cfg), REPLICATED, REPLICATED, *pool_specs),
+                             out_specs=(REPLICATED, *pool_specs, *extra_specs))(p, x, ctx, *pools)
 
     def state_update(self, fn, p, rows, pools, cfg: ModelConfig):
         """fn(p, rows, *pools, cfg) -> pools, per device on its heads: a split GDN mixer's state advanced over its

@@ -390,9 +390,6 @@ class EngineOptions:
             raise OptionsError(f"tensor_parallel_size {tp} runs the jnp reference kernels only (the Pallas kernels "
                                f"per device are not checked on several GPUs yet); it conflicts with kernels 'pallas' "
                                f"(the default on a GPU): pass kernels 'reference'")
-        if tp > 1 and self.speculative == "mtp":
-            raise OptionsError(f"tensor_parallel_size {tp} conflicts with speculative 'mtp': the MTP layer's rows do "
-                               "not run on a mesh's per-device mixers yet; speculative 'ngram' does")
         if self.enable_expert_parallel and tp == 1:
             raise OptionsError("enable_expert_parallel splits the experts across the tensor parallel devices; it "
                                "needs tensor_parallel_size > 1")

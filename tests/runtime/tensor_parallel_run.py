@@ -2,11 +2,11 @@
 (`test_tensor_parallel.py` starts it with XLA_FLAGS forcing 8 host devices, which jax reads when it starts).
 
 usage: python tests/runtime/tensor_parallel_run.py WORKDIR CHECKPOINT LAYOUTS [CHECKPOINT LAYOUTS ...]
-LAYOUTS: comma-separated tensor parallel sizes, ":ep" for expert parallel, ":ngram" for speculative decoding by
-prompt lookup (e.g. 1,2,4,8,2:ep); the first is the reference. Prints one JSON line per layout: its stats'
-"parallel", the file's load outcome and, per turn, the tokens and cache record (an AssertionError from a ledger
-check fails the run); then, for the last layout, whether random weights made on its mesh equal the one-device ones
-placed on it (`dummy_init`).
+LAYOUTS: comma-separated tensor parallel sizes, ":ep" for expert parallel, ":ngram" or ":mtp" for speculative
+decoding by prompt lookup or the MTP layer (e.g. 1,2,4,8,2:ep); the first is the reference. Prints one JSON line
+per layout: its stats' "parallel", the file's load outcome and, per turn, the tokens and cache record (an
+AssertionError from a ledger check fails the run); then, for the last layout, whether random weights made on its
+mesh equal the one-device ones placed on it (`dummy_init`).
 
 One engine per layout, in order, on one prefix cache file: each loads the file the engine before it saved at its
 stop, so the file crosses layouts too. Layout k first resumes conversation C from that file, then serves its turn
@@ -66,7 +66,8 @@ def turn_set(engine, prompts: Prompts, k: int, sampling=GREEDY) -> dict:
 def serve(checkpoint: str, cache_file: Path, layouts: list[str], k: int, prompts: Prompts) -> dict:
     """Layout k's engine and turns (k = 0: the reference's)."""
     tp, _, mode = layouts[k].partition(":")
-    options = dict(OPTIONS, speculative="ngram", batch_invariant=False) if mode == "ngram" else OPTIONS
+    speculative = mode in ("ngram", "mtp")
+    options = dict(OPTIONS, speculative=mode, batch_invariant=False) if speculative else OPTIONS
     engine = Engine.from_pretrained(checkpoint, tensor_parallel_size=int(tp), enable_expert_parallel=mode == "ep",
                                     prefix_cache_file=str(cache_file), **options)
     stats = engine.stats()
@@ -80,7 +81,7 @@ def serve(checkpoint: str, cache_file: Path, layouts: list[str], k: int, prompts
         engine.generate(opening, GREEDY)
         result["sets"] = {i: turn_set(engine, prompts, i, COLD) for i in range(1, len(layouts))}
         result["file"] = turn(engine, resumed, COLD)
-    if mode == "ngram":  # the tiny model's greedy output here cycles, so its lookup drafts and verify rounds run
+    if speculative:  # the tiny model's greedy output here cycles, so lookup drafts are kept too
         result["repeats"] = turn(engine, resumed, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                                  prefix_cache=False))  # the next file unchanged
         result["drafted"] = engine.stats()["speculative"]["drafted"]

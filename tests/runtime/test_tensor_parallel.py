@@ -19,14 +19,16 @@ from ninfer_jax.model.tiny import write_random_checkpoint
 from oracle import oracle_config
 
 ROOT = Path(__file__).resolve().parents[2]
-# The reference first. TP 2 splits every mixer; at TP 4 and 8 the tiny models' mixers stay replicated (2 KV heads,
-# 2 GDN key heads) while the MLP columns, expert columns and vocabulary split: the MoE skips TP 4, whose paths its
-# TP 8 takes, and adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate
-# sizes of 256: one 128-block per device and half); with a shared expert of 128, expert parallel keeps it whole on
-# every device and counts it on one. Speculative verify rounds commit the GDN state per device too (the reference
-# speculates as well).
-LAYOUTS = {"tiny-dense": "1,2,4,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep",
-           "tiny-moe-fp8-narrow-shared": "1,2:ep", "tiny-dense-ngram": "1:ngram,2:ngram"}
+# The reference first. TP 2 splits every mixer; at TP 8 (as at 4, whose paths it takes) the tiny models' mixers
+# stay replicated (2 KV heads, 2 GDN key heads) while the MLP columns, expert columns and vocabulary split; the MoE
+# adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate sizes of 256: one
+# 128-block per device and half); with a shared expert of 128, expert parallel keeps it whole on every device and
+# counts it on one. Speculative verify rounds commit the GDN state per device too, and MTP rows run the MTP layer's
+# attention per device (the reference speculates as well).
+LAYOUTS = {"tiny-dense": "1,2,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep",
+           "tiny-moe-fp8-narrow-shared": "1,2:ep", "tiny-dense-ngram": "1:ngram,2:ngram",
+           "tiny-dense-mtp": "1:mtp,2:mtp"}
+SPECULATIVE = {"tiny-dense-ngram": 8, "tiny-dense-mtp": 9}  # each a checkpoint (and cache file) of its own: its seed
 FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
              "tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
              "tiny-moe-fp8-narrow-shared": ("tiny-moe", {"moe_intermediate_size": 256,
@@ -36,8 +38,8 @@ FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
 def _checkpoint(checkpoint_factory, tmp_path_factory, name: str) -> Path:
     # one GDN and one attention layer reach every path that more do
     shape = {"num_hidden_layers": 2, "full_attention_interval": 2}
-    if name == "tiny-dense-ngram":  # a seed of its own: a checkpoint directory of its own
-        return checkpoint_factory("tiny-dense", "text", seed=8, **shape)
+    if name in SPECULATIVE:
+        return checkpoint_factory("tiny-dense", "text", seed=SPECULATIVE[name], **shape)
     if name not in FP8_PACKS:
         return checkpoint_factory(name, "text", seed=7, **shape)
     preset, sizes = FP8_PACKS[name]
@@ -55,7 +57,7 @@ def served(checkpoint_factory, tmp_path_factory):
     for preset in ("tiny-dense", "tiny-moe"):
         groups = []
         for name in [preset, *(n for n, (base, _) in FP8_PACKS.items() if base == preset),
-                     *(["tiny-dense-ngram"] if preset == "tiny-dense" else [])]:
+                     *(SPECULATIVE if preset == "tiny-dense" else [])]:
             checkpoint = _checkpoint(checkpoint_factory, tmp_path_factory, name)
             names[checkpoint.name] = name
             groups += [str(checkpoint), LAYOUTS[name]]
@@ -116,7 +118,6 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
     assert refused(tensor_parallel_size=8, devices=4) == \
         "tensor_parallel_size 8 exceeds the 4 device(s) this process sees"
     assert "needs tensor_parallel_size > 1" in refused(enable_expert_parallel=True)
-    assert "conflicts with speculative 'mtp'" in refused(tensor_parallel_size=2, speculative="mtp")
     # on a GPU kernels auto means the Pallas kernels, not yet checked per device on several GPUs
     assert "Pallas kernels per device are not checked" in refused(tensor_parallel_size=2, backend="gpu")
     resolved = EngineOptions(tensor_parallel_size=2, kernels="reference").resolve(4096, "gpu", devices=2)
