@@ -628,7 +628,8 @@ def commit_verified(params: Params, cfg: ModelConfig, kc: KernelConfig, state: D
     ssms, convs = list(state.ssm), list(state.conv)
     rows = jnp.where(active, kept + 1, 0).astype(jnp.int32)
 
-    def commit(p, proj, ssm, conv, c):
+    def commit(p, proj, ssm, conv, c, ctx):
+        rows, slots = ctx
         if kc.fuse_gdn_decode:
             _, history, ssm = ops.gdn_rows_layer(
                 kc, proj, rows, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
@@ -641,9 +642,9 @@ def commit_verified(params: Params, cfg: ModelConfig, kc: KernelConfig, state: D
     for j, proj in enumerate(replay):
         p = params.layers[cfg.gdn_layers[j]].mixer
         if kc.spmd is not None and kc.spmd.splits_mixer(p, cfg):  # each device its heads' rows (`verify`'s order)
-            ssms[j], convs[j] = kc.spmd.state_update(commit, p, proj, (ssms[j], convs[j]), cfg)
+            ssms[j], convs[j] = kc.spmd.state_update(commit, p, proj, (ssms[j], convs[j]), cfg, (rows, slots))
         else:
-            ssms[j], convs[j] = commit(p, proj, ssms[j], convs[j], cfg)
+            ssms[j], convs[j] = commit(p, proj, ssms[j], convs[j], cfg, (rows, slots))
     return DeviceState(state.k_pages, state.v_pages, tuple(ssms), tuple(convs))
 
 

@@ -137,14 +137,15 @@ class Spmd:
                              in_specs=(self.mixer_specs(p, cfg), REPLICATED, REPLICATED, *pool_specs),
                              out_specs=(REPLICATED, *pool_specs, *extra_specs))(p, x, ctx, *pools)
 
-    def state_update(self, fn, p, rows, pools, cfg: ModelConfig):
-        """fn(p, rows, *pools, cfg) -> pools, per device on its heads: a split GDN mixer's state advanced over its
-        in-projection rows [B, T, columns] (`mixer`'s extra output)."""
+    def state_update(self, fn, p, rows, pools, cfg: ModelConfig, ctx):
+        """fn(p, rows, *pools, cfg, ctx) -> pools, per device on its heads: a split GDN mixer's state advanced over
+        its in-projection rows [B, T, columns] (`mixer`'s extra output); ctx replicated, an input as in `mixer`."""
         local = self.local_config(p, cfg)
         pool_specs = self.pool_specs(p, pools)
-        return jax.shard_map(lambda p, rows, *pools: tuple(fn(p, rows, *pools, local)), mesh=self.mesh,
-                             in_specs=(self.mixer_specs(p, cfg), PartitionSpec(None, None, AXIS), *pool_specs),
-                             out_specs=tuple(pool_specs))(p, rows, *pools)
+        return jax.shard_map(lambda p, rows, ctx, *pools: tuple(fn(p, rows, *pools, local, ctx)), mesh=self.mesh,
+                             in_specs=(self.mixer_specs(p, cfg), PartitionSpec(None, None, AXIS), REPLICATED,
+                                       *pool_specs),
+                             out_specs=tuple(pool_specs))(p, rows, ctx, *pools)
 
     def ffn(self, p, x, local):
         """local(p, x, expert_offset, shared_weight) -> f32 [T, H], the FFN on one device's slice (expert_offset: its
