@@ -19,18 +19,18 @@ from ninfer_jax.model.tiny import write_random_checkpoint
 from oracle import oracle_config
 
 ROOT = Path(__file__).resolve().parents[2]
-# The reference first. TP 2 splits every mixer; at TP 8 (as at 4, whose paths it takes) the tiny models' mixers
-# stay replicated (2 KV heads, 2 GDN key heads) while the MLP columns, expert columns and vocabulary split; the MoE
-# adds expert parallel. The FP8 packs split their FFNs' block-FP8 weights at TP 2 (intermediate sizes of 256: one
-# 128-block per device and half); with a shared expert of 128, expert parallel keeps it whole on every device and
-# counts it on one. Speculative verify rounds commit the GDN state per device too, and MTP rows run the MTP layer's
-# attention per device (the reference speculates as well).
-LAYOUTS = {"tiny-dense": "1,2,8", "tiny-moe": "1,2,8,2:ep", "tiny-dense-fp8": "1,2", "tiny-moe-fp8": "1,2,2:ep",
+# The reference first. TP 2 splits every mixer; at TP 8 (as at 4, whose paths it takes) the tiny dense model's
+# mixers stay replicated (2 KV heads, 2 GDN key heads) while its MLP columns and vocabulary split; the MoE splits its
+# experts' columns at TP 2 and the experts with expert parallel. The MoE FP8 pack splits its block-FP8 experts and
+# shared expert (an MLP, as the dense one's) at TP 2 (intermediate sizes of 256: one 128-block per device and half);
+# with a shared expert of 128, expert parallel keeps it whole on every device and counts it on one. Speculative
+# verify rounds commit the GDN state per device too, and MTP rows run the MTP layer's attention per device (the
+# reference speculates as well).
+LAYOUTS = {"tiny-dense": "1,2,8", "tiny-moe": "1,2,2:ep", "tiny-moe-fp8": "1,2,2:ep",
            "tiny-moe-fp8-narrow-shared": "1,2:ep", "tiny-dense-ngram": "1:ngram,2:ngram",
            "tiny-dense-mtp": "1:mtp,2:mtp"}
 SPECULATIVE = {"tiny-dense-ngram": 8, "tiny-dense-mtp": 9}  # each a checkpoint (and cache file) of its own: its seed
-FP8_PACKS = {"tiny-dense-fp8": ("tiny-dense", {}),
-             "tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
+FP8_PACKS = {"tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
              "tiny-moe-fp8-narrow-shared": ("tiny-moe", {"moe_intermediate_size": 256,
                                                          "shared_expert_intermediate_size": 128})}
 
