@@ -12,7 +12,7 @@ SYSTEM = "You are a careful assistant for a storage team. " * 30
 @pytest.fixture(scope="module")
 def engine():
     e = Engine.from_pretrained(None, max_concurrency=2, prefill_chunk=256, max_model_len=2048,
-                               kv_capacity=64 * 64)
+                               kv_capacity=64 * 64, warmup=False)  # compiles only what the chats run
     yield e
     e.stop()
 
