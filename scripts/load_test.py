@@ -72,7 +72,10 @@ def main() -> int:
     serving.add_argument("--url", help="a server already running (default: start ninfer-serve with the args after --)")
     serving.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     serving.add_argument("--workloads", nargs="+", default=["sharegpt", "fixed"], choices=["sharegpt", "fixed"])
-    serving.add_argument("--requests", type=int, help="requests per level; default 4 per client, at least 32")
+    serving.add_argument("--requests", type=int, help="requests per level (default: --per-client per client, at least "
+                         "--min-requests)")
+    serving.add_argument("--per-client", type=int, default=4, help="requests per client at each level; default 4")
+    serving.add_argument("--min-requests", type=int, default=32, help="requests per level at least; default 32")
     serving.add_argument("--seed", type=int, default=0, help="the workloads' seed; default 0")
     args = parser.parse_args()
     if args.serving:
@@ -291,7 +294,7 @@ def _serving_benchmark(args: argparse.Namespace) -> int:
         for name in args.workloads:
             asyncio.run(serving.run_level(running.url, model, serving.workload(name, 1, args.seed + 1), 1))  # warm
             for clients in args.concurrency:
-                count = args.requests or max(32, 4 * clients)
+                count = args.requests or max(args.min_requests, args.per_client * clients)
                 level = asyncio.run(serving.run_level(running.url, model, serving.workload(name, count, args.seed),
                                                       clients))
                 print(f"{name} | {clients:>3} clients | {level['requests']} requests | {level['errors']} errors | "

@@ -34,6 +34,8 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.queue = RequestQueue(self.limits.max_waiting_requests)
+        if self.engine is not None:
+            self._size_frontend()
 
     def enter_queue(self, count: int) -> None:
         """Takes `count` places in the request queue for the engine's lanes (raises ApiError when it is full)."""
@@ -42,6 +44,13 @@ class ServerContext:
     def attach(self, engine: Any) -> None:
         """The engine is built: the server is ready (called from the startup thread)."""
         self.engine = engine
+        self._size_frontend()
+
+    def _size_frontend(self) -> None:
+        """The tokenizing threads' queue holds at least what the request queue admits, so a burst the engine would
+        queue is not refused before it is tokenized (256 clients at once against 66 places: 190 refused)."""
+        lanes = self.engine.published_stats()["slots"]["active"]
+        self.frontend.max_waiting = max(self.frontend.max_waiting, self.queue.bound(lanes) - self.frontend.workers)
 
     def ready_engine(self) -> Any:
         """The engine. Raises ApiError (503 with Retry-After) while it is still being built, or never will be."""

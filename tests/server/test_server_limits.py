@@ -10,6 +10,7 @@ import http.client
 import json
 import re
 import socket
+import threading
 from urllib.parse import urlsplit
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 
 from ninfer_jax import SamplingParams
 from ninfer_jax.server.context import ServerContext
+from ninfer_jax.server.errors import ApiError
 from ninfer_jax.server.generation import EngineRun, close_runs, interleave
 from ninfer_jax.server.limits import Limits
 from server_support import LiveServer, ScriptedEngine, wait_for
@@ -282,3 +284,22 @@ def test_closing_an_interleaved_stream_closes_every_engine_event_source():
         assert engine.running == 0 and engine._cancelled == {"r0", "r1"} and ctx.queue.in_flight == 0
 
     asyncio.run(scenario())
+
+
+def test_the_tokenizing_queue_takes_every_request_the_request_queue_admits():
+    """A burst as large as the request queue's bound waits for the tokenizing threads instead of being refused there
+    (256 clients at once on the H200 once found 66 places), and one request more is refused."""
+    ctx = ServerContext(engine=ScriptedEngine())
+    burst = ctx.queue.bound(ctx.engine.published_stats()["slots"]["active"])
+
+    async def scenario() -> list:
+        release = threading.Event()
+        calls = [asyncio.ensure_future(ctx.frontend.run(release.wait, 10)) for _ in range(burst)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError):
+            await ctx.frontend.run(int)
+        release.set()
+        return await asyncio.gather(*calls)
+
+    assert burst > 66 and asyncio.run(scenario()) == [True] * burst
+    ctx.frontend.shutdown()
