@@ -110,7 +110,6 @@ class Engine:
         self.runner, self.cache_manager, self.scheduler = parts.runner, parts.cache_manager, parts.scheduler
         self.cache_load = parts.cache_load  # the LoadReport of the prefix cache file (§5.5)
         self._cache_file = parts.cache_file
-        self.compiles_after_warmup = parts.compiles_after_warmup
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -121,6 +120,12 @@ class Engine:
         self._published, self._published_at = self._collect_stats(detail=False), time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
+        # The compiles counted on its ident before it started (a dead thread's ident is reused).
+        self._compiles_before = self.runner.compiles_on(self._thread.ident)
+        self._compiler = None  # the thread of `ModelRunner.compile_rest` (background_compile)
+        if warmup and self.runner.ready != self.runner.configured():
+            self._compiler = threading.Thread(target=self._compile_rest, name="ninfer-compile", daemon=True)
+            self._compiler.start()
         log.info("engine ready | %s | max_model_len %d | %d lanes", model_name, o.max_model_len, o.max_concurrency)
 
     @classmethod
@@ -171,6 +176,27 @@ class Engine:
         return engine
 
     # --- the engine's thread --------------------------------------------------------------------
+    def _compile_rest(self) -> None:
+        """The programs the warm-up left to the background (`ModelRunner.compile_rest`), while the engine serves."""
+        try:
+            seconds = self.runner.compile_rest(self.options.compile_threads, stopping=lambda: self._stopping)
+        except Exception:
+            log.exception("compiling in the background failed; the steps keep the sizes compiled at startup")
+            return
+        if self.runner.ready == self.runner.configured():
+            log.info("compiled in the background | every size ready | %.1f s", seconds)
+
+    def _engine_compiles(self) -> int:
+        """Step compiles on the engine's thread since it started: the compiles a request waited on."""
+        thread = getattr(self, "_thread", None)  # None while __init__ publishes the first stats
+        return 0 if thread is None else self.runner.compiles_on(thread.ident) - self._compiles_before
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for the background compile (background_compile); returns whether every size is ready."""
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+        return self.runner.ready == self.runner.configured()
+
     def _run(self) -> None:
         scheduler = self.scheduler
         try:
@@ -341,6 +367,8 @@ class Engine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._compiler is not None:
+            self._compiler.join(timeout)  # it stops at its next program
         if not self._thread.is_alive():
             self._save_cache()
             self.cache_manager.close()  # the Host tier's memory (unregistered on a GPU)
@@ -391,7 +419,9 @@ class Engine:
             "vision": self.scheduler.images.stats() if self.scheduler.images is not None else None,
             "prefix_cache": {**self.cache_manager.stats(detail),
                              **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
-            "compiles_since_warmup": self.runner.compile_count() - self.compiles_after_warmup,
+            # compiles a request waited on: the engine thread's, not the warm-up's or the background's
+            "compiles_since_warmup": self._engine_compiles(),
+            "compiling_in_background": self.runner.ready != self.runner.configured(),
             "failed": self._failed,
         }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS
+from ninfer_jax.runtime.device.buckets import FIRST_LANES, FIRST_PASS_TOKENS
 from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCacheOptions, default_max_new_taps,
                                              default_snapshot_slots, default_tap_ladder_tokens,
                                              default_tap_min_gap_tokens, tap_spacing_problem)
@@ -237,6 +238,13 @@ class EngineOptions:
         int, "auto", "programs the warm-up compiles at once (it runs them one at a time afterwards)",
         flag="--compile-threads", minimum=1, auto=True,
         rule=f"auto: one per CPU core the process may use, at most {MAX_COMPILE_THREADS}")
+    # A step lowered from shapes is found by the call with the runner's arrays only where those are uncommitted, as
+    # they are on one device: on a mesh the background's programs would compile again on the engine's thread.
+    background_compile: str = _option(
+        str, "auto", "serve once the programs every request needs are compiled (passes of up to "
+        f"{FIRST_PASS_TOKENS} tokens, rounds of up to {FIRST_LANES} lanes, no mixed steps) and compile the rest on "
+        "background threads, which the steps use once all of it is compiled", flag="--background-compile",
+        choices=("auto", "on", "off"), rule="auto: on with one GPU (its full warm-up takes minutes), off elsewhere")
     # A decode round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order
     # depends on that row count.
     batch_invariant: bool = _option(
@@ -325,6 +333,8 @@ class EngineOptions:
             num_speculative_tokens=self.num_speculative_tokens or (DEFAULT_SPECULATIVE_TOKENS
                                                                    if self.speculative else None),
             host_cache_mib=host_mib,
+            background_compile=self.background_compile if self.background_compile != "auto"
+            else "on" if backend == "gpu" and self.tensor_parallel_size == 1 else "off",
             compile_threads=self.compile_threads if self.compile_threads != "auto"
             else max(1, min(cpu_cores or 1, MAX_COMPILE_THREADS)),
             kernels=kernels,
@@ -355,6 +365,9 @@ class EngineOptions:
             if given:
                 raise OptionsError(f"no_prefix_reuse conflicts with {', '.join(given)}: there is no prefix cache "
                                    f"to configure")
+        if self.background_compile == "on" and self.tensor_parallel_size > 1:
+            raise OptionsError("background_compile 'on' conflicts with tensor_parallel_size > 1: on a mesh the "
+                               "programs compiled in the background would compile again when first used")
         if self.prefix_cache_file is not None:
             if self.host_cache_mib == 0:
                 raise OptionsError("prefix_cache_file needs a Host tier; it conflicts with host_cache_mib 0")

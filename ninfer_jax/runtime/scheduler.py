@@ -148,7 +148,7 @@ class Scheduler:
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
         head = min(prefilling, key=lambda r: r.arrival) if prefilling else None
         # While lanes decode, the head's pass rides in the round's step (runner.mixed) when the engine mixes
-        mixed = head is not None and self.mix and any(
+        mixed = head is not None and self.mix and bool(self.runner.ready.mixed) and any(
             r is not None and not r.prefilling and r.output for r in self.lanes)
         prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
@@ -186,6 +186,8 @@ class Scheduler:
         while self.waiting:
             head = self.waiting[0]
             lane = next((i for i, r in enumerate(self.lanes) if r is None), None)
+            if lane is not None and len(self.lanes) - self.lanes.count(None) >= self.runner.ready.decode[-1]:
+                lane = None  # the wider rounds still compile (`ModelRunner.compile_rest`)
             if lane is None:
                 self.cache_manager.prefetch(head, self._entitlement(head))  # the wait copies its Host path (§6.6)
                 return
@@ -264,10 +266,11 @@ class Scheduler:
         base, n = req.computed, req.num_prompt
         if mixed:
             return min(n, base + self.runner.mixed_tokens)
-        end = min(n, base + self.options.prefill_chunk)
+        ready = self.runner.ready
+        end = min(n, base + min(self.options.prefill_chunk, ready.prefill[-1]))
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
             return end
-        for size in reversed(self.runner.idle_sizes):
+        for size in reversed(ready.idle):
             if base + size < n or (base + size == n and req.sampling.greedy and not req.sampling.processed):
                 self.counters["idle_prefill_chunks"] += 1
                 return base + size
@@ -356,7 +359,7 @@ class Scheduler:
         if not self.speculating or self.pause.paused:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
-        return 0 < len(live) <= self.runner.verify_sizes[-1] and not any(
+        return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
             r.sampling.processed or r.grammar is not None for r in live)
 
     def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
@@ -475,7 +478,7 @@ class Scheduler:
 
     def _drafts_found(self, reqs: list[Request]) -> bool:
         """Whether prompt lookup has a draft for one of these running lanes (while speculation pauses)."""
-        if len(reqs) > self.runner.verify_sizes[-1]:
+        if len(reqs) > self.runner.ready.verify[-1]:
             return False
         return any(len(self.proposer.propose(r.sequence(), 1))
                    for r in reqs if r.finish_reason is None)

@@ -230,7 +230,6 @@ class EngineParts:
     scheduler: Scheduler
     cache_file: PrefixCacheFile | None
     cache_load: LoadReport | None  # the prefix cache file's load (§5.5), if one was read
-    compiles_after_warmup: int
 
 
 def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_ids: frozenset[int],
@@ -294,10 +293,11 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
             cache_load = cache.load(cache_file)
             if progress is not None:
                 progress("restoring", 1, 1)
-        seconds = runner.warmup(progress, o.compile_threads) if warmup else runner.warmup_copies()
+        seconds = runner.warmup(progress, o.compile_threads, first=o.background_compile == "on") if warmup \
+            else runner.warmup_copies()
     except BaseException:
         cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
         raise
     log.info("compiled | %d programs | %.1f s", runner.compile_count(), seconds)
     scheduler = Scheduler(runner, o, cache, stop_ids)
-    return EngineParts(runner, cache, scheduler, cache_file, cache_load, runner.compile_count())
+    return EngineParts(runner, cache, scheduler, cache_file, cache_load)

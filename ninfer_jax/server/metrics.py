@@ -141,6 +141,9 @@ class _EngineCollector:
                          "--vision-cache-tokens).", vision["cached_tokens"])
         yield _gauge("ninfer_engine_compiles_since_warmup", "Programs compiled while serving (0 when warmup "
                      "compiled every reachable shape).", stats.get("compiles_since_warmup", 0))
+        yield _gauge("ninfer_engine_compiling_in_background", "1 while the programs past the first sizes still "
+                     "compile (--background-compile); rounds are narrower and mixed steps wait until then.",
+                     float(bool(stats.get("compiling_in_background", False))))
         yield _gauge("ninfer_engine_stats_age_seconds", "Age of the engine's published stats.",
                      stats.get("stats_age_s", 0.0))
 

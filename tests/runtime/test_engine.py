@@ -13,6 +13,8 @@ import torch
 
 from oracle import ORACLE_VOCAB, forward_greedy, hf_model
 from ninfer_jax import Engine, InvalidRequestError, PromptTooLongError, SamplingParams
+from ninfer_jax.runtime.device import buckets
+from ninfer_jax.runtime.device.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -413,3 +415,49 @@ def test_a_dummy_load_serves_random_weights_at_a_configs_shapes(tmp_path):
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(engine.runner.params), jax.tree.leaves(again)))
     with pytest.raises(ConfigError, match="config.json"):
         Engine.from_pretrained(tmp_path, load_format="dummy", warmup=False)
+
+
+def test_background_compile_serves_at_the_first_sizes_and_no_request_waits_on_a_compile(checkpoint, monkeypatch,
+                                                                                         hf_forward_greedy):
+    """background_compile: the engine serves once passes of the first size and rounds of one lane are compiled
+    (the constants shrunk to the tiny engine's sizes); the rest compile on other threads meanwhile and the steps
+    take them once all are; no step compiles on the engine's thread, and the tokens are the oracle's either way."""
+    monkeypatch.setattr(buckets, "FIRST_PASS_TOKENS", 64)
+    monkeypatch.setattr(buckets, "FIRST_LANES", 1)
+    gate, compiled = threading.Event(), []
+    real = ModelRunner.compile_rest
+
+    def gated(self, *args, **kwargs):
+        gate.wait(60)
+        return real(self, *args, **kwargs)
+
+    def heard(event, seconds, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append((fun_name, threading.current_thread().name))
+
+    monkeypatch.setattr(ModelRunner, "compile_rest", gated)
+    prompts, others = _prompts(3, seed=41), _prompts(3, seed=42)
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        with Engine.from_pretrained(checkpoint, max_concurrency=4, prefill_chunk=128, max_model_len=512,
+                                    kv_capacity=32 * 64, background_compile="on", compile_threads=1) as engine:
+            runner = engine.runner
+            assert (runner.ready.prefill, runner.ready.decode, runner.configured().decode) == ((64,), (1,), (1, 2, 4))
+            outs = engine.generate_many(prompts, GREEDY)  # one lane at a time, passes of 64 tokens
+            stats = engine.stats()
+            assert stats["compiling_in_background"] and stats["compiles_since_warmup"] == 0
+            assert stats["scheduler"]["decode_rounds"] == 3 * 11  # one lane per round
+            gate.set()
+            assert engine.wait_compiled(120)
+            rounds = engine.stats()["scheduler"]["decode_rounds"]
+            again = engine.generate_many(others, GREEDY)  # lanes together, passes of 128
+            stats = engine.stats()
+            assert not stats["compiling_in_background"] and stats["compiles_since_warmup"] == 0
+            assert stats["scheduler"]["decode_rounds"] - rounds < 2 * 11  # lanes share rounds
+            steps = {f"jit({fn.__name__})" for fn in runner._steps.values()}
+            assert not [f for f, thread in compiled if f in steps and thread == "ninfer-engine"]
+            assert any(thread.startswith("compile") for f, thread in compiled if f in steps)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    for prompt, out in zip(prompts + others, outs + again):
+        assert out.token_ids == hf_forward_greedy(prompt, out.token_ids)

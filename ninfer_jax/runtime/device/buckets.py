@@ -5,6 +5,48 @@ Every step shape comes from one of these sets, so warmup can compile them all an
 
 from __future__ import annotations
 
+import dataclasses
+
+# What a background compile (`ModelRunner.compile_rest`) leaves to the first warm-up: every request can be served
+# with passes of at most this many tokens (the smallest pass size at least) and rounds of at most this many lanes.
+FIRST_PASS_TOKENS = 1024
+FIRST_LANES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSizes:
+    """The sizes each step is compiled at: prefill pass lengths (`prefill` for both samplers, `idle` for the
+    greedy one), decode, mixed and verify round widths, image patch buckets, and (`copies`) the cache's slot and
+    page copies and Host transfers. Each tuple ascends."""
+
+    prefill: tuple[int, ...]
+    idle: tuple[int, ...] = ()
+    decode: tuple[int, ...] = ()
+    mixed: tuple[int, ...] = ()
+    verify: tuple[int, ...] = ()
+    patches: tuple[int, ...] = ()
+    copies: bool = True
+
+    def first(self) -> StepSizes:
+        """The part that serves every request: passes up to FIRST_PASS_TOKENS and rounds up to FIRST_LANES (the
+        smallest size where none is that small), the largest patch bucket (every image fits it), no idle passes or
+        mixed steps (a pass and a round run as two steps)."""
+        tokens, lanes = FIRST_PASS_TOKENS, FIRST_LANES
+
+        def upto(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
+            return tuple(s for s in sizes if s <= n) or sizes[:1]
+
+        return StepSizes(upto(self.prefill, tokens), (), upto(self.decode, lanes), (), upto(self.verify, lanes),
+                         self.patches[-1:], self.copies)
+
+    def minus(self, done: StepSizes) -> StepSizes:
+        """The sizes of self that `done` lacks."""
+        def rest(name: str) -> tuple[int, ...]:
+            return tuple(s for s in getattr(self, name) if s not in getattr(done, name))
+
+        return StepSizes(rest("prefill"), rest("idle"), rest("decode"), rest("mixed"), rest("verify"),
+                         rest("patches"), self.copies and not done.copies)
+
 
 def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step_floor: int = 512) -> tuple[int, ...]:
     """Chunk lengths compiled for prefill: smallest * ratio^k below the linear step, then every multiple of

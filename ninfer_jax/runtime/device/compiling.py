@@ -84,6 +84,17 @@ class AheadOfTime:
 
         return call
 
+    @property
+    def recorded(self) -> int:
+        """The calls recorded so far."""
+        return len(self._calls)
+
+    def wait_compiled(self, calls: int) -> None:
+        """Waits for the compiles of the first `calls` recorded calls: compiling without replaying
+        (`ModelRunner.compile_rest`). A failed compile raises here."""
+        for _, future in self._calls[:calls]:
+            future.result()
+
     def check_replayed(self) -> None:
         """Raises unless the replay made every recorded call."""
         if self._replayed != len(self._calls):

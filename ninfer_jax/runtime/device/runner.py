@@ -16,9 +16,12 @@ and never move a padding row.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 import jax
@@ -32,7 +35,7 @@ from ninfer_jax.model.params import Params
 from ninfer_jax.model.spmd import conv_order
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
-from ninfer_jax.runtime.device.buckets import fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
+from ninfer_jax.runtime.device.buckets import StepSizes, fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
 from ninfer_jax.runtime.device.compiling import AheadOfTime
 from ninfer_jax.runtime.device.sharding import ParallelLayout
 from ninfer_jax.runtime.device.transfer import WORD_BYTES
@@ -342,6 +345,36 @@ def _own(fn):
     return wrapper
 
 
+# Backend compiles (or loads from jax's persistent cache) by (thread ident, jitted function's name), heard through
+# jax.monitoring: what tells a compile on the engine's thread, which a request waits on, from one on the warm-up's.
+_COMPILES: collections.Counter = collections.Counter()
+_listening = threading.Lock()
+_registered = False
+
+
+def _heard(event: str, seconds: float, fun_name: str | None = None, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[threading.get_ident(), fun_name] += 1
+
+
+def _listen_for_compiles() -> None:
+    """Registers `_heard` once per process."""
+    global _registered
+    with _listening:
+        if not _registered:
+            jax.monitoring.register_event_duration_secs_listener(_heard)
+            _registered = True
+
+
+class _Stopped(Exception):
+    """The engine stopped while `compile_rest` was lowering."""
+
+
+def _shape_of(x):
+    """An array's shape and dtype (a step lowers from it as from the array); anything else as it is."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type) if isinstance(x, jax.Array) else x
+
+
 class ModelRunner:
     """Runs the model's jitted steps on the engine's preallocated DeviceState (the only mutator)."""
 
@@ -361,7 +394,6 @@ class ModelRunner:
         # Longer passes for a prompt no decode waits on, compiled for the greedy sampler only (the scheduler gives
         # them a prompt's last tokens only when its request samples greedily): two programs, not four.
         self.idle_sizes = idle_chunk_sizes(prefill_chunk, idle_prefill_chunk or prefill_chunk)
-        self._pass_sizes = self.buckets + self.idle_sizes  # every compiled prefill length, ascending
         self.max_lanes, self.max_taps = max_lanes, max_taps
         # A round runs its active lanes padded to the next size; batch_invariant: always all lanes.
         self.decode_sizes = (max_lanes,) if batch_invariant else pow2_buckets(max_lanes)
@@ -417,11 +449,20 @@ class ModelRunner:
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
         }
         self.transfer_sizes: tuple[int, ...] = ()  # page batch buckets, set by enable_host_transfers
+        _listen_for_compiles()
         self.image_rows = self.row_bytes = 0
         # The image encoder's output rows that prefill reads at image placeholders (enable_vision); one unused row
         # without a vision tower, so every prefill program has the same inputs.
         self.vision, self.patch_buckets = None, ()
         self.media = self._placed(jnp.zeros((1, cfg.hidden_size), params.embed.dtype))
+        # The sizes the steps may use now: all of them, except while `compile_rest` compiles the rest (written by
+        # `warmup` and `compile_rest` only, each time as a whole).
+        self.ready = self.configured()
+
+    def configured(self) -> StepSizes:
+        """Every size the steps are configured for."""
+        return StepSizes(self.buckets, self.idle_sizes, self.decode_sizes, self.mixed_sizes, self.verify_sizes,
+                         self.patch_buckets)
 
     def _placed(self, x):
         """x replicated over the mesh (tensor parallel), else as it is."""
@@ -436,13 +477,14 @@ class ModelRunner:
         gpu_bf16 = jax.devices()[0].platform == "gpu" and vparams.patch_w.dtype == jnp.bfloat16
         self.vision_attention = "cudnn" if gpu_bf16 else "xla"
         self.media = self._placed(jnp.zeros((media_rows, self.cfg.hidden_size), self.params.embed.dtype))
+        self.ready = self.configured()
 
     def encode_image(self, patches: np.ndarray, table: np.ndarray, grid, rows: np.ndarray) -> None:
         """Encodes one image (uint8 patches [t h w, 3, P, P], the normalisation table [3, 256], its grid) into media
         rows `rows` (one per token), dispatched, not waited for: the prefill that reads them follows it."""
         vparams, vcfg = self.vision
         n = len(patches)
-        bucket = fit(n, self.patch_buckets, "an image of {} patches")
+        bucket = fit(n, self.ready.patches, "an image of {} patches")
         padded = np.zeros((bucket, *patches.shape[1:]), np.uint8)
         padded[:n] = patches
         metadata = vision.padded_metadata(vcfg, tuple(int(v) for v in grid), bucket)
@@ -520,7 +562,8 @@ class ModelRunner:
 
     def bucket(self, n: int) -> int:
         """The compiled prefill length for a chunk of n tokens."""
-        return fit(n, self._pass_sizes, "prefill chunk of {} tokens")
+        ready = self.ready
+        return fit(n, ready.prefill + ready.idle, "prefill chunk of {} tokens")
 
     # --- steps -----------------------------------------------------------------------------------
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
@@ -595,7 +638,7 @@ class ModelRunner:
 
     def decode_size(self, lanes: int) -> int:
         """The compiled round size for `lanes` active lanes."""
-        return fit(lanes, self.decode_sizes, "decode round of {} lanes")
+        return fit(lanes, self.ready.decode, "decode round of {} lanes")
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
                use_prev=None, logprobs=False, allowed=None, processed=None, rope_shift=None):
@@ -671,7 +714,7 @@ class ModelRunner:
 
     def verify_size(self, lanes: int) -> int:
         """The compiled verify round size for `lanes` speculating lanes."""
-        return fit(lanes, self.verify_sizes, "verify round of {} lanes")
+        return fit(lanes, self.ready.verify, "verify round of {} lanes")
 
     def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False,
                limits=None, rope_shift=None):
@@ -745,12 +788,14 @@ class ModelRunner:
         self._swap_gdn(self._steps["scatter_slot"](s.ssm, s.conv, jnp.asarray(slot, jnp.int32), jnp.asarray(rows)))
 
     # --- compilation -----------------------------------------------------------------------------
-    def warmup(self, progress=None, threads: int = 1) -> float:
+    def warmup(self, progress=None, threads: int = 1, first: bool = False) -> float:
         """Compiles every step variant on `threads` threads, then runs each once with side-effect-free inputs
         (`compiling.AheadOfTime`: the warm-up's calls are recorded, compiled together, then replayed); returns
-        seconds spent. `progress(stage, done, total)` hears of each program as it is ready."""
+        seconds spent. `progress(stage, done, total)` hears of each program as it is ready. first: only the sizes
+        that serve every request (`StepSizes.first`), which `ready` then holds; `compile_rest` does the rest."""
         start = time.perf_counter()
         steps = self._steps
+        sizes = self.configured().first() if first else self.configured()
         with AheadOfTime(threads) as ahead:
             # The recording pass swaps shapes into the runner's state: it gets its arrays back afterwards.
             kept = {**vars(self), "_layout_checked": set(self._layout_checked)}
@@ -758,7 +803,7 @@ class ModelRunner:
             self._steps = {name: ahead.lowering(name, fn) for name, fn in steps.items()}
             self._recording = True
             try:
-                self._warmup_calls(lambda out, what: whats.append(what))
+                self._warmup_calls(lambda out, what: whats.append(what), sizes)
             finally:
                 vars(self).update(kept)
             log.info("compiling | %d programs lowered in %.1f s | compiling on %d threads", ahead.programs,
@@ -775,16 +820,56 @@ class ModelRunner:
 
             self._steps = {name: ahead.waiting(name, fn) for name, fn in steps.items()}
             try:
-                self._warmup_calls(ready)
+                self._warmup_calls(ready, sizes)
             finally:
                 self._steps = steps
             ahead.check_replayed()
+        self.ready = sizes
         return time.perf_counter() - start
 
-    def _warmup_calls(self, ready) -> None:
-        """Calls every step variant once with side-effect-free inputs, `ready(outputs, what)` after each program.
-        `warmup` plays it twice, first on the steps' output shapes only: it must not read an output's values, and it
-        must make the same calls both times."""
+    def compile_rest(self, threads: int = 1, progress=None, stopping=lambda: False) -> float:
+        """Compiles on `threads` threads the programs that `warmup(first=True)` left out, then lets the steps use
+        every size (`ready`); returns seconds spent. Runs on a thread of its own while the engine serves: the calls
+        are lowered on a copy of the runner whose arrays are shapes (the engine's may be donated meanwhile) and
+        compiled, never run, so it writes nothing the steps read but `ready`. jax keeps each executable with its
+        lowering, which the jitted step's own call finds. Ends early, sizes unchanged, once `stopping()`."""
+        start = time.perf_counter()
+        rest = self.configured().minus(self.ready)
+        shadow = copy.copy(self)
+        for name, value in vars(self).items():
+            if name != "_steps":
+                setattr(shadow, name, jax.tree.map(_shape_of, value))
+        shadow._recording, shadow._layout_checked = True, set(self._layout_checked)
+        marks: list[tuple[str, int]] = []  # each program's name for the log, and the calls recorded up to it
+
+        def recorded(out, what: str) -> None:
+            if stopping():
+                raise _Stopped
+            marks.append((what, ahead.recorded))
+
+        with AheadOfTime(threads) as ahead:
+            shadow._steps = {name: ahead.lowering(name, fn) for name, fn in self._steps.items()}
+            try:
+                shadow._warmup_calls(recorded, rest)
+            except _Stopped:
+                return time.perf_counter() - start
+            log.info("compiling in the background | %d programs lowered in %.1f s | compiling on %d threads",
+                     ahead.programs, ahead.lowering_s, threads)
+            for done, (what, calls) in enumerate(marks, 1):
+                if stopping():
+                    return time.perf_counter() - start
+                ahead.wait_compiled(calls)
+                log.info("compiling in the background | %s | %d/%d | %.1f s", what, done, len(marks),
+                         time.perf_counter() - start)
+                if progress is not None:
+                    progress("compiling in the background", done, len(marks))
+        self.ready = self.configured()
+        return time.perf_counter() - start
+
+    def _warmup_calls(self, ready, sizes: StepSizes) -> None:
+        """Calls every step variant of `sizes` once with side-effect-free inputs, `ready(outputs, what)` after each
+        program. `warmup` plays it twice, first on the steps' output shapes only: it must not read an output's
+        values, and it must make the same calls both times."""
         from ninfer_jax.runtime.sampling import SamplerInputs
 
         table = np.zeros(self.max_pages, np.int32)
@@ -792,23 +877,23 @@ class ModelRunner:
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
         for full in (False, True):
-            for size in self.buckets + (() if full else self.idle_sizes):
+            for size in sizes.prefill + (() if full else sizes.idle):
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
                 ready(self._prefill_packed(packed, size, full, logprobs=True),
                       f"prefill {size} tokens sampler={'full' if full else 'greedy'}")
-            for size in self.decode_sizes:  # rounds of padding rows only: nothing is written
+            for size in sizes.decode:  # rounds of padding rows only: nothing is written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
                       f"decode {size} lanes sampler={'full' if full else 'greedy'}")
-            for size in self.mixed_sizes:  # a pass with no valid token and a round of padding rows: nothing written
+            for size in sizes.mixed:  # a pass with no valid token and a round of padding rows: nothing written
                 chunk = pack_prefill_inputs((), self.mixed_tokens, PAGE, 0, one, (), (), table, self.max_taps)
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._mixed_packed(chunk, packed, full, self._no_prev),
                       f"mixed {self.mixed_tokens} tokens + {size} lanes sampler={'full' if full else 'greedy'}")
-            for size in self.verify_sizes:  # rounds of padding rows only: nothing is written
+            for size in sizes.verify:  # rounds of padding rows only: nothing is written
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
                                             table[None].repeat(c, 0), np.arange(c), lanes)
@@ -816,7 +901,7 @@ class ModelRunner:
                       f"verify {size} lanes x {self.verify_rows} rows sampler={'full' if full else 'greedy'}")
         if self.vision is not None:  # images of each bucket's patches, every output row dropped
             vcfg = self.vision[1]
-            for bucket in self.patch_buckets:
+            for bucket in sizes.patches:
                 m = vcfg.spatial_merge_size
                 patches = np.zeros((bucket, 3, vcfg.patch_size, vcfg.patch_size), np.uint8)
                 self.encode_image(patches, np.zeros((3, 256), np.float32), (1, m, bucket // m), np.zeros(0))
@@ -824,10 +909,11 @@ class ModelRunner:
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
         row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)
-        for size, width in [(1, 0)] + [(size, c) for size in self.decode_sizes]:
+        for size, width in [(1, 0)] + [(size, c) for size in sizes.decode]:
             logits = jnp.zeros((size, self.cfg.vocab_size), jnp.float32)
             ready(self._process(logits, row[None].repeat(size, 0), width), f"logit processing {size} rows")
-        self._copy_calls(ready)
+        if sizes.copies:
+            self._copy_calls(ready)
 
     def warmup_copies(self) -> float:
         """Compiles the cache's slot and page copies and the Host transfers (small programs; the engine
@@ -875,3 +961,8 @@ class ModelRunner:
 
     def compile_count(self) -> int:
         return sum(self.compile_counts().values())
+
+    def compiles_on(self, thread_ident: int) -> int:
+        """Compiles of this runner's steps (of any runner's with the same step functions) on one thread so far."""
+        names = {f"jit({fn.__name__})" for fn in self._steps.values()}
+        return sum(n for key, n in list(_COMPILES.items()) if key[0] == thread_ident and key[1] in names)
