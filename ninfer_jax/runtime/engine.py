@@ -123,7 +123,7 @@ class Engine:
         # The compiles counted on its ident before it started (a dead thread's ident is reused).
         self._compiles_before = self.runner.compiles_on(self._thread.ident)
         self._compiler = None  # the thread of `ModelRunner.compile_rest` (background_compile)
-        if warmup and self.runner.ready != self.runner.configured():
+        if warmup and self.runner.compiling:
             self._compiler = threading.Thread(target=self._compile_rest, name="ninfer-compile", daemon=True)
             self._compiler.start()
         log.info("engine ready | %s | max_model_len %d | %d lanes", model_name, o.max_model_len, o.max_concurrency)
@@ -183,7 +183,7 @@ class Engine:
         except Exception:
             log.exception("compiling in the background failed; the steps keep the sizes compiled at startup")
             return
-        if self.runner.ready == self.runner.configured():
+        if not self.runner.compiling:
             log.info("compiled in the background | every size ready | %.1f s", seconds)
 
     def _engine_compiles(self) -> int:
@@ -195,7 +195,7 @@ class Engine:
         """Waits for the background compile (background_compile); returns whether every size is ready."""
         if self._compiler is not None:
             self._compiler.join(timeout)
-        return self.runner.ready == self.runner.configured()
+        return not self.runner.compiling
 
     def _run(self) -> None:
         scheduler = self.scheduler
@@ -421,7 +421,7 @@ class Engine:
                              **({"loaded": dataclasses.asdict(self.cache_load)} if self.cache_load else {})},
             # compiles a request waited on: the engine thread's, not the warm-up's or the background's
             "compiles_since_warmup": self._engine_compiles(),
-            "compiling_in_background": self.runner.ready != self.runner.configured(),
+            "compiling_in_background": self.runner.compiling,
             "failed": self._failed,
         }
 

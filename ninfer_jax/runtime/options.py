@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS
-from ninfer_jax.runtime.device.buckets import FIRST_LANES, FIRST_PASS_TOKENS
 from ninfer_jax.prefix_cache.options import (DEFAULT_HOST_CACHE_BYTES, PrefixCacheOptions, default_max_new_taps,
                                              default_snapshot_slots, default_tap_ladder_tokens,
                                              default_tap_min_gap_tokens, tap_spacing_problem)
+from ninfer_jax.runtime.device.buckets import FIRST_LANES, FIRST_PASS_TOKENS
 
 __all__ = [
     "AUTO_LANE_KV_TOKENS", "CPU_CONCURRENCY", "DENSE_MIXED_TOKENS", "DENSE_PREFILL_CHUNK", "HOST_CACHE_CAP_MIB",

@@ -464,6 +464,11 @@ class ModelRunner:
         return StepSizes(self.buckets, self.idle_sizes, self.decode_sizes, self.mixed_sizes, self.verify_sizes,
                          self.patch_buckets)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether some configured size is not ready yet (`compile_rest` has not ended)."""
+        return self.ready != self.configured()
+
     def _placed(self, x):
         """x replicated over the mesh (tensor parallel), else as it is."""
         return x if self.layout is None else self.layout.replicate(x)
