@@ -11,6 +11,7 @@ that no longer decompress (a disk error, a copy cut short) are dropped at start,
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import zlib
@@ -60,27 +61,57 @@ def enable_compile_cache(path: str | None) -> str | None:
     # each still costs a restart its compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     log.info("compile cache | %s | %d entries | %d damaged entries dropped", folder,
-             sum(1 for _ in folder.iterdir()), dropped)
+             sum(1 for _ in folder.glob("*-cache")), dropped)
     return str(folder)
+
+
+# Entries already found whole, by name, with the size and modification time they had then: a warm start reads only
+# the entries written since (decompressing 149 entries of the 35B-A3B took 3.8 s of every start).
+CHECKED = "ninfer-checked.json"
 
 
 def drop_damaged_entries(folder: Path) -> int:
     """Removes the entries that do not decompress; returns how many. jax warns about a damaged entry at every
-    start, compiles its program again and never rewrites the file, so each restart would pay that compile."""
+    start, compiles its program again and never rewrites the file, so each restart would pay that compile. An
+    entry whose size and modification time are those it had when last found whole is not read again."""
+    checked = _read_checked(folder / CHECKED)
+    whole: dict[str, list[int]] = {}
     dropped = 0
     for entry in folder.glob("*-cache"):
         try:
-            data = entry.read_bytes()
+            stat = entry.stat()
+            mark = [stat.st_size, stat.st_mtime_ns]
+            if checked.get(entry.name) == mark or _decompresses(entry.read_bytes()):
+                whole[entry.name] = mark
+                continue
         except OSError:
-            continue
-        if _decompresses(data):
             continue
         try:
             entry.unlink()
             dropped += 1
         except OSError as e:
             log.warning("compile cache | cannot drop damaged entry %s | %s", entry.name, e.strerror or e)
+    if whole != checked:
+        _write_checked(folder / CHECKED, whole)
     return dropped
+
+
+def _read_checked(path: Path) -> dict:
+    try:
+        checked = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return checked if isinstance(checked, dict) else {}
+
+
+def _write_checked(path: Path, whole: dict) -> None:
+    """Written whole or not at all (a start cut short leaves the last one)."""
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(whole))
+        temporary.replace(path)
+    except OSError as e:
+        log.warning("compile cache | cannot record the checked entries in %s | %s", path, e.strerror or e)
 
 
 def _decompresses(data: bytes) -> bool:

@@ -241,8 +241,8 @@ class EngineOptions:
     # A step lowered from shapes is found by the call with the runner's arrays only where those are uncommitted, as
     # they are on one device: on a mesh the background's programs would compile again on the engine's thread.
     background_compile: str = _option(
-        str, "auto", "serve once the programs every request needs are compiled (passes of up to "
-        f"{FIRST_PASS_TOKENS} tokens, rounds of up to {FIRST_LANES} lanes, no mixed steps) and compile the rest on "
+        str, "auto", "serve once the programs every request needs are compiled (passes of "
+        f"{FIRST_PASS_TOKENS} tokens, rounds of {FIRST_LANES} lanes, no mixed steps) and compile the rest on "
         "background threads, which the steps use once all of it is compiled", flag="--background-compile",
         choices=("auto", "on", "off"), rule="auto: on with one GPU (its full warm-up takes minutes), off elsewhere")
     # A decode round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -207,18 +209,49 @@ def kernel_config(options: EngineOptions) -> KernelConfig:
                         fuse_gdn_conv=fused, fp8_activations=options.fp8_activations == "dynamic")
 
 
-def open_host_tier(runner: ModelRunner, index: PrefixIndex) -> HostTier | None:
-    """Allocates (and on a GPU page-locks) the Host slab buffer and enables the runner's transfers; None when the
-    cache has no Host tier. Raises HostTierError when the budget cannot be had."""
-    slabs = index.slabs
-    if not slabs.enabled:
-        return None
-    buffer = HostSlabBuffer(slabs)
-    runner.enable_host_transfers(slabs.slab_bytes, slabs.image_slabs)
-    log.info("host tier | %.0f MiB | %d slabs of %d KiB in %d chunk(s) | image %d slabs | %s",
-             buffer.nbytes / 2**20, slabs.num_slabs, slabs.slab_bytes >> 10, slabs.num_chunks, slabs.image_slabs,
-             "page-locked" if buffer.pinned else "pageable (no GPU)")
-    return HostTier(runner, buffer)
+class HostTierStart:
+    """The Host tier being opened: its buffer allocated here (a budget the machine cannot hold fails the start
+    before any compile) and, on a GPU, page-locked on a thread beside the warm-up, which `result()` waits for.
+    Without a Host tier in the cache, `result()` is None."""
+
+    def __init__(self, runner: ModelRunner, index: PrefixIndex):
+        self.runner, self.slabs = runner, index.slabs
+        self.buffer: HostSlabBuffer | None = None
+        self._error: BaseException | None = None
+        if not self.slabs.enabled:
+            return
+        self.buffer = HostSlabBuffer(self.slabs, lock_now=False)
+        runner.enable_host_transfers(self.slabs.slab_bytes, self.slabs.image_slabs)
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._lock, name="ninfer-host-lock", daemon=True)
+        self._thread.start()
+
+    def _lock(self) -> None:
+        try:
+            self.buffer.lock()
+        except BaseException as e:  # raised on the building thread by result()
+            self._error = e
+        self._seconds = time.perf_counter() - self._started
+
+    def result(self) -> HostTier | None:
+        """The Host tier, once page-locked. Raises HostTierError if locking failed."""
+        if self.buffer is None:
+            return None
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        slabs = self.slabs
+        log.info("host tier | %.0f MiB | %d slabs of %d KiB in %d chunk(s) | image %d slabs | %s",
+                 self.buffer.nbytes / 2**20, slabs.num_slabs, slabs.slab_bytes >> 10, slabs.num_chunks,
+                 slabs.image_slabs, f"page-locked in {self._seconds:.1f} s" if self.buffer.pinned
+                 else "pageable (no GPU)")
+        return HostTier(self.runner, self.buffer)
+
+    def close(self) -> None:
+        """Releases the buffer (a start that failed before `result()` handed it to the Host tier)."""
+        if self.buffer is not None:
+            self._thread.join()
+            self.buffer.close()
 
 
 @dataclasses.dataclass
@@ -270,16 +303,19 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
              sizes.num_pages, sizes.num_pages * PAGE, sizes.num_pages * sizes.page_bytes / 2**20, sizes.num_slots,
              o.max_concurrency, o.device_snapshot_slots, sizes.state_bytes / 2**20)
     index = PrefixIndex(CacheGeometry(sizes.num_pages, sizes.page_bytes, sizes.slot_bytes), o.prefix_cache_options())
-    host = open_host_tier(runner, index)  # before any compile: a budget that cannot be had fails the start
-    cache = PrefixCacheManager(index, host, runner, lanes=o.max_concurrency, enabled=not o.no_prefix_reuse,
-                               policy=o.cache_policy, prefill_chunk=o.prefill_chunk, max_taps=o.max_new_taps,
-                               coalesce=o.concurrent_prefill)
-    log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d%s",
-             "on" if cache.enabled else "off (no_prefix_reuse)", o.cache_policy, o.device_snapshot_slots,
-             o.max_new_taps, o.tap_ladder_tokens, o.tap_min_gap_tokens,
-             " | host tier off (host_cache_mib 0): Device only" if cache.enabled and host is None else "")
-    cache_file = cache_load = None
+    host_start = HostTierStart(runner, index)  # allocated before any compile, page-locked beside the warm-up
+    cache = cache_file = cache_load = None
     try:
+        seconds = runner.warmup(progress, o.compile_threads, first=o.background_compile == "on") if warmup \
+            else runner.warmup_copies()
+        host = host_start.result()
+        cache = PrefixCacheManager(index, host, runner, lanes=o.max_concurrency, enabled=not o.no_prefix_reuse,
+                                   policy=o.cache_policy, prefill_chunk=o.prefill_chunk, max_taps=o.max_new_taps,
+                                   coalesce=o.concurrent_prefill)
+        log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d%s",
+                 "on" if cache.enabled else "off (no_prefix_reuse)", o.cache_policy, o.device_snapshot_slots,
+                 o.max_new_taps, o.tap_ladder_tokens, o.tap_min_gap_tokens,
+                 " | host tier off (host_cache_mib 0): Device only" if cache.enabled and host is None else "")
         if o.prefix_cache_file is not None and host is not None:
             cache_file = PrefixCacheFile(o.prefix_cache_file, {
                 "format": FORMAT, "weights": weights_identity, "config": dataclasses.asdict(config),
@@ -293,10 +329,9 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
             cache_load = cache.load(cache_file)
             if progress is not None:
                 progress("restoring", 1, 1)
-        seconds = runner.warmup(progress, o.compile_threads, first=o.background_compile == "on") if warmup \
-            else runner.warmup_copies()
     except BaseException:
-        cache.close()  # the Host tier's memory (and its page-locking) goes with the failed start
+        # The Host tier's memory (and its page-locking) goes with the failed start.
+        cache.close() if cache is not None else host_start.close()
         raise
     log.info("compiled | %d programs | %.1f s", runner.compile_count(), seconds)
     scheduler = Scheduler(runner, o, cache, stop_ids)

@@ -2,6 +2,8 @@
 error; a forced transfer error in a write-through (at dispatch or in the writer thread) or a restore fails the
 engine (every request ends with "error") with no leaked pin, page or slab, and a new engine works after it."""
 
+import functools
+import threading
 import time
 
 import jax
@@ -9,6 +11,7 @@ import pytest
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.prefix_cache import HostSlabPool
+from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.device import host_buffer
 from ninfer_jax.runtime.device.host_buffer import HostSlabBuffer, HostTierError, physical_memory_bytes
 from ninfer_jax.runtime.request import EngineStoppedError
@@ -67,6 +70,38 @@ def test_a_failed_host_allocation_is_a_startup_error(checkpoint, monkeypatch):
     monkeypatch.setattr(host_buffer, "_allocate_chunk", refuse)
     with pytest.raises(HostTierError, match="cannot allocate Host tier chunk 0"):
         Engine.from_pretrained(checkpoint, **SMALL)
+
+
+class FakePageLock:
+    """cudaHostRegister's stand-in on a CPU: records the threads that lock, fails where told."""
+
+    def __init__(self, fail: bool):
+        self.fail, self.threads, self.unlocked = fail, [], 0
+
+    def register(self, address: int, nbytes: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise HostTierError(f"cudaHostRegister of {nbytes} B failed: injected")
+
+    def unregister(self, address: int) -> None:
+        self.unlocked += 1
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_page_locking_runs_beside_the_warm_up_and_a_failure_is_a_startup_error(checkpoint, monkeypatch, fail):
+    lock = FakePageLock(fail)
+    monkeypatch.setattr(host_buffer, "_PageLock", lambda: lock)
+    monkeypatch.setattr(startup, "HostSlabBuffer", functools.partial(HostSlabBuffer, pin=True))
+    if fail:
+        with pytest.raises(HostTierError, match="injected"):
+            Engine.from_pretrained(checkpoint, **SMALL)
+        assert lock.unlocked == 0
+    else:
+        with Engine.from_pretrained(checkpoint, **SMALL) as engine:
+            assert engine.cache_manager.host.buffer.pinned
+            assert engine.generate(tokens(100, 4), GREEDY).finish_reason == "length"
+        assert lock.unlocked == 1  # the one chunk, unlocked at stop
+    assert lock.threads and all(name.startswith("host-lock") for name in lock.threads)
 
 
 def test_a_forced_write_through_error_fails_the_engine_cleanly(checkpoint):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ninfer_jax.runtime.device.buckets import idle_chunk_sizes, prefill_buckets
+from ninfer_jax.runtime.device.buckets import StepSizes, idle_chunk_sizes, pow2_buckets, prefill_buckets
 
 
 @pytest.mark.parametrize("chunk, expected", [
@@ -36,3 +36,15 @@ def test_a_compute_bound_chunk_pads_by_less_than_a_quarter_of_the_chunk(chunk):
 ])
 def test_idle_passes_are_the_idle_chunk_and_its_half_where_longer_than_the_prefill_chunk(chunk, idle, expected):
     assert idle_chunk_sizes(chunk, idle) == expected
+
+
+def test_the_first_sizes_are_one_pass_and_one_round_and_the_rest_is_everything_else():
+    configured = StepSizes(prefill_buckets(4096), idle_chunk_sizes(4096, 16384), pow2_buckets(256), (8, 64),
+                           (1, 2, 4, 8, 16), (256, 1024))
+    first = configured.first()
+    assert first == StepSizes((1024,), (), (8,), (), (8,), (1024,))
+    rest = configured.minus(first)
+    assert rest == StepSizes((64, 256, 2048, 3072, 4096), (8192, 16384), (1, 2, 4, 16, 32, 64, 128, 256), (8, 64),
+                             (1, 2, 4, 16), (256,), copies=False)
+    # Sizes all above the limits: the smallest of each, so every request still fits.
+    assert StepSizes((2048, 4096), (), (16, 32)).first() == StepSizes((2048,), (), (16,), (), (), (), True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 # What a background compile (`ModelRunner.compile_rest`) leaves to the first warm-up: every request can be served
-# with passes of at most this many tokens (the smallest pass size at least) and rounds of at most this many lanes.
+# with passes of this many tokens (the largest pass size up to it) and rounds of this many lanes.
 FIRST_PASS_TOKENS = 1024
 FIRST_LANES = 8
 
@@ -28,16 +28,17 @@ class StepSizes:
     copies: bool = True
 
     def first(self) -> StepSizes:
-        """The part that serves every request: passes up to FIRST_PASS_TOKENS and rounds up to FIRST_LANES (the
-        smallest size where none is that small), the largest patch bucket (every image fits it), no idle passes or
-        mixed steps (a pass and a round run as two steps)."""
-        tokens, lanes = FIRST_PASS_TOKENS, FIRST_LANES
+        """The part that serves every request at the fewest programs: one pass size (the largest up to
+        FIRST_PASS_TOKENS, the smallest where none is that small) and one round width (likewise up to FIRST_LANES),
+        shorter passes and rounds padded to them; the largest patch bucket (every image fits it); no idle passes or
+        mixed steps (a pass and a round run as two steps). A warm start still traces every program it loads from
+        jax's cache (the model's 40 layers, one by one), so each program left out here is tracing it does not wait
+        on."""
+        def one(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
+            return tuple(s for s in sizes if s <= n)[-1:] or sizes[:1]
 
-        def upto(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
-            return tuple(s for s in sizes if s <= n) or sizes[:1]
-
-        return StepSizes(upto(self.prefill, tokens), (), upto(self.decode, lanes), (), upto(self.verify, lanes),
-                         self.patches[-1:], self.copies)
+        return StepSizes(one(self.prefill, FIRST_PASS_TOKENS), (), one(self.decode, FIRST_LANES), (),
+                         one(self.verify, FIRST_LANES), self.patches[-1:], self.copies)
 
     def minus(self, done: StepSizes) -> StepSizes:
         """The sizes of self that `done` lacks."""

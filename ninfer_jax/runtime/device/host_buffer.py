@@ -16,10 +16,15 @@ import glob
 import mmap
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
+
+
+# Chunks page-locked at once (`HostSlabBuffer.lock`).
+LOCK_THREADS = 8
 
 
 class HostTierError(RuntimeError):
@@ -87,11 +92,12 @@ class HostSlabBuffer:
     Args:
       pool: the index's slab geometry (slab_bytes, slabs per chunk, chunks).
       pin: page-lock every chunk (cudaHostRegister); None = when jax's backend is a GPU.
+      lock_now: page-lock here; False leaves it to `lock()` (the engine's start runs it beside the warm-up).
     Raises:
       HostTierError: the budget exceeds the machine's memory, or allocating or page-locking a chunk failed.
     """
 
-    def __init__(self, pool: HostSlabPool, *, pin: bool | None = None):
+    def __init__(self, pool: HostSlabPool, *, pin: bool | None = None, lock_now: bool = True):
         self.pool = pool
         self.slab_bytes = pool.slab_bytes
         self.chunks: list[np.ndarray] = []
@@ -118,15 +124,36 @@ class HostSlabBuffer:
                     raise HostTierError(f"cannot allocate Host tier chunk {c} of {nbytes / 2**20:.0f} MiB "
                                         f"({total / 2**20:.0f} MiB in all): {e}; lower host_cache_mib") from e
                 self._maps.append(mm)
-                array = np.frombuffer(mm, np.uint8).reshape(-1, self.slab_bytes)
-                self.chunks.append(array)
-                if self._lock is not None:
-                    address = array.ctypes.data
-                    self._lock.register(address, nbytes)
-                    self._locked.append(address)
+                self.chunks.append(np.frombuffer(mm, np.uint8).reshape(-1, self.slab_bytes))
+            if lock_now:
+                self.lock()
         except BaseException:
             self.close()
             raise
+
+    def lock(self, threads: int = LOCK_THREADS) -> None:
+        """Page-locks every chunk (nothing without `pin`), up to `threads` chunks at once: locking faults in and
+        zeroes each page, which one thread did at about 3 GB/s (10.3 s for 30 GiB on the H200's host). Raises
+        HostTierError if a chunk fails; those locked stay so until `close()`."""
+        if self._lock is None or self._locked:
+            return
+        lock = self._lock
+        addresses = [a.ctypes.data for a in self.chunks]
+
+        def one(c: int) -> int:
+            lock.register(addresses[c], self.chunks[c].nbytes)
+            return addresses[c]
+
+        with ThreadPoolExecutor(max(1, min(threads, len(addresses))), thread_name_prefix="host-lock") as pool:
+            futures = [pool.submit(one, c) for c in range(len(addresses))]
+        errors = []
+        for future in futures:
+            try:
+                self._locked.append(future.result())
+            except HostTierError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     @property
     def pinned(self) -> bool:
