@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
+from ninfer_jax.device_memory import claim_device_memory
 from ninfer_jax.frontend import prepare_chat
 from ninfer_jax.frontend.image_processing import ImageError, decode_image
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--image {name}: {error}")
         images.append({"type": "image", "image": data})
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s | %(message)s")
+    claim_device_memory()
     enable_compile_cache(args.compile_cache_dir)
     engine = Engine.from_pretrained(args.model, **options)
     try:

@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
+from ninfer_jax.device_memory import claim_device_memory
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
 from .images import ImageOptions
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     # jax reports each accelerator plugin it does not find ("Unable to initialize backend 'tpu'") at INFO; on a
     # machine without one those lines read as failures.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    claim_device_memory()  # before the build thread starts jax's backend
 
     from .app import create_app
     from .readiness import build_in_background
