@@ -38,13 +38,12 @@ def test_idle_passes_are_the_idle_chunk_and_its_half_where_longer_than_the_prefi
     assert idle_chunk_sizes(chunk, idle) == expected
 
 
-def test_the_first_sizes_are_one_pass_and_one_round_and_the_rest_is_everything_else():
+def test_the_first_sizes_are_one_pass_and_one_round_with_the_full_sampler_only():
     configured = StepSizes(prefill_buckets(4096), idle_chunk_sizes(4096, 16384), pow2_buckets(256), (8, 64),
                            (1, 2, 4, 8, 16), (256, 1024))
     first = configured.first()
-    assert first == StepSizes((1024,), (), (8,), (), (8,), (1024,))
-    rest = configured.minus(first)
-    assert rest == StepSizes((64, 256, 2048, 3072, 4096), (8192, 16384), (1, 2, 4, 16, 32, 64, 128, 256), (8, 64),
-                             (1, 2, 4, 16), (256,), copies=False)
+    assert first == StepSizes((1024,), (), (8,), (), (8,), (1024,), copies=True, greedy=False)
+    assert first.has("decode", 8) and not first.has("decode", 8, full=False) and not first.has("decode", 4)
+    assert configured.has("decode", 4, full=False) and configured.has("idle", 16384, full=False)
     # Sizes all above the limits: the smallest of each, so every request still fits.
-    assert StepSizes((2048, 4096), (), (16, 32)).first() == StepSizes((2048,), (), (16,), (), (), (), True)
+    assert StepSizes((2048, 4096), (), (16, 32)).first() == StepSizes((2048,), (), (16,), greedy=False)

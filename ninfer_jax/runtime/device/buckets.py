@@ -16,8 +16,10 @@ FIRST_LANES = 8
 @dataclasses.dataclass(frozen=True)
 class StepSizes:
     """The sizes each step is compiled at: prefill pass lengths (`prefill` for both samplers, `idle` for the
-    greedy one), decode, mixed and verify round widths, image patch buckets, and (`copies`) the cache's slot and
-    page copies and Host transfers. Each tuple ascends."""
+    greedy one), decode, mixed and verify round widths, image patch buckets, whether (`copies`) the cache's slot
+    and page copies and Host transfers are compiled, and whether (`greedy`) the greedy-only sampler's programs are
+    (without them every step samples with the full sampler, which takes the argmax for greedy rows too). Each tuple
+    ascends."""
 
     prefill: tuple[int, ...]
     idle: tuple[int, ...] = ()
@@ -26,27 +28,24 @@ class StepSizes:
     verify: tuple[int, ...] = ()
     patches: tuple[int, ...] = ()
     copies: bool = True
+    greedy: bool = True
 
     def first(self) -> StepSizes:
         """The part that serves every request at the fewest programs: one pass size (the largest up to
         FIRST_PASS_TOKENS, the smallest where none is that small) and one round width (likewise up to FIRST_LANES),
-        shorter passes and rounds padded to them; the largest patch bucket (every image fits it); no idle passes or
-        mixed steps (a pass and a round run as two steps). A warm start still traces every program it loads from
-        jax's cache (the model's 40 layers, one by one), so each program left out here is tracing it does not wait
-        on."""
+        shorter passes and rounds padded to them; the full sampler only; the largest patch bucket (every image fits
+        it); no idle passes or mixed steps (a pass and a round run as two steps). A warm start still traces every
+        program it loads from jax's cache (the model's layers one by one, seconds each), so each program left out
+        here is tracing it does not wait on."""
         def one(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
             return tuple(s for s in sizes if s <= n)[-1:] or sizes[:1]
 
         return StepSizes(one(self.prefill, FIRST_PASS_TOKENS), (), one(self.decode, FIRST_LANES), (),
-                         one(self.verify, FIRST_LANES), self.patches[-1:], self.copies)
+                         one(self.verify, FIRST_LANES), self.patches[-1:], self.copies, greedy=False)
 
-    def minus(self, done: StepSizes) -> StepSizes:
-        """The sizes of self that `done` lacks."""
-        def rest(name: str) -> tuple[int, ...]:
-            return tuple(s for s in getattr(self, name) if s not in getattr(done, name))
-
-        return StepSizes(rest("prefill"), rest("idle"), rest("decode"), rest("mixed"), rest("verify"),
-                         rest("patches"), self.copies and not done.copies)
+    def has(self, kind: str, size: int, full: bool = True) -> bool:
+        """Whether the program of step `kind` ("prefill", "decode", ...) at `size` with that sampler is among these."""
+        return size in getattr(self, kind) and (full or self.greedy)
 
 
 def prefill_buckets(prefill_chunk: int, smallest: int = 64, ratio: int = 4, step_floor: int = 512) -> tuple[int, ...]:

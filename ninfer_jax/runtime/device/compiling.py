@@ -42,6 +42,7 @@ class AheadOfTime:
         self._compiles: dict = {}  # lowering -> (Lowered, Future): one compile per distinct program
         self._replayed = 0
         self.lowering_s = 0.0
+        self.lowering_by_step: dict[str, float] = {}  # seconds lowering each step's calls, for the log
 
     def __enter__(self) -> Self:
         return self
@@ -66,7 +67,9 @@ class AheadOfTime:
             if key not in self._compiles:
                 self._compiles[key] = (lowered, self._pool.submit(lowered.compile))
             self._calls.append((name, self._compiles[key][1]))
-            self.lowering_s += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.lowering_s += seconds
+            self.lowering_by_step[name] = self.lowering_by_step.get(name, 0.0) + seconds
             return jax.tree.map(lambda s: _Shape(s.shape, s.dtype, weak_type=s.weak_type), lowered.out_info)
 
         return call
@@ -83,6 +86,11 @@ class AheadOfTime:
             return fn(*args, **kwargs)
 
         return call
+
+    def slowest(self, count: int = 4) -> str:
+        """The steps that took longest to lower, with their seconds (for the log)."""
+        ranked = sorted(self.lowering_by_step.items(), key=lambda kv: -kv[1])[:count]
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in ranked)
 
     @property
     def recorded(self) -> int:

@@ -469,6 +469,10 @@ class ModelRunner:
         """Whether some configured size is not ready yet (`compile_rest` has not ended)."""
         return self.ready != self.configured()
 
+    def _sampler(self, full: bool) -> bool:
+        """The `full` static of a step: the full sampler where asked, or where the greedy programs are not ready."""
+        return full or not self.ready.greedy
+
     def _placed(self, x):
         """x replicated over the mesh (tensor parallel), else as it is."""
         return x if self.layout is None else self.layout.replicate(x)
@@ -608,7 +612,7 @@ class ModelRunner:
     # the step may read it later (on CPU jax can alias a numpy buffer).
     def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool, extras=None):
         """extras: the processing row [PROCESS_COLUMNS + W] of `_process_step`, or None."""
-        full = full and extras is None  # the step's own token is replaced: its cheapest sampler will do
+        full = self._sampler(full and extras is None)  # the step's own token is replaced: its cheapest will do
         (tokens, logits), state, *carry = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
                                                                  (size, self.max_taps), self.state, packed,
                                                                  self.media, self.mtp_carry)
@@ -686,7 +690,7 @@ class ModelRunner:
         return extras
 
     def _decode_packed(self, packed: np.ndarray, full: bool, prev_tokens, logprobs: bool, extras=None):
-        full = full and extras is None  # the step's own tokens are replaced: its cheapest sampler will do
+        full = self._sampler(full and extras is None)  # the step's own tokens are replaced: its cheapest will do
         out, state = self._steps["decode"](self.params, self.cfg, self.kernels, full, self.state, packed, prev_tokens)
         self._swap(state, ("decode", packed.shape[0], full))
         return self._round_outputs(out, packed, logprobs, extras)
@@ -711,6 +715,7 @@ class ModelRunner:
 
     def _mixed_packed(self, packed, r_packed, full: bool, prev_tokens, p_extras=None, r_extras=None,
                       p_logprobs=False, r_logprobs=False):
+        full = self._sampler(full)
         (chunk, rnd), state = self._steps["mixed"](self.params, self.cfg, self.kernels, full,
                                                    (self.mixed_tokens, self.max_taps), self.state, packed, self.media,
                                                    r_packed, prev_tokens)
@@ -735,7 +740,7 @@ class ModelRunner:
         return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
 
     def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
-        layout = (rows, self.max_lanes)
+        layout, full = (rows, self.max_lanes), self._sampler(full)
         out, state, *carry = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state,
                                                    packed, self._stop_mask, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
@@ -811,8 +816,8 @@ class ModelRunner:
                 self._warmup_calls(lambda out, what: whats.append(what), sizes)
             finally:
                 vars(self).update(kept)
-            log.info("compiling | %d programs lowered in %.1f s | compiling on %d threads", ahead.programs,
-                     ahead.lowering_s, threads)
+            log.info("compiling | %d programs lowered in %.1f s (%s) | compiling on %d threads", ahead.programs,
+                     ahead.lowering_s, ahead.slowest(), threads)
             done = 0
 
             def ready(out, what: str) -> None:
@@ -839,12 +844,12 @@ class ModelRunner:
         compiled, never run, so it writes nothing the steps read but `ready`. jax keeps each executable with its
         lowering, which the jitted step's own call finds. Ends early, sizes unchanged, once `stopping()`."""
         start = time.perf_counter()
-        rest = self.configured().minus(self.ready)
         shadow = copy.copy(self)
         for name, value in vars(self).items():
             if name != "_steps":
                 setattr(shadow, name, jax.tree.map(_shape_of, value))
         shadow._recording, shadow._layout_checked = True, set(self._layout_checked)
+        shadow.ready = self.configured()  # its calls take the sampler asked for (`_sampler`), as the steps will
         marks: list[tuple[str, int]] = []  # each program's name for the log, and the calls recorded up to it
 
         def recorded(out, what: str) -> None:
@@ -855,11 +860,11 @@ class ModelRunner:
         with AheadOfTime(threads) as ahead:
             shadow._steps = {name: ahead.lowering(name, fn) for name, fn in self._steps.items()}
             try:
-                shadow._warmup_calls(recorded, rest)
+                shadow._warmup_calls(recorded, self.configured(), done=self.ready)
             except _Stopped:
                 return time.perf_counter() - start
-            log.info("compiling in the background | %d programs lowered in %.1f s | compiling on %d threads",
-                     ahead.programs, ahead.lowering_s, threads)
+            log.info("compiling in the background | %d programs lowered in %.1f s (%s) | compiling on %d threads",
+                     ahead.programs, ahead.lowering_s, ahead.slowest(), threads)
             for done, (what, calls) in enumerate(marks, 1):
                 if stopping():
                     return time.perf_counter() - start
@@ -871,42 +876,47 @@ class ModelRunner:
         self.ready = self.configured()
         return time.perf_counter() - start
 
-    def _warmup_calls(self, ready, sizes: StepSizes) -> None:
+    def _warmup_calls(self, ready, sizes: StepSizes, done: StepSizes | None = None) -> None:
         """Calls every step variant of `sizes` once with side-effect-free inputs, `ready(outputs, what)` after each
-        program. `warmup` plays it twice, first on the steps' output shapes only: it must not read an output's
-        values, and it must make the same calls both times."""
+        program, skipping the programs `done` holds (compiled already). `warmup` plays it twice, first on the steps'
+        output shapes only: it must not read an output's values, and it must make the same calls both times."""
         from ninfer_jax.runtime.sampling import SamplerInputs
+
+        def new(kind: str, size: int, full: bool = True) -> bool:
+            return done is None or not done.has(kind, size, full)
 
         table = np.zeros(self.max_pages, np.int32)
         one = SamplerInputs.empty(1).arrays()
         lanes = SamplerInputs.empty(self.max_lanes).arrays()
         c = self.max_lanes
-        for full in (False, True):
+        for full in (False, True) if sizes.greedy else (True,):
+            sampler = f"sampler={'full' if full else 'greedy'}"
             for size in sizes.prefill + (() if full else sizes.idle):
+                if not new("idle" if size in sizes.idle else "prefill", size, full):
+                    continue
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
-                ready(self._prefill_packed(packed, size, full, logprobs=True),
-                      f"prefill {size} tokens sampler={'full' if full else 'greedy'}")
-            for size in sizes.decode:  # rounds of padding rows only: nothing is written
+                ready(self._prefill_packed(packed, size, full, logprobs=True), f"prefill {size} tokens {sampler}")
+            for size in (s for s in sizes.decode if new("decode", s, full)):  # padding rows only: nothing written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
-                ready(self._decode_packed(packed, full, self._no_prev, logprobs=True),
-                      f"decode {size} lanes sampler={'full' if full else 'greedy'}")
-            for size in sizes.mixed:  # a pass with no valid token and a round of padding rows: nothing written
+                ready(self._decode_packed(packed, full, self._no_prev, logprobs=True), f"decode {size} lanes {sampler}")
+            for size in (s for s in sizes.mixed if new("mixed", s, full)):
+                # a pass with no valid token and a round of padding rows: nothing written
                 chunk = pack_prefill_inputs((), self.mixed_tokens, PAGE, 0, one, (), (), table, self.max_taps)
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)
                 ready(self._mixed_packed(chunk, packed, full, self._no_prev),
-                      f"mixed {self.mixed_tokens} tokens + {size} lanes sampler={'full' if full else 'greedy'}")
-            for size in sizes.verify:  # rounds of padding rows only: nothing is written
+                      f"mixed {self.mixed_tokens} tokens + {size} lanes {sampler}")
+            for size in (s for s in sizes.verify if new("verify", s, full)):  # padding rows only: nothing written
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
                                             table[None].repeat(c, 0), np.arange(c), lanes)
                 ready(self._verify_packed(packed, full, self.verify_rows, logprobs=True),
-                      f"verify {size} lanes x {self.verify_rows} rows sampler={'full' if full else 'greedy'}")
+                      f"verify {size} lanes x {self.verify_rows} rows {sampler}")
         if self.vision is not None:  # images of each bucket's patches, every output row dropped
             vcfg = self.vision[1]
-            for bucket in sizes.patches:
+            for bucket in (b for b in sizes.patches if new("patches", b)):
                 m = vcfg.spatial_merge_size
                 patches = np.zeros((bucket, 3, vcfg.patch_size, vcfg.patch_size), np.uint8)
                 self.encode_image(patches, np.zeros((3, 256), np.float32), (1, m, bucket // m), np.zeros(0))
@@ -914,10 +924,10 @@ class ModelRunner:
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
         row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)
-        for size, width in [(1, 0)] + [(size, c) for size in sizes.decode]:
+        for size, width in [(1, 0)] * (done is None) + [(size, c) for size in sizes.decode if new("decode", size)]:
             logits = jnp.zeros((size, self.cfg.vocab_size), jnp.float32)
             ready(self._process(logits, row[None].repeat(size, 0), width), f"logit processing {size} rows")
-        if sizes.copies:
+        if sizes.copies and (done is None or not done.copies):
             self._copy_calls(ready)
 
     def warmup_copies(self) -> float:
