@@ -25,6 +25,7 @@ from ninfer_jax.prefix_cache.host_slabs import HostSlabPool
 
 # Chunks page-locked at once (`HostSlabBuffer.lock`).
 LOCK_THREADS = 8
+PAGE_BYTES = mmap.PAGESIZE
 
 
 class HostTierError(RuntimeError):
@@ -39,9 +40,16 @@ def physical_memory_bytes() -> int | None:
 
 
 def _allocate_chunk(nbytes: int) -> mmap.mmap:
-    """Anonymous, page-aligned, zero-filled memory, committed lazily by the kernel."""
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    """Anonymous, page-aligned, zero-filled memory, committed lazily by the kernel, in huge pages where the kernel
+    gives them on request (fewer faults to commit it: 7.6 against 3.4 GB/s on one core of a 2-core CPU machine)."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages
+            pass
+    return mm
 
 
 def _cuda_runtime() -> ctypes.CDLL:
@@ -133,14 +141,18 @@ class HostSlabBuffer:
 
     def lock(self, threads: int = LOCK_THREADS) -> None:
         """Page-locks every chunk (nothing without `pin`), up to `threads` chunks at once: locking faults in and
-        zeroes each page, which one thread did at about 3 GB/s (10.3 s for 30 GiB on the H200's host). Raises
-        HostTierError if a chunk fails; those locked stay so until `close()`."""
+        zeroes each page, which cudaHostRegister alone did at about 3 GB/s (10.3 s for 30 GiB on the H200's host),
+        slowing the warm-up's tracing beside it. Raises HostTierError if a chunk fails; those locked stay so until
+        `close()`."""
         if self._lock is None or self._locked:
             return
         lock = self._lock
         addresses = [a.ctypes.data for a in self.chunks]
 
         def one(c: int) -> int:
+            # Commit the pages first (numpy writes without the GIL): the registration then pins present pages,
+            # and the faults, the bulk of the work, run on every thread at once.
+            self.chunks[c].reshape(-1)[::PAGE_BYTES] = 0
             lock.register(addresses[c], self.chunks[c].nbytes)
             return addresses[c]
 
