@@ -3,6 +3,7 @@ cancellation, bounded completion, refusal of bad input, no leaks and no compiles
 
 import asyncio
 import collections
+import gc
 import threading
 import time
 
@@ -13,6 +14,7 @@ import torch
 
 from oracle import ORACLE_VOCAB, forward_greedy, hf_model
 from ninfer_jax import Engine, InvalidRequestError, PromptTooLongError, SamplingParams
+from ninfer_jax.runtime import engine as engine_module
 from ninfer_jax.runtime.device import buckets
 from ninfer_jax.runtime.device.runner import ModelRunner
 
@@ -421,7 +423,8 @@ def test_background_compile_serves_at_the_first_sizes_and_no_request_waits_on_a_
                                                                                          hf_forward_greedy):
     """background_compile: the engine serves once passes of the first size and rounds of one lane are compiled
     (the constants shrunk to the tiny engine's sizes); the rest compile on other threads meanwhile and the steps
-    take them once all are; no step compiles on the engine's thread, and the tokens are the oracle's either way."""
+    take them once all are; no step compiles on the engine's thread, and the tokens are the oracle's either way. Full
+    garbage collections are deferred meanwhile, then the survivors frozen."""
     monkeypatch.setattr(buckets, "FIRST_PASS_TOKENS", 64)
     monkeypatch.setattr(buckets, "FIRST_LANES", 1)
     gate, compiled = threading.Event(), []
@@ -437,6 +440,7 @@ def test_background_compile_serves_at_the_first_sizes_and_no_request_waits_on_a_
 
     monkeypatch.setattr(ModelRunner, "compile_rest", gated)
     prompts, others = _prompts(3, seed=41), _prompts(3, seed=42)
+    thresholds = gc.get_threshold()
     jax.monitoring.register_event_duration_secs_listener(heard)
     try:
         with Engine.from_pretrained(checkpoint, max_concurrency=4, prefill_chunk=128, max_model_len=512,
@@ -447,8 +451,10 @@ def test_background_compile_serves_at_the_first_sizes_and_no_request_waits_on_a_
             stats = engine.stats()
             assert stats["compiling_in_background"] and stats["compiles_since_warmup"] == 0
             assert stats["scheduler"]["decode_rounds"] == 3 * 11  # one lane per round
+            assert gc.get_threshold()[2] == engine_module.DEFERRED_FULL_COLLECTIONS  # while it compiles
             gate.set()
             assert engine.wait_compiled(120)
+            assert gc.get_threshold() == thresholds and gc.get_freeze_count() > 0
             rounds = engine.stats()["scheduler"]["decode_rounds"]
             again = engine.generate_many(others, GREEDY)  # lanes together, passes of 128
             stats = engine.stats()
