@@ -1,7 +1,8 @@
 """Startup of `ninfer-serve`, cold then warm: starts the server (jax's compile cache empty or not, as it finds it),
 times /health/ready and the first served completion (16 tokens in, 1 out), stops it, starts it again (now warm),
 times the same, then waits for the background compile to end and prints how long it took. Each server's log goes to
---logs. With --then, a serving benchmark against the warm server before it stops.
+--logs. With --then, a serving benchmark against the warm server before it stops; last, the programs the warm server
+compiled on its engine thread (0: no request waited on a compile).
 
     JAX_COMPILATION_CACHE_DIR=/tmp/xla python scripts/startup_probe.py --logs OUT -- \\
         configs/qwen3.5-35b-a3b.json --load-format dummy --max-concurrency 256 --max-model-len 4096
@@ -53,6 +54,9 @@ def main() -> int:
         if args.then:
             subprocess.run([sys.executable, "scripts/load_test.py", "--serving", "--url", server.url,
                             *shlex.split(args.then), "--out", str(args.logs)], check=True)
+        compiles = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                    if line.startswith("ninfer_engine_compiles_since_warmup")]
+        print(f"warm | {compiles[0] if compiles else 'no compile count'} (programs a request waited on)", flush=True)
     finally:
         server.stop()
     return 0
