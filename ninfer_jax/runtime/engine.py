@@ -199,7 +199,7 @@ class Engine:
             started = time.perf_counter()
             gc.collect()
             gc.freeze()
-            log.info("compiled in the background | collected and froze %d objects in %.2f s", gc.get_freeze_count(),
+            log.info("background compile ended | collected and froze %d objects in %.2f s", gc.get_freeze_count(),
                      time.perf_counter() - started)
         if not self.runner.compiling:
             log.info("compiled in the background | every size ready | %.1f s", seconds)

@@ -220,8 +220,8 @@ class HostTierStart:
         self._error: BaseException | None = None
         if not self.slabs.enabled:
             return
-        self.buffer = HostSlabBuffer(self.slabs, lock_now=False)
         runner.enable_host_transfers(self.slabs.slab_bytes, self.slabs.image_slabs)
+        self.buffer = HostSlabBuffer(self.slabs, lock_now=False)
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._lock, name="ninfer-host-lock", daemon=True)
         self._thread.start()
@@ -331,7 +331,10 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                 progress("restoring", 1, 1)
     except BaseException:
         # The Host tier's memory (and its page-locking) goes with the failed start.
-        cache.close() if cache is not None else host_start.close()
+        if cache is not None:
+            cache.close()
+        else:
+            host_start.close()
         raise
     log.info("compiled | %d programs | %.1f s", runner.compile_count(), seconds)
     scheduler = Scheduler(runner, o, cache, stop_ids)

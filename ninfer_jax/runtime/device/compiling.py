@@ -41,8 +41,7 @@ class AheadOfTime:
         self._calls: list[tuple[str, Future]] = []  # (step name, its program's compile) per recorded call
         self._compiles: dict = {}  # lowering -> (Lowered, Future): one compile per distinct program
         self._replayed = 0
-        self.lowering_s = 0.0
-        self.lowering_by_step: dict[str, float] = {}  # seconds lowering each step's calls, for the log
+        self.lowering_by_step: dict[str, float] = {}  # seconds lowering each step's calls
 
     def __enter__(self) -> Self:
         return self
@@ -67,9 +66,7 @@ class AheadOfTime:
             if key not in self._compiles:
                 self._compiles[key] = (lowered, self._pool.submit(lowered.compile))
             self._calls.append((name, self._compiles[key][1]))
-            seconds = time.perf_counter() - start
-            self.lowering_s += seconds
-            self.lowering_by_step[name] = self.lowering_by_step.get(name, 0.0) + seconds
+            self.lowering_by_step[name] = self.lowering_by_step.get(name, 0.0) + time.perf_counter() - start
             return jax.tree.map(lambda s: _Shape(s.shape, s.dtype, weak_type=s.weak_type), lowered.out_info)
 
         return call
@@ -86,6 +83,11 @@ class AheadOfTime:
             return fn(*args, **kwargs)
 
         return call
+
+    @property
+    def lowering_s(self) -> float:
+        """Seconds spent lowering so far."""
+        return sum(self.lowering_by_step.values())
 
     def slowest(self, count: int = 4) -> str:
         """The steps that took longest to lower, with their seconds (for the log)."""
