@@ -311,7 +311,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
         host = host_start.result()
         cache = PrefixCacheManager(index, host, runner, lanes=o.max_concurrency, enabled=not o.no_prefix_reuse,
                                    policy=o.cache_policy, prefill_chunk=o.prefill_chunk, max_taps=o.max_new_taps,
-                                   coalesce=o.concurrent_prefill)
+                                   coalesce=o.concurrent_prefill, backend_lag=int(o.speculative == "mtp"))
         log.info("prefix cache | %s | policy %s | device snapshot slots %d | max new taps %d | ladder %d | gap %d%s",
                  "on" if cache.enabled else "off (no_prefix_reuse)", o.cache_policy, o.device_snapshot_slots,
                  o.max_new_taps, o.tap_ladder_tokens, o.tap_min_gap_tokens,

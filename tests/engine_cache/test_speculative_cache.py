@@ -115,3 +115,30 @@ def test_every_resume_source_with_speculation_equals_no_reuse(checkpoint, root, 
     finally:
         for engine in (plain, spec):
             engine.stop()
+
+
+def test_mtp_blocks_commit_one_token_behind_the_target_and_taps_wait_for_them(checkpoint):
+    """The MTP row of a position needs the next token, so while a lane runs its blocks commit one token behind the
+    target (spec §7.4, §7.6): a prefill chunk that ends at a block end leaves that block, and a tap there, to the
+    lane's next step, whose first token completes them. Speculation off, blocks commit with the chunk."""
+    prompt = tokens(200, 3)  # chunks end at 64, 128, 192 (its prompt-tail tap) and 200
+    for kind, lag in ((None, 0), ("mtp", 1)):
+        engine = Engine.from_pretrained(checkpoint, speculative=kind, **CACHE)
+        manager = engine.scheduler.cache_manager
+        seen, computed = [], manager.computed
+
+        def record(req):
+            computed(req)
+            lane = manager._lanes[req.lane]
+            seen.append((req.computed, len(lane.path), [tap.position for tap, *_ in lane.staged]))
+
+        manager.computed = record
+        try:
+            engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            assert [n for n, *_ in seen][:4] == [64, 128, 192, 200]
+            assert all(blocks == (n - lag) // 64 for n, blocks, _ in seen)
+            assert [staged for *_, staged in seen][2:4] == ([[192], []] if lag else [[], []])
+            assert engine.stats()["prefix_cache"]["taps_published"] == 1
+            engine.check_ledger()
+        finally:
+            engine.stop()

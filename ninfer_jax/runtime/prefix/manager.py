@@ -43,11 +43,15 @@ class PrefixCacheManager:
       enabled: False for no_prefix_reuse: pages only.
       policy, prefill_chunk, max_taps: tap planning (`TapScheduler`).
       coalesce: in-flight prefix coalescing (§12.2), with the "hpc" policy only.
+      backend_lag: how many tokens the speculative backend's pages trail the target's while a lane runs (MTP: 1,
+        its row of a position needs the next token); blocks commit only once every pool has them (§7.4, §7.6).
     """
 
     def __init__(self, index: PrefixIndex, host: HostTier | None, runner, *, lanes: int, enabled: bool,
-                 policy: str = "hpc", prefill_chunk: int, max_taps: int, coalesce: bool = False):
+                 policy: str = "hpc", prefill_chunk: int, max_taps: int, coalesce: bool = False,
+                 backend_lag: int = 0):
         self.index, self.host, self.enabled, self.policy = index, host, enabled, policy
+        self.backend_lag = backend_lag
         self.slots = SlotTable(lanes, index.options.device_snapshot_slots)
         self.write_back = WriteBack(index, host, self.slots)
         self.taps = TapScheduler(index, self.slots, policy=policy, prefill_chunk=prefill_chunk, max_taps=max_taps)
@@ -91,11 +95,15 @@ class PrefixCacheManager:
         return self.taps.for_chunk(record, req.computed, end)
 
     def computed(self, req: Request) -> None:
-        """After a prefill chunk or decode round: commit completed blocks, then publish the chunk's taps."""
+        """After a prefill chunk or decode round: commit the blocks every pool has completed, then publish the
+        taps anchored on them."""
         record = self._lanes[req.lane]
         if not record.enabled:
             return
-        self._commit_blocks(req, record)
+        self._commit_blocks(req, record, req.computed - self.backend_lag)
+        self._publish_taps(record)
+
+    def _publish_taps(self, record: LaneRecord) -> None:
         for snapshot in self.taps.publish(record):
             self.write_back.take_snapshot(snapshot)  # write-through of each new image (§7.4)
 
@@ -116,10 +124,14 @@ class PrefixCacheManager:
         record, self._lanes[lane] = self._lanes[lane], None
         write, endpoint = None, None
         if record.enabled:
+            if reason in ("stop", "length", "cancelled") and not self.write_back.failed:
+                # At the end the backend's pages count up to its own frontier (§7.7): the last blocks commit, and
+                # the taps waiting for them publish.
+                self._commit_blocks(req, record, req.computed)
+                self._publish_taps(record)
             self.taps.drop_staged(record)
             if reason in ("stop", "length", "cancelled") and self.policy == "hpc" and not self.write_back.failed \
                     and not req.state_ahead:
-                self._commit_blocks(req, record)
                 endpoint = self._endpoint(req, lane, record)
             write = self.index.release_path(record.path)
             record.path = []
@@ -141,8 +153,9 @@ class PrefixCacheManager:
         self.write_back.dispatch()
 
     # --- commit and endpoints --------------------------------------------------------------------
-    def _commit_blocks(self, req: Request, record: LaneRecord) -> None:
-        while (len(record.path) + 1) * BLOCK_TOKENS <= req.computed:
+    def _commit_blocks(self, req: Request, record: LaneRecord, frontier: int) -> None:
+        """Commits the lane's blocks that end at or before `frontier` (§7.6)."""
+        while (len(record.path) + 1) * BLOCK_TOKENS <= frontier:
             b = len(record.path)
             data = encode_tokens(req.token_slice(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS))
             extra = req.prompt.block_extra(b)  # its media key: the prompt's last partial block may hold an image

@@ -19,7 +19,9 @@ class LaneRecord:
     path: list[BlockNode] = dataclasses.field(default_factory=list)  # node of block b, every committed block
     source: Snapshot | None = None  # the snapshot the lane resumed from
     taps: list[PlannedTap] = dataclasses.field(default_factory=list)  # planned, not realised yet, by position
-    staged: list[tuple[PlannedTap, int]] = dataclasses.field(default_factory=list)  # (tap, index slot) in flight
+    # (tap, index slot, chunk) written by a chunk, waiting for publication; chunks counts the lane's chunks
+    staged: list[tuple[PlannedTap, int, int]] = dataclasses.field(default_factory=list)
+    chunks: int = 0
     last_tap: Snapshot | None = None
     deepest: int = 0  # frontier of the deepest snapshot on the lane's path
     cached_prefix_tokens: int = 0

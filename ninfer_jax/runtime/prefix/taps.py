@@ -2,7 +2,8 @@
 
 Taps are realised inside the prefill chunk by the kernels' state taps (the zero-split tap of §7.2-§7.3): no
 chunk split, exact or flexible alike. Each tap gets a staging slot when its chunk is dispatched and is published
-once its anchor block is a committed node, right after that chunk (§7.4).
+once its anchor block is a committed node (§7.4): right after that chunk, or, with an MTP backend one token behind,
+after the next step when the tap lies at the chunk's end.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class TapScheduler:
         """Staging slots for the taps in (computed, end]: (absolute positions, runner slots) for the kernel."""
         positions, slots = [], []
         taps = record.taps
+        record.chunks += 1
         while taps and taps[0].position <= computed:
             taps.pop(0)  # passed without a slot (more taps than one chunk takes): skipped
             self.counters["taps_skipped_passed"] += 1
@@ -80,28 +82,34 @@ class TapScheduler:
                                               previous_tap=record.last_tap, previous_frontier=record.deepest)
             if grant is None:
                 continue  # no slot worth taking (§9.2): the tap is skipped and counted by the index
-            record.staged.append((tap, grant.slot))
+            record.staged.append((tap, grant.slot, record.chunks))
             positions.append(tap.position)
             slots.append(self.slots.snapshot(grant.slot))
         return positions, slots
 
     def publish(self, record: LaneRecord) -> list[Snapshot]:
-        """Publishes the taps the last chunk wrote (their anchors are committed); returns the new snapshots."""
-        previous, published = None, []
-        for tap, slot in record.staged:
-            result = self.index.publish_snapshot(slot, tap.kind, record.path[tap.position // BLOCK_TOKENS - 1])
-            self.counters["taps_published" if result.published else "taps_duplicate"] += 1
-            if previous is not None and previous.kind is SnapshotKind.TAP and previous.frontier < tap.position:
-                self.index.supersede(previous)  # a deeper tap of the same prompt supersedes the previous one
-            previous = record.last_tap = result.snapshot
-            record.deepest = max(record.deepest, tap.position)
-            if result.published:
-                published.append(result.snapshot)
-        record.staged.clear()
+        """Publishes the taps of each chunk whose anchors are all committed nodes, in chunk order; returns the new
+        snapshots. A chunk whose deepest anchor is not committed yet (an MTP backend one token behind) waits."""
+        published = []
+        while record.staged:
+            chunk = [entry for entry in record.staged if entry[2] == record.staged[0][2]]
+            if chunk[-1][0].position // BLOCK_TOKENS > len(record.path):
+                break
+            del record.staged[:len(chunk)]
+            previous = None
+            for tap, slot, _ in chunk:
+                result = self.index.publish_snapshot(slot, tap.kind, record.path[tap.position // BLOCK_TOKENS - 1])
+                self.counters["taps_published" if result.published else "taps_duplicate"] += 1
+                if previous is not None and previous.kind is SnapshotKind.TAP and previous.frontier < tap.position:
+                    self.index.supersede(previous)  # a deeper tap of the chunk supersedes the previous one
+                previous = record.last_tap = result.snapshot
+                record.deepest = max(record.deepest, tap.position)
+                if result.published:
+                    published.append(result.snapshot)
         return published
 
     def drop_staged(self, record: LaneRecord) -> None:
         """Releases the staging slots of a chunk that never completed."""
-        for _, slot in record.staged:
+        for _, slot, _ in record.staged:
             self.index.release_staging_slot(slot)
         record.staged.clear()
