@@ -117,6 +117,7 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._abandon_save = threading.Event()  # `abandon_save`: the prefix cache file's save stops (§5.5)
         self._failed: str | None = None
         self._ids = itertools.count()
         self._seed_rng = random.Random(0)
@@ -399,9 +400,16 @@ class Engine:
         cache_file, self._cache_file = self._cache_file, None  # a second stop() saves nothing
         if cache_file is None:
             return
-        why = f"the engine failed ({self._failed})" if self._failed is not None else self.cache_manager.save(cache_file)
+        why = f"the engine failed ({self._failed})" if self._failed is not None else \
+            self.cache_manager.save(cache_file, self._abandon_save)
         if why is not None:
             log.warning("prefix cache not saved | %s; %s keeps its previous content", why, cache_file.path)
+
+    def abandon_save(self) -> None:
+        """Stops the prefix cache file's save (`stop()` runs it) before its next entry or its rename, from any
+        thread; a save not begun yet never begins. The previous file stays in place (§5.5: ninfer-serve calls this
+        on a second Ctrl+C)."""
+        self._abandon_save.set()
 
     def __enter__(self):
         return self

@@ -152,6 +152,29 @@ def test_a_failed_engine_saves_nothing(checkpoint, saved):
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_an_abandoned_save_keeps_the_previous_file(checkpoint, saved, when, monkeypatch):
+    """A second Ctrl+C abandons the save (`Engine.abandon_save`, §5.5): one not begun never begins, and one under
+    way stops before its next entry and deletes its temporary file. Either way the previous file stays."""
+    path, *_ = saved
+    before = path.read_bytes()
+    engine = start(checkpoint, path)
+    engine.generate(tokens(200, 6), GREEDY)  # something new to save
+    if when == "before":
+        engine.abandon_save()
+    else:
+        buffer = engine.cache_manager.host.buffer
+        views = buffer.views
+
+        def abandon_after_the_first_entry(slabs):
+            engine.abandon_save()
+            return views(slabs)
+
+        monkeypatch.setattr(buffer, "views", abandon_after_the_first_entry)
+    engine.stop()
+    assert path.read_bytes() == before and not path.with_name(path.name + ".tmp").exists()
+
+
 def test_prefix_cache_file_needs_the_weights_identity(checkpoint, tmp_path):
     from ninfer_jax.model import load_checkpoint
     from ninfer_jax.runtime.options import EngineOptions

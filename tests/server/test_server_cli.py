@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import types
 
 import httpx
 import openai
@@ -234,6 +235,51 @@ def test_ctrl_c_stops_in_the_same_order_and_exits_cleanly(tmp_path):
     output = (tmp_path / "serve.log").read_text()
     order = [output.index(line) for line in ("stopping | SIGINT", "engine stopped", "stopped | ")]
     assert order == sorted(order), output
+
+
+class _SavingEngine:
+    """An engine whose stop() is a save that ends only when abandoned (`ends`: or never)."""
+
+    def __init__(self, ends: bool):
+        self.ends, self.abandoned = ends, threading.Event()
+
+    def stop(self):
+        self.abandoned.wait(30 if self.ends else 0)
+        if not self.ends:
+            threading.Event().wait(30)
+
+    def abandon_save(self):
+        self.abandoned.set()
+
+
+@pytest.mark.parametrize("ends", [True, False], ids=["save-stops", "stop-hangs"])
+def test_a_second_ctrl_c_abandons_the_save_and_exits_within_the_wait(ends, monkeypatch):
+    """The first Ctrl+C starts the orderly stop, whose save runs on; the second abandons it (spec 5.5) and the
+    server's stop returns once the save ends, or SAVE_ABANDON_WAIT_S later if the engine's stop does not end."""
+    import asyncio
+    import time
+
+    import uvicorn
+
+    from ninfer_jax.server import serving
+
+    monkeypatch.setattr(serving, "SAVE_ABANDON_WAIT_S", 0.5)
+    engine = _SavingEngine(ends)
+    server = serving.OrderlyServer(uvicorn.Config(app=None), types.SimpleNamespace(engine=engine))
+
+    async def scenario():
+        stopping = asyncio.ensure_future(server._stop_engine(engine))
+        server.handle_exit(signal.SIGINT, None)
+        await asyncio.sleep(0.2)
+        assert not stopping.done() and not engine.abandoned.is_set()  # the first press waits for the save
+        began = time.monotonic()
+        server.handle_exit(signal.SIGINT, None)
+        await stopping
+        return time.monotonic() - began
+
+    waited = asyncio.run(scenario())
+    assert engine.abandoned.is_set() and server.force_exit
+    assert waited < 0.3 if ends else 0.5 <= waited < 1.5
 
 
 def test_a_server_restarted_with_a_prefix_cache_file_serves_the_saved_prefix(tmp_path):

@@ -39,6 +39,10 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 PROGRESS_BYTES = 2 << 30  # a progress line per this many bytes saved or read
 
 
+class SaveAbandoned(Exception):
+    """The save stopped because it was asked to (a second interrupt, §5.5); the previous file stays."""
+
+
 class CacheFileError(ValueError):
     """The file cannot be used: damaged, or saved by another model, build or Host geometry."""
 
@@ -90,12 +94,18 @@ class PrefixCacheFile:
         self.fingerprint = json.loads(json.dumps(fingerprint))  # the form it takes after a round trip
 
     # --- save ------------------------------------------------------------------------------------
-    def save(self, index, buffer) -> dict:
+    def save(self, index, buffer, abandon=None) -> dict:
         """Writes the index's saved entries (PrefixIndex.saved) with their slab bytes; returns counts.
 
         Every Host write must have landed (the caller polls them first). Raises OSError when the file cannot
-        be written; the previous file then stays in place.
+        be written, and SaveAbandoned once `abandon` (a threading.Event) is set: checked before the save begins,
+        before each entry's slabs and before the rename. Either way the previous file stays in place.
         """
+        def check():
+            if abandon is not None and abandon.is_set():
+                raise SaveAbandoned("abandoned by a second interrupt")
+
+        check()
         start = time.perf_counter()
         saved: SavedCache = index.saved()
         slab_bytes = buffer.slab_bytes
@@ -118,11 +128,13 @@ class PrefixCacheFile:
                 f.write(_U64.pack(xxhash.xxh64_intdigest(table)))
                 written, total = 0, saved.slab_count * slab_bytes
                 for slabs in entries:
+                    check()
                     for view in buffer.views(slabs):
                         f.write(memoryview(view))
                     written = _progress("saving prefix cache", written, len(slabs) * slab_bytes, total, start)
                 f.flush()
                 os.fsync(f.fileno())
+            check()
             os.replace(temporary, self.path)
         except BaseException:
             temporary.unlink(missing_ok=True)

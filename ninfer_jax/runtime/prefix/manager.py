@@ -21,6 +21,7 @@ from ninfer_jax.prefix_cache import BLOCK_TOKENS, OwnerState, PrefixIndex, Readi
 from ninfer_jax.prefix_cache import block_lookup_hash, encode_tokens
 from ninfer_jax.prefix_cache.host_slabs import SlabState
 from ninfer_jax.prefix_cache.tree import RESIDENT, Snapshot
+from ninfer_jax.runtime.device.cache_file import SaveAbandoned
 from ninfer_jax.runtime.device.host_tier import HostTier
 from ninfer_jax.runtime.prefix.admission import Admission, Admitter
 from ninfer_jax.runtime.prefix.records import FinishedRecords, LaneRecord, count_by_tier
@@ -204,15 +205,16 @@ class PrefixCacheManager:
         """Loads a prefix cache file into the Host tier (before any request); returns its LoadReport."""
         return cache_file.load(self.index, self.host.buffer)
 
-    def save(self, cache_file) -> str | None:
-        """Saves the Host tier once every write landed (no lane runs); returns why not, or None when saved."""
+    def save(self, cache_file, abandon=None) -> str | None:
+        """Saves the Host tier once every write landed (no lane runs); returns why not, or None when saved.
+        `abandon`: an Event that stops the save (`PrefixCacheFile.save`)."""
         self.write_back.poll(wait=True)
         if self.write_back.failed:
             return "a Host copy failed"
         try:
-            cache_file.save(self.index, self.host.buffer)
-        except OSError as e:
-            return f"{type(e).__name__}: {e}"
+            cache_file.save(self.index, self.host.buffer, abandon)
+        except (OSError, SaveAbandoned) as e:
+            return str(e) if isinstance(e, SaveAbandoned) else f"{type(e).__name__}: {e}"
         return None
 
     def fail(self) -> None:
