@@ -6,7 +6,9 @@ of the fused projections. Block-FP8 FFN weights split too where each device's sl
 
 A split block's fused weights hold each device's pieces side by side (`shard_sections`: [gate_0 | up_0 | gate_1 |
 ...], [q+gate_0 | k_0 | v_0 | q+gate_1 | ...]), so that a device's contiguous slice is the single-device layout of
-its share. The conv pool's channels follow the same order on the device (`conv_order`)."""
+its share. The conv pool's channels follow the same order on the device (`conv_order`). An attention split over
+more devices than KV heads gives each device its query heads and a copy of the one KV head they read (vLLM's
+way): its k and v columns and its KV pools' head axis hold one entry per device (`kv_head_order`, `kv_order`)."""
 
 from __future__ import annotations
 
@@ -81,22 +83,26 @@ class Spmd:
 
     # --- mixers ----------------------------------------------------------------------------------
     def splits_mixer(self, p, cfg: ModelConfig) -> bool:
-        """Whether a token mixer is split by head: the mesh divides all its head counts (query and KV heads, or the
-        GDN's key and value heads) and its projections are plain (block-FP8 ones stay whole, and so does the mixer).
-        Otherwise it runs whole on every device."""
+        """Whether a token mixer is split by head: the mesh divides its query heads and its KV heads or their count
+        divides the mesh (then devices share a KV head, each holding a copy: `kv_head_order`), or it divides the
+        GDN's key and value heads; and its projections are plain (block-FP8 ones stay whole, and so does the
+        mixer). Otherwise it runs whole on every device."""
+        n = self.size
         if isinstance(p, AttnParams):
-            heads, weights = (cfg.num_attention_heads, cfg.num_key_value_heads), (p.qkv_proj, p.o_proj)
+            hkv, weights = cfg.num_key_value_heads, (p.qkv_proj, p.o_proj)
+            heads = cfg.num_attention_heads % n == 0 and (hkv % n == 0 or n % hkv == 0)
         else:
-            heads, weights = (cfg.linear_num_key_heads, cfg.linear_num_value_heads), (p.in_proj, p.out_proj)
+            weights = (p.in_proj, p.out_proj)
+            heads = cfg.linear_num_key_heads % n == 0 and cfg.linear_num_value_heads % n == 0
         plain = not any(isinstance(w, (QuantizedWeight, ConcatWeight)) for w in weights)
-        return plain and all(h % self.size == 0 for h in heads)
+        return plain and heads
 
     def local_config(self, p, cfg: ModelConfig) -> ModelConfig:
-        """The config one device runs a split mixer under: its share of the heads."""
+        """The config one device runs a split mixer under: its share of the heads (of the KV heads, at least one)."""
         n = self.size
         if isinstance(p, AttnParams):
             return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
-                                       num_key_value_heads=cfg.num_key_value_heads // n)
+                                       num_key_value_heads=max(cfg.num_key_value_heads // n, 1))
         return dataclasses.replace(cfg, linear_num_key_heads=cfg.linear_num_key_heads // n,
                                    linear_num_value_heads=cfg.linear_num_value_heads // n)
 
@@ -228,33 +234,76 @@ def place_ffn(spmd: Spmd, p):
     return p.replace(gate_up=gate_up, shared=mlp(p.shared) if spmd.shared_splits(p) else p.shared)
 
 
-def mixer_sections(attention: bool, cfg: ModelConfig) -> dict:
-    """An attention (or GDN) mixer's fused weights, by field: (axis, sections) that `shard_sections` reorders by
-    head."""
-    if attention:
-        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        return {"qkv_proj": (1, (2 * hq * d, hkv * d, hkv * d))}  # [q+gate (per head) | k | v]
+def kv_head_order(kv_heads: int, size: int) -> np.ndarray:
+    """The canonical KV head at each position of a split attention's KV head axis on `size` devices (its pools'
+    and its k and v columns'), each device's run contiguous: the heads themselves where the mesh divides them, else
+    one entry per device, a copy of the head its query heads read (GQA: query head h reads KV head
+    h // (Hq / Hkv), so device d's reads KV head d // (size / Hkv))."""
+    width = max(kv_heads, size)
+    return np.arange(width) * kv_heads // width
+
+
+def qkv_order(cfg: ModelConfig, size: int) -> np.ndarray:
+    """The fused [q+gate (per head) | k | v] columns of a split attention as canonical column indices: each device's
+    [q+gate | k | v] of its heads side by side, a KV head shared by devices repeated in each (`kv_head_order`)."""
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q = np.arange(2 * hq * d).reshape(size, -1)
+    k = (kv_head_order(hkv, size)[:, None] * d + np.arange(d)).reshape(size, -1) + 2 * hq * d
+    return np.concatenate([q, k, k + hkv * d], axis=1).reshape(-1)
+
+
+def gdn_sections(cfg: ModelConfig) -> dict:
+    """A GDN mixer's fused weights, by field: (axis, sections) that `shard_sections` reorders by head."""
     kd, vd, hv = cfg.key_dim, cfg.value_dim, cfg.linear_num_value_heads
     return {"in_proj": (1, (kd, kd, vd, vd, hv, hv)),  # [q | k | v | z | b | a]
             "conv_w": (1, (kd, kd, vd))}
+
+
+def mixer_orders(p, cfg: ModelConfig, size: int) -> dict:
+    """A split mixer's fused weights, by field: (axis, the canonical index at each position of that axis)."""
+    if isinstance(p, AttnParams):
+        return {"qkv_proj": (1, qkv_order(cfg, size))}
+    return {name: (axis, sections_order(sections, size)) for name, (axis, sections) in gdn_sections(cfg).items()}
+
+
+def _first_mixer(params, kind):
+    """The first layer's mixer of `kind` (every mixer of a kind splits alike), or None."""
+    return next((layer.mixer for layer in params.layers if isinstance(layer.mixer, kind)), None)
 
 
 def conv_order(spmd: Spmd | None, params, cfg: ModelConfig) -> np.ndarray | None:
     """The conv pool's channel order where the GDN mixers split (`splits_mixer`, decided as for the mixers
     themselves: a block-FP8 one runs whole and reads the canonical order): position i holds canonical channel
     order[i]; None where it is the canonical order. The Host tier stores the canonical order."""
-    gdn = next((layer.mixer for layer in params.layers if isinstance(layer.mixer, GDNParams)), None)
+    gdn = _first_mixer(params, GDNParams)
     if spmd is None or gdn is None or not spmd.splits_mixer(gdn, cfg):
         return None
-    return sections_order(mixer_sections(False, cfg)["conv_w"][1], spmd.size)
+    return sections_order(gdn_sections(cfg)["conv_w"][1], spmd.size)
+
+
+def kv_order(spmd: Spmd | None, params, cfg: ModelConfig) -> np.ndarray | None:
+    """The KV pools' head axis where the attention mixers split over more devices than KV heads (decided as for
+    the mixers: a block-FP8 one runs whole on the canonical heads): position i holds a copy of canonical KV head
+    order[i] (`kv_head_order`); None where the axis is the canonical heads. The Host tier stores the canonical
+    heads: a write to it takes each head's first copy, a restore writes every copy."""
+    attention = _first_mixer(params, AttnParams)
+    if spmd is None or attention is None or cfg.num_key_value_heads >= spmd.size \
+            or not spmd.splits_mixer(attention, cfg):
+        return None
+    return kv_head_order(cfg.num_key_value_heads, spmd.size)
+
+
+def _take(w, order: np.ndarray, axis: int):
+    """w's `axis` as `order` indexes it (host weights stay on the host)."""
+    return np.take(w, order, axis=axis) if isinstance(w, np.ndarray) else jnp.take(w, order, axis=axis)
 
 
 def place_mixer(spmd: Spmd, p, cfg: ModelConfig):
-    """A mixer's params in the layout `mixer_specs` splits: fused weights reordered by head (`mixer_sections`)."""
+    """A mixer's params in the layout `mixer_specs` splits: fused weights reordered by head (`mixer_orders`)."""
     if not spmd.splits_mixer(p, cfg):
         return p
-    return p.replace(**{name: shard_sections(getattr(p, name), axis, sections, spmd.size)
-                        for name, (axis, sections) in mixer_sections(isinstance(p, AttnParams), cfg).items()})
+    return p.replace(**{name: _take(getattr(p, name), order, axis)
+                        for name, (axis, order) in mixer_orders(p, cfg, spmd.size).items()})
 
 
 def local_experts(ids, weights, offset, count: int):
