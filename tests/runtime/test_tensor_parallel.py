@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # The reference first. TP 2 splits every mixer; TP 4 splits the attention's 4 query heads over the 2 KV heads, each
 # device holding a copy of the one it reads (its pages too), and keeps the GDN mixers whole (2 key heads); its file
 # loads at TP 2, whose pools hold the KV heads themselves; at TP 8 the tiny dense model's mixers stay replicated (8
-# does not divide 4 query heads) while its MLP columns and vocabulary split. The MoE splits its experts' columns at
-# TP 2 and the experts with expert parallel at TP 4. The MoE FP8 pack splits its block-FP8 experts and shared expert
-# (an MLP, as the dense one's) at TP 2 (intermediate sizes of 256: one 128-block per device and half); with a shared
-# expert of 128, expert parallel keeps it whole on every device and counts it on one. Speculative verify rounds commit
-# the GDN state per device too, and MTP rows run the MTP layer's attention per device on its copied KV head (the
-# reference speculates as well).
+# does not divide 4 query heads) while its MLP columns and vocabulary split. The MoE splits its experts' columns at TP
+# 2 and the experts with expert parallel at TP 4. The MoE FP8 pack splits its block-FP8 experts and shared expert (an
+# MLP, as the dense one's) at TP 2 (intermediate sizes of 256: one 128-block per device and half), and its mixers
+# (heads of 128: each device's columns of the fused projections whole 128-blocks; the GDN in_proj a ConcatWeight of an
+# FP8 [qkv | z] and a plain [b | a]); with a shared expert of 128 and heads of 64 (a device's k columns would cut a
+# block), expert parallel keeps the shared expert whole on every device and counts it on one, and the mixers whole.
+# Speculative verify rounds commit the GDN state per device too, and MTP rows run the MTP layer's attention per device
+# on its copied KV head (the reference speculates as well).
 LAYOUTS = {"tiny-dense": "1,4,2,8", "tiny-moe": "1,2,4:ep", "tiny-moe-fp8": "1,2,2:ep",
            "tiny-moe-fp8-narrow-shared": "1,2:ep", "tiny-dense-ngram": "1:ngram,2:ngram",
            "tiny-dense-mtp": "1:mtp,4:mtp"}
@@ -35,7 +37,8 @@ LAYOUTS = {"tiny-dense": "1,4,2,8", "tiny-moe": "1,2,4:ep", "tiny-moe-fp8": "1,2
 # from wrong KV bytes can keep them, never the chosen tokens' logprobs, equal to the reference's to this tolerance.
 LOGPROB_TOLERANCE = 1e-4
 SPECULATIVE = {"tiny-dense-ngram": 8, "tiny-dense-mtp": 9}  # each a checkpoint (and cache file) of its own: its seed
-FP8_PACKS = {"tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}),
+FP8_PACKS = {"tiny-moe-fp8": ("tiny-moe", {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+                                           "head_dim": 128, "linear_key_head_dim": 128, "linear_value_head_dim": 128}),
              "tiny-moe-fp8-narrow-shared": ("tiny-moe", {"moe_intermediate_size": 256,
                                                          "shared_expert_intermediate_size": 128})}
 
@@ -135,7 +138,8 @@ def test_the_mesh_must_fit_the_devices_and_the_kernels():
 
 def test_the_conv_pool_keeps_the_canonical_order_where_the_gdn_mixer_runs_whole():
     # The Host tier keeps the canonical channel order; the transfers reorder only a pool the per-device GDN mixers
-    # read in their order. A block-FP8 in_proj keeps the mixer whole, reading the canonical order.
+    # read in their order. A block-FP8 in_proj whose device pieces would cut 128-blocks (heads of 32) keeps the mixer
+    # whole, reading the canonical order.
     import types
 
     import jax
@@ -190,3 +194,55 @@ def test_attention_over_more_devices_than_kv_heads_holds_a_device_share(model, s
     page = device_bytes((state.k_pages, state.v_pages), (specs.k_pages, specs.v_pages), size)
     assert page == 2 * 64 * d * 2  # one KV head of K and V, bf16
     assert layout.pool_shares(params, cfg)[0] == 1 / hkv
+
+
+def test_block_fp8_mixers_split_on_whole_blocks_and_keep_their_values():
+    # A block-FP8 fused projection splits where each device's columns are whole 128-blocks of its scales' grid
+    # (`spmd.block_order`): with heads of 128 both mixers split at TP 2 (the GDN in_proj a ConcatWeight of an FP8
+    # [qkv | z] and a plain [b | a], split part by part) and the attention at TP 4 over copied KV heads; each device's
+    # dequantized slice is the canonical weight's columns (rows, for the out-projections) of its heads. Heads of 32
+    # and 64 would cut a block: those mixers run whole.
+    import types
+
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    from ninfer_jax.model.ops import dequantize
+    from ninfer_jax.model.params import AttnParams
+    from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.model.spmd import AXIS, Spmd, mixer_orders, place_mixer
+
+    def config(**heads):
+        return ModelConfig.from_dict(oracle_config("tiny-dense", "text", num_hidden_layers=2,
+                                                   full_attention_interval=2, **heads))
+
+    def piece(spec, leaf, d, n):  # device d's shard of a leaf laid out by spec
+        if AXIS not in tuple(spec):
+            return leaf
+        axis, k = tuple(spec).index(AXIS), leaf.shape[tuple(spec).index(AXIS)] // n
+        return jax.lax.slice_in_dim(leaf, d * k, (d + 1) * k, axis=axis)
+
+    narrow = config()
+    params = jax.eval_shape(lambda: random_params(narrow, fp8=True))
+    assert [Spmd(types.SimpleNamespace(size=2)).splits_mixer(p.mixer, narrow) for p in params.layers] == [False, False]
+    cfg = config(head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128)
+    params = random_params(cfg, fp8=True)
+    for n, split in ((2, [True, True]), (4, [False, True])):
+        spmd = Spmd(types.SimpleNamespace(size=n))
+        assert [spmd.splits_mixer(p.mixer, cfg) for p in params.layers] == split
+        for p in (layer.mixer for layer, s in zip(params.layers, split) if s):
+            placed, specs = place_mixer(spmd, p, cfg), spmd.mixer_specs(p, cfg)
+            fused = mixer_orders(p, cfg, n)
+            out = "o_proj" if isinstance(p, AttnParams) else "out_proj"
+            for d in range(n):
+                local = jax.tree.map(lambda s, x: piece(s, x, d, n), specs, placed,
+                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
+                for name, (_, order) in fused.items():
+                    whole = np.asarray(dequantize(getattr(p, name)))
+                    columns = order.reshape(n, -1)[d]
+                    np.testing.assert_array_equal(np.asarray(dequantize(getattr(local, name))), whole[:, columns])
+                whole = np.asarray(dequantize(getattr(p, out)))
+                rows = whole.shape[0] // n
+                np.testing.assert_array_equal(np.asarray(dequantize(getattr(local, out))),
+                                              whole[d * rows:(d + 1) * rows])

@@ -3,8 +3,8 @@ per pool. The arrays carry their NamedShardings into the jitted steps, whose mod
 each FFN per device under shard_map (`model/spmd.py`: a device's heads or slice, one psum); XLA partitions the rest
 (the embedding, the lm_head, sampling) and inserts its collectives.
 
-What is split (a mixer whose heads the mesh does not split, `Spmd.splits_mixer`, or whose projections are
-block-FP8, stays whole on every device, weights and pools):
+What is split (a mixer whose heads the mesh does not split, or whose block-FP8 projections it would cut inside a
+128-block, `Spmd.splits_mixer`, stays whole on every device, weights and pools):
   embed [V, H] rows and lm_head [H, V] columns      the vocabulary
   attention qkv_proj columns, o_proj rows           by head: the fused [q+gate | k | v] columns reordered so each
                                                     device's slice is its heads' [q+gate | k | v] (`spmd.place_mixer`);
@@ -21,8 +21,9 @@ block-FP8, stays whole on every device, weights and pools):
                                                     (`spmd.kv_order`; the Host tier keeps the canonical heads)
   ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head; conv by channel in the devices' order
                                                     (`spmd.conv_order`; the Host tier keeps the canonical order)
-Norms, the router, the shared-expert gate and the mixers' block-FP8 weights (their scales' block grid) stay
-replicated; an FFN's block-FP8 weights split where each device's slice is whole 128-blocks.
+Norms, the router and the shared-expert gate stay replicated. Block-FP8 weights split where each device's slice is
+whole 128-blocks of their scales' grid (`spmd.reorder`, `block_order`: values and scales alike; a ConcatWeight part
+by part), else their block stays whole.
 """
 
 from __future__ import annotations
