@@ -246,3 +246,35 @@ def test_block_fp8_mixers_split_on_whole_blocks_and_keep_their_values():
                 rows = whole.shape[0] // n
                 np.testing.assert_array_equal(np.asarray(dequantize(getattr(local, out))),
                                               whole[d * rows:(d + 1) * rows])
+
+
+def test_pages_with_copied_kv_heads_move_as_the_canonical_pages():
+    # At TP 4 over 2 KV heads the pools hold [head 0, head 0, head 1, head 1]: a gather to the Host gives the bytes
+    # a one-device pool of the same heads gives (so a file saved at TP 4 loads at TP 1 and back), and a scatter
+    # writes every copy, values and scales of a quantized pool alike.
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ninfer_jax.model.spmd import kv_head_order
+    from ninfer_jax.runtime.device.transfer import gather_pages, scatter_pages
+    from pallas_kernels import kv_quant
+
+    rng = np.random.default_rng(5)
+    order = kv_head_order(2, 4)
+
+    def pools(fmt):  # (one device's canonical pool, the TP 4 pool of its copies)
+        x = jnp.asarray(rng.standard_normal((5, 64, 2, 64)), jnp.float32)
+        if fmt is None:
+            return x, x[:, :, order]
+        canonical = kv_quant.QuantPages(*kv_quant.quantize(fmt, x), fmt.name)
+        return canonical, kv_quant.with_planes(canonical, [plane[:, :, order] for plane in kv_quant.planes(canonical)])
+
+    (k1, k4), (v1, v4) = pools(None), pools(kv_quant.INT8_G64)
+    pages = jnp.asarray([1, 4])
+    one = np.asarray(gather_pages((k1,), (v1,), pages))
+    np.testing.assert_array_equal(np.asarray(gather_pages((k4,), (v4,), pages, kv_order=order)), one)
+    blank = [jnp.zeros_like(x) for x in (k4, *kv_quant.planes(v4))]
+    (k, ), (v, ) = scatter_pages((blank[0],), (kv_quant.with_planes(v4, blank[1:]),), jnp.asarray([2, 3]),
+                                 jnp.asarray(one), kv_order=order)
+    for after, before in zip([k, *kv_quant.planes(v)], [k4, *kv_quant.planes(v4)]):
+        np.testing.assert_array_equal(np.asarray(after[2:4]), np.asarray(before[np.array([1, 4])]))
