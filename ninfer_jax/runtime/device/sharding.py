@@ -13,7 +13,7 @@ What is split (a mixer whose heads the mesh does not split, or whose block-FP8 p
   GDN in_proj columns, conv_w channels              by head likewise: [q | k | v | z | b | a], [q | k | v]
   GDN out_proj rows, A_log and dt_bias              by value head
   MLP and shared-expert gate_up columns, down rows  the intermediate axis, gate_up's columns reordered so that each
-                                                    device's slice is [gate_i | up_i] (`spmd.shard_gate_up`)
+                                                    device's slice is [gate_i | up_i] (`spmd.place_ffn`)
   MoE gate_up [E, H, 2I], down [E, I, H]            the expert axis with expert parallel, else each expert's
                                                     intermediate axis, likewise; an FFN splits whole or not at all
   KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights; on more devices than
