@@ -61,11 +61,14 @@ def decode_collectives(cfg: ModelConfig, layout: ParallelLayout, rows: int, max_
         part = _periods(cfg, n)
         params = jax.eval_shape(lambda c=part: random_params(c))
         params = params.replace(mtp=None)
-        state = jax.eval_shape(lambda c=part: init_device_state(c, 4 * rows, rows + 2, jnp.bfloat16, jnp.bfloat16))
+        heads = layout.kv_heads(params, part)
+        state = jax.eval_shape(lambda c=part: init_device_state(c, 4 * rows, rows + 2, jnp.bfloat16, jnp.bfloat16,
+                                                                kv_heads=heads))
         # the round's host arrays, uncommitted as the runner passes them
         packed = jax.ShapeDtypeStruct((rows, DECODE_COLUMNS + max_pages), jnp.int32)
         prev = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        compiled = step.lower(_abstract(params, layout.shardings(layout.param_specs(params, part))), part, kc, False,
+        specs = layout.shardings(layout.param_specs(params, part))
+        compiled = step.lower(_abstract(layout.placed_shapes(params, part), specs), part, kc, False,
                               _abstract(state, layout.shardings(layout.state_specs(state, part))), packed,
                               prev).compile()
         counts.append(hlo_collectives(compiled.as_text()))
@@ -86,13 +89,13 @@ def memory(cfg: ModelConfig, layout: ParallelLayout, weights: str = "bf16") -> d
     """Bytes one device holds on `layout`: the weights (the MTP layer included), one KV page of every attention
     layer and one state slot of every GDN layer."""
     params = jax.eval_shape(lambda: random_params(cfg, fp8=weights == "fp8"))
-    state = jax.eval_shape(lambda: init_device_state(cfg, 1, 1, jnp.bfloat16, jnp.bfloat16, mtp=True))
+    heads = layout.kv_heads(params, cfg)
+    state = jax.eval_shape(lambda: init_device_state(cfg, 1, 1, jnp.bfloat16, jnp.bfloat16, mtp=True, kv_heads=heads))
     specs = layout.state_specs(state, cfg)
     size = layout.size
     kv = device_bytes((state.k_pages, state.v_pages), (specs.k_pages, specs.v_pages), size)
     slot = device_bytes((state.ssm, state.conv), (specs.ssm, specs.conv), size)
-    return {"weights": device_bytes(params, layout.param_specs(params, cfg), size), "page": kv, "slot": slot,
-            "page_tokens": PAGE}
+    return {"weights": layout.device_bytes(params, cfg), "page": kv, "slot": slot, "page_tokens": PAGE}
 
 
 def report(models: dict[str, ModelConfig], sizes: list[int], rows: list[int], max_pages: int = 512) -> list[dict]:

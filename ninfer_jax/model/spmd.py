@@ -2,11 +2,14 @@
 its own heads (the single-device code under a config of its share), and each FFN on its own slice (the
 intermediate axis, or with expert parallel its experts); one psum sums the devices' partial outputs. Left alone,
 XLA's partitioner moved what the single-device code touched: each token's expert weights, and each head's columns
-of the fused projections. Block-FP8 FFN weights split too where each device's slice is whole 128-blocks.
+of the fused projections. Block-FP8 weights split too where each device's slice is whole 128-blocks
+(`block_order`); a block that would be cut keeps its FFN or mixer whole.
 
 A split block's fused weights hold each device's pieces side by side (`shard_sections`: [gate_0 | up_0 | gate_1 |
 ...], [q+gate_0 | k_0 | v_0 | q+gate_1 | ...]), so that a device's contiguous slice is the single-device layout of
-its share. The conv pool's channels follow the same order on the device (`conv_order`)."""
+its share. The conv pool's channels follow the same order on the device (`conv_order`). An attention split over
+more devices than KV heads gives each device its query heads and a copy of the one KV head they read (vLLM's
+way): its k and v columns and its KV pools' head axis hold one entry per device (`kv_head_order`, `kv_order`)."""
 
 from __future__ import annotations
 
@@ -81,22 +84,27 @@ class Spmd:
 
     # --- mixers ----------------------------------------------------------------------------------
     def splits_mixer(self, p, cfg: ModelConfig) -> bool:
-        """Whether a token mixer is split by head: the mesh divides all its head counts (query and KV heads, or the
-        GDN's key and value heads) and its projections are plain (block-FP8 ones stay whole, and so does the mixer).
-        Otherwise it runs whole on every device."""
+        """Whether a token mixer is split by head: the mesh divides its query heads and its KV heads or their count
+        divides the mesh (then devices share a KV head, each holding a copy: `kv_head_order`), or it divides the
+        GDN's key and value heads; and each device's piece of a block-FP8 projection is whole 128-blocks (of each
+        part of a ConcatWeight; its out-projection's rows likewise, and not a ConcatWeight there). Otherwise it runs
+        whole on every device."""
+        n = self.size
         if isinstance(p, AttnParams):
-            heads, weights = (cfg.num_attention_heads, cfg.num_key_value_heads), (p.qkv_proj, p.o_proj)
+            hkv, out = cfg.num_key_value_heads, p.o_proj
+            heads = cfg.num_attention_heads % n == 0 and (hkv % n == 0 or n % hkv == 0)
         else:
-            heads, weights = (cfg.linear_num_key_heads, cfg.linear_num_value_heads), (p.in_proj, p.out_proj)
-        plain = not any(isinstance(w, (QuantizedWeight, ConcatWeight)) for w in weights)
-        return plain and all(h % self.size == 0 for h in heads)
+            out = p.out_proj
+            heads = cfg.linear_num_key_heads % n == 0 and cfg.linear_num_value_heads % n == 0
+        return heads and self._divides(out, out.shape[0], True) and all(
+            splits_by(getattr(p, name), axis, order, n) for name, (axis, order) in mixer_orders(p, cfg, n).items())
 
     def local_config(self, p, cfg: ModelConfig) -> ModelConfig:
-        """The config one device runs a split mixer under: its share of the heads."""
+        """The config one device runs a split mixer under: its share of the heads (of the KV heads, at least one)."""
         n = self.size
         if isinstance(p, AttnParams):
             return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
-                                       num_key_value_heads=cfg.num_key_value_heads // n)
+                                       num_key_value_heads=max(cfg.num_key_value_heads // n, 1))
         return dataclasses.replace(cfg, linear_num_key_heads=cfg.linear_num_key_heads // n,
                                    linear_num_value_heads=cfg.linear_num_value_heads // n)
 
@@ -106,9 +114,10 @@ class Spmd:
         if not self.splits_mixer(p, cfg):
             return jax.tree.map(lambda _: REPLICATED, p)
         if isinstance(p, AttnParams):
-            return AttnParams(qkv_proj=_on(1), q_norm=REPLICATED, k_norm=REPLICATED, o_proj=_on(0))
-        return GDNParams(in_proj=_on(1), conv_w=_on(1), a_log=_on(0), dt_bias=_on(0), norm_w=REPLICATED,
-                         out_proj=_on(0))
+            return AttnParams(qkv_proj=_split(p.qkv_proj, 1), q_norm=REPLICATED, k_norm=REPLICATED,
+                              o_proj=_split(p.o_proj, 0))
+        return GDNParams(in_proj=_split(p.in_proj, 1), conv_w=_on(1), a_log=_on(0), dt_bias=_on(0),
+                         norm_w=REPLICATED, out_proj=_split(p.out_proj, 0))
 
     @staticmethod
     def pool_specs(p, pools):
@@ -176,7 +185,9 @@ def _stored_axis(w, axis: int) -> int:
 
 
 def _split(w, axis: int):
-    """The spec of a weight split on `axis` of its x @ w shape."""
+    """The spec of a weight split on `axis` of its x @ w shape (each part's, for a ConcatWeight)."""
+    if isinstance(w, ConcatWeight):
+        return ConcatWeight(parts=tuple(_split(part, axis) for part in w.parts))
     if isinstance(w, QuantizedWeight):
         spec = _on(_stored_axis(w, axis))
         return QuantizedWeight(values=spec, scales=spec)
@@ -196,65 +207,149 @@ def shard_sections(w, axis: int, sections: tuple[int, ...], size: int):
     return xp.ascontiguousarray(w) if xp is np else w
 
 
-def shard_gate_up(w, axis: int, size: int):
-    """[..., gate (I) | up (I)] along `axis` -> each of `size` devices' gate and up columns side by side."""
-    half = w.shape[axis] // 2
-    return shard_sections(w, axis, (half, half), size)
-
-
 def sections_order(sections: tuple[int, ...], size: int) -> np.ndarray:
     """`shard_sections`' permutation as indices: position i of the reordered axis holds canonical index order[i]."""
     return shard_sections(np.arange(sum(sections)), 0, sections, size)
 
 
+def block_order(order: np.ndarray, size: int) -> np.ndarray | None:
+    """A column order split over `size` devices as one of whole 128-blocks (a block-FP8 weight's scales follow
+    its values by block): the canonical block at each block position; None where a device's piece, or a run of
+    its columns, would cut a block."""
+    if len(order) % (size * FP8_BLOCK):
+        return None
+    runs = order.reshape(-1, FP8_BLOCK)
+    if (runs[:, 0] % FP8_BLOCK).any() or (runs != runs[:, :1] + np.arange(FP8_BLOCK)).any():
+        return None
+    return runs[:, 0] // FP8_BLOCK
+
+
+def part_orders(order: np.ndarray, widths, size: int) -> list[np.ndarray] | None:
+    """A fused column order over a ConcatWeight's parts (of those widths): each part's own order, every device's
+    columns of it side by side; None where the devices' shares of a part differ in width."""
+    rows, starts, out = order.reshape(size, -1), np.cumsum((0, *widths)), []
+    for a, b in zip(starts[:-1], starts[1:]):
+        pieces = [row[(row >= a) & (row < b)] - a for row in rows]
+        if len({len(piece) for piece in pieces}) > 1:
+            return None
+        out.append(np.concatenate(pieces))
+    return out
+
+
+def splits_by(w, axis: int, order: np.ndarray, size: int) -> bool:
+    """Whether `reorder` splits w in `order` over `size` devices: a block-FP8 weight's pieces are whole blocks
+    (`block_order`), a ConcatWeight's parts each."""
+    if isinstance(w, ConcatWeight):
+        orders = part_orders(order, [part.shape[axis] for part in w.parts], size)
+        return orders is not None and all(splits_by(part, axis, o, size) for part, o in zip(w.parts, orders))
+    return not isinstance(w, QuantizedWeight) or block_order(order, size) is not None
+
+
+def reorder(w, axis: int, order: np.ndarray, size: int):
+    """w's `axis` (of its x @ w shape) in `order` (the canonical index at each position), for `size` devices: a
+    block-FP8 weight's values and its scales' blocks alike, a ConcatWeight's parts each by its share; the caller
+    checked `splits_by`."""
+    if isinstance(w, ConcatWeight):
+        orders = part_orders(order, [part.shape[axis] for part in w.parts], size)
+        return w.replace(parts=tuple(reorder(part, axis, o, size) for part, o in zip(w.parts, orders)))
+    if isinstance(w, QuantizedWeight):
+        stored = _stored_axis(w, axis)
+        blocks = block_order(order, size)
+        return w.replace(values=_take(w.values, order, stored), scales=_take(w.scales, blocks, stored))
+    return _take(w, order, axis)
+
+
 def place_ffn(spmd: Spmd, p):
-    """An FFN's params in the layout `ffn_specs` splits: split gate_up weights reordered by `shard_gate_up`."""
+    """An FFN's params in the layout `ffn_specs` splits: split gate_up weights in each device's [gate_i | up_i]
+    order (`reorder`; a block-FP8 one's halves are whole blocks per device, `splits_ffn`)."""
     if not spmd.splits_ffn(p):
         return p
 
-    def reorder(w, axis: int):  # a block-FP8 weight's values and scales alike: its halves are whole blocks
-        if isinstance(w, QuantizedWeight):
-            axis = _stored_axis(w, axis)
-            return w.replace(values=shard_gate_up(w.values, axis, spmd.size),
-                             scales=shard_gate_up(w.scales, axis, spmd.size))
-        return shard_gate_up(w, axis, spmd.size)
+    def reordered(w, axis: int):
+        half = w.shape[axis] // 2
+        return reorder(w, axis, sections_order((half, half), spmd.size), spmd.size)
 
     def mlp(m: MLPParams) -> MLPParams:
-        return m.replace(gate_up=reorder(m.gate_up, 1))
+        return m.replace(gate_up=reordered(m.gate_up, 1))
 
     if isinstance(p, MLPParams):
         return mlp(p)
-    gate_up = p.gate_up if spmd.expert_parallel else reorder(p.gate_up, 2)
+    gate_up = p.gate_up if spmd.expert_parallel else reordered(p.gate_up, 2)
     return p.replace(gate_up=gate_up, shared=mlp(p.shared) if spmd.shared_splits(p) else p.shared)
 
 
-def mixer_sections(attention: bool, cfg: ModelConfig) -> dict:
-    """An attention (or GDN) mixer's fused weights, by field: (axis, sections) that `shard_sections` reorders by
-    head."""
-    if attention:
-        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        return {"qkv_proj": (1, (2 * hq * d, hkv * d, hkv * d))}  # [q+gate (per head) | k | v]
+def kv_head_order(kv_heads: int, size: int) -> np.ndarray:
+    """The canonical KV head at each position of a split attention's KV head axis on `size` devices (its pools'
+    and its k and v columns'), each device's run contiguous: the heads themselves where the mesh divides them, else
+    one entry per device, a copy of the head its query heads read (GQA: query head h reads KV head
+    h // (Hq / Hkv), so device d's reads KV head d // (size / Hkv))."""
+    width = max(kv_heads, size)
+    return np.arange(width) * kv_heads // width
+
+
+def qkv_order(cfg: ModelConfig, size: int) -> np.ndarray:
+    """The fused [q+gate (per head) | k | v] columns of a split attention as canonical column indices: each device's
+    [q+gate | k | v] of its heads side by side, a KV head shared by devices repeated in each (`kv_head_order`)."""
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q = np.arange(2 * hq * d).reshape(size, -1)
+    k = (kv_head_order(hkv, size)[:, None] * d + np.arange(d)).reshape(size, -1) + 2 * hq * d
+    return np.concatenate([q, k, k + hkv * d], axis=1).reshape(-1)
+
+
+def gdn_sections(cfg: ModelConfig) -> dict:
+    """A GDN mixer's fused weights, by field: (axis, sections) that `shard_sections` reorders by head."""
     kd, vd, hv = cfg.key_dim, cfg.value_dim, cfg.linear_num_value_heads
     return {"in_proj": (1, (kd, kd, vd, vd, hv, hv)),  # [q | k | v | z | b | a]
             "conv_w": (1, (kd, kd, vd))}
 
 
+def mixer_orders(p, cfg: ModelConfig, size: int) -> dict:
+    """A split mixer's fused weights, by field: (axis, the canonical index at each position of that axis); the
+    caller checked that the mesh splits its heads."""
+    if isinstance(p, AttnParams):
+        return {"qkv_proj": (1, qkv_order(cfg, size))}
+    return {name: (axis, sections_order(sections, size)) for name, (axis, sections) in gdn_sections(cfg).items()}
+
+
+def _first_mixer(params, kind):
+    """The first layer's mixer of `kind` (every mixer of a kind splits alike), or None."""
+    return next((layer.mixer for layer in params.layers if isinstance(layer.mixer, kind)), None)
+
+
 def conv_order(spmd: Spmd | None, params, cfg: ModelConfig) -> np.ndarray | None:
     """The conv pool's channel order where the GDN mixers split (`splits_mixer`, decided as for the mixers
-    themselves: a block-FP8 one runs whole and reads the canonical order): position i holds canonical channel
-    order[i]; None where it is the canonical order. The Host tier stores the canonical order."""
-    gdn = next((layer.mixer for layer in params.layers if isinstance(layer.mixer, GDNParams)), None)
+    themselves: one whose block-FP8 in_proj cannot split runs whole and reads the canonical order): position i
+    holds canonical channel order[i]; None where it is the canonical order. The Host tier stores the canonical
+    order."""
+    gdn = _first_mixer(params, GDNParams)
     if spmd is None or gdn is None or not spmd.splits_mixer(gdn, cfg):
         return None
-    return sections_order(mixer_sections(False, cfg)["conv_w"][1], spmd.size)
+    return sections_order(gdn_sections(cfg)["conv_w"][1], spmd.size)
+
+
+def kv_order(spmd: Spmd | None, params, cfg: ModelConfig) -> np.ndarray | None:
+    """The KV pools' head axis where the attention mixers split over more devices than KV heads (decided as for the
+    mixers: one whose block-FP8 projections cannot split runs whole on the canonical heads): position i holds a copy
+    of canonical KV head order[i] (`kv_head_order`); None where the axis is the canonical heads. The Host tier stores
+    the canonical heads: a write to it takes each head's first copy, a restore writes every copy."""
+    attention = _first_mixer(params, AttnParams)
+    if spmd is None or attention is None or cfg.num_key_value_heads >= spmd.size \
+            or not spmd.splits_mixer(attention, cfg):
+        return None
+    return kv_head_order(cfg.num_key_value_heads, spmd.size)
+
+
+def _take(w, order: np.ndarray, axis: int):
+    """w's `axis` as `order` indexes it (host weights stay on the host)."""
+    return np.take(w, order, axis=axis) if isinstance(w, np.ndarray) else jnp.take(w, order, axis=axis)
 
 
 def place_mixer(spmd: Spmd, p, cfg: ModelConfig):
-    """A mixer's params in the layout `mixer_specs` splits: fused weights reordered by head (`mixer_sections`)."""
+    """A mixer's params in the layout `mixer_specs` splits: fused weights reordered by head (`mixer_orders`)."""
     if not spmd.splits_mixer(p, cfg):
         return p
-    return p.replace(**{name: shard_sections(getattr(p, name), axis, sections, spmd.size)
-                        for name, (axis, sections) in mixer_sections(isinstance(p, AttnParams), cfg).items()})
+    return p.replace(**{name: reorder(getattr(p, name), axis, order, spmd.size)
+                        for name, (axis, order) in mixer_orders(p, cfg, spmd.size).items()})
 
 
 def local_experts(ids, weights, offset, count: int):

@@ -79,14 +79,15 @@ def prefill_activation_bytes(cfg: ModelConfig, tokens: int, act_dtype) -> int:
 
 
 def init_device_state(cfg: ModelConfig, num_pages: int, num_slots: int, kv_dtype, conv_dtype,
-                      kv_profile: str = "auto", mtp: bool = False) -> DeviceState:
+                      kv_profile: str = "auto", mtp: bool = False, kv_heads: int | None = None) -> DeviceState:
     """Zero-filled pools, the KV ones in `kv_profile`'s layout (plain ones of kv_dtype); with `mtp` the last K and
-    V pools are the MTP layer's (the model's layers never index them). Zeros are only a start value: every reader
+    V pools are the MTP layer's (the model's layers never index them). kv_heads: the KV pools' head axis where it
+    is not the model's KV heads (a mesh's copies of them, `spmd.kv_order`). Zeros are only a start value: every reader
     masks what it has not written."""
     kv_quant.check_profile(kv_profile, cfg.head_dim)
     k_fmt, v_fmt = kv_quant.PROFILES[kv_profile]
     plain = kv_quant.plain_dtype(kv_profile, kv_dtype)
-    kv_shape = (num_pages, PAGE, cfg.num_key_value_heads, cfg.head_dim)
+    kv_shape = (num_pages, PAGE, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
     ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     n_attn, n_gdn = len(cfg.attn_layers) + mtp, len(cfg.gdn_layers)

@@ -110,7 +110,7 @@ def device_share(config: ModelConfig, params: Params, options: EngineOptions) ->
     layout = parallel_layout(options)
     if layout is None:
         return DeviceShare()
-    page, slot = layout.pool_shares(config)
+    page, slot = layout.pool_shares(params, config)
     on_host = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
     return DeviceShare(page, slot, layout.device_bytes(params, config) if on_host else 0)
 

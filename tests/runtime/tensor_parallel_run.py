@@ -27,8 +27,8 @@ import numpy as np
 
 from ninfer_jax import Engine, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-COLD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prefix_cache=False)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+COLD = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0, prefix_cache=False)
 # Snapshot slots for every tap and endpoint a layout's turns make, so the Device turn finds its image on the Device;
 # 8 KV pages hold a layout's turns and compile the Host transfers of 1 to 8 pages only; full-width rounds compile one
 # decode program, not two (each compile of a sharded program is most of a layout's time)
@@ -49,7 +49,8 @@ class Prompts:
 def turn(engine, prompt, sampling=GREEDY) -> dict:
     out = engine.generate(prompt, sampling)
     record = engine.cache_record(out.request_id)
-    return {"tokens": list(out.token_ids), "cached": record["cached_tokens"],
+    return {"tokens": list(out.token_ids), "logprobs": [e["logprob"] for e in out.logprobs or ()],
+            "cached": record["cached_tokens"],
             "host_bytes": record["restored_host_bytes"]}
 
 

@@ -32,7 +32,7 @@ from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import mtp, qwen3_5, vision
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import Params
-from ninfer_jax.model.spmd import conv_order
+from ninfer_jax.model.spmd import conv_order, kv_order
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 from ninfer_jax.runtime.device import transfer
 from ninfer_jax.runtime.device.buckets import StepSizes, fit, idle_chunk_sizes, pow2_buckets, prefill_buckets
@@ -430,8 +430,14 @@ class ModelRunner:
         self._stop_mask = jnp.asarray(stop_mask)
         # The logprobs' top-20 over the vocabulary: lax.top_k sorts on the GPU, a two-stage top-k does not.
         self.top_k_groups = TOP_K_GROUPS if jax.devices()[0].platform == "gpu" else 0
+        # On a mesh of more devices than KV heads whose attention splits, the KV pools hold a copy of a KV head per
+        # device; the Host keeps the canonical heads, so a slab and the cache file are the same at any size.
+        self.kv_order = kv_order(kernels.spmd, params, cfg)
+        kv_heads = None if self.kv_order is None else len(self.kv_order)
+
         def init():
-            return init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile, mtp=mtp)
+            return init_device_state(cfg, num_pages, num_slots, kv_dtype, conv_dtype, kv_profile, mtp=mtp,
+                                     kv_heads=kv_heads)
 
         if layout is None:
             self.state = init()
@@ -548,6 +554,12 @@ class ModelRunner:
         # canonical one, so a slab and the cache file are the same at any size.
         order = conv_order(self.kernels.spmd, self.params, self.cfg)  # a constant of the programs, not an argument
 
+        def gather_pages(k_pages, v_pages, pages):
+            return transfer.gather_pages(k_pages, v_pages, pages, kv_order=self.kv_order)
+
+        def scatter_pages(k_pages, v_pages, pages, rows):
+            return transfer.scatter_pages(k_pages, v_pages, pages, rows, kv_order=self.kv_order)
+
         def gather_slot(ssm, conv, slot):
             return transfer.gather_slot(ssm, conv, slot, rows=image_rows, row_words=row_bytes // WORD_BYTES,
                                         conv_order=order)
@@ -556,8 +568,8 @@ class ModelRunner:
             return transfer.scatter_slot(ssm_pools, conv_pools, slot, rows, conv_order=order)
 
         self._steps.update({
-            "gather_pages": jax.jit(_own(transfer.gather_pages), **host),
-            "scatter_pages": jax.jit(_own(transfer.scatter_pages), donate_argnames=("k_pages", "v_pages")),
+            "gather_pages": jax.jit(gather_pages, **host),
+            "scatter_pages": jax.jit(scatter_pages, donate_argnames=("k_pages", "v_pages")),
             "gather_slot": jax.jit(gather_slot, **host),
             "scatter_slot": jax.jit(scatter_slot, donate_argnames=("ssm_pools", "conv_pools")),
         })
@@ -993,12 +1005,14 @@ class ModelRunner:
 
     def kv_stats(self) -> dict:
         """The KV pools' storage: `dtype` (the profile, or a plain pool's dtype for "auto"), `bytes_per_token`
-        (every attention layer, K + V with their scales, from the pools' own arrays) and `capacity_tokens`."""
+        (every attention layer, K + V with their scales, from the pools' own arrays, each KV head counted once
+        where devices hold copies of it) and `capacity_tokens`."""
         pools = self.state.k_pages + self.state.v_pages
         tokens = self.state.num_pages * PAGE
+        copies = 1 if self.kv_order is None else len(self.kv_order) // self.cfg.num_key_value_heads
         name = self.kv_profile if self.kv_profile != "auto" else jnp.dtype(pools[0].dtype).name if pools else "none"
-        return {"dtype": name, "bytes_per_token": sum(a.nbytes for a in jax.tree.leaves(pools)) // max(1, tokens),
-                "capacity_tokens": tokens}
+        stored = sum(a.nbytes for a in jax.tree.leaves(pools)) // copies
+        return {"dtype": name, "bytes_per_token": stored // max(1, tokens), "capacity_tokens": tokens}
 
     def parallel_stats(self) -> dict:
         """The mesh the model runs on: its size, whether experts are split across it, its devices."""

@@ -3,22 +3,27 @@ per pool. The arrays carry their NamedShardings into the jitted steps, whose mod
 each FFN per device under shard_map (`model/spmd.py`: a device's heads or slice, one psum); XLA partitions the rest
 (the embedding, the lm_head, sampling) and inserts its collectives.
 
-What is split (a mixer whose head counts the mesh size does not all divide, or whose projections are block-FP8,
-stays whole on every device, weights and pools, as vLLM replicates KV heads past their count):
+What is split (a mixer whose heads the mesh does not split, or whose block-FP8 projections it would cut inside a
+128-block, `Spmd.splits_mixer`, stays whole on every device, weights and pools):
   embed [V, H] rows and lm_head [H, V] columns      the vocabulary
   attention qkv_proj columns, o_proj rows           by head: the fused [q+gate | k | v] columns reordered so each
-                                                    device's slice is its heads' [q+gate | k | v] (`spmd.place_mixer`)
+                                                    device's slice is its heads' [q+gate | k | v] (`spmd.place_mixer`);
+                                                    on more devices than KV heads, its query heads and a copy of the
+                                                    one KV head they read (vLLM's way: `spmd.qkv_order`)
   GDN in_proj columns, conv_w channels              by head likewise: [q | k | v | z | b | a], [q | k | v]
   GDN out_proj rows, A_log and dt_bias              by value head
   MLP and shared-expert gate_up columns, down rows  the intermediate axis, gate_up's columns reordered so that each
-                                                    device's slice is [gate_i | up_i] (`spmd.shard_gate_up`)
+                                                    device's slice is [gate_i | up_i] (`spmd.place_ffn`)
   MoE gate_up [E, H, 2I], down [E, I, H]            the expert axis with expert parallel, else each expert's
                                                     intermediate axis, likewise; an FFN splits whole or not at all
-  KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights
+  KV pages [P, 64, Hkv, D] (every plane)            by KV head, as the attention's weights; on more devices than
+                                                    KV heads, [P, 64, N, D]: a copy of its KV head per device
+                                                    (`spmd.kv_order`; the Host tier keeps the canonical heads)
   ssm [S, Hv, Dk, Dv] and conv [S, K-1, conv_dim]   by value head; conv by channel in the devices' order
                                                     (`spmd.conv_order`; the Host tier keeps the canonical order)
-Norms, the router, the shared-expert gate and the mixers' block-FP8 weights (their scales' block grid) stay
-replicated; an FFN's block-FP8 weights split where each device's slice is whole 128-blocks.
+Norms, the router and the shared-expert gate stay replicated. Block-FP8 weights split where each device's slice is
+whole 128-blocks of their scales' grid (`spmd.reorder`, `block_order`: values and scales alike; a ConcatWeight part
+by part), else their block stays whole.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model.params import (ConcatWeight, LayerParams, MTPParams, Params,
                                      QuantizedWeight)
-from ninfer_jax.model.spmd import AXIS, REPLICATED, Spmd, place_ffn, place_mixer
+from ninfer_jax.model.spmd import AXIS, REPLICATED, Spmd, kv_order, place_ffn, place_mixer
 from ninfer_jax.model.state import DeviceState
 
 
@@ -49,11 +54,6 @@ def device_bytes(shapes, specs, size: int) -> int:
         split = size if any(a == AXIS for a in spec) else 1
         return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // split
     return sum(jax.tree.leaves(jax.tree.map(one, specs, shapes, is_leaf=_is_spec)))
-
-
-def attention_heads(cfg: ModelConfig) -> int:
-    """A count the mesh size divides exactly when it divides both the query and the KV heads."""
-    return math.gcd(cfg.num_attention_heads, cfg.num_key_value_heads)
 
 
 def gdn_heads(cfg: ModelConfig) -> int:
@@ -148,13 +148,17 @@ class ParallelLayout:
         so no device ever holds more than its own shards."""
         specs = self.shardings(self.param_specs(jax.eval_shape(make), cfg))
 
-        def placed():
-            params = make()
-            return params.replace(layers=tuple(self._reordered(p, cfg) for p in params.layers),
-                                  mtp=None if params.mtp is None else params.mtp.replace(
-                                      layer=self._reordered(params.mtp.layer, cfg)))
+        return jax.jit(lambda: self._reordered_params(make(), cfg), out_shardings=specs)()
 
-        return jax.jit(placed, out_shardings=specs)()
+    def placed_shapes(self, params: Params, cfg: ModelConfig) -> Params:
+        """The shapes `place_params` gives params of these shapes (a split attention's k and v columns hold a copy
+        of a KV head per device that reads it)."""
+        return jax.eval_shape(functools.partial(self._reordered_params, cfg=cfg), params)
+
+    def _reordered_params(self, params: Params, cfg: ModelConfig) -> Params:
+        return params.replace(layers=tuple(self._reordered(p, cfg) for p in params.layers),
+                              mtp=None if params.mtp is None else params.mtp.replace(
+                                  layer=self._reordered(params.mtp.layer, cfg)))
 
     def _reordered(self, p: LayerParams, cfg: ModelConfig) -> LayerParams:
         """A layer's fused weights in the order its SPMD blocks read (`spmd.place_mixer`, `spmd.place_ffn`)."""
@@ -162,25 +166,35 @@ class ParallelLayout:
 
     # --- pools -----------------------------------------------------------------------------------
     def state_specs(self, state: DeviceState, cfg: ModelConfig) -> DeviceState:
-        """A DeviceState-shaped pytree of PartitionSpecs (of arrays or their shapes): every KV plane by KV head,
-        ssm by value head, conv by channel, each where its mixer's weights are split."""
+        """A DeviceState-shaped pytree of PartitionSpecs (of arrays or their shapes): every KV plane by its head
+        axis (the KV heads, or a copy of one per device: `kv_heads`), ssm by value head, conv by channel, each where
+        the mesh divides its heads (the query heads are a multiple of the KV heads)."""
         def by(axis, heads):
             return lambda a: self.split(a.shape, axis, heads)
 
-        attn, gdn = attention_heads(cfg), gdn_heads(cfg)
-        return DeviceState(k_pages=jax.tree.map(by(2, attn), state.k_pages),
-                           v_pages=jax.tree.map(by(2, attn), state.v_pages),
+        gdn = gdn_heads(cfg)
+        return DeviceState(k_pages=jax.tree.map(by(2, None), state.k_pages),
+                           v_pages=jax.tree.map(by(2, None), state.v_pages),
                            ssm=jax.tree.map(by(1, gdn), state.ssm), conv=jax.tree.map(by(2, gdn), state.conv))
 
-    def pool_shares(self, cfg: ModelConfig) -> tuple[float, float]:
-        """The fractions of a KV page and of a state slot one device holds (`state_specs`' splits)."""
-        def share(heads: int) -> float:
+    def kv_heads(self, params: Params, cfg: ModelConfig) -> int | None:
+        """The KV pools' head axis on this mesh where it is not the model's KV heads (`spmd.kv_order`: a copy per
+        device), else None."""
+        order = kv_order(self.spmd, params, cfg)
+        return None if order is None else len(order)
+
+    def pool_shares(self, params: Params, cfg: ModelConfig) -> tuple[float, float]:
+        """The fractions of a KV page (its canonical heads) and of a state slot one device holds (`state_specs`'
+        splits)."""
+        def held(heads: int) -> float:  # of an axis of `heads` (`split`)
             return 1.0 / self.size if heads % self.size == 0 else 1.0
-        return share(attention_heads(cfg)), share(gdn_heads(cfg))
+
+        heads = self.kv_heads(params, cfg) or cfg.num_key_value_heads
+        return held(heads) * heads / cfg.num_key_value_heads, held(gdn_heads(cfg))
 
     def device_bytes(self, params: Params, cfg: ModelConfig) -> int:
         """The weight bytes one device holds once `place_params` placed them."""
-        return device_bytes(params, self.param_specs(params, cfg), self.size)
+        return device_bytes(self.placed_shapes(params, cfg), self.param_specs(params, cfg), self.size)
 
     def replicate(self, tree):
         """Small device arrays every shard reads (the sampler's state, the MTP carry, the media rows)."""

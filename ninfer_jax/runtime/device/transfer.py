@@ -17,7 +17,8 @@ import numpy as np
 
 from pallas_kernels import kv_quant
 
-# Rows travel as uint32 words: byte-wise (uint8) gathers ran as slow fusions on the GPU (docs/benchmarks/prefix_cache.md).
+# Rows travel as uint32 words: byte-wise (uint8) gathers ran as slow fusions on the GPU
+# (docs/benchmarks/prefix_cache.md).
 WORD_BYTES = 4
 
 
@@ -50,24 +51,42 @@ def words_per_row(pool) -> int:
     return math.prod(pool.shape[1:]) * jnp.dtype(pool.dtype).itemsize // WORD_BYTES
 
 
-def gather_pages(k_pages, v_pages, pages):
+def _canonical_heads(plane, kv_order):
+    """A KV plane's shape and dtype with the canonical heads on its head axis (the Host's layout; `spmd.kv_order`:
+    the pool's own, one copy per device)."""
+    if kv_order is None:
+        return plane
+    heads = int(np.max(kv_order)) + 1
+    return jax.ShapeDtypeStruct((*plane.shape[:2], heads, *plane.shape[3:]), plane.dtype)
+
+
+def gather_pages(k_pages, v_pages, pages, kv_order=None):
     """Page bundles of `pages` [B]: per attention layer in order, its K page's planes then its V page's, as
-    words."""
+    words. kv_order: the pools' head axis on a mesh that copies KV heads (`spmd.kv_order`), of which each head's
+    first copy is taken, as the Host keeps the canonical heads."""
+    firsts = None if kv_order is None else np.unique(kv_order, return_index=True)[1]
     parts = []
     for k, v in zip(k_pages, v_pages):
-        parts += [as_words(plane[pages]) for plane in kv_quant.planes(k) + kv_quant.planes(v)]
+        for plane in kv_quant.planes(k) + kv_quant.planes(v):
+            rows = plane[pages] if firsts is None else plane[pages][:, :, firsts]
+            parts.append(as_words(rows))
     return jnp.concatenate(parts, axis=1)  # [B, bundle words]
 
 
-def scatter_pages(k_pages, v_pages, pages, rows):
-    """Host rows [B, >= bundle words] (the gather_pages layout) into `pages`; out-of-range pages are dropped."""
+def scatter_pages(k_pages, v_pages, pages, rows, kv_order=None):
+    """Host rows [B, >= bundle words] (the gather_pages layout) into `pages`; out-of-range pages are dropped.
+    kv_order: as gather_pages', each canonical head written to every copy of it."""
     offset, ks, vs = 0, [], []
     for k, v in zip(k_pages, v_pages):
         for pool, out in ((k, ks), (v, vs)):
             planes = []
             for plane in kv_quant.planes(pool):
-                width = words_per_row(plane)
-                planes.append(plane.at[pages].set(from_words(rows[:, offset:offset + width], plane), mode="drop"))
+                canonical = _canonical_heads(plane, kv_order)
+                width = words_per_row(canonical)
+                page = from_words(rows[:, offset:offset + width], canonical)
+                if kv_order is not None:
+                    page = page[:, :, kv_order]
+                planes.append(plane.at[pages].set(page, mode="drop"))
                 offset += width
             out.append(kv_quant.with_planes(pool, planes))
     return tuple(ks), tuple(vs)
