@@ -62,7 +62,6 @@ class OrderlyServer(uvicorn.Server):
         await super().shutdown(sockets)
         log.info("stopped | %d responses served", self.ctx.metrics.responses)
 
-
     async def _stop_engine(self, engine) -> None:
         """Runs engine.stop() on a daemon thread until it ends, or until SAVE_ABANDON_WAIT_S after a second
         interrupt: the process then exits without it."""

@@ -125,14 +125,14 @@ class PrefixCacheManager:
         record, self._lanes[lane] = self._lanes[lane], None
         write, endpoint = None, None
         if record.enabled:
-            if reason in ("stop", "length", "cancelled") and not self.write_back.failed:
+            kept = reason in ("stop", "length", "cancelled") and not self.write_back.failed
+            if kept:
                 # At the end the backend's pages count up to its own frontier (§7.7): the last blocks commit, and
                 # the taps waiting for them publish.
                 self._commit_blocks(req, record, req.computed)
                 self._publish_taps(record)
             self.taps.drop_staged(record)
-            if reason in ("stop", "length", "cancelled") and self.policy == "hpc" and not self.write_back.failed \
-                    and not req.state_ahead:
+            if kept and self.policy == "hpc" and not req.state_ahead:
                 endpoint = self._endpoint(req, lane, record)
             write = self.index.release_path(record.path)
             record.path = []
