@@ -1,12 +1,11 @@
 """What a speculative verify round costs against a plain decode round, at the real shapes (random bf16 weights).
 
-On one idle engine per model with MTP drafting, at each lane count: the runner's plain decode round back to back (how
-decoding runs with speculation off: each round dispatched before the previous one is read) and read back each round,
-then a verify round of k + 1 rows per lane (with the MTP layer's rows and its k chained drafts) read back each round,
-and verify rounds chained on the device (each dispatched before the previous one is read, its tokens and position
-taken from the previous round's outputs: how the scheduler runs MTP rounds). The projected speedup at an accept
-length L (tokens a lane emits per verify round) is L x plain / chained verify; the issue's published lengths are 1.9
-at k = 1 and 3.2 at k = 3. Compile time is reported apart from the rounds.
+On one idle engine per model, at each lane count: the runner's plain decode round back to back (how decoding runs
+with speculation off: each round dispatched before the previous one is read) and read back each round (as verify
+rounds run), then a verify round of k + 1 rows per lane read back each round, every draft kept (the commit replays
+every row: the dearest case). The projected speedup at an accept length L (tokens a lane emits per verify round) is
+L x plain / verify; the issue's published lengths are 1.9 at k = 1 and 3.2 at k = 3. Compile time is reported
+apart from the rounds.
 
     python scripts/bench_speculative.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/bench_speculative.py --smoke          # the tiny shape on CPU, a temporary folder
@@ -38,38 +37,28 @@ def verify_inputs(engine, lanes: int, k: int, position: int):
     commit's, whose cost every row's replay bounds)."""
     import numpy as np
 
-    reach = position + 2 * k + 2  # a chained round starts up to k + 1 positions further
-    tokens, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, reach)
+    tokens, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, position + k)
     c = engine.runner.max_lanes
     rows = np.ones((c, k + 1), np.int32)
     counts = np.where(active, k + 1, 0).astype(np.int32)
     positions = np.where(active, position, 0).astype(np.int32)
-    limits = np.where(active, reach, 0).astype(np.int32)
-    return (rows, positions, counts, np.zeros(c, np.int32), tables, slots, sampler), limits
+    return rows, positions, counts, np.zeros(c, np.int32), tables, slots, sampler
 
 
-def time_verify(engine, lanes: int, k: int, rounds: int, position: int) -> tuple[float, float, float]:
-    """(seconds of the first call: compile and run; seconds per round after, each read back; seconds per round
-    chained on the previous one, none read back)."""
+def time_verify(engine, lanes: int, k: int, rounds: int, position: int) -> tuple[float, float]:
+    """(seconds of the first call: compile and run; seconds per round after, each read back)."""
     import jax
     import numpy as np
 
-    args, limits = verify_inputs(engine, lanes, k, position)
+    args = verify_inputs(engine, lanes, k, position)
     start = time.perf_counter()
-    out = jax.block_until_ready(engine.runner.verify(*args, limits=limits))
+    jax.block_until_ready(engine.runner.verify(*args))
     first = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(rounds):
-        out = engine.runner.verify(*args, limits=limits)
+        out = engine.runner.verify(*args)
         np.asarray(out[3])
-    read_each = (time.perf_counter() - start) / rounds
-    rows, positions, counts, *rest = args
-    chained = (counts > 0).astype(np.int32)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        out = engine.runner.verify(rows, positions + 1, counts, *rest, limits=limits, chained=chained, prev=out)
-    jax.block_until_ready(out)
-    return first, read_each, (time.perf_counter() - start) / rounds
+    return first, (time.perf_counter() - start) / rounds
 
 
 def trace_verify(engine, name: str, k: int, args) -> list[dict]:
@@ -78,11 +67,11 @@ def trace_verify(engine, name: str, k: int, args) -> list[dict]:
 
     from ninfer_jax.benchmarks.profiling import kernel_table
 
-    inputs, limits = verify_inputs(engine, 1, k, args.context)
+    inputs = verify_inputs(engine, 1, k, args.context)
     folder = Path(tempfile.mkdtemp(prefix=f"verify_trace_{name}_"))
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
         for _ in range(args.trace_rounds):
-            out = engine.runner.verify(*inputs, limits=limits)
+            out = engine.runner.verify(*inputs)
         jax.block_until_ready(out)
     rows = kernel_table(folder, args.trace_rounds, 25)
     for r in rows:
@@ -172,7 +161,7 @@ def bench_model(name: str, args) -> dict:
     lanes_list = [int(x) for x in args.lanes.split(",")]
     ks = [int(x) for x in args.k.split(",")]
     engine, init_s = random_engine(name, max_concurrency=max(lanes_list), max_model_len=args.context + 1024,
-                                   no_prefix_reuse=True, speculative="mtp", num_speculative_tokens=max(ks),
+                                   no_prefix_reuse=True, speculative="ngram", num_speculative_tokens=max(ks),
                                    kernels=args.kernels)
     rows, result = [], {"init_s": init_s, "rounds": []}
     try:
@@ -181,18 +170,18 @@ def bench_model(name: str, args) -> dict:
             pipelined = time_rounds(engine, lanes, args.rounds, False, args.context)
             read_each = time_rounds(engine, lanes, args.rounds, True, args.context)
             for k in ks:
-                compile_s, verify, chained = time_verify(engine, lanes, k, args.rounds, args.context)
+                compile_s, verify = time_verify(engine, lanes, k, args.rounds, args.context)
                 length = PUBLISHED_ACCEPT_LENGTH[k]
                 entry = {"lanes": lanes, "k": k, "plain_ms": pipelined * 1e3, "plain_read_each_ms": read_each * 1e3,
-                         "verify_ms": verify * 1e3, "chained_ms": chained * 1e3, "cost": chained / pipelined,
-                         "accept_length": length, "speedup": length * pipelined / chained, "first_call_s": compile_s}
+                         "verify_ms": verify * 1e3, "cost": verify / pipelined, "accept_length": length,
+                         "speedup": length * pipelined / verify, "first_call_s": compile_s}
                 result["rounds"].append(entry)
                 rows.append([name, lanes, k, report.fmt(entry["plain_ms"]), report.fmt(entry["plain_read_each_ms"]),
-                             report.fmt(entry["verify_ms"]), report.fmt(entry["chained_ms"]), f"{entry['cost']:.2f}x",
-                             length, f"{entry['speedup']:.2f}x", report.fmt(compile_s)])
+                             report.fmt(entry["verify_ms"]), f"{entry['cost']:.2f}x", length,
+                             f"{entry['speedup']:.2f}x", report.fmt(compile_s)])
                 print(f"[{name}] {lanes} lanes k={k}: plain {pipelined * 1e3:.2f} ms ({read_each * 1e3:.2f} read "
-                      f"each), verify {verify * 1e3:.2f} ms read each, {chained * 1e3:.2f} ms chained = "
-                      f"{entry['cost']:.2f}x; at accept length {length}: {entry['speedup']:.2f}x", flush=True)
+                      f"each), verify {verify * 1e3:.2f} ms = {entry['cost']:.2f}x; at accept length {length}: "
+                      f"{entry['speedup']:.2f}x", flush=True)
         if args.sweep_rows_kernel:
             result["rows_kernel"] = sweep_rows_kernel(name, lanes_list, ks)
         if args.trace_rounds:
@@ -298,9 +287,8 @@ def main() -> int:
     lines = report.header("Speculative decoding: a verify round against a plain round", meta,
                           f"context {args.context} tokens, {args.rounds} rounds each, random bf16 weights, "
                           f"kernels {args.kernels}")
-    lines += report.table(["model", "lanes", "k", "plain ms (back to back)", "plain ms (read each)",
-                           "verify ms (read each)", "verify ms (chained)", "chained / plain", "accept length",
-                           "projected speedup", "verify first call s"], rows)
+    lines += report.table(["model", "lanes", "k", "plain ms (back to back)", "plain ms (read each)", "verify ms",
+                           "verify / plain", "accept length", "projected speedup", "verify first call s"], rows)
     lines += ["", "Targets (issue 30): verify / plain <= 1.1 at k = 1 and <= 1.3 at k = 3; projected speedup >= 1.8 "
               "(k = 1) and >= 2.3 (k = 3) for the 27B at 1 lane; at 8 lanes no slower than plain.", ""]
     page = report.write_report(out, "speculative", data, lines)

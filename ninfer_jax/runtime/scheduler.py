@@ -97,15 +97,9 @@ class Scheduler:
         # has mixed_tokens); scripts/bench_arrivals.py turns it off to time passes and rounds apart on one engine.
         self.mix = runner.mixed_tokens > 0 and not self.speculating
         self.speculative, self.pause = SpeculativeStats(k), DraftPause()
-        # Whether MTP verify rounds chain on the previous one on the device (`_chains`); tests that script the drafts
-        # on the host turn it off.
-        self.chain = self.mtp
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
         self.closing: set[int] = set()
-        # Lanes that ended when a verify round was read while the next one, chained on it, still feeds them: they
-        # settle when that round is read.
-        self.trailing: set[int] = set()
         self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
         self._first_pending = None  # a mixed step's first token (`_prefill_pass`'s), read at the next step
 
@@ -159,10 +153,8 @@ class Scheduler:
         prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
-        if previous is not None and (self._may_speculate() or previous.drafted is not None) \
-                and not self._chains(previous):
-            # Drafts follow the tokens a round emits, so a round that may verify drafts waits for the read, unless
-            # it chains on the previous verify round on the device (MTP).
+        if previous is not None and self._may_speculate():
+            # Drafts follow the tokens a round emits, so a round that may verify drafts waits for the read.
             self._retire(previous)
             clock.lap("round_read")
             previous = None
@@ -302,8 +294,6 @@ class Scheduler:
         read back yet) taken from its output on the device; with `chunk_of`, that prefilling lane's next pass in the
         same step (alone when no lane decodes after all). Returns (the round, or None when no lane decodes; the
         pass's outputs as `_prefill_pass` gives them, None without `chunk_of`)."""
-        if previous is not None and previous.drafted is not None:
-            return self._dispatch_verify(None, previous), None  # chained on it (`_chains`)
         c = len(self.lanes)
         ahead = np.zeros(c, bool)  # the lane's previous token is still on the device
         if previous is not None:
@@ -372,39 +362,18 @@ class Scheduler:
         return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
             r.sampling.processed or r.grammar is not None for r in live)
 
-    def _chains(self, previous: _Round) -> bool:
-        """Whether the next verify round can chain on `previous` (a verify round in flight) without reading it:
-        MTP drafts (they come from the device), the same lanes, and room for two full rounds per lane (tokens,
-        context and pages), so no lane can end by length while its next round is already dispatched."""
-        if not self.chain or previous.drafted is None or not self._may_speculate():
-            return False
-        t, lanes = self.runner.verify_rows, {r.lane for r in previous.reqs}
-        live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
-        return all(
-            r.lane in lanes and r.lane not in self.closing and r.finish_reason is None
-            and r.sampling.max_tokens - len(r.output) >= 2 * t
-            and self.options.max_model_len - 1 - r.computed >= 2 * t and self._ensure_page(r, r.computed + 2 * t - 1)
-            for r in live)
-
-    def _dispatch_verify(self, active: np.ndarray | None, previous: _Round | None = None) -> _Round | None:
+    def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
         None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation (`DraftPause`):
         reading each round back before the next costs the device its idle gap. With MTP every round verifies: the
-        round makes the next round's drafts, and a lane's first round has none. With `previous` (`_chains`), every
-        lane of it chains on its outputs on the device, fed k drafts from one position past its count."""
-        live = previous.reqs if previous is not None else [r for r in self.lanes if r is not None and active[r.lane]]
+        round makes the next round's drafts, and a lane's first round has none."""
+        live = [r for r in self.lanes if r is not None and active[r.lane]]
         c, t = len(self.lanes), self.runner.verify_rows
         tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
         positions, stops, limits = np.zeros(c, np.int32), np.zeros(c, np.int32), np.zeros(c, np.int32)
-        chained = np.zeros(c, np.int32)
         drafted = {}
         for req in live:
             lane = req.lane
-            if previous is not None:  # the device adds the drafts the previous round keeps
-                counts[lane], positions[lane], stops[lane] = t, req.computed + 1, not req.sampling.ignore_eos
-                self.sampler.step[lane] = len(req.output) + 1
-                chained[lane], limits[lane], drafted[lane] = 1, len(req.pages) * PAGE, t - 1
-                continue
             if lane in self.closing:
                 tokens[lane, 0], counts[lane], positions[lane], drafted[lane] = req.output[-1], 1, req.computed, 0
                 continue
@@ -425,12 +394,10 @@ class Scheduler:
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
                                  logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits,
-                                 rope_shift=self.rope_shift, chained=chained if previous is not None else None,
-                                 prev=previous.out if previous is not None else None)
+                                 rope_shift=self.rope_shift)
         self.cache_manager.flush()
         self.counters["decode_rounds"] += 1
         self.speculative.rounds += 1
-        self.speculative.chained_rounds += previous is not None
         return _Round(live, out, set(), drafted)
 
     def _retire_verify(self, done: _Round) -> None:
@@ -440,12 +407,8 @@ class Scheduler:
         t = self.runner.verify_rows
         emitted, kept = np.asarray(emitted), np.asarray(kept)
         drafts = np.asarray(drafts[0]) if drafts else None
-        following = {r.lane for r in self.pending.reqs} if self.pending is not None else set()
         for req in done.reqs:
             lane, base = req.lane, req.computed
-            if lane in self.trailing:  # it ended at the last read; this round, chained, fed it past its output
-                self._settle_trailing(req, int(kept[lane]))
-                continue
             if lane in self.closing:  # this round fed its last token
                 req.computed += 1
                 self.cache_manager.computed(req)
@@ -468,24 +431,10 @@ class Scheduler:
             self.cache_manager.computed(req)
             if req.finish_reason is None:
                 self.outputs.progress(req)
-            elif lane in following:
-                self.trailing.add(lane)  # the round in flight still writes its slot: it settles at that read
             elif self._can_close(req):
                 self.closing.add(lane)
             else:
                 self._finish(req, req.finish_reason)
-
-    def _settle_trailing(self, req: Request, kept: int) -> None:
-        """Ends a lane that stopped while the next verify round, chained, already fed it. The state is exact when
-        the lane stopped on its last token, not yet fed (as a closing lane's), and the round kept no draft past it
-        (the device feeds the engine's stop tokens alone); otherwise the state runs ahead and no endpoint is taken."""
-        self.trailing.discard(req.lane)
-        if not req.state_ahead and kept == 0 and req.computed == req.num_prompt + len(req.output) - 1:
-            req.computed += 1
-            self.cache_manager.computed(req)
-        else:
-            req.state_ahead = True
-        self._finish(req, req.finish_reason)
 
     def _can_close(self, req: Request) -> bool:
         """Whether a lane that stopped on a token it did not feed feeds it in one more round, as a plain lane does
@@ -575,7 +524,6 @@ class Scheduler:
         sent the last event, so nothing (a stats call, the next admission) observes a finished lane."""
         if req.lane is not None:
             self.closing.discard(req.lane)
-            self.trailing.discard(req.lane)
             self.cache_manager.release(req, req.finish_reason)
             self.lanes[req.lane] = None
             req.lane, req.pages = None, []

@@ -125,7 +125,7 @@ class SpeculativeStats:
 
     def __init__(self, k: int):
         self.k = k
-        self.rounds = self.drafted = self.accepted = self.plain_rounds = self.chained_rounds = 0
+        self.rounds = self.drafted = self.accepted = self.plain_rounds = 0
         self.histogram = collections.Counter()
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -136,7 +136,6 @@ class SpeculativeStats:
     def as_dict(self) -> dict:
         lanes = sum(self.histogram.values())
         return {"num_speculative_tokens": self.k, "verify_rounds": self.rounds, "plain_rounds": self.plain_rounds,
-                "chained_rounds": self.chained_rounds,
                 "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accept_length": sum(n * c for n, c in self.histogram.items()) / lanes if lanes else 0.0,

@@ -271,7 +271,6 @@ def test_mtp_drafts_equal_the_layer_chained_without_a_cache_and_tokens_equal_pla
                 req.drafts = scripted.propose(req.sequence(), 3)
 
     engine.scheduler._retire_verify = retire_and_script
-    engine.scheduler.chain = False  # the scripted drafts replace the device's after each read
     try:
         outs = engine.generate_many(prompts[:5], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
         assert [o.token_ids for o in outs] == [o[:16] for o in plain[:5]]

@@ -218,13 +218,12 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
 
 
 # position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
-# then the positions the lane's pages map (MTP drafts write no key past them); then the rope shift; then whether the
-# row chains on the previous verify round (`_chain_rows`)
-VERIFY_COLUMNS = 13
+# then the positions the lane's pages map (MTP drafts write no key past them); then the rope shift
+VERIFY_COLUMNS = 12
 
 
 def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler,
-                       limits=None, rope_shift=None, chained=None) -> np.ndarray:
+                       limits=None, rope_shift=None) -> np.ndarray:
     """A verify round's rows as int32 [size, T + VERIFY_COLUMNS + max_pages]: row i is lane lanes[i] (tokens [C, T],
     the rest [C] lane arrays), then padding rows of count 0 marked lane C, each on the state slot of a lane not in
     the round (the GDN commit writes every row's slot back, so slots must be distinct)."""
@@ -234,7 +233,6 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     columns += _sampler_columns(sampler)
     columns.append(np.zeros(c, np.int32) if limits is None else np.asarray(limits, np.int32))
     columns.append(np.zeros(c, np.int32) if rope_shift is None else np.asarray(rope_shift, np.int32))
-    columns.append(np.zeros(c, np.int32) if chained is None else np.asarray(chained, np.int32))
     packed = np.zeros((size, t + VERIFY_COLUMNS + page_tables.shape[1]), np.int32)
     packed[:n, :t] = np.asarray(tokens, np.int32)[lanes]
     packed[:n, t:t + VERIFY_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
@@ -245,32 +243,13 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     return packed
 
 
-def _chain_rows(tokens, col, prev, stop_mask, t):
-    """A chained row takes its inputs from the previous verify round (`prev`: its emitted [C T], kept [C] and
-    drafts [C, T - 1], still on the device): the lane's last emitted token, then the drafts chained from it; its
-    position and sampler step move by the drafts kept. A lane whose last token is one of the engine's stop tokens
-    feeds that token alone, so its state ends exactly past its output. Returns (tokens, columns)."""
-    emitted, kept, drafts = prev
-    positions, counts, stops, lanes, step, chained = col[0], col[2], col[3], col[4], col[9], col[12] != 0
-    moved = jnp.where(chained, kept.at[lanes].get(mode="fill", fill_value=0), 0)
-    last = emitted.at[lanes * t + moved].get(mode="fill", fill_value=0)
-    fed = jnp.concatenate([last[:, None], drafts.at[lanes].get(mode="fill", fill_value=0)], axis=1)
-    tokens = jnp.where(chained[:, None], fed, tokens)
-    alone = chained & stop_mask[last] & (stops != 0)
-    col = [*col]
-    col[0], col[2], col[9] = positions + moved, jnp.where(alone, 1, counts), step + moved
-    return tokens, col
-
-
-def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, prev, carry=None):
+def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=None):
     """One verify round (`qwen3_5.verify`, `speculative.accept_drafts`, `qwen3_5.commit_verified`) over a bucket of
     lanes -> ((emitted tokens [C T], lane l's row t at l T + t; drafts kept by lane [C]; the rows' logits [R T, V]),
     state). layout: static (T, C). With MTP (carry: the lanes' last target hidden [C, H]) the outputs add the
-    next round's drafts by lane [C, T - 1], and the new carry follows the state; rows may chain on the previous
-    round's outputs (`prev`, `_chain_rows`), so a round is dispatched before the previous one is read."""
+    next round's drafts by lane [C, T - 1], and the new carry follows the state."""
     t, width = layout
     tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
-    tokens, col = _chain_rows(tokens, col, prev, stop_mask, t)
     positions, slots, counts, stops, lanes = col[:5]
     sampler, limits, page_tables = _sampler_from_columns(col[5:10]), col[10], packed[:, t + VERIFY_COLUMNS:]
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state,
@@ -455,7 +434,6 @@ class ModelRunner:
         self._sampler_layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.sampler_state)]
         self.mask_words = mask_words(cfg.vocab_size)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
-        self._unchained_rounds: dict[int, tuple] = {}  # `_unchained`'s, by rows
         if layout is not None:  # on the mesh from the start, as the steps return them: one program per step
             self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry = layout.replicate(
                 (self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry))
@@ -761,36 +739,22 @@ class ModelRunner:
         return fit(lanes, self.ready.verify, "verify round of {} lanes")
 
     def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False,
-               limits=None, rope_shift=None, chained=None, prev=None):
+               limits=None, rope_shift=None):
         """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
         count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
         lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C T], chosen logprobs [C T], top,
         kept [C]) on the device, copying to the host: lane l's row t at l T + t; the logprobs None unless
         `logprobs`. With MTP, limits [C] are the positions each lane's pages map, and a fifth entry holds the next
-        round's drafts by lane [C, T - 1]. rope_shift [C]: as `decode`'s. With MTP, a lane with chained [C] set
-        feeds what the previous verify round `prev` (its outputs as returned, not read back) left it: its tokens
-        come from there and its position and sampler step are the values after that round's first row, the drafts
-        it keeps added on the device."""
+        round's drafts by lane [C, T - 1]. rope_shift [C]: as `decode`'s."""
         lanes = np.flatnonzero(np.asarray(counts) > 0)
         packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
-                                    page_tables, slots, sampler, limits, rope_shift, chained)
-        rows = np.shape(tokens)[1]
-        prev = self._unchained(rows) if prev is None else (prev[0], prev[3], prev[4])
-        return self._verify_packed(packed, full, rows, logprobs, prev)
+                                    page_tables, slots, sampler, limits, rope_shift)
+        return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
 
-    def _unchained(self, rows: int) -> tuple:
-        """A verify round's outputs of `rows` rows (emitted, kept, drafts) for a round no row of which chains on
-        the previous one (`_chain_rows`): zeros with the types of real ones, so both run one program."""
-        if rows not in self._unchained_rounds:
-            c = self.max_lanes
-            self._unchained_rounds[rows] = self._placed((jnp.zeros(c * rows, jnp.int32), jnp.zeros(c, jnp.int32),
-                                                         jnp.zeros((c, rows - 1), jnp.int32)))
-        return self._unchained_rounds[rows]
-
-    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool, prev):
+    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
         layout, full = (rows, self.max_lanes), self._sampler(full)
         out, state, *carry = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state,
-                                                   packed, self._stop_mask, prev, self.mtp_carry)
+                                                   packed, self._stop_mask, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
         (emitted, kept, logits), drafts = out[:3], out[3:]
         if carry and not self._recording:  # as `_swap`
@@ -960,7 +924,7 @@ class ModelRunner:
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
                                             table[None].repeat(c, 0), np.arange(c), lanes)
-                ready(self._verify_packed(packed, full, self.verify_rows, True, self._unchained(self.verify_rows)),
+                ready(self._verify_packed(packed, full, self.verify_rows, logprobs=True),
                       f"verify {size} lanes x {self.verify_rows} rows {sampler}")
         if self.vision is not None:  # images of each bucket's patches, every output row dropped
             vcfg = self.vision[1]
