@@ -14,8 +14,9 @@ lies in one block) and adds it to a float32 accumulator; XLA sums the splits' fl
     packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8:
     no FP8-to-bf16 conversion, which is what bounds the weight-only tensor-core kernel (1.4x its speed at 8 rows),
     at the activations' quantization error (about 2.6% relative per product).
-Larger M (prefill) is not here: dequantizing to bf16 for XLA's matmul measured faster than an FP8 x FP8 Pallas
-kernel (docs/kernels_notes.md, "FP8 weights"). K and N must be multiples of 128 (`supported`).
+Larger M (prefill) is not here: weight-only dequantizes to bf16 for XLA's matmul; with quantized activations on
+Hopper, fp8_gemm.py (Mosaic GPU wgmma) runs it (docs/kernels_notes.md, "FP8 weights"). K and N must be multiples of
+128 (`supported`).
 """
 
 from __future__ import annotations

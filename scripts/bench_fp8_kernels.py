@@ -2,10 +2,13 @@
 bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our decode kernels
 (pallas_kernels/fp8_matmul.py, a few configs) and torch's row-scaled FP8 GEMM (`torch._scaled_mm`, cuBLASLt).
 At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then one 35B-A3B MoE layer (256 experts,
-top 8, the shared expert) on bf16 against block-FP8 experts.
+top 8, the shared expert) on bf16 against block-FP8 experts. `--only gemm`: the prefill block-FP8 GEMM
+(pallas_kernels/fp8_gemm.py, Mosaic GPU wgmma) at the 27B's projections, its configs first at two tuning points,
+then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process.
 
     python scripts/bench_fp8_kernels.py --out docs/benchmarks/fp8                # fp8_kernels.{json,md}
     python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
+    python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
 
 Times are per call (median of 5 batches; a call repeated 10 times inside one jit, so dispatch is not timed); GB/s
 count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
@@ -28,7 +31,7 @@ from ninfer_jax.benchmarks import report  # noqa: E402
 from ninfer_jax.model import ops  # noqa: E402
 from ninfer_jax.model.params import QuantizedWeight  # noqa: E402
 from ninfer_jax.model.random_init import fp8_normal  # noqa: E402
-from pallas_kernels import fp8_matmul  # noqa: E402
+from pallas_kernels import fp8_gemm, fp8_matmul  # noqa: E402
 
 # name -> (K, N): the 27B's MLP, GDN in-projection and attention output, the 35B-A3B's shared expert gate_up
 SHAPES = {"27b mlp gate_up": (5120, 34816), "27b mlp down": (17408, 5120), "27b gdn in [qkv|z]": (5120, 16384),
@@ -113,6 +116,109 @@ def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
     return out
 
 
+# the prefill GEMM's configs tried at the tuning points (the fastest then runs every shape)
+_G = fp8_gemm.GemmConfig(cluster=None)
+GEMM_CONFIGS = {"128x128": _G,
+                "128x128 3 stages": dataclasses.replace(_G, max_concurrent_steps=3),
+                "128x128 minor m": dataclasses.replace(_G, grid_minor="m"),
+                "128x128 cluster m": dataclasses.replace(_G, cluster="m"),
+                "128x128 cluster n": dataclasses.replace(_G, cluster="n"),  # the default
+                "128x128 overlap": dataclasses.replace(_G, overlap=True),
+                "256x64": dataclasses.replace(_G, tile_m=128, tile_n=64)}
+GEMM_TUNING = (("27b mlp gate_up", 2048),)
+
+
+def _rel(got, want) -> float:
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def _guard(label, fn):
+    try:
+        return fn()
+    except Exception as e:  # one config failing to compile must not end the run
+        print(f"{label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+        return None
+
+
+def bench_gemm(rows: tuple[int, ...], config_names: list[str]) -> list[dict]:
+    """The prefill GEMM: times per call (kernel_us: the kernel on x already quantized; gemm_us: with the per-token
+    quantization, as the model would call it); errors against float32 products of the dequantized weight, of x
+    itself (exact_rel_err: the activations' quantization error included) and of x as quantized (kernel_rel_err)."""
+    # smallest case first: a failure to compile shows at once, with its message
+    w9 = fp8_normal(jax.random.key(9), (256, 384), 384**-0.5)
+    vals, sc = w9.values, w9.scales
+    xs_ = jax.random.normal(jax.random.key(8), (256, 384), jnp.float32).astype(jnp.bfloat16)
+    probe = _guard("probe", lambda: _rel(fp8_gemm.fp8_gemm(xs_, vals, sc), fp8_gemm.reference(xs_, vals, sc)))
+    print(f"probe 256x384x256 rel err vs reference: {probe}", flush=True)
+    timing = {}
+    for (name, m) in GEMM_TUNING:
+        k, n = SHAPES[name]
+        w = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        xq, xs = fp8_matmul.quantize_rows(x)
+        for label in config_names:
+            cfg = GEMM_CONFIGS[label]
+            wr = fp8_gemm.weight_row_scales(w.scales, cfg)
+            t = _guard(label, lambda cfg=cfg, wr=wr: time_pure(
+                lambda a, b, v, s: fp8_gemm._gemm(a, b, v, s, cfg, jnp.bfloat16, fp8_gemm._num_sms()),
+                (xq, xs, w.values, wr), reps=3, min_time=0.03))
+            if t is not None:
+                timing.setdefault(label, []).append(t)
+                print(f"tune {name} M={m} {label}: {t * 1e6:.1f} us {2 * m * k * n / t / 1e12:.0f} TFLOP/s", flush=True)
+    ok = [lb for lb in config_names if len(timing.get(lb, [])) == len(GEMM_TUNING)]
+    best = min(ok, key=lambda lb: sum(timing[lb])) if ok else config_names[0]
+    cfg = GEMM_CONFIGS[best]
+    print(f"best config: {best} {cfg}", flush=True)
+    out = []
+    for name, (k, n) in SHAPES.items():
+        if not name.startswith("27b"):
+            continue
+        w = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+        wf = ops.dequantize(w)  # [K, N] f32
+        bf16 = wf.astype(jnp.bfloat16)
+        pallas = ops.KernelConfig("pallas")
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            row = {"shape": name, "K": k, "N": n, "M": m, "config": best}
+            row["bf16_us"] = time_pure(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16), (x, bf16),
+                                       reps=3, min_time=0.03) * 1e6
+            row["dequant_bf16_us"] = time_pure(lambda a, v, s: ops.quantized_dot(pallas, a, QuantizedWeight(v, s)),
+                                               (x, w.values, w.scales), reps=3, min_time=0.03) * 1e6
+            row["torch_rowwise_us"] = _torch_rowwise(m, k, n)
+            xq, xs = fp8_matmul.quantize_rows(x)
+            wr = fp8_gemm.weight_row_scales(w.scales, cfg)
+            t = _guard("kernel", lambda: time_pure(
+                lambda a, b, v, s: fp8_gemm._gemm(a, b, v, s, cfg, jnp.bfloat16, fp8_gemm._num_sms()),
+                (xq, xs, w.values, wr), reps=3, min_time=0.03))
+            row["kernel_us"] = None if t is None else t * 1e6
+            t = _guard("gemm", lambda: time_pure(lambda a, v, s: fp8_gemm.fp8_gemm(a, v, s, config=cfg),
+                                                 (x, w.values, w.scales), reps=3, min_time=0.03))
+            row["gemm_us"] = None if t is None else t * 1e6
+            flops = 2 * m * k * n
+            if row["kernel_us"]:
+                row["kernel_tflops"] = flops / row["kernel_us"] / 1e6
+                row["kernel_vs_bf16"] = row["bf16_us"] / row["kernel_us"]
+                row["kernel_vs_torch"] = row["torch_rowwise_us"] / row["kernel_us"] if row["torch_rowwise_us"] else None
+            if row["gemm_us"]:
+                row["gemm_vs_dequant"] = row["dequant_bf16_us"] / row["gemm_us"]
+                row["gemm_vs_torch"] = row["torch_rowwise_us"] / row["gemm_us"] if row["torch_rowwise_us"] else None
+            row["torch_tflops"] = flops / row["torch_rowwise_us"] / 1e6 if row["torch_rowwise_us"] else None
+            exact = jnp.dot(x.astype(jnp.float32), wf, precision="highest")
+            seen = (xq.astype(jnp.float32).reshape(m, k // 128, 128) * xs.T[..., None]).reshape(m, k)
+            quantized = jnp.dot(seen, wf, precision="highest")
+            got = _guard("gemm result", lambda: fp8_gemm.fp8_gemm(x, w.values, w.scales, config=cfg))
+            if got is not None:
+                row["kernel_rel_err"] = _rel(got, quantized)
+                row["exact_rel_err"] = _rel(got, exact)
+            row["dequant_rel_err"] = _rel(ops.quantized_dot(pallas, x, w), exact)
+            row["quantization_rel_err"] = _rel(quantized, exact)
+            print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+            out.append(row)
+            del exact, quantized, seen
+    return out
+
+
 def _torch_rowwise(m: int, k: int, n: int) -> float | None:
     try:
         import torch
@@ -131,8 +237,25 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--rows", default="1,2,8,16,2048,8192")
     p.add_argument("--moe-tokens", default="1,8,512,8192")
-    p.add_argument("--only", choices=["dense", "moe"], help="one section")
+    p.add_argument("--only", choices=["dense", "moe", "gemm"], help="one section")
+    p.add_argument("--gemm-rows", default="2048,8192")
+    p.add_argument("--gemm-configs", default=",".join(GEMM_CONFIGS), help="names from GEMM_CONFIGS to tune over")
     args = p.parse_args()
+    if args.only == "gemm":
+        rows = bench_gemm(tuple(int(m) for m in args.gemm_rows.split(",")), args.gemm_configs.split(","))
+        meta = report.run_meta(report.command_line())
+        cols = ["shape", "M", "config", "bf16_us", "dequant_bf16_us", "torch_rowwise_us", "kernel_us", "gemm_us",
+                "kernel_tflops", "torch_tflops", "kernel_vs_bf16", "kernel_vs_torch", "gemm_vs_dequant",
+                "gemm_vs_torch", "kernel_rel_err", "exact_rel_err", "quantization_rel_err", "dequant_rel_err"]
+        lines = report.header("Block-FP8 prefill GEMM", meta, "kernel: pallas_kernels/fp8_gemm.py on x already "
+                              "quantized; gemm: with the per-token 128-group quantization of x (XLA); dequant_bf16: "
+                              "today's engine (W dequantized to bf16, XLA's matmul); torch_rowwise: cuBLASLt FP8 with "
+                              "one scale per row and column; kernel_rel_err against x as quantized times W (float32), "
+                              "exact_rel_err and dequant_rel_err against x times W, quantization_rel_err: x as "
+                              "quantized against x, the bound the kernel is held to")
+        lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
+        report.write_report(args.out, "fp8_gemm", {**meta, "rows": rows}, lines)
+        return
     rows = [r for name, (k, n) in SHAPES.items() if args.only != "moe"
             for r in bench_shape(name, k, n, tuple(int(m) for m in args.rows.split(",")))]
     if args.only != "dense":

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
-from pallas_kernels import fp8_matmul
+from pallas_kernels import fp8_gemm, fp8_matmul
 from pallas_kernels import reference as ref
 
 if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by the reference path
@@ -51,8 +51,9 @@ class KernelConfig:
     # norms, the padding's zeros) as one kernel (pallas_kernels/gdn_conv.py); the engine turns it on with the pallas
     # backend
     fuse_gdn_conv: bool = False
-    # Block-FP8 weights: a decode round's 2-16 rows quantized to FP8 for an FP8 x FP8 product
-    # (pallas_kernels/fp8_matmul.py); the engine turns it on with fp8_activations "dynamic"
+    # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
+    # round's 2-16 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
+    # engine turns it on with fp8_activations "dynamic"
     fp8_activations: bool = False
     # Tensor / expert parallel: the mesh the model's explicit SPMD blocks run on (model/spmd.py); the runner sets it
     # from its layout. None: one device.
@@ -276,8 +277,10 @@ def quantized_dot(kc: KernelConfig, x, w):
     """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation.
 
     The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's few
-    rows (pallas_kernels/fp8_matmul.py) and otherwise dequantizes to x's dtype for XLA's matmul, which measured
-    faster than an FP8 x FP8 kernel at prefill sizes (docs/kernels_notes.md, "FP8 weights")."""
+    rows (pallas_kernels/fp8_matmul.py). More rows, with fp8_activations on a Hopper GPU: the FP8 x FP8 wgmma GEMM
+    (pallas_kernels/fp8_gemm.py, 1.3-1.7x the dequantized matmul at 2048-8192 rows, at the activations'
+    quantization error); otherwise the weight dequantized to x's dtype for XLA's matmul (docs/kernels_notes.md,
+    "FP8 weights")."""
     if isinstance(w, ConcatWeight):
         return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
@@ -288,6 +291,8 @@ def quantized_dot(kc: KernelConfig, x, w):
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(k, n):
         return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
                                      interpret=kc.interpret)
+    if kc.fp8_activations and not kc.interpret and fp8_gemm.supported(k, n) and fp8_gemm.available():
+        return fp8_gemm.fp8_gemm(x, w.values, w.scales)
     rows = fp8_matmul.dequantize_rows(block_fp8(w), x.dtype)
     return lax.dot_general(x, rows, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 

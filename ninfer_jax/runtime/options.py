@@ -200,12 +200,14 @@ class EngineOptions:
         str, "auto", "prefill attention with the Pallas kernels: the paged Pallas kernel, or gathered keys through "
         "cuDNN flash attention (GPU, bf16); auto: cudnn on a Hopper GPU, where it was measured faster",
         flag="--prefill-attention", choices=("auto", "pallas", "cudnn"))
-    # Weight-only keeps a decode round within bf16 rounding of the dequantized weights; the packs' own scheme
-    # quantizes activations too, which made the 27B's projections 1.4x faster at 8 rows (docs/kernels_notes.md).
+    # Weight-only keeps the products within bf16 rounding of the dequantized weights; the packs' own scheme
+    # quantizes activations too, which made the 27B's projections 1.4x faster at 8 rows and 1.3-1.7x at 2048-8192
+    # (docs/kernels_notes.md).
     fp8_activations: str = _option(
-        str, "weight-only", "with a block-FP8 checkpoint, what a decode round of 2-16 lanes multiplies: bf16 "
-        "activations with the FP8 weights, or dynamic: activations quantized to FP8 per token and 128-group (the "
-        "packs' activation_scheme; faster, about 0.026 relative error per projection)", flag="--fp8-activations",
+        str, "weight-only", "with a block-FP8 checkpoint, what the projections multiply: bf16 activations with the "
+        "FP8 weights, or dynamic: activations quantized to FP8 per token and 128-group (the packs' "
+        "activation_scheme) for FP8 x FP8 products, in decode rounds of 2-16 lanes and, on a Hopper GPU, in prefill "
+        "(faster, about 0.026 relative error per projection)", flag="--fp8-activations",
         choices=("weight-only", "dynamic"))
     speculative: str | None = _option(
         str, None, "speculative decoding: ngram (drafts from the longest earlier match of the last tokens in the "

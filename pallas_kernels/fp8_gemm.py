@@ -1,0 +1,259 @@
+"""Block-FP8 GEMM for prefill as a Pallas Mosaic GPU (Hopper wgmma) kernel: x [M, K] @ W for many rows, W
+float8_e4m3fn stored [N, K] (the checkpoints' [out, in]) with one float32 scale per 128 x 128 block.
+
+x is quantized per token and 128-group with dynamic scales (the packs' `activation_scheme: dynamic`), then
+
+    out[m, n] = sum_kb xs[kb, m] * ws[n // 128, kb] * (xq[m, kb*128:+128] . wq[n, kb*128:+128])
+
+DeepGEMM's scheme: every 128-deep step is one FP8 x FP8 wgmma into a fresh float32 accumulator, which the compute
+warpgroup then adds into its running float32 tile times the step's scale (the row's activation scale times the
+tile's weight block scale; a tile of at most 128 columns lies in one weight block, so that is one scale per row).
+Promoting every 128 products keeps the tensor cores' reduced-precision FP8 accumulation to 128 terms.
+
+Layout: a persistent kernel, one CTA per SM walking output tiles; per CTA a memory warpgroup streams x's
+[2 * tile_m, 128] and W's [tile_n, 128] FP8 tiles (K-major both, as FP8 wgmma requires) plus the step's scales
+through `max_concurrent_steps` SMEM stages (TMA), and two compute warpgroups each own tile_m rows of the tile.
+Shapes: K and N multiples of 128; M is padded to the CTA's rows. Mosaic GPU compiles only for a GPU; on CPU the
+wrapper's blocking and scaling are checked through `reference` (same arithmetic in jnp) and `lower`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_matmul import BLOCK, quantize_rows
+
+_SMS = 132  # the H200's SMs: the persistent grid when no device is there to ask (lowering on CPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tuning knobs (hashable: a static jit argument). tile_m: rows per compute warpgroup (the CTA takes two);
+    tile_n: output columns per CTA (<= 128 and dividing it, so the tile has one weight scale per step); cluster:
+    None, "m" (two CTAs along M share W's tile by TMA multicast) or "n" (two along N share x's tile);
+    grid_minor: the tile walk's fast dimension ("m" or "n") in bands of grid_width tiles (L2 reuse); overlap: add
+    step k-1's product into the running tile while step k's wgmma runs (one more register tile per thread) rather
+    than after waiting for it."""
+
+    tile_m: int = 64
+    tile_n: int = 128
+    max_concurrent_steps: int = 4
+    cluster: str | None = "n"
+    grid_minor: str = "n"
+    grid_width: int = 8
+    overlap: bool = False
+
+    def __post_init__(self):
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"GemmConfig.tile_m must be 64 or 128 (wgmma rows), got {self.tile_m}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"GemmConfig.tile_n must be 64 or 128 (one weight block), got {self.tile_n}")
+        if self.cluster not in (None, "m", "n") or self.grid_minor not in ("m", "n"):
+            raise ValueError(f"GemmConfig: cluster {self.cluster!r}, grid_minor {self.grid_minor!r}")
+
+
+DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
+
+
+def available() -> bool:
+    """Whether the default device runs this kernel: wgmma and TMA are Hopper's (sm_90) alone."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def supported(k: int, n: int) -> bool:
+    """Whether a block-FP8 weight of x @ w shape [K, N] runs through this kernel (whole 128-blocks only)."""
+    return k % BLOCK == 0 and n % BLOCK == 0
+
+
+def _dim(name: str):
+    # plgpu.planar_snake takes the fast dimension as an index: 0 = M, 1 = N
+    return 0 if name == "m" else 1
+
+
+def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iters: tuple[int, int, int]):
+    # x_gmem [M, K] fp8 (M padded to the cluster's rows)   w_gmem [N, K] fp8
+    # xs_gmem [K / 128, M] f32: activation scale of row m's group kb
+    # ws_gmem [N / tile_n, K / 128, tile_m] f32: the weight block scale of column tile j at step kb, repeated per row
+    #   so a warpgroup loads it in the accumulator's row layout like xs
+    # out_gmem (out) [M, N] bf16
+    m_iters, n_iters, k_iters = iters
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    cta_m = 2 * tile_m
+    fp8_tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  # 128 FP8 = one 128-byte row
+    out_dtype = out_gmem.dtype
+    out_swizzle = plgpu.find_swizzle(tile_n * jnp.dtype(out_dtype).itemsize * 8)
+    out_tiles = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+                 plgpu.SwizzleTransform(out_swizzle))
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
+                                collective_axes=("cluster",) if cfg.cluster == "n" else ()),
+                plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
+                                collective_axes=("cluster",) if cfg.cluster == "m" else ()),
+                plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((1, tile_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731 (the allocations depend on the specs only)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, xs_gmem, ws_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype, transforms=out_tiles),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        def _tiles(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), _dim(cfg.grid_minor), cfg.grid_width)
+            if cfg.cluster == "m":
+                mi = mi * 2 + cta
+            elif cfg.cluster == "n":
+                ni = ni * 2 + cta
+            rows = pl.ds(mi * cta_m, cta_m)
+            cols = pl.ds(ni * tile_n, tile_n)
+            wg_rows = pl.ds(wg * tile_m, tile_m)
+
+            row = plgpu.Layout.WGMMA.reduce(1)
+
+            def compute_context(eval_pipeline):
+                zero = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, jnp.float32), plgpu.Layout.WGMMA)
+                if cfg.overlap:  # carry: the running tile, the last step's product and its row scales
+                    acc, d, scale = eval_pipeline(
+                        (zero, zero, plgpu.layout_cast(jnp.full((tile_m,), 0, jnp.float32), row)))
+                    acc = acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
+                else:
+                    acc = eval_pipeline(zero)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
+                out_smem[wg] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols].at[wg_rows])
+
+            def step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
+                # x_smem [2 * tile_m, 128] fp8   w_smem [tile_n, 128] fp8
+                # xs_smem [1, 2 * tile_m] f32   ws_smem [1, tile_m] f32
+                def product(tmp):
+                    plgpu.wgmma(tmp, x_smem.at[wg_rows], plgpu.transpose_ref(w_smem, (1, 0)))
+                    if cfg.overlap:  # the FMAs run while the tensor cores do this step
+                        acc, d_prev, s_prev = carry
+                        acc = acc + d_prev * lax.broadcast_in_dim(s_prev, (tile_m, tile_n), [0])
+                        return tmp[...], acc
+                    return tmp[...], carry  # tmp[...] waits for this warpgroup's wgmma
+
+                d, acc = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))  # d [tile_m, tile_n]
+                scale = (plgpu.load(xs_smem.at[0, wg_rows], (), layout=row)
+                         * plgpu.load(ws_smem.at[0], (), layout=row))  # [tile_m]
+                if cfg.overlap:
+                    return acc, d, scale
+                return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
+
+            get_pipeline(step, compute_context)(
+                x_gmem.at[rows], w_gmem.at[cols], xs_gmem.at[:, rows], ws_gmem.at[ni], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False):
+    (m, k), n = xq.shape, values.shape[0]
+    cluster = 1 if cfg.cluster is None else 2
+    cta_m = 2 * cfg.tile_m
+    iters = (m // cta_m // (cluster if cfg.cluster == "m" else 1),
+             n // cfg.tile_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK)
+    return plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, iters=iters),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_sms // cluster,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        interpret=interpret,
+    )(xq, values, xs, ws_rows)
+
+
+def _num_sms() -> int:
+    try:
+        return jax.devices("gpu")[0].core_count
+    except RuntimeError:  # no GPU here: lowering for the H200
+        return _SMS
+
+
+def _check(x, values, scales, cfg: GemmConfig):
+    k, n = x.shape[1], values.shape[0]
+    if not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK):
+        raise ValueError(f"fp8_gemm: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
+                         f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
+    if values.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm: values must be float8_e4m3fn, got {values.dtype}")
+
+
+def _padded_rows(m: int, cfg: GemmConfig) -> int:
+    rows = 2 * cfg.tile_m * (2 if cfg.cluster == "m" else 1)
+    return -(-m // rows) * rows
+
+
+def weight_row_scales(scales, cfg: GemmConfig):
+    """scales [N / 128, K / 128] -> [N / tile_n, K / 128, tile_m]: each column tile's block scale per step, repeated
+    over a warpgroup's rows (the layout the kernel loads next to the activation scales)."""
+    per_block = BLOCK // cfg.tile_n
+    tiles = jnp.repeat(scales.astype(jnp.float32), per_block, axis=0)
+    return jnp.broadcast_to(tiles[..., None], (*tiles.shape, cfg.tile_m))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
+def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None):
+    """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) with x
+    quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype)."""
+    cfg = config or DEFAULT_CONFIG
+    _check(x, values, scales, cfg)
+    if cfg.cluster == "n" and values.shape[0] % (2 * cfg.tile_n):  # an odd count of column tiles: no pairs
+        cfg = dataclasses.replace(cfg, cluster=None)
+    out_dtype = out_dtype or x.dtype
+    m = x.shape[0]
+    mp = _padded_rows(m, cfg)
+    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    xq, xs = quantize_rows(xp)
+    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms())
+    return out[:m] if mp != m else out
+
+
+def lower(m: int, k: int, n: int, config: GemmConfig | None = None):
+    """The kernel lowered for the H200 (no GPU needed): catches unsupported shapes, layouts and primitives."""
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((n // BLOCK, k // BLOCK), jnp.float32))
+    return jax.jit(functools.partial(fp8_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def reference(x, values, scales):
+    """The kernel's arithmetic in jnp, float32: x quantized the same way, each 128-deep block product scaled by
+    its activation and weight scales, summed over blocks (the order differs, so float32 rounding does)."""
+    (m, k), n = x.shape, values.shape[0]
+    xq, xs = quantize_rows(x)
+    xb = xq.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
+    wb = values.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK)
+    per_block = jnp.einsum("mbk,nbk->bmn", xb, wb, precision=lax.Precision.HIGHEST)  # [K/128, M, N]
+    ws = jnp.repeat(scales, BLOCK, axis=0)[:n]  # [N, K/128]
+    return jnp.einsum("bmn,bm,nb->mn", per_block, xs, ws, precision=lax.Precision.HIGHEST)

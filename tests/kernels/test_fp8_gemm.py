@@ -1,0 +1,102 @@
+"""The prefill block-FP8 GEMM (pallas_kernels/fp8_gemm.py). Mosaic GPU compiles only for a GPU, so on CPU: its
+jnp reference (the kernel's blocking and scaling) against float64, the weight-scale layout the kernel loads, input
+checks, and that every tuned config lowers for the H200 at a real shape. On a GPU the kernel itself is checked too
+(scripts/bench_fp8_kernels.py --only gemm checks it at the 27B's shapes)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp8_gemm, fp8_matmul
+from ninfer_jax.model.tiny import quantize_fp8_blocks
+
+ON_GPU = jax.default_backend() == "gpu"
+M, K, N = 256, 384, 256
+
+
+def _case(seed=0, m=M, k=K, n=N):
+    """x, and a block-FP8 weight whose blocks' scales span three orders of magnitude, with its float64 value."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * np.repeat(np.repeat(10.0 ** rng.uniform(-3, 0, (n // 128, k // 128)), 128, 0),
+                                                128, 1)
+    values, scales = quantize_fp8_blocks(w.astype(np.float32))
+    exact = values.astype(np.float64) * np.repeat(np.repeat(scales.astype(np.float64), 128, 0), 128, 1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(values), jnp.asarray(scales), exact
+
+
+def _x_as_quantized(x):
+    xq, xs = (np.asarray(a, np.float64) for a in fp8_matmul.quantize_rows(x))
+    m, k = xq.shape
+    return (xq.reshape(m, k // 128, 128) * xs.T[..., None]).reshape(m, k)
+
+
+def test_reference_is_the_quantized_rows_times_the_weight():
+    """Block by block products scaled by the activation's and weight's scales equal, in float64, x quantized per
+    token and 128-group times W; and differ from x's own product by the quantization's error (e4m3: 3 mantissa
+    bits, each activation within 2^-4 of itself)."""
+    x, values, scales, exact = _case()
+    got = np.asarray(fp8_gemm.reference(x, values, scales), np.float64)
+    want = _x_as_quantized(x) @ exact.T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    plain = np.asarray(x, np.float64) @ exact.T
+    assert 1e-3 < np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2**-5
+
+
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_weight_row_scales_give_each_column_tile_its_block_scale(tile_n):
+    _, _, scales, _ = _case()
+    cfg = dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tile_n=tile_n)
+    rows = np.asarray(fp8_gemm.weight_row_scales(scales, cfg))
+    assert rows.shape == (N // tile_n, K // 128, cfg.tile_m)
+    for j in range(N // tile_n):
+        np.testing.assert_array_equal(rows[j], np.repeat(np.asarray(scales)[j * tile_n // 128][:, None], cfg.tile_m, 1))
+
+
+def test_refuses_partial_blocks_and_other_weight_dtypes():
+    x, values, scales, _ = _case()
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_gemm.fp8_gemm(x[:, :320], values[:, :320], scales)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm.fp8_gemm(x, values.astype(jnp.bfloat16), scales)
+    with pytest.raises(ValueError, match="tile_n"):
+        fp8_gemm.GemmConfig(tile_n=256)
+
+
+@pytest.mark.parametrize("cfg", [fp8_gemm.DEFAULT_CONFIG, fp8_gemm.GemmConfig(overlap=True),
+                                 fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64)],
+                         ids=["default", "overlap", "cluster_m", "256x64"])
+def test_lowers_for_h200_at_the_27b_mlp(cfg):
+    """Mosaic GPU's lowering checks the wgmma operand types, layouts, SMEM budget and pipeline without a GPU."""
+    assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Mosaic GPU runs on a GPU only")
+@pytest.mark.parametrize("m", [256, 200], ids=["whole", "padded"])
+def test_kernel_matches_reference_on_gpu(m):
+    x, values, scales, exact = _case(3, m=m)
+    got = np.asarray(fp8_gemm.fp8_gemm(x, values, scales, out_dtype=jnp.float32), np.float64)
+    want = _x_as_quantized(x) @ exact.T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monkeypatch):
+    """ops.quantized_dot: on a Hopper GPU with fp8_activations, more rows than a decode round go through the GEMM;
+    without fp8_activations (weight-only's bf16 rounding promise) or in interpret mode they stay dequantized."""
+    from ninfer_jax.model import ops
+    from ninfer_jax.model.params import QuantizedWeight
+
+    x, values, scales, _ = _case()
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "available", lambda: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda a, v, s: calls.append(a.shape) or fp8_gemm.reference(a, v, s))
+    w = QuantizedWeight(values, scales)
+    got = ops.quantized_dot(ops.KernelConfig("pallas", fp8_activations=True), x, w)
+    assert calls == [(M, K)]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fp8_gemm.reference(x, values, scales)))
+    ops.quantized_dot(ops.KernelConfig("pallas"), x, w)
+    ops.quantized_dot(ops.KernelConfig("pallas", interpret=True, fp8_activations=True), x, w)
+    assert calls == [(M, K)]
