@@ -18,20 +18,6 @@ from ninfer_jax.runtime.options import EngineOptions, OptionsError
 from ninfer_jax.runtime.speculative import NgramProposer, accept_drafts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_compile_cache():
-    """This module's programs compile without the suite's shared compile cache: in two of three fresh-clone CI
-    runs jaxlib's CPU executable.serialize() crashed the process (SIGSEGV) writing one of them to that cache, in a
-    different test each time, while the module passes alone. A mitigation, not a cause found."""
-    from jax._src import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
 COMMON = dict(prefill_chunk=64, max_model_len=512, kv_capacity=64 * 64, output_window=64, warmup=False)
 
 
