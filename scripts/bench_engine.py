@@ -202,7 +202,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
         ours = r.get("ours", {})
         peer = r.get("peer", {})
         labels = {"ours": "ninfer-jax", "ours_fp8": "ninfer-jax, FP8 weights",
-                  "ours_fp8-dynamic": "ninfer-jax, FP8 weights and decode activations"}
+                  "ours_fp8-dynamic": "ninfer-jax, FP8 weights and activations (dynamic)"}
         for label, d in [(text, r.get(key, {})) for key, text in labels.items()] + [(peer.get("peer", "peer"), peer)]:
             if not d or "error" in d:
                 continue
