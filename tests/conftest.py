@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -20,9 +19,12 @@ atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 # The suite's programs are tiny and each runs a few times, so LLVM's optimisation passes cost more than they save
-# (about 5% of the suite's time). Subprocesses that set XLA_FLAGS themselves (the tensor parallel runs) keep the
-# default level.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# (about 5% of the suite's time). XLA CPU's fusion emitters JIT each kernel into mappings of its own (about 370 per
+# program of a hundred kernels, 13 with one LLVM module of legacy emitters), and the jit caches keep every program:
+# the suite reached 64,849 mappings and died with SIGSEGV in XLA's compile at the kernel's vm.max_map_count (65,530).
+# Subprocesses that set XLA_FLAGS themselves (the tensor parallel runs) keep the defaults.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1").strip()
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 from ninfer_jax.model.tiny import write_random_checkpoint  # noqa: E402
@@ -45,15 +47,3 @@ def checkpoint_factory(tmp_path_factory):
 
     return make
 
-
-@pytest.fixture(scope="module", autouse=True)
-def free_compiled_programs():
-    """Drops every compiled program after each test module. Each XLA CPU executable holds its own memory mappings,
-    and jit caches keep them for the whole run: the suite reached 57k of the kernel's 65,530 (vm.max_map_count) by
-    its middle, and an executable compiled past the limit crashed the process (SIGSEGV in XLA's compile or in
-    executable.serialize()). A later module that needs a program again loads it from the run's compile cache."""
-    yield
-    import jax
-
-    jax.clear_caches()
-    gc.collect()
