@@ -199,6 +199,16 @@ def decode(fmt: Format, raw, scales, cols, d: int):
     return code_values(fmt, raw) * scales.astype(_F32)
 
 
+def e2m1_bf16(codes):
+    """e2m1 codes (uint8 0..15) -> their values in bfloat16, exact, by integer ops on the bits (no conversion
+    instruction): magnitude codes 2..7 are bf16 exponent 126 + code // 2 with the code's low bit as the top mantissa
+    bit, code 1 is 0.5 (0x3F00), the sign is bit 3."""
+    c = codes.astype(jnp.uint16)
+    mag = c & 7
+    bits = jnp.where(mag >= 2, (mag << 6) + 0x3F00, (mag & 1) * 0x3F00) | ((c & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
 def code_values(fmt: Format, codes):
     """Codes (int8, float8_e4m3fn, or e2m1 codes 0..15 already unpacked) -> their unscaled values, float32."""
     return e2m1_decode(codes) if fmt.packed else codes.astype(_F32)

@@ -150,30 +150,69 @@ def _online_softmax_step(carry, s, v, valid):
 
 
 def _column_groups(fmt: kv_quant.Format | None, d: int) -> list[tuple[int, int]]:
-    """How decode reads a pool's rows: (first column, width) of each scale group of an INT8 or FP8 pool; the whole
-    row for a plain or NVFP4 pool (static). NVFP4's groups of 16 columns, each a dot of its own, measured 5x slower
-    than dequantizing the whole row (docs/kernels_notes.md)."""
-    if fmt is None or fmt.packed:
+    """How decode reads a pool's rows: (first column, width) of each scale group of an INT8 or FP8 pool, the two
+    halves of an NVFP4 row (the low and the high nibbles of the same bytes), the whole row of a plain pool
+    (static). NVFP4's groups of 16 columns, each a dot of its own, measured 5x slower than dequantizing whole
+    rows (docs/kernels_notes.md)."""
+    if fmt is None:
         return [(0, d)]
+    if fmt.packed:
+        return [(0, d // 2), (d // 2, d // 2)]
     g = fmt.group_of(d)
     return [(c, g) for c in range(0, d, g)]
 
 
-def _load_group(refs, fmt, group, index, page, row, kvh, valid, dtype):
-    """Columns `group` of rows (page[i], row[i], kvh): (values [BK, width], scales [BK] f32 or None for a plain
-    pool). An INT8 or FP8 group's values are its codes unscaled, in `dtype` (exact: int8 and e4m3 fit bf16), so the
-    scale multiplies a score or a probability instead of every element; an NVFP4 row comes dequantized."""
-    col, width = group
-    if fmt is not None and fmt.packed:  # the whole row, dequantized (see _column_groups)
-        return _load_rows(refs, fmt, page, row, kvh, width, valid, True, dtype), None
-    cols = col + jnp.arange(width, dtype=jnp.int32)
-    values, scales = (refs[0], None) if fmt is None else refs
-    raw = _compat.load(values.at[page[:, None], row[:, None], kvh, cols[None, :]], mask=valid[:, None],
-                       other=_zero(values))
+def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str):
+    """The dtype of a pool's products: a plain pool's own; float16 for FP8 keys when the queries are 16-bit (e4m3
+    -> f16 is one packed conversion a pair, -> bf16 three); else the queries' (INT8 -> bf16 converts by bit
+    operations on Hopper, exactly; a float32 query keeps every product exact, as the interpret tests need). FP8
+    values stay bf16: their probabilities times scales would need float16's range rescaled per block."""
     if fmt is None:
-        return raw, None
-    scale = _compat.load(scales.at[page, row, kvh, index], mask=valid, other=_zero(scales))
-    return kv_quant.code_values(fmt, raw).astype(dtype), scale.astype(_F32)
+        return pool_dtype
+    if fmt is kv_quant.FP8_ROW256 and side == "k" and jnp.dtype(q_dtype).itemsize == 2:
+        return jnp.float16
+    return q_dtype
+
+
+def _fetch(refs, fmt, groups, page, row, kvh, valid):
+    """The raw planes of rows (page[i], row[i], kvh) for `_decode`, as stored (a flat tuple: it may be carried
+    over a loop iteration): each group's values and, for INT8 and FP8, its scales [BK]; an NVFP4 row's bytes
+    [BK, D/2] once for both halves, then each half's scales [BK, D/2 / 16]."""
+    values = refs[0]
+
+    def load(ref, first, width):
+        cols = first + jnp.arange(width, dtype=jnp.int32)
+        return _compat.load(ref.at[page[:, None], row[:, None], kvh, cols[None, :]], mask=valid[:, None],
+                            other=_zero(ref))
+
+    if fmt is None:
+        return tuple(load(values, *grp) for grp in groups)
+    scales = refs[1]
+    if fmt.packed:
+        g = fmt.group_of(2 * groups[0][1])
+        return (load(values, 0, groups[0][1]),) + tuple(load(scales, c // g, w // g) for c, w in groups)
+    out = ()
+    for j, grp in enumerate(groups):
+        out += (load(values, *grp), _compat.load(scales.at[page, row, kvh, j], mask=valid, other=_zero(scales)))
+    return out
+
+
+def _decode(fmt, groups, raw, dtype):
+    """`_fetch`'s planes -> (values [BK, width] in `dtype`, scales [BK] f32 or None) of each group. An INT8 or FP8
+    group's values are its codes unscaled (exact: int8 and e4m3 fit bf16 and f16), so the scale multiplies a score
+    or a probability instead of every element. An NVFP4 row comes dequantized, exactly: e2m1 times e4m3 is 6
+    significant bits, within bf16's 8."""
+    if fmt is None:
+        return [(x, None) for x in raw]
+    if fmt.packed:
+        out = []
+        for h, (s, (_, width)) in enumerate(zip(raw[1:], groups)):
+            s = s.astype(jnp.bfloat16)  # [BK, width / g] -> each scale over its g columns
+            s = jnp.broadcast_to(s[:, :, None], (*s.shape, width // s.shape[1])).reshape(s.shape[0], width)
+            codes = raw[0] >> 4 if h else raw[0] & 15  # byte j holds columns j and j + D/2
+            out.append(((kv_quant.e2m1_bf16(codes) * s).astype(dtype), None))
+        return out
+    return [(raw[2 * j].astype(dtype), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
 
 
 def _decode_kernel(
@@ -190,16 +229,19 @@ def _decode_kernel(
     rows: int,
     num_splits: int,
     pages_per_block: int,
+    prefetch: bool,
     scale: float,
 ):
     """An INT8 or FP8 pool is read one scale group at a time: scores are sums of per-group products scaled by the
     keys' scales, and each group of output columns takes the probabilities scaled by the values' scales. No
     dequantized [keys, D] f32 block exists: at 2 pages a block, dequantizing every element ran INT8 at 1% and FP8 at
-    8% of the copy rate, the group reads at 43% and 51% (docs/kernels_notes.md)."""
+    8% of the copy rate, the group reads at 43% and 51%. An NVFP4 row's bytes are decoded once into its two halves
+    by bit operations, 10x faster than e2m1 arithmetic in f32 (docs/kernels_notes.md)."""
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    dtype = pools.compute_dtype(k_refs, q_ref.dtype)
+    k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k")
+    v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v")
     length = lengths_ref[b]
     r = jnp.arange(rows, dtype=jnp.int32)
     head_ok = r < group
@@ -209,7 +251,7 @@ def _decode_kernel(
     for first_col, width in k_groups:
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
         q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
-        qs.append((q.astype(_F32) * scale).astype(dtype))
+        qs.append((q.astype(_F32) * scale).astype(k_dtype))
 
     n_pages = (length + PAGE - 1) // PAGE
     # The lane's own pages spread over the splits (not max_pages'): a short context still uses many programs
@@ -222,25 +264,32 @@ def _decode_kernel(
     def page_of(logical):
         return tables_ref[b, jnp.minimum(logical, max_pages - 1)]
 
-    def body(i, carry):
-        m, l, accs = carry
+    def fetch(i):
         page, row, _, valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)
+        return (_fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid),
+                _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid))
+
+    def body(i, carry):
+        m, l, accs, raw = carry
+        if prefetch:  # the next block's loads in flight while this one is computed
+            nxt = fetch(i + 1)
+        else:
+            raw, nxt = fetch(i), None
+        valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)[3]
         s = None
-        for j, (grp, q) in enumerate(zip(k_groups, qs)):
-            k, k_scale = _load_group(k_refs, pools.k_fmt, grp, j, page, row, kvh, valid, dtype)
+        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype)):
             part = _dot_nt(q, k) if k_scale is None else _dot_nt(q, k) * k_scale[None, :]
             s = part if s is None else s + part
         m, l, alpha, p = _softmax_update(m, l, jnp.where(valid[None, :], s, _NEG), valid[None, :])
         new = []
-        for j, (grp, acc) in enumerate(zip(v_groups, accs)):
-            v, v_scale = _load_group(v_refs, pools.v_fmt, grp, j, page, row, kvh, valid, dtype)
+        for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype)):
             w = p if v_scale is None else p * v_scale[None, :]
-            new.append(acc * alpha[:, None] + dot(w.astype(v.dtype), v))
-        return m, l, tuple(new)
+            new.append(acc * alpha[:, None] + dot(w.astype(v_dtype), v))
+        return m, l, tuple(new), nxt
 
     init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
-            tuple(jnp.zeros((rows, width), _F32) for _, width in v_groups))
-    m, l, accs = lax.fori_loop(0, n_blocks, body, init)
+            tuple(jnp.zeros((rows, width), _F32) for _, width in v_groups), fetch(0) if prefetch else None)
+    m, l, accs, _ = lax.fori_loop(0, n_blocks, body, init)
     # G real rows, then (when padded) one spare row that every padding row lands in (the combine never reads it)
     g = r if rows == o_ref.shape[3] else jnp.minimum(r, group)
     for (first_col, width), acc in zip(v_groups, accs):
@@ -258,6 +307,9 @@ class DecodeConfig:
     pages_per_block: int = 2  # pages per key block (64 keys each)
     num_warps: int = 4
     num_stages: int = 2
+    # quantized pools: load the next key block's planes into registers while this one is computed (Triton's
+    # pipelining, num_stages, covers loads that feed a dot, not those converted first). Not measured on a GPU yet
+    prefetch: bool = False
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
@@ -282,9 +334,9 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
-# An NVFP4 pool's rows are dequantized whole: a key block of one page and 8 warps keep that block in registers
-# (k8v4 at 32k: 0.89 ms against 17 ms at the default, docs/kernels_notes.md)
-PACKED_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_warps=8)
+# An NVFP4 pool's rows come dequantized: one page a block keeps it in registers; 4 warps beat 8 once its bytes are
+# decoded by bit operations (nvfp4 at 32k: 500 us against 614, k8v4 321 against 476; docs/kernels_notes.md)
+PACKED_DECODE_CONFIG = DecodeConfig(pages_per_block=1)
 
 
 def default_decode_config(k_pages, v_pages) -> DecodeConfig:
@@ -321,6 +373,7 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
             rows=rows,
             num_splits=n_splits,
             pages_per_block=pages_per_block,
+            prefetch=config.prefetch and (pools.k_fmt is not None or pools.v_fmt is not None),
             scale=d**-0.5,
         ),
         grid=(lanes, hkv, n_splits),

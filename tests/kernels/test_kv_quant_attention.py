@@ -68,12 +68,34 @@ def test_decode_over_quantized_pages_matches_float64(profile, d):
     q = r.standard_normal((len(lengths), hq, d)).astype(np.float32)
     out = np.asarray(paged_attention.paged_decode_attention(
         jnp.asarray(q), poison(k, tables, lengths), poison(v, tables, lengths), jnp.asarray(tables),
-        jnp.asarray(lengths, jnp.int32), interpret=True, config=paged_attention.DecodeConfig(num_splits=2)))
+        jnp.asarray(lengths, jnp.int32), interpret=True,
+        config=paged_attention.DecodeConfig(num_splits=2, prefetch=profile != "int8")))
     k64, v64 = dequantize64(k), dequantize64(v)
     for b, n in enumerate(lengths):
         kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
         want = attention64(q[b][None].astype(np.float64), kb, vb, np.array([n - 1]), n)[0]
         np.testing.assert_allclose(out[b], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# bf16 queries take the GPU's operand dtypes (FP8 codes as float16, INT8 as bf16, NVFP4 rows as bf16; the values'
+# scales over their block's largest on the probabilities): within the rounding of p to 16 bits. D 256, the real
+# head dim, scales the queries by 1/16, exactly
+@pytest.mark.parametrize("profile", ["fp8", "int8", "k8v4"])
+def test_decode_with_bf16_queries_matches_float64(profile):
+    r = np.random.default_rng(3)
+    hq, hkv, d, lengths, max_pages = 4, 2, 256, [70, 200], 4
+    n_pages = len(lengths) * max_pages + 1
+    tables = r.permutation(n_pages)[: len(lengths) * max_pages].reshape(len(lengths), max_pages).astype(np.int32)
+    k, v = pools(r, profile, n_pages, hkv, d)
+    q = jnp.asarray(r.standard_normal((len(lengths), hq, d)), jnp.bfloat16)
+    out = np.asarray(paged_attention.paged_decode_attention(
+        q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=True,
+        config=paged_attention.DecodeConfig(num_splits=2)))
+    k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
+    for b, n in enumerate(lengths):
+        kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
+        want = attention64(q64[b][None], kb, vb, np.array([n - 1]), n)[0]
+        np.testing.assert_allclose(out[b], want, rtol=0, atol=4e-3 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("profile,config", [
