@@ -28,7 +28,7 @@ import numpy as np
 
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
-from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.device.runner import CLOSING, LANE_STOPS, ModelRunner
 from ninfer_jax.runtime.images import ImageFeeder
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.outputs import OutputProcessor
@@ -50,9 +50,10 @@ class _Round:
     """A decode round dispatched and not yet read back: its requests and its outputs on the device."""
 
     reqs: list[Request]
-    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: by lane and row, and kept
+    out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: the runner's VerifyOut
     starved: set[int]  # lanes of this round that got no page for their next position: they end at its read
-    drafted: dict[int, int] | None = None  # a verify round's drafts per lane (None: a plain round)
+    verify: bool = False
+    chained: frozenset[int] = frozenset()  # lanes continuing the previous verify round's frontier on the device
 
 
 class _PhaseClock:
@@ -100,6 +101,9 @@ class Scheduler:
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
         self.closing: set[int] = set()
+        # MTP verify rounds continue the round in flight on the device (`_chainable`); tests that script the drafts
+        # on the host turn it off.
+        self.chain_rounds = True
         self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
         self._first_pending = None  # a mixed step's first token (`_prefill_pass`'s), read at the next step
 
@@ -153,8 +157,10 @@ class Scheduler:
         prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
-        if previous is not None and self._may_speculate():
-            # Drafts follow the tokens a round emits, so a round that may verify drafts waits for the read.
+        if previous is not None and not self._chainable(previous) and (previous.verify or self._may_speculate()):
+            # Drafts follow the tokens a round emits, so a round that may verify drafts waits for the read, unless
+            # the drafts and the tokens they follow are on the device (MTP); and a plain round takes its tokens
+            # from a plain round's output only.
             self._retire(previous)
             clock.lap("round_read")
             previous = None
@@ -295,6 +301,10 @@ class Scheduler:
         same step (alone when no lane decodes after all). Returns (the round, or None when no lane decodes; the
         pass's outputs as `_prefill_pass` gives them, None without `chunk_of`)."""
         c = len(self.lanes)
+        if previous is not None and previous.verify:  # chained: every running lane verifies
+            live = np.array([r is not None and not r.prefilling and bool(r.output) and r.finish_reason is None
+                             for r in self.lanes])
+            return (self._dispatch_verify(live, previous) if live.any() else None), None
         ahead = np.zeros(c, bool)  # the lane's previous token is still on the device
         if previous is not None:
             ahead[[r.lane for r in previous.reqs]] = True
@@ -362,30 +372,42 @@ class Scheduler:
         return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
             r.sampling.processed or r.grammar is not None for r in live)
 
-    def _dispatch_verify(self, active: np.ndarray) -> _Round | None:
+    def _dispatch_verify(self, active: np.ndarray, previous: _Round | None = None) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
         None otherwise (the round decodes plainly). Rounds in a row without a draft pause speculation (`DraftPause`):
         reading each round back before the next costs the device its idle gap. With MTP every round verifies: the
-        round makes the next round's drafts, and a lane's first round has none."""
+        round makes the next round's drafts, and a lane's first round has none. `previous`: an MTP verify round in
+        flight (`_chainable`), whose lanes this round continues on the device."""
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         c, t = len(self.lanes), self.runner.verify_rows
-        tokens, counts = np.zeros((c, t), np.int32), np.zeros(c, np.int32)
+        tokens, counts, chained = np.zeros((c, t), np.int32), np.zeros(c, np.int32), np.zeros(c, bool)
         positions, stops, limits = np.zeros(c, np.int32), np.zeros(c, np.int32), np.zeros(c, np.int32)
+        left, phase, own = np.zeros(c, np.int32), np.zeros(c, np.int32), np.full((c, LANE_STOPS), -1, np.int32)
         drafted = {}
+        continued = {r.lane for r in previous.reqs} if previous is not None else set()
         for req in live:
             lane = req.lane
+            # Each emitted token must fit max_tokens and the context (as a plain round's would).
+            stops[lane], left[lane] = not req.sampling.ignore_eos, req.sampling.max_tokens - len(req.output)
+            limits[lane] = min(len(req.pages) * PAGE, self.options.max_model_len - 1)
+            ids = list(req.sampling.stop_token_ids)[:LANE_STOPS]
+            own[lane, :len(ids)] = ids
+            if lane in continued:
+                chained[lane], counts[lane] = True, 1  # its rows come from the frontier on the device
+                continue
             if lane in self.closing:
                 tokens[lane, 0], counts[lane], positions[lane], drafted[lane] = req.output[-1], 1, req.computed, 0
+                phase[lane] = CLOSING
                 continue
-            # Each emitted token must fit max_tokens and the context (as a plain round's would).
-            limit = min(req.sampling.max_tokens - len(req.output), self.options.max_model_len - 1 - req.computed) - 1
+            self.sampler.step[lane] = len(req.output)
+            limit = min(left[lane], self.options.max_model_len - 1 - req.computed) - 1
             drafts = req.drafts[:max(0, limit)] if self.mtp else self.proposer.propose(req.sequence(), limit)
             n = len(drafts)
             while n and not self._ensure_page(req, req.computed + n):
                 n -= 1  # the pool cannot extend the lane that far: fewer drafts
+            limits[lane] = min(len(req.pages) * PAGE, self.options.max_model_len - 1)
             tokens[lane, 0], tokens[lane, 1:1 + n] = req.output[-1], drafts[:n]
-            counts[lane], positions[lane], stops[lane] = n + 1, req.computed, not req.sampling.ignore_eos
-            limits[lane] = len(req.pages) * PAGE
+            counts[lane], positions[lane] = n + 1, req.computed
             drafted[lane] = n
         if not self.mtp:
             self.pause.found(any(drafted.values()))
@@ -394,19 +416,37 @@ class Scheduler:
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
                                  logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits,
-                                 rope_shift=self.rope_shift)
+                                 rope_shift=self.rope_shift, chained=chained, left=left, phase=phase, lane_stops=own,
+                                 frontier=previous.out.frontier if previous is not None else None)
         self.cache_manager.flush()
         self.counters["decode_rounds"] += 1
+        self.counters["chained_rounds"] += previous is not None
         self.speculative.rounds += 1
-        return _Round(live, out, set(), drafted)
+        return _Round(live, out, set(), verify=True, chained=frozenset(chained.nonzero()[0].tolist()))
+
+    def _chainable(self, previous: _Round | None) -> bool:
+        """Whether the next round can continue `previous`, an MTP verify round in flight, without reading it: its
+        drafts are on the device, and each of its running lanes gets the pages two rounds may feed. Then the device
+        never waits for the host between rounds; a lane the host finds ended in `previous` settles after this one."""
+        if previous is None or not previous.verify or not self.mtp or not self.chain_rounds:
+            return False
+        if not self._may_speculate() or any(r.sampling.stop or len(r.sampling.stop_token_ids) > LANE_STOPS
+                                            for r in previous.reqs):
+            return False  # a stop the device cannot see would leave the lane's state past its output
+        t, end = self.runner.verify_rows, self.options.max_model_len - 2  # the last position a round may feed
+        return all(self._ensure_page(req, min(req.computed + t - 1, end))
+                   and self._ensure_page(req, min(req.computed + 2 * t - 1, end))
+                   for req in previous.reqs if req.finish_reason is None)
 
     def _retire_verify(self, done: _Round) -> None:
         """Reads a verify round back: each lane's kept drafts and the token after them, in order, until one ends
-        it. The lane's state holds rows 0..kept; a stop found on the host before them leaves it ahead."""
-        emitted, chosen, top, kept, *drafts = done.out
+        it. The lane's state holds rows 0..kept; a stop found on the host before them leaves it ahead. A lane that
+        ends here while the round in flight continues it settles when that round is read."""
+        out = done.out
         t = self.runner.verify_rows
-        emitted, kept = np.asarray(emitted), np.asarray(kept)
-        drafts = np.asarray(drafts[0]) if drafts else None
+        emitted, kept, fed = np.asarray(out.emitted), np.asarray(out.kept), np.asarray(out.fed)
+        drafts = np.asarray(out.drafts) if out.drafts is not None else None
+        following = self.pending.chained if self.pending is not None else frozenset()
         for req in done.reqs:
             lane, base = req.lane, req.computed
             if lane in self.closing:  # this round fed its last token
@@ -414,7 +454,12 @@ class Scheduler:
                 self.cache_manager.computed(req)
                 self._finish(req, req.finish_reason)
                 continue
-            n, a = done.drafted[lane], int(kept[lane])
+            if req.finish_reason is not None:  # it ended at the last read, and this round continued it
+                self._settle_continued(req, int(kept[lane]) + 1 if fed[lane] else 0)
+                continue
+            n, a = int(fed[lane]) - 1, int(kept[lane])
+            if n < 0:  # no room to feed (pages or context): its next round tries again
+                continue
             req.drafted, req.accepted = req.drafted + n, req.accepted + a
             if drafts is not None:  # chained from the token this round emits last for the lane
                 req.drafts = drafts[lane]
@@ -422,7 +467,7 @@ class Scheduler:
                 self.speculative.record(n, a)
             for i in range(a + 1):
                 req.computed = base + i + 1
-                self.outputs.accept(req, int(emitted[lane * t + i]), chosen, top, lane * t + i)
+                self.outputs.accept(req, int(emitted[lane * t + i]), out.chosen, out.top, lane * t + i)
                 if req.finish_reason is not None:
                     break
             if i + 1 == a:  # it fed every token of its output: the state is exact one token further
@@ -431,17 +476,34 @@ class Scheduler:
             self.cache_manager.computed(req)
             if req.finish_reason is None:
                 self.outputs.progress(req)
+            elif lane in following:
+                continue  # the round in flight continues it: it settles when that round is read
             elif self._can_close(req):
                 self.closing.add(lane)
             else:
                 self._finish(req, req.finish_reason)
 
+    def _settle_continued(self, req: Request, advanced: int) -> None:
+        """Settles a lane that ended at the previous read, which the round just read continued on the device by
+        `advanced` tokens (0: it fed none). One token fed after a stop it had not fed is exactly the plain round's
+        closing feed; any other advance leaves its state ahead of its output (no endpoint, §7.7)."""
+        if advanced == 1 and self._closable(req):
+            req.computed += 1
+            self.cache_manager.computed(req)
+        elif advanced:
+            req.state_ahead = True
+        self._finish(req, req.finish_reason)
+
+    def _closable(self, req: Request) -> bool:
+        """A lane that stopped on a token it did not feed, its state exact up to that token."""
+        return (req.finish_reason == "stop" and not req.state_ahead
+                and req.computed == req.num_prompt + len(req.output) - 1
+                and req.computed + 1 < self.options.max_model_len)
+
     def _can_close(self, req: Request) -> bool:
         """Whether a lane that stopped on a token it did not feed feeds it in one more round, as a plain lane does
         (its round in flight feeds it; a lane that reaches max_tokens knows it and runs no round past it)."""
-        return (req.finish_reason == "stop" and not req.state_ahead
-                and req.computed == req.num_prompt + len(req.output) - 1
-                and req.computed + 1 < self.options.max_model_len and self._ensure_page(req, req.computed))
+        return self._closable(req) and self._ensure_page(req, req.computed)
 
     def _retire(self, done: _Round) -> None:
         """Reads a decode round back: counts its tokens as computed, accepts them, settles finishes. A lane that
@@ -449,7 +511,7 @@ class Scheduler:
 
         Every lane that ends gets its last event before any of them settles: settling is the cache's
         bookkeeping, and lanes ending together would otherwise hold the last answer back behind the others'."""
-        if done.drafted is not None:
+        if done.verify:
             return self._retire_verify(done)
         tokens_out, chosen, top = done.out
         tokens_out = np.asarray(tokens_out)

@@ -47,14 +47,23 @@ class NgramProposer:
         return tokens[:0]
 
 
-def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, *, full: bool):
+def stop_hits(emitted, stop_mask, stops, lane_stops):
+    """Which of B lanes' tokens [B, ...] end them: the engine's stop tokens (stop_mask [V]) where stops [B] is set,
+    and each lane's own stop ids (lane_stops [B, S], -1 for none) always, as `OutputProcessor.accept` decides."""
+    expand = (slice(None),) + (None,) * (emitted.ndim - 1)
+    own = jnp.any(emitted[..., None] == lane_stops[expand + (slice(None),)], axis=-1)
+    return (stops[expand] & stop_mask[emitted]) | own
+
+
+def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops, *, full: bool):
     """The verify rule for B lanes of T rows.
 
     Args:
       logits: [B, T, V] float32; row t of lane b was fed tokens[b, t] (row 0 the last token, rows 1.. the drafts).
       tokens: [B, T] int32. counts: [B] rows fed (1 + drafts; 0: inactive).
       sampler: (temperature, top_k, top_p, seed, step), each [B]; step is the index of the token row 0 emits.
-      stop_mask: [V] bool, the engine's stop tokens; stops: [B] bool, lanes those end (not ignore_eos).
+      stop_mask: [V] bool, the engine's stop tokens; stops: [B] bool, lanes those end (not ignore_eos);
+        lane_stops: [B, S] int32, each lane's own stop ids (-1: none), which end it always.
       full: static; False: every lane greedy.
     Returns:
       (emitted [B, T] int32: the lane's tokens, valid through row kept; kept [B] int32: the drafts kept, so
@@ -86,7 +95,7 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, *, full: bo
         token = jnp.where(sampling, drawn, greedy)
     kept = jnp.sum(jnp.cumprod((ok & has_draft).astype(jnp.int32), axis=1), axis=1)
     emitted = jnp.where(rows < kept[:, None], following, token)
-    ends = stops[:, None] & stop_mask[emitted] & (rows <= kept[:, None])
+    ends = stop_hits(emitted, stop_mask, stops, lane_stops) & (rows <= kept[:, None])
     kept = jnp.minimum(kept, jnp.where(ends.any(axis=1), jnp.argmax(ends, axis=1), t)).astype(jnp.int32)
     return emitted, kept
 

@@ -56,6 +56,7 @@ def speculating(checkpoint, kind: str, drafts: Continuations, file) -> Engine:
             req.drafts = drafts.propose(req.sequence(), 3)
 
     engine.scheduler._retire_verify = retire_and_script
+    engine.scheduler.chain_rounds = False  # the scripted drafts replace the device's after each read
     return engine
 
 

@@ -63,14 +63,21 @@ def test_greedy_verify_keeps_the_longest_matching_prefix_and_ends_at_a_stop():
                          jnp.int32)
     counts = jnp.asarray([4, 4, 2, 4], jnp.int32)
     stop_mask = jnp.zeros(8, bool).at[7].set(True)
-    emitted, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.ones(4, bool),
+    none = jnp.full((4, 2), -1, jnp.int32)
+    emitted, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.ones(4, bool), none,
                                   full=False)
     assert kept.tolist() == [3, 1, 1, 1]
     assert emitted[0].tolist() == [1, 2, 3, 4] and emitted[1, :2].tolist() == [1, 2]
     assert emitted[2, :2].tolist() == [1, 2] and emitted[3, :2].tolist() == [1, 7]
     # ignore_eos: the stop token is just a token
-    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), full=False)
+    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), none,
+                            full=False)
     assert kept.tolist() == [3, 1, 1, 3]
+    # a request's own stop ids end its lane, ignore_eos or not: lane 0's 2, lane 3's 3
+    own = none.at[0, 1].set(2).at[3, 0].set(3)
+    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), own,
+                            full=False)
+    assert kept.tolist() == [1, 1, 1, 2]
 
 
 def _filtered(logits, temperature, top_k, top_p):
@@ -103,7 +110,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     sampler = (jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p),
                jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
     emitted, kept = accept_drafts(logits, tokens, jnp.full(n, 3, jnp.int32), sampler, jnp.zeros(v, bool),
-                                  jnp.zeros(n, bool), full=True)
+                                  jnp.zeros(n, bool), jnp.full((n, 1), -1, jnp.int32), full=True)
     emitted, kept = np.asarray(emitted), np.asarray(kept)
 
     def chi_square_p(samples, p):
@@ -257,6 +264,7 @@ def test_mtp_drafts_equal_the_layer_chained_without_a_cache_and_tokens_equal_pla
                 req.drafts = scripted.propose(req.sequence(), 3)
 
     engine.scheduler._retire_verify = retire_and_script
+    engine.scheduler.chain_rounds = False  # the scripted drafts replace the device's after each read
     try:
         outs = engine.generate_many(prompts[:5], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
         assert [o.token_ids for o in outs] == [o[:16] for o in plain[:5]]

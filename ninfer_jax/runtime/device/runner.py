@@ -23,6 +23,7 @@ import functools
 import logging
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
     token_logprobs,
 )
-from ninfer_jax.runtime.speculative import accept_drafts
+from ninfer_jax.runtime.speculative import accept_drafts, stop_hits
 
 log = logging.getLogger("ninfer_jax.runner")
 
@@ -218,21 +219,35 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
 
 
 # position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
-# then the positions the lane's pages map (MTP drafts write no key past them); then the rope shift
-VERIFY_COLUMNS = 12
+# then the positions the lane may feed below (its pages, and the context: MTP drafts write no key past them); then
+# the rope shift; then whether the lane continues the previous round's frontier on the device, the tokens it may
+# still emit, and its phase; then the request's own stop ids (-1: none)
+LANE_STOPS = 4
+VERIFY_COLUMNS = 15 + LANE_STOPS
+# A lane's phase in verify rounds: it decodes (LIVE); it stopped on an engine stop token it has not fed, which its
+# next round feeds alone, as a plain round in flight does (CLOSING); or it runs no more rounds (DONE).
+LIVE, CLOSING, DONE = 0, 1, 2
+# A verify round's frontier by lane, int32 [C, T + FRONTIER_COLUMNS]: the T tokens a next round feeds (the token
+# after the kept drafts, then the next drafts), then its position, sampler step, tokens left and phase.
+FRONTIER_COLUMNS = 4
 
 
 def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_tables, slots, sampler,
-                       limits=None, rope_shift=None) -> np.ndarray:
+                       limits=None, rope_shift=None, chained=None, left=None, phase=None,
+                       lane_stops=None) -> np.ndarray:
     """A verify round's rows as int32 [size, T + VERIFY_COLUMNS + max_pages]: row i is lane lanes[i] (tokens [C, T],
     the rest [C] lane arrays), then padding rows of count 0 marked lane C, each on the state slot of a lane not in
-    the round (the GDN commit writes every row's slot back, so slots must be distinct)."""
+    the round (the GDN commit writes every row's slot back, so slots must be distinct). A `chained` lane takes its
+    tokens, position, count, sampler step, tokens left and phase from the previous round's frontier instead.
+    lane_stops: [C, LANE_STOPS] each lane's own stop ids, -1 for none."""
     lanes = np.asarray(lanes, np.int64)
     n, (c, t) = len(lanes), np.shape(tokens)
+    zeros = np.zeros(c, np.int32)
     columns = [np.asarray(col, np.int32) for col in (positions, slots, counts, stops, np.arange(c))]
     columns += _sampler_columns(sampler)
-    columns.append(np.zeros(c, np.int32) if limits is None else np.asarray(limits, np.int32))
-    columns.append(np.zeros(c, np.int32) if rope_shift is None else np.asarray(rope_shift, np.int32))
+    columns += [zeros if x is None else np.asarray(x, np.int32) for x in (limits, rope_shift, chained, left, phase)]
+    own = np.full((c, LANE_STOPS), -1, np.int32) if lane_stops is None else np.asarray(lane_stops, np.int32)
+    columns += list(own.T)
     packed = np.zeros((size, t + VERIFY_COLUMNS + page_tables.shape[1]), np.int32)
     packed[:n, :t] = np.asarray(tokens, np.int32)[lanes]
     packed[:n, t:t + VERIFY_COLUMNS] = np.stack([col[lanes] for col in columns], axis=1)
@@ -243,31 +258,87 @@ def pack_verify_inputs(lanes, size: int, tokens, positions, counts, stops, page_
     return packed
 
 
-def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, carry=None):
+def _verify_rows(packed, t: int, frontier):
+    """A verify round's packed rows -> (tokens [R, T], positions, counts, sampler, limits, phase, tokens left); a
+    chained row's from `frontier`, its count from its phase, tokens left and limit: LIVE feeds up to T rows,
+    CLOSING its last token alone, DONE nothing."""
+    col = [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
+    chained, lanes, limits = col[12] != 0, col[4], col[10]
+    front = frontier.at[lanes].get(mode="fill", fill_value=0)
+    pick = lambda own, j: jnp.where(chained, front[:, t + j], own)  # noqa: E731
+    tokens = jnp.where(chained[:, None], front[:, :t], packed[:, :t])
+    positions, step, left, phase = pick(col[0], 0), pick(col[9], 1), pick(col[13], 2), pick(col[14], 3)
+    room = limits - positions
+    count = jnp.where(phase == LIVE, jnp.clip(jnp.minimum(jnp.minimum(left, room), t), 0),
+                      jnp.where(phase == CLOSING, (room > 0).astype(jnp.int32), 0))
+    counts = jnp.where(chained, count, col[2])
+    sampler = _sampler_from_columns(col[5:9] + [step])
+    return tokens, positions, counts, sampler, limits, phase, left
+
+
+def _verify_frontier(tokens, positions, counts, sampler, phase, left, emitted, kept, ends, drafts):
+    """Each row's frontier after a verify round ([R, T + FRONTIER_COLUMNS]): a LIVE row that fed advances past its
+    kept drafts to the token after them and the next drafts (zeros without MTP) and turns CLOSING on an engine stop,
+    DONE with no tokens left; a CLOSING row that fed is DONE; a row that fed nothing keeps its frontier."""
+    rows = jnp.arange(tokens.shape[0])
+    fed, live = counts > 0, phase == LIVE
+    emitted_n = jnp.where(live & fed, kept + 1, 0)
+    left = left - emitted_n
+    after = jnp.where(live, jnp.where(ends, CLOSING, jnp.where(left <= 0, DONE, LIVE)), DONE)
+    phase = jnp.where(fed, after, phase)
+    advanced = jnp.concatenate([emitted[rows, kept][:, None], drafts], axis=1)
+    tokens = jnp.where((live & fed)[:, None], advanced, tokens)
+    positions = positions + jnp.where(fed, jnp.where(live, kept + 1, 1), 0)
+    return jnp.concatenate([tokens, jnp.stack([positions, sampler[4] + emitted_n, left, phase], axis=1)], axis=1)
+
+
+def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, frontier, carry=None):
     """One verify round (`qwen3_5.verify`, `speculative.accept_drafts`, `qwen3_5.commit_verified`) over a bucket of
-    lanes -> ((emitted tokens [C T], lane l's row t at l T + t; drafts kept by lane [C]; the rows' logits [R T, V]),
-    state). layout: static (T, C). With MTP (carry: the lanes' last target hidden [C, H]) the outputs add the
-    next round's drafts by lane [C, T - 1], and the new carry follows the state."""
+    lanes -> ((emitted tokens [C T], lane l's row t at l T + t; drafts kept by lane [C]; the rows' logits [R T, V];
+    rows fed by lane [C]; the frontier by lane), state). layout: static (T, C). `frontier`: the previous round's,
+    which chained rows continue. With MTP (carry: the lanes' last target hidden [C, H]) the outputs add the next
+    round's drafts by lane [C, T - 1], and the new carry follows the state."""
     t, width = layout
-    tokens, col = packed[:, :t], [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
-    positions, slots, counts, stops, lanes = col[:5]
-    sampler, limits, page_tables = _sampler_from_columns(col[5:10]), col[10], packed[:, t + VERIFY_COLUMNS:]
+    slots, stops, lanes = packed[:, t + 1], packed[:, t + 3] != 0, packed[:, t + 4]
+    tokens, positions, counts, sampler, limits, phase, left = _verify_rows(packed, t, frontier)
+    page_tables, rope_shift = packed[:, t + VERIFY_COLUMNS:], packed[:, t + 11]
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state,
-                                           col[11])
+                                           rope_shift)
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
-    emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops != 0, full=full)
+    lane_stops = packed[:, t + 15:t + VERIFY_COLUMNS]
+    emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops, full=full)
     state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
+    fed_lanes = jnp.where(counts > 0, lanes, width)  # a row that fed nothing writes no lane's carry
+    drafts = jnp.zeros((tokens.shape[0], t - 1), jnp.int32)
+    if carry is not None:
+        drafts, k_mtp, v_mtp, last = mtp.mtp_verify_rows(params, cfg, kc, hidden, tokens, emitted, kept, counts,
+                                                         positions, page_tables, limits,
+                                                         carry.at[lanes].get(mode="fill", fill_value=0),
+                                                         *state.mtp_pages, rope_shift)
+        state = state.with_mtp_pages(k_mtp, v_mtp)
+        carry = carry.at[fed_lanes].set(last.astype(carry.dtype), mode="drop")
+    ends = stop_hits(emitted[jnp.arange(tokens.shape[0]), kept], stop_mask, stops, lane_stops)
+    rows_front = _verify_frontier(tokens, positions, counts, sampler, phase, left, emitted, kept, ends, drafts)
     out = (_rows_to_lanes(emitted, lanes, width).reshape(-1), _rows_to_lanes(kept, lanes, width),
-           logits.reshape(-1, logits.shape[-1]))  # emitted: lane l's row t at l T + t
+           logits.reshape(-1, logits.shape[-1]), _rows_to_lanes(counts, lanes, width),
+           _rows_to_lanes(rows_front, lanes, width))  # emitted: lane l's row t at l T + t
     if carry is None:
         return out, state
-    drafts, k_mtp, v_mtp, last = mtp.mtp_verify_rows(params, cfg, kc, hidden, tokens, emitted, kept, counts,
-                                                     positions, page_tables, limits,
-                                                     carry.at[lanes].get(mode="fill", fill_value=0),
-                                                     *state.mtp_pages, col[11])
-    state = state.with_mtp_pages(k_mtp, v_mtp)
-    carry = carry.at[lanes].set(last.astype(carry.dtype), mode="drop")
     return (*out, _rows_to_lanes(drafts, lanes, width)), state, carry
+
+
+class VerifyOut(NamedTuple):
+    """A verify round's outputs by lane, on the device: emitted tokens [C T] (lane l's row t at l T + t) with their
+    chosen logprobs and top (None unless asked for), drafts kept [C], rows fed [C], the frontier a chained round
+    continues, and with MTP the next round's drafts [C, T - 1]."""
+
+    emitted: jax.Array
+    chosen: jax.Array | None
+    top: tuple | None
+    kept: jax.Array
+    fed: jax.Array
+    frontier: jax.Array
+    drafts: jax.Array | None
 
 
 def _encode_step(vparams, vcfg, attention, media, table, patches, taps, tap_weights, pos, n_valid, rows):
@@ -434,9 +505,10 @@ class ModelRunner:
         self._sampler_layout = [(a.shape, a.dtype) for a in jax.tree.leaves(self.sampler_state)]
         self.mask_words = mask_words(cfg.vocab_size)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
+        self._no_frontier = jnp.zeros((max_lanes, self.verify_rows + FRONTIER_COLUMNS), jnp.int32)
         if layout is not None:  # on the mesh from the start, as the steps return them: one program per step
-            self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry = layout.replicate(
-                (self.sampler_state, self._no_prev, self._stop_mask, self.mtp_carry))
+            self.sampler_state, self._no_prev, self._no_frontier, self._stop_mask, self.mtp_carry = layout.replicate(
+                (self.sampler_state, self._no_prev, self._no_frontier, self._stop_mask, self.mtp_carry))
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
         self._steps = {
@@ -739,31 +811,35 @@ class ModelRunner:
         return fit(lanes, self.ready.verify, "verify round of {} lanes")
 
     def verify(self, tokens, positions, counts, stops, page_tables, slots, sampler, *, full=False, logprobs=False,
-               limits=None, rope_shift=None):
+               limits=None, rope_shift=None, chained=None, left=None, phase=None, lane_stops=None, frontier=None):
         """One verify round: lane l feeds tokens[l, :counts[l]] ([C, T]; T = verify_rows is the compiled width;
-        count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane. Keeps each
-        lane's accepted drafts (`speculative.accept_drafts`). Returns (emitted [C T], chosen logprobs [C T], top,
-        kept [C]) on the device, copying to the host: lane l's row t at l T + t; the logprobs None unless
-        `logprobs`. With MTP, limits [C] are the positions each lane's pages map, and a fifth entry holds the next
-        round's drafts by lane [C, T - 1]. rope_shift [C]: as `decode`'s."""
+        count 0: not in the round) from positions[l]; `stops` [C]: the engine's stop tokens end the lane; limits
+        [C]: the positions it may feed below; left [C]: the tokens it may still emit; phase [C]: LIVE, or CLOSING
+        for a lane feeding its stop token; lane_stops [C, LANE_STOPS]: each request's own stop ids. A `chained`
+        lane ([C] bool; counts > 0 marks it in the round) continues `frontier`, a previous round's, on the device:
+        it need not be read first. Keeps each lane's accepted drafts (`speculative.accept_drafts`). Returns a
+        `VerifyOut` on the device, copying kept and fed to the host. rope_shift [C]: as `decode`'s."""
         lanes = np.flatnonzero(np.asarray(counts) > 0)
         packed = pack_verify_inputs(lanes, self.verify_size(len(lanes)), tokens, positions, counts, stops,
-                                    page_tables, slots, sampler, limits, rope_shift)
-        return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs)
+                                    page_tables, slots, sampler, limits, rope_shift, chained, left, phase,
+                                    lane_stops)
+        return self._verify_packed(packed, full, np.shape(tokens)[1], logprobs,
+                                   self._no_frontier if frontier is None else frontier)
 
-    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool):
+    def _verify_packed(self, packed: np.ndarray, full: bool, rows: int, logprobs: bool, frontier):
         layout, full = (rows, self.max_lanes), self._sampler(full)
         out, state, *carry = self._steps["verify"](self.params, self.cfg, self.kernels, full, layout, self.state,
-                                                   packed, self._stop_mask, self.mtp_carry)
+                                                   packed, self._stop_mask, frontier, self.mtp_carry)
         self._swap(state, ("verify", packed.shape[0], full))
-        (emitted, kept, logits), drafts = out[:3], out[3:]
+        emitted, kept, logits, fed, frontier, *drafts = out
         if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
         # row r's t-th logits chose emitted[lane r, t]: index l T + t of the flattened tokens (padding: past them)
         places = (packed[:, rows + 4][:, None] * rows + np.arange(rows)).reshape(-1).astype(np.int32)
-        for x in (kept, *drafts):
+        for x in (kept, fed, *drafts):
             x.copy_to_host_async()
-        return (*self._with_logprobs(emitted, logits, places, logprobs), kept, *drafts)
+        emitted, chosen, top = self._with_logprobs(emitted, logits, places, logprobs)
+        return VerifyOut(emitted, chosen, top, kept, fed, frontier, drafts[0] if drafts else None)
 
     def set_sampler_lane(self, lane: int, row: np.ndarray) -> None:
         """Writes a lane's SamplerState row (`sampling.lane_row`) and zeroes its output counts: at admission of a
@@ -924,7 +1000,7 @@ class ModelRunner:
                 c_t = (c, self.verify_rows)
                 packed = pack_verify_inputs((), size, np.zeros(c_t), np.zeros(c), np.zeros(c), np.zeros(c),
                                             table[None].repeat(c, 0), np.arange(c), lanes)
-                ready(self._verify_packed(packed, full, self.verify_rows, logprobs=True),
+                ready(self._verify_packed(packed, full, self.verify_rows, True, self._no_frontier),
                       f"verify {size} lanes x {self.verify_rows} rows {sampler}")
         if self.vision is not None:  # images of each bucket's patches, every output row dropped
             vcfg = self.vision[1]
