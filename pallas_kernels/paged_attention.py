@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _compat, kv_quant
 from pallas_kernels._blocks import is_pow2
@@ -162,16 +163,50 @@ def _column_groups(fmt: kv_quant.Format | None, d: int) -> list[tuple[int, int]]
     return [(c, g) for c in range(0, d, g)]
 
 
-def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str):
+def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str, f16_keys=False, f16_values=False):
     """The dtype of a pool's products: a plain pool's own; float16 for FP8 keys when the queries are 16-bit (e4m3
-    -> f16 is one packed conversion a pair, -> bf16 three); else the queries' (INT8 -> bf16 converts by bit
-    operations on Hopper, exactly; a float32 query keeps every product exact, as the interpret tests need). FP8
-    values stay bf16: their probabilities times scales would need float16's range rescaled per block."""
+    -> f16 is one packed conversion a pair, -> bf16 three), and for INT8 keys (`f16_keys`) or INT8 / FP8 values
+    (`f16_values`); else the queries' (a float32 query keeps every product exact, as the interpret tests need).
+    Codes are exact in f16 either way; f16 values carry the probabilities times scales in 11 bits instead of bf16's
+    8, their range kept by `_F16_VALUE_SHIFT`. NVFP4 rows stay in the queries' dtype."""
     if fmt is None:
         return pool_dtype
-    if fmt is kv_quant.FP8_ROW256 and side == "k" and jnp.dtype(q_dtype).itemsize == 2:
+    if fmt.packed or jnp.dtype(q_dtype).itemsize != 2:
+        return q_dtype
+    if side == "k" and (fmt is kv_quant.FP8_ROW256 or f16_keys) or side == "v" and f16_values:
         return jnp.float16
     return q_dtype
+
+
+# INT8 codes -> float16, exactly, four a 32-bit register by byte permutes instead of an int -> float conversion a
+# code (those issue at a quarter of the ALU rate): x ^ 0x80 is x + 128 as an unsigned byte; under the high byte
+# 0x64 it is the f16 1024 + x + 128, and subtracting 1152 (0x6480) leaves x.
+_S8_TO_F16_ASM = """{
+.reg .b32 t, hi, m;
+xor.b32 t, $2, 0x80808080;
+mov.b32 hi, 0x64646464;
+mov.b32 m, 0x64806480;
+prmt.b32 $0, t, hi, 0x5140;
+prmt.b32 $1, t, hi, 0x7362;
+sub.f16x2 $0, $0, m;
+sub.f16x2 $1, $1, m;
+}"""
+
+# f16 values: the probabilities (<= 1) times the values' scales are taken times 2^8 before rounding to f16, and the
+# output times 2^-8 (exact), so that small scales stay in f16's normal range: p x s underflows only below
+# s = 2.4e-7 (a group whose largest magnitude is under 3e-5 for INT8, 1e-4 for FP8). s x 2^8 is clamped to f16's
+# largest finite value, reached only by magnitudes over 32,512 (INT8) or 114,688 (FP8).
+_F16_VALUE_SHIFT = 256.0
+
+
+def _int8_to_f16(codes, asm: bool):
+    """INT8 codes -> float16 (exact): by `_S8_TO_F16_ASM` on the GPU (asm), by a cast in interpret mode."""
+    if not asm:
+        return codes.astype(jnp.float16)
+    (out,) = pltriton.elementwise_inline_asm(
+        _S8_TO_F16_ASM, args=[codes], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])
+    return out
 
 
 def _fetch(refs, fmt, groups, page, row, kvh, valid):
@@ -191,13 +226,15 @@ def _fetch(refs, fmt, groups, page, row, kvh, valid):
     if fmt.packed:
         g = fmt.group_of(2 * groups[0][1])
         return (load(values, 0, groups[0][1]),) + tuple(load(scales, c // g, w // g) for c, w in groups)
+    # the scales' 16-bit loads first, then the values' (the order measured on the H200, docs/kernels_notes.md)
+    picks = [_compat.load(scales.at[page, row, kvh, j], mask=valid, other=_zero(scales)) for j in range(len(groups))]
     out = ()
-    for j, grp in enumerate(groups):
-        out += (load(values, *grp), _compat.load(scales.at[page, row, kvh, j], mask=valid, other=_zero(scales)))
+    for grp, pick in zip(groups, picks):
+        out += (load(values, *grp), pick)
     return out
 
 
-def _decode(fmt, groups, raw, dtype):
+def _decode(fmt, groups, raw, dtype, asm=False):
     """`_fetch`'s planes -> (values [BK, width] in `dtype`, scales [BK] f32 or None) of each group. An INT8 or FP8
     group's values are its codes unscaled (exact: int8 and e4m3 fit bf16 and f16), so the scale multiplies a score
     or a probability instead of every element. An NVFP4 row comes dequantized, exactly: e2m1 times e4m3 is 6
@@ -212,6 +249,8 @@ def _decode(fmt, groups, raw, dtype):
             codes = raw[0] >> 4 if h else raw[0] & 15  # byte j holds columns j and j + D/2
             out.append(((kv_quant.e2m1_bf16(codes) * s).astype(dtype), None))
         return out
+    if fmt is kv_quant.INT8_G64 and dtype == jnp.float16:
+        return [(_int8_to_f16(raw[2 * j], asm), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
     return [(raw[2 * j].astype(dtype), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
 
 
@@ -230,6 +269,9 @@ def _decode_kernel(
     num_splits: int,
     pages_per_block: int,
     prefetch: bool,
+    f16_keys: bool,
+    f16_values: bool,
+    asm: bool,
     scale: float,
 ):
     """An INT8 or FP8 pool is read one scale group at a time: scores are sums of per-group products scaled by the
@@ -240,8 +282,10 @@ def _decode_kernel(
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k")
-    v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v")
+    k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", f16_keys, f16_values)
+    v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", f16_keys, f16_values)
+    # f16 values of a quantized pool: probabilities x scales x 2^8 (`_F16_VALUE_SHIFT`), undone at the end
+    v_shift = pools.v_fmt is not None and not pools.v_fmt.packed and v_dtype == jnp.float16
     length = lengths_ref[b]
     r = jnp.arange(rows, dtype=jnp.int32)
     head_ok = r < group
@@ -277,12 +321,14 @@ def _decode_kernel(
             raw, nxt = fetch(i), None
         valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)[3]
         s = None
-        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype)):
+        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm)):
             part = _dot_nt(q, k) if k_scale is None else _dot_nt(q, k) * k_scale[None, :]
             s = part if s is None else s + part
         m, l, alpha, p = _softmax_update(m, l, jnp.where(valid[None, :], s, _NEG), valid[None, :])
         new = []
-        for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype)):
+        for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype, asm)):
+            if v_shift:
+                v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
             w = p if v_scale is None else p * v_scale[None, :]
             new.append(acc * alpha[:, None] + dot(w.astype(v_dtype), v))
         return m, l, tuple(new), nxt
@@ -294,7 +340,7 @@ def _decode_kernel(
     g = r if rows == o_ref.shape[3] else jnp.minimum(r, group)
     for (first_col, width), acc in zip(v_groups, accs):
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
-        o_ref[b, sp, kvh, g[:, None], cols[None, :]] = acc
+        o_ref[b, sp, kvh, g[:, None], cols[None, :]] = acc * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc
     m_ref[b, sp, kvh, g] = m
     l_ref[b, sp, kvh, g] = l
 
@@ -307,9 +353,12 @@ class DecodeConfig:
     pages_per_block: int = 2  # pages per key block (64 keys each)
     num_warps: int = 4
     num_stages: int = 2
-    # quantized pools: load the next key block's planes into registers while this one is computed (Triton's
-    # pipelining, num_stages, covers loads that feed a dot, not those converted first). Not measured on a GPU yet
+    # quantized pools: load the next key block's planes into registers while this one is computed. Slower than
+    # Triton's own pipelining on the H200 (INT8 322 against 286 us, FP8 380 against 252; docs/kernels_notes.md)
     prefetch: bool = False
+    # INT8 keys as float16 (codes by byte permutes), and INT8 / FP8 values as float16 (`_operand_dtype`)
+    f16_keys: bool = False
+    f16_values: bool = False
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
@@ -334,15 +383,21 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
+# INT8 and FP8 pools: one page a block, three stages, f16 operands: the fastest of the H200 sweep (int8 272 us, fp8
+# 217 us at 32k against 485 and 555 at 2 pages, 2 stages, bf16 values; docs/kernels_notes.md)
+QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=3, f16_keys=True, f16_values=True)
 # An NVFP4 pool's rows come dequantized: one page a block keeps it in registers; 4 warps beat 8 once its bytes are
 # decoded by bit operations (nvfp4 at 32k: 500 us against 614, k8v4 321 against 476; docs/kernels_notes.md)
 PACKED_DECODE_CONFIG = DecodeConfig(pages_per_block=1)
 
 
 def default_decode_config(k_pages, v_pages) -> DecodeConfig:
-    """The decode config for these pools: PACKED_DECODE_CONFIG when either is NVFP4."""
-    packed = any(f is not None and f.packed for f in (kv_quant.format_of(k_pages), kv_quant.format_of(v_pages)))
-    return PACKED_DECODE_CONFIG if packed else DEFAULT_DECODE_CONFIG
+    """The decode config for these pools: PACKED_DECODE_CONFIG when either is NVFP4, QUANT_DECODE_CONFIG when either
+    is INT8 or FP8, else DEFAULT_DECODE_CONFIG."""
+    fmts = [f for f in (kv_quant.format_of(k_pages), kv_quant.format_of(v_pages)) if f is not None]
+    if any(f.packed for f in fmts):
+        return PACKED_DECODE_CONFIG
+    return QUANT_DECODE_CONFIG if fmts else DEFAULT_DECODE_CONFIG
 
 
 def _combine_splits(o, m, l):
@@ -374,6 +429,9 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
             num_splits=n_splits,
             pages_per_block=pages_per_block,
             prefetch=config.prefetch and (pools.k_fmt is not None or pools.v_fmt is not None),
+            f16_keys=config.f16_keys,
+            f16_values=config.f16_values,
+            asm=not interpret,
             scale=d**-0.5,
         ),
         grid=(lanes, hkv, n_splits),

@@ -523,7 +523,8 @@ def run_decode_profile(profile):
                     paged_attention.DecodeConfig(target_programs=1024)]
         if not plain:  # a quantized block's groups and scales take registers a plain one does not
             configs += [paged_attention.DecodeConfig(num_warps=8),
-                        paged_attention.DecodeConfig(pages_per_block=1, num_warps=8)]
+                        paged_attention.DecodeConfig(pages_per_block=1, num_warps=8),
+                        paged_attention.DecodeConfig()]  # INT8 / FP8: the default before QUANT_DECODE_CONFIG
     configs = list(dict.fromkeys(configs))  # the default may be one of the variants
     jax_pa = None
     best_cfg = configs[0]

@@ -5,6 +5,8 @@ of them shows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,9 +53,9 @@ def poison(pool: kv_quant.QuantPages, tables, lengths) -> kv_quant.QuantPages:
     return kv_quant.QuantPages(pool.values, scales.astype(pool.scales.dtype), pool.fmt)
 
 
-def pools(r, profile, n_pages, hkv, d):
+def pools(r, profile, n_pages, hkv, d, v_mag=3.0):
     k_fmt, v_fmt = kv_quant.PROFILES[profile]
-    return quantized_pool(r, k_fmt, n_pages, hkv, d, 2.0), quantized_pool(r, v_fmt, n_pages, hkv, d, 3.0)
+    return quantized_pool(r, k_fmt, n_pages, hkv, d, 2.0), quantized_pool(r, v_fmt, n_pages, hkv, d, v_mag)
 
 
 # Between them the cases read every format as K and as V: INT8 groups, FP8 rows, NVFP4 nibbles; at D 128 an INT8
@@ -77,20 +79,24 @@ def test_decode_over_quantized_pages_matches_float64(profile, d):
         np.testing.assert_allclose(out[b], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-# bf16 queries take the GPU's operand dtypes (FP8 codes as float16, INT8 as bf16, NVFP4 rows as bf16; the values'
-# scales over their block's largest on the probabilities): within the rounding of p to 16 bits. D 256, the real
-# head dim, scales the queries by 1/16, exactly
-@pytest.mark.parametrize("profile", ["fp8", "int8", "k8v4"])
-def test_decode_with_bf16_queries_matches_float64(profile):
+# bf16 queries take the GPU's operand dtypes: the pools' default configs (INT8 and FP8 codes as float16, the
+# probabilities times the values' scales in float16 x 2^8; NVFP4 rows as bf16), and bf16 INT8 / FP8 operands
+# (f16=False): within the rounding of p to 16 bits. Values of magnitude 1e-3 (FP8 scales near 2e-6) check that the
+# f16 probabilities times scales keep their precision. D 256, the real head dim, scales the queries by 1/16, exactly
+@pytest.mark.parametrize("profile,f16,v_mag", [("fp8", True, 3.0), ("fp8", True, 1e-3), ("int8", True, 3.0),
+                                               ("int8", False, 3.0), ("k8v4", True, 3.0)])
+def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag):
     r = np.random.default_rng(3)
     hq, hkv, d, lengths, max_pages = 4, 2, 256, [70, 200], 4
     n_pages = len(lengths) * max_pages + 1
     tables = r.permutation(n_pages)[: len(lengths) * max_pages].reshape(len(lengths), max_pages).astype(np.int32)
-    k, v = pools(r, profile, n_pages, hkv, d)
+    k, v = pools(r, profile, n_pages, hkv, d, v_mag)
     q = jnp.asarray(r.standard_normal((len(lengths), hq, d)), jnp.bfloat16)
+    config = paged_attention.default_decode_config(k, v)
+    config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
+                                 f16_values=config.f16_values and f16)
     out = np.asarray(paged_attention.paged_decode_attention(
-        q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=True,
-        config=paged_attention.DecodeConfig(num_splits=2)))
+        q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=True, config=config))
     k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
     for b, n in enumerate(lengths):
         kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
