@@ -1,0 +1,128 @@
+"""Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant
+of the sweep that chose `QUANT_DECODE_CONFIG`, beside the bf16 pool and a plain copy in one process, at the 27B's
+attention shape (8 lanes, 24 query and 4 KV heads, D 256). Each variant's bytes read per second (values and scales)
+and its share of the copy rate, and its relative error against the XLA reference over the dequantized pools.
+
+    python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 4 minutes
+    python scripts/sweep_kv_decode.py --smoke               # a small shape in interpret mode (a CPU check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from ninfer_jax.benchmarks import report
+
+LANES, HQ, HKV, D = 8, 24, 4, 256
+
+
+def variants():
+    from pallas_kernels.paged_attention import DecodeConfig as DC
+
+    f16 = dict(f16_keys=True, f16_values=True)
+    return {
+        "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1))],
+        "int8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
+                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
+                 ("1 page, f16 keys", DC(pages_per_block=1, f16_keys=True)),
+                 ("1 page, f16", DC(pages_per_block=1, **f16)),
+                 ("1 page, f16, 1024 programs", DC(pages_per_block=1, target_programs=1024, **f16)),
+                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
+                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
+                 ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
+                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))],
+        "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
+                ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
+                ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
+                ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
+                ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
+                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))],
+    }
+
+
+def timed(fn, args, reps: int = 5, min_s: float = 0.04) -> float:
+    """Median seconds per call, calls back to back in batches of about min_s."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    n = int(max(2, min(400, min_s / max(time.perf_counter() - start, 1e-6))))
+    runs = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / n)
+    return statistics.median(runs)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--out", default=None, help="report folder (default: a temporary one)")
+    p.add_argument("--smoke", action="store_true", help="256 keys, two variants a pool, interpret mode")
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import kv_quant, paged_attention, reference
+
+    interpret = jax.default_backend() == "cpu"
+    contexts = [256] if args.smoke else [int(x) for x in args.contexts.split(",")]
+    lanes, hq, hkv = (2, 4, 2) if args.smoke else (LANES, HQ, HKV)
+    pages = max(contexts) // 64
+    n_pool = lanes * pages + 8
+    k1, k2, k3 = jax.random.split(jax.random.key(20), 3)
+    k_bf, v_bf = (jax.random.normal(k, (n_pool, 64, hkv, D), jnp.bfloat16) for k in (k1, k2))
+    quantize = jax.jit(kv_quant.quantize, static_argnums=0)
+    pools = {"bfloat16": (k_bf, v_bf)}
+    for name in ("int8", "fp8"):
+        pools[name] = tuple(kv_quant.QuantPages(*quantize(f, x), f.name)
+                            for f, x in zip(kv_quant.PROFILES[name], (k_bf, v_bf)))
+    order = jax.random.permutation(k3, n_pool)[:lanes * pages].reshape(lanes, pages).astype(jnp.int32)
+    copy_fn = jax.jit(lambda y: y * 1.0001)
+    ones = jnp.ones((1 << (20 if args.smoke else 29),), jnp.float32)
+    copy_tbps = 2 * ones.nbytes / timed(copy_fn, (ones,), min_s=0.3) / 1e12
+    del ones
+    meta = report.run_meta()
+    rows, data = [], {**meta, "copy_tbps": copy_tbps, "rows": []}
+    for ctx in contexts:
+        tables = order[:, :ctx // 64]
+        lengths = jnp.full((lanes,), ctx, jnp.int32) - 3 * jnp.arange(lanes, dtype=jnp.int32)
+        q = jax.random.normal(jax.random.key(ctx), (lanes, hq, D), jnp.bfloat16)
+        for pool, configs in variants().items():
+            k, v = pools[pool]
+            want = reference.paged_decode_attention_ref(q, k, v, tables, lengths)
+            for label, config in configs[:2] if args.smoke else configs:
+                fn = jax.jit(lambda q, k, v, t, n, c=config: paged_attention.paged_decode_attention(
+                    q, k, v, t, n, config=c, interpret=interpret))
+                out = fn(q, k, v, tables, lengths)
+                error = float(jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(
+                    want.astype(jnp.float32)))
+                seconds = timed(fn, (q, k, v, tables, lengths), reps=1 if args.smoke else 5)
+                tbps = float(jnp.sum(lengths)) * hkv * kv_quant.bytes_per_token_head(pool, D) / seconds / 1e12
+                entry = {"pool": pool, "variant": label, "context": ctx, "us": seconds * 1e6, "tbps": tbps,
+                         "share_of_copy": tbps / copy_tbps, "relative_error": error}
+                data["rows"].append(entry)
+                rows.append([pool, label, ctx, report.fmt(entry["us"]), f"{tbps:.2f}", f"{100 * tbps / copy_tbps:.0f}%",
+                             f"{error:.1e}"])
+                print(f"{pool} {label} {ctx}: {seconds * 1e6:.1f} us {tbps:.2f} TB/s "
+                      f"{100 * tbps / copy_tbps:.0f}% of copy, error {error:.1e}", flush=True)
+    lines = report.header("Paged decode over quantized pools: the config sweep", meta,
+                          f"{lanes} lanes, {hq}/{hkv} heads, D {D}; copy {copy_tbps:.2f} TB/s; bytes read = values and "
+                          "scales")
+    lines += report.table(["pool", "variant", "context", "us", "TB/s", "of copy", "relative error"], rows)
+    page = report.write_report(args.out or tempfile.mkdtemp(prefix="sweep_kv_decode_"), "kv_decode_sweep", data,
+                               lines)
+    print(f"report: {page}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
