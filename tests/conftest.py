@@ -11,20 +11,25 @@ import warnings
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One compilation cache for the run (this process and the servers it starts): the suite builds many engines of the
-# same shapes, and each would compile the same programs again (a restart test's engines load them instead).
-# Compile counts are unaffected: a loaded program enters a step's cache as a compiled one does.
-_XLA_CACHE = tempfile.mkdtemp(prefix="ninfer-jax-tests-xla-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+# One compilation cache for the run (this process, its xdist workers, which inherit the environment, and the servers
+# they start): the suite builds many engines of the same shapes, and each would compile the same programs again (a
+# restart test's engines load them instead). Compile counts are unaffected: a loaded program enters a step's cache
+# as a compiled one does.
+_XLA_CACHE = os.environ.get("NINFER_TESTS_XLA_CACHE")
+if _XLA_CACHE is None:  # the process that made it removes it
+    _XLA_CACHE = os.environ["NINFER_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="ninfer-jax-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 # The suite's programs are tiny and each runs a few times, so LLVM's optimisation passes cost more than they save
 # (about 5% of the suite's time). XLA CPU's fusion emitters JIT each kernel into mappings of its own (about 370 per
 # program of a hundred kernels, 13 with one LLVM module of legacy emitters), and the jit caches keep every program:
 # the suite reached 64,849 mappings and died with SIGSEGV in XLA's compile at the kernel's vm.max_map_count (65,530).
-# Subprocesses that set XLA_FLAGS themselves (the tensor parallel runs) keep the defaults.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1").strip()
+# Subprocesses inherit these flags (the tensor parallel runs add 8 forced host devices).
+_FAST_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                  " --xla_cpu_parallel_codegen_split_count=1")
+if _FAST_COMPILES not in os.environ.get("XLA_FLAGS", ""):  # an xdist worker inherits them
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILES}".strip()
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 from ninfer_jax.model.tiny import write_random_checkpoint  # noqa: E402

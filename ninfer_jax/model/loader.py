@@ -248,7 +248,8 @@ def _load_layer(t: _Tensors, cfg: ModelConfig, pre: str, kind: str, put) -> Laye
     def dense(prefix, inter):
         gate = lin(prefix + "gate_proj.weight", (inter, h))
         up = lin(prefix + "up_proj.weight", (inter, h))
-        return MLPParams(gate_up=_fuse([gate, up], put), down=_fuse([lin(prefix + "down_proj.weight", (h, inter))], put))
+        return MLPParams(gate_up=_fuse([gate, up], put),
+                         down=_fuse([lin(prefix + "down_proj.weight", (h, inter))], put))
 
     m = pre + "mlp."
     if cfg.is_moe:
@@ -421,7 +422,8 @@ def load_dummy(config_file: str | Path, dtype: str = "bfloat16", init=None):
     def make():
         return random_params(cfg, seed=0, dtype=DTYPES[dtype], fp8=cfg.quantization is not None)
 
-    params = make() if init is None else init(make, cfg)
+    # one program, as the mesh's init is: op by op, a fused op's float result can differ in the last bit
+    params = jax.jit(make)() if init is None else init(make, cfg)
     jax.block_until_ready(params)
     log.info("dummy weights | %s | %.1f s", config_file, time.perf_counter() - start)
     if not has_vision_tower(config_file):

@@ -389,7 +389,6 @@ class Scheduler:
             lane = req.lane
             # Each emitted token must fit max_tokens and the context (as a plain round's would).
             stops[lane], left[lane] = not req.sampling.ignore_eos, req.sampling.max_tokens - len(req.output)
-            limits[lane] = min(len(req.pages) * PAGE, self.options.max_model_len - 1)
             ids = list(req.sampling.stop_token_ids)[:LANE_STOPS]
             own[lane, :len(ids)] = ids
             if lane in continued:
@@ -405,7 +404,6 @@ class Scheduler:
             n = len(drafts)
             while n and not self._ensure_page(req, req.computed + n):
                 n -= 1  # the pool cannot extend the lane that far: fewer drafts
-            limits[lane] = min(len(req.pages) * PAGE, self.options.max_model_len - 1)
             tokens[lane, 0], tokens[lane, 1:1 + n] = req.output[-1], drafts[:n]
             counts[lane], positions[lane] = n + 1, req.computed
             drafted[lane] = n
@@ -413,6 +411,8 @@ class Scheduler:
             self.pause.found(any(drafted.values()))
             if not any(drafted.values()):
                 return None
+        for req in live:  # the pages each holds now: the rows fed must fit them, and the context
+            limits[req.lane] = min(len(req.pages) * PAGE, self.options.max_model_len - 1)
         out = self.runner.verify(tokens, positions, counts, stops, self.page_tables, self.cache_manager.lane_slots,
                                  self.sampler.arrays(), full=any(not r.sampling.greedy for r in live),
                                  logprobs=any(r.sampling.logprobs is not None for r in live), limits=limits,

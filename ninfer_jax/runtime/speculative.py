@@ -67,8 +67,8 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops,
       full: static; False: every lane greedy.
     Returns:
       (emitted [B, T] int32: the lane's tokens, valid through row kept; kept [B] int32: the drafts kept, so
-      kept + 1 tokens are emitted and rows 0..kept are the ones the lane's state keeps). A stop token ends the
-      emitted tokens.
+      kept + 1 tokens are emitted and rows 0..kept are the ones the lane's state keeps; ended [B] bool: the token at
+      row kept stops the lane). A stop token ends the emitted tokens.
     """
     b, t, v = logits.shape
     rows = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -96,8 +96,9 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops,
     kept = jnp.sum(jnp.cumprod((ok & has_draft).astype(jnp.int32), axis=1), axis=1)
     emitted = jnp.where(rows < kept[:, None], following, token)
     ends = stop_hits(emitted, stop_mask, stops, lane_stops) & (rows <= kept[:, None])
-    kept = jnp.minimum(kept, jnp.where(ends.any(axis=1), jnp.argmax(ends, axis=1), t)).astype(jnp.int32)
-    return emitted, kept
+    ended = ends.any(axis=1)  # then the first stop at or before row kept is the new row kept
+    kept = jnp.minimum(kept, jnp.where(ended, jnp.argmax(ends, axis=1), t)).astype(jnp.int32)
+    return emitted, kept, ended
 
 
 class DraftPause:

@@ -1,12 +1,13 @@
 """Paged attention over quantized KV pools (pallas_kernels.paged_attention with kv_quant.QuantPages), in Pallas
-interpret mode on CPU, against a float64 reference of the quantized format: the planes dequantized in numpy
-(a decoder of this test's own), then attention in float64. Rows a lane may not read hold NaN scales, so a read
-of them shows."""
+interpret mode on CPU (compiled on a GPU), against a float64 reference of the quantized format: the planes
+dequantized in numpy (a decoder of this test's own), then attention in float64. Rows a lane may not read hold NaN
+scales, so a read of them shows."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from pallas_kernels import kv_quant, paged_attention
 
 PAGE = 64
+INTERPRET = jax.default_backend() == "cpu"
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
@@ -70,7 +72,7 @@ def test_decode_over_quantized_pages_matches_float64(profile, d):
     q = r.standard_normal((len(lengths), hq, d)).astype(np.float32)
     out = np.asarray(paged_attention.paged_decode_attention(
         jnp.asarray(q), poison(k, tables, lengths), poison(v, tables, lengths), jnp.asarray(tables),
-        jnp.asarray(lengths, jnp.int32), interpret=True,
+        jnp.asarray(lengths, jnp.int32), interpret=INTERPRET,
         config=paged_attention.DecodeConfig(num_splits=2, prefetch=profile != "int8")))
     k64, v64 = dequantize64(k), dequantize64(v)
     for b, n in enumerate(lengths):
@@ -96,7 +98,7 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag):
     config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
                                  f16_values=config.f16_values and f16)
     out = np.asarray(paged_attention.paged_decode_attention(
-        q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=True, config=config))
+        q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=INTERPRET, config=config))
     k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
     for b, n in enumerate(lengths):
         kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
@@ -116,7 +118,7 @@ def test_prefill_over_quantized_pages_matches_float64(profile, config):
     q = r.standard_normal((t, hq, d)).astype(np.float32)
     out = np.asarray(paged_attention.paged_prefill_attention(
         jnp.asarray(q), poison(k, [table], [base + t]), poison(v, [table], [base + t]), jnp.asarray(table),
-        jnp.int32(base), interpret=True, config=config))
+        jnp.int32(base), interpret=INTERPRET, config=config))
     kb, vb = dequantize64(k)[table].reshape(-1, hkv, d), dequantize64(v)[table].reshape(-1, hkv, d)
     want = attention64(q.astype(np.float64), kb, vb, base + np.arange(t), base + t)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

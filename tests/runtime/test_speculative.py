@@ -64,20 +64,20 @@ def test_greedy_verify_keeps_the_longest_matching_prefix_and_ends_at_a_stop():
     counts = jnp.asarray([4, 4, 2, 4], jnp.int32)
     stop_mask = jnp.zeros(8, bool).at[7].set(True)
     none = jnp.full((4, 2), -1, jnp.int32)
-    emitted, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.ones(4, bool), none,
-                                  full=False)
-    assert kept.tolist() == [3, 1, 1, 1]
+    emitted, kept, ended = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.ones(4, bool),
+                                         none, full=False)
+    assert kept.tolist() == [3, 1, 1, 1] and ended.tolist() == [False, False, False, True]
     assert emitted[0].tolist() == [1, 2, 3, 4] and emitted[1, :2].tolist() == [1, 2]
     assert emitted[2, :2].tolist() == [1, 2] and emitted[3, :2].tolist() == [1, 7]
     # ignore_eos: the stop token is just a token
-    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), none,
-                            full=False)
-    assert kept.tolist() == [3, 1, 1, 3]
+    _, kept, ended = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), none,
+                                   full=False)
+    assert kept.tolist() == [3, 1, 1, 3] and not ended.any()
     # a request's own stop ids end its lane, ignore_eos or not: lane 0's 2, lane 3's 3
     own = none.at[0, 1].set(2).at[3, 0].set(3)
-    _, kept = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), own,
-                            full=False)
-    assert kept.tolist() == [1, 1, 1, 2]
+    _, kept, ended = accept_drafts(logits, tokens, counts, _greedy_sampler(4), stop_mask, jnp.zeros(4, bool), own,
+                                   full=False)
+    assert kept.tolist() == [1, 1, 1, 2] and ended.tolist() == [True, False, False, True]
 
 
 def _filtered(logits, temperature, top_k, top_p):
@@ -109,7 +109,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     tokens = jnp.asarray(np.broadcast_to(np.array([0, d1, d2], np.int32), (n, 3)))
     sampler = (jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p),
                jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
-    emitted, kept = accept_drafts(logits, tokens, jnp.full(n, 3, jnp.int32), sampler, jnp.zeros(v, bool),
+    emitted, kept, _ = accept_drafts(logits, tokens, jnp.full(n, 3, jnp.int32), sampler, jnp.zeros(v, bool),
                                   jnp.zeros(n, bool), jnp.full((n, 1), -1, jnp.int32), full=True)
     emitted, kept = np.asarray(emitted), np.asarray(kept)
 

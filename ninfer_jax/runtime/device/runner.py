@@ -44,7 +44,7 @@ from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, TOP_K_GROUPS, SamplerState, count_tokens, mask_words, process_logits, sample, set_lane_row,
     token_logprobs,
 )
-from ninfer_jax.runtime.speculative import accept_drafts, stop_hits
+from ninfer_jax.runtime.speculative import accept_drafts
 
 log = logging.getLogger("ninfer_jax.runner")
 
@@ -306,7 +306,7 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, fronti
                                            rope_shift)
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
     lane_stops = packed[:, t + 15:t + VERIFY_COLUMNS]
-    emitted, kept = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops, full=full)
+    emitted, kept, ends = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops, full=full)
     state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
     fed_lanes = jnp.where(counts > 0, lanes, width)  # a row that fed nothing writes no lane's carry
     drafts = jnp.zeros((tokens.shape[0], t - 1), jnp.int32)
@@ -317,7 +317,6 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, fronti
                                                          *state.mtp_pages, rope_shift)
         state = state.with_mtp_pages(k_mtp, v_mtp)
         carry = carry.at[fed_lanes].set(last.astype(carry.dtype), mode="drop")
-    ends = stop_hits(emitted[jnp.arange(tokens.shape[0]), kept], stop_mask, stops, lane_stops)
     rows_front = _verify_frontier(tokens, positions, counts, sampler, phase, left, emitted, kept, ends, drafts)
     out = (_rows_to_lanes(emitted, lanes, width).reshape(-1), _rows_to_lanes(kept, lanes, width),
            logits.reshape(-1, logits.shape[-1]), _rows_to_lanes(counts, lanes, width),
