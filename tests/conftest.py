@@ -28,7 +28,8 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN
 # Subprocesses inherit these flags (the tensor parallel runs add 8 forced host devices).
 _FAST_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
                   " --xla_cpu_parallel_codegen_split_count=1")
-if _FAST_COMPILES not in os.environ.get("XLA_FLAGS", ""):  # an xdist worker inherits them
+# (XLA CPU flags: a GPU build of jaxlib refuses them, so JAX_PLATFORMS=cuda runs the kernel tests compiled)
+if os.environ["JAX_PLATFORMS"] == "cpu" and _FAST_COMPILES not in os.environ.get("XLA_FLAGS", ""):  # xdist: inherited
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILES}".strip()
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
