@@ -59,7 +59,7 @@ def _checkpoint(checkpoint_factory, tmp_path_factory, name: str) -> Path:
 def served(checkpoint_factory, tmp_path_factory):
     """Each layout's JSON record (`tensor_parallel_run.py`), by checkpoint, in layout order, then its dummy_init
     record. Two processes at once (each is mostly one thread compiling), a preset's FP8 pack after it, with the
-    suite's unoptimised compiles (conftest), which halve their time."""
+    suite's unoptimised compiles (conftest), which cut their time by a third."""
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     runs, names = [], {}
