@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--mixed-tokens", default=None,
                     help="comma-separated pass lengths of the mixed phases (default: the engine's auto)")
     ap.add_argument("--no-apart", action="store_true", help="skip the phase with passes and rounds apart")
+    ap.add_argument("--prefill-attention", default=None, help="the engine's prefill_attention (default: auto)")
     ap.add_argument("--smoke", action="store_true", help="the tiny MoE on CPU, small sizes, a temporary folder")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -199,6 +200,8 @@ def main() -> None:
         args.lanes, args.context, args.arrival_tokens, args.phase_s = 2, 64, 256, 3.0
     variants = [int(v) for v in args.mixed_tokens.split(",")] if args.mixed_tokens else []
     mixed = {"mixed_prefill_tokens": variants[0]} if variants else {}
+    if args.prefill_attention:
+        mixed["prefill_attention"] = args.prefill_attention
     tokens_per_lane = 8192  # the lanes' budget: they decode through every phase
     limits = dict(max_concurrency=args.lanes + 2, max_model_len=args.context + tokens_per_lane + 64,
                   kv_capacity=args.lanes * (args.context + tokens_per_lane) + 4 * args.arrival_tokens + 4096,

@@ -67,6 +67,18 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
 
+    def without_host_loops(self) -> KernelConfig:
+        """This config with the prefill attention in the Pallas kernel where it is cuDNN's, for a step that runs
+        beside a decode round: cuDNN's form loops over the prefix's segments in an XLA while loop, whose trip count
+        the GPU runtime reads back on the host before it launches the rest of the step, so the launching thread
+        would wait for the device to reach every attention layer (the round's tokens read late, the device idle
+        between launches: `docs/benchmarks/arrivals.md`)."""
+        pa = self.prefill_attention
+        if pa is None or pa.impl != "cudnn":
+            return self
+        return dataclasses.replace(self, prefill_attention=dataclasses.replace(pa, impl="pallas"))
+
+
 REFERENCE = KernelConfig()
 
 

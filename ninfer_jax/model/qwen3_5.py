@@ -501,7 +501,7 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
     pass over the layers: every projection, norm and FFN runs once over the T + B rows, so the round's weight reads
     carry the chunk; each mixer's core runs the chunk's rows as prefill and the round's as decode, the chunk first
     (its lane is not in the round; a padding row of the round that names the chunk's slot writes back the state
-    the chunk left).
+    the chunk left). The chunk's attention runs without host loops (`KernelConfig.without_host_loops`).
 
     prefill_ctx: `prefill`'s slot, base, n_valid, page_table, tap_positions, tap_slots, rope_positions ([3, T]).
     decode_ctx: `decode`'s positions, page_tables, slots, active, rope_shift. Returns (hidden [T + B, H], state).
@@ -523,7 +523,7 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
         pc, dc = ctx
         q_d, gate_d, k_pages, v_pages = _attn_decode_write(p, proj[t:], c, kc, k_pages, v_pages, dc)
         q_p, gate_p, k_pages, v_pages = _attn_prefill_write(p, proj[:t], c, k_pages, v_pages, pc)
-        y_p = _attn_prefill_read(kc, q_p, gate_p, k_pages, v_pages, pc, proj.dtype)
+        y_p = _attn_prefill_read(kc.without_host_loops(), q_p, gate_p, k_pages, v_pages, pc, proj.dtype)
         y_d = _attn_decode_read(kc, q_d, gate_d, k_pages, v_pages, dc, proj.dtype)
         return jnp.concatenate([y_p, y_d]), k_pages, v_pages
 

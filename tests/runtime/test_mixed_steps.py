@@ -3,6 +3,7 @@
 
 import time
 
+import jax.extend
 import numpy as np
 import pytest
 
@@ -106,3 +107,36 @@ def test_a_mixed_step_writes_the_kv_pools_in_place(engine):
     copies = compiled_copies(engine, "mixed", *mixed_inputs(engine, 1, 64, engine.runner.mixed_tokens, 128))
     assert copies["copies"] > 0  # the parse finds copies (the GDN pools' on a CPU)
     assert pool not in copies["shapes"]
+
+
+def _host_loops(jaxpr) -> int:
+    """While loops outside Pallas kernels, at any depth: each makes the GPU runtime read its trip count back on the
+    host before it launches the rest of the step."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue  # a loop inside a kernel runs on the device
+        n += eqn.primitive.name == "while"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _host_loops(sub)
+    return n
+
+
+def test_a_mixed_steps_pass_reads_its_prefix_without_a_host_loop(engine):
+    # With prefill_attention "cudnn" a pass alone gathers its prefix segment by segment in a while loop; beside a
+    # round that loop would hold the host until the device reached each attention layer (TPOT p99 49 -> 32 ms at
+    # 64 lanes of the 35B-A3B, docs/benchmarks/arrivals.md), so the mixed step reads it with the Pallas kernel.
+    from ninfer_jax.benchmarks.profiling import mixed_inputs
+    from ninfer_jax.model.ops import KernelConfig
+    from pallas_kernels.paged_attention import PrefillConfig
+
+    r = engine.runner
+    kc = KernelConfig("pallas", interpret=True, prefill_attention=PrefillConfig(impl="cudnn"))
+    packed, r_packed, prev = mixed_inputs(engine, 1, 64, r.mixed_tokens, 128)
+    mixed = r._steps["mixed"].trace(r.params, r.cfg, kc, False, (r.mixed_tokens, r.max_taps), r.state, packed,
+                                    r.media, r_packed, prev)
+    alone = r._steps["prefill"].trace(r.params, r.cfg, kc, False, (r.mixed_tokens, r.max_taps), r.state, packed,
+                                      r.media, r.mtp_carry)
+    layers = len(r.cfg.attn_layers)
+    assert _host_loops(alone.jaxpr.jaxpr) == layers
+    assert _host_loops(mixed.jaxpr.jaxpr) == 0
