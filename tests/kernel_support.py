@@ -1,5 +1,10 @@
 """Shared helpers of the kernel tests."""
 
+import jax
+
+# Kernels run in the Pallas interpreter on a CPU (CI), compiled on a GPU (`JAX_PLATFORMS=cuda pytest tests/kernels`)
+INTERPRET = jax.default_backend() == "cpu"
+
 
 def lower_for_h200():
     """Make `jit(...).lower(lowering_platforms=("cuda",))` work on a machine without a GPU.

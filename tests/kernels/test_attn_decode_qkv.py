@@ -11,11 +11,10 @@ import pytest
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5, tiny
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import attn_decode_qkv, kv_quant
 from pallas_kernels.reference import PAGE
 
-INTERPRET = jax.default_backend() == "cpu"
 TINY = ModelConfig.from_dict(tiny.preset_config("tiny-moe"))  # 4 query heads, 2 KV heads of 64, rotary dim 16
 
 
@@ -48,8 +47,8 @@ def _composition(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, 
 def _fused(cfg, proj, q_norm, k_norm, positions, tables, active, k_pages, v_pages):
     return attn_decode_qkv.attn_decode_qkv(
         proj, q_norm, k_norm, jnp.asarray(qwen3_5.rope_inv_freq(cfg)), positions, tables, active, k_pages, v_pages,
-        positions + ROPE_SHIFT, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, rotary_dim=cfg.rotary_dim,
-        eps=cfg.rms_norm_eps, interpret=INTERPRET)
+        positions + ROPE_SHIFT, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        rotary_dim=cfg.rotary_dim, eps=cfg.rms_norm_eps, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -6,13 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from ninfer_jax.model import ops
 from ninfer_jax.model.params import QuantizedWeight
 from ninfer_jax.model.tiny import quantize_fp8_blocks
 from pallas_kernels import fp8_matmul
 
-INTERPRET = jax.default_backend() == "cpu"
 # float32 accumulation error; compiled on a GPU, the tensor-core kernels' float32 dots are TF32 (10-bit mantissas)
 F32_TOL = 1e-5 if INTERPRET else 1e-3
 K, N = 384, 256  # three 128-blocks of contraction, two of output: every program reads several scales

@@ -9,10 +9,9 @@ import pytest
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5, tiny
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import gdn_conv
 
-INTERPRET = jax.default_backend() == "cpu"
 TINY = ModelConfig.from_dict(tiny.preset_config("tiny-moe"))  # 2 key heads, 4 value heads of 32, 4 taps
 
 

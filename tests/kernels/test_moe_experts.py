@@ -17,11 +17,10 @@ import pytest
 from jax.experimental.pallas import triton as pltriton
 
 from ninfer_jax.model import ops
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import moe
 from pallas_kernels import reference as ref
 
-INTERPRET = jax.default_backend() == "cpu"
 E, K, H, I = 8, 2, 64, 32
 
 # Prefill path with 16-row tiles (several tiles per expert, padding in most); the tiled decode path.

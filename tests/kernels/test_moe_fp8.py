@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as pltriton
 
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from ninfer_jax.model.tiny import quantize_fp8_blocks
 from pallas_kernels import fp8_matmul, moe
 from pallas_kernels import reference as ref
 
-INTERPRET = jax.default_backend() == "cpu"
 E, K, H, I = 4, 2, 256, 128  # noqa: E741 (the docs' names)
 
 

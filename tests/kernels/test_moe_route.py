@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from ninfer_jax.model import ops
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import moe_route
 from pallas_kernels import reference as ref
 
-INTERPRET = jax.default_backend() == "cpu"
 
 
 def _case(rows, experts, hidden=32, seed=0):

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from ninfer_jax.model import ops, qwen3_5
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import rms_norm
 
-INTERPRET = jax.default_backend() == "cpu"
 EPS = 1e-6
 
 
