@@ -21,7 +21,8 @@ head's history, so one of them writing it in place would race with the others' r
 (one small XLA kernel). An inactive lane computes with zero q, k, v, g and beta, which leaves its state as it
 was.
 
-One program per (lane, value head, block of Dv columns). With the whole [Dk, Dv] state of a head in one program
+One program per (lane, value head, block of Dv columns), or per (lane, several value heads of one key head, block)
+run in turn (`heads_per_program`: wide rounds). With the whole [Dk, Dv] state of a head in one program
 the gated norm over Dv stays inside it; one lane has only Hv such programs, too few to keep the GPU busy
 (gdn_decode.program_blocks narrows the blocks as it does for the unfused kernel), and then the kernel writes o
 and the norm runs after it as one XLA fusion. The key head's conv is recomputed by each of its programs (2 x Dk
@@ -66,9 +67,11 @@ def _layer_kernel(
     eps: float,
     norm_dtype,
     block_v: int,
+    heads_per_program: int,
 ):
-    lane, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = h // group
+    lane, hg, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h0 = hg * heads_per_program  # the program's first value head; all of its heads share key head kh
+    kh = h0 // group
     t = proj_ref.shape[1]
     dk, dv = ssm_ref.shape[2], ssm_ref.shape[3]
     vcols = pl.ds(vb * block_v, block_v)
@@ -78,7 +81,7 @@ def _layer_kernel(
     act = proj_ref.dtype
     slot = slots_ref[lane]
     n = rows_ref[lane]
-    state = ssm_ref[slot, h, :, vcols]  # [Dk, block_v]: the largest read, issued before the conv's work
+    state = ssm_ref[slot, h0, :, vcols]  # [Dk, block_v]: the largest read, issued before the conv's work
 
     def conv(c0, width, write_tail):
         """silu(conv) of channels [c0, c0 + width) for each of the T rows, rounded to the activations' dtype;
@@ -106,26 +109,30 @@ def _layer_kernel(
             pl.when(write_tail)(write)
         return out
 
-    first_of_key_head = (h % group == 0) & (vb == 0)
+    first_of_key_head = (h0 % group == 0) & (vb == 0)
     qs = conv(kh * dk, dk, first_of_key_head)
     ks = conv(key_dim + kh * dk, dk, first_of_key_head)
-    vs = conv(2 * key_dim + h * dv + vb * block_v, block_v, True)
-    a_log, dt_bias = a_log_ref[h].astype(_F32), dt_bias_ref[h].astype(_F32)
-    for r in range(t):  # each row from the state the earlier rows left; rows at or past n change nothing
-        mask = (r < n).astype(_F32)
-        q = l2_normalize(qs[r]) * (dk**-0.5) * mask
-        k = l2_normalize(ks[r]) * mask
-        v = vs[r].astype(_F32) * mask
-        g = -jnp.exp(a_log) * jax.nn.softplus(proj_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * mask
-        beta = jax.nn.sigmoid(proj_ref[lane, r, b0 + h].astype(_F32)) * mask
-        o, state = delta_rule_step(state, q, k, v, g, beta)  # [block_v]
-        if block_v < dv:  # the norm needs all of Dv: the caller's fusion
-            y_ref[lane, r, h, vcols] = o.astype(act)
-        else:
-            y_ref[lane, r, h, :] = _gated_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
-                                               norm_w_ref[...], eps, norm_dtype)
-    if ssm_out:
-        ssm_out[0][slot, h, :, vcols] = state
+    masks = [(r < n).astype(_F32) for r in range(t)]
+    qs = [l2_normalize(qs[r]) * (dk**-0.5) * masks[r] for r in range(t)]
+    ks = [l2_normalize(ks[r]) * masks[r] for r in range(t)]
+    for i in range(heads_per_program):
+        h = h0 + i
+        if i:  # the next head's state: after the previous head's is written
+            state = ssm_ref[slot, h, :, vcols]
+        vs = conv(2 * key_dim + h * dv + vb * block_v, block_v, True)
+        a_log, dt_bias = a_log_ref[h].astype(_F32), dt_bias_ref[h].astype(_F32)
+        for r in range(t):  # each row from the state the earlier rows left; rows at or past n change nothing
+            v = vs[r].astype(_F32) * masks[r]
+            g = -jnp.exp(a_log) * jax.nn.softplus(proj_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * masks[r]
+            beta = jax.nn.sigmoid(proj_ref[lane, r, b0 + h].astype(_F32)) * masks[r]
+            o, state = delta_rule_step(state, qs[r], ks[r], v, g, beta)  # [block_v]
+            if block_v < dv:  # the norm needs all of Dv: the caller's fusion
+                y_ref[lane, r, h, vcols] = o.astype(act)
+            else:
+                y_ref[lane, r, h, :] = _gated_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
+                                                   norm_w_ref[...], eps, norm_dtype)
+        if ssm_out:
+            ssm_out[0][slot, h, :, vcols] = state
 
 
 def _gated_norm(o, z, norm_w, eps, norm_dtype):
@@ -151,6 +158,7 @@ class GdnDecodeLayerConfig:
     num_stages: int = 1
     block_v: int = 128  # widest Dv columns per program; narrower down to min_programs (gdn_decode.program_blocks)
     min_programs: int = 128
+    heads_per_program: int = 1  # value heads of one key head a program runs in turn (a divisor of the group)
 
 
 DEFAULT_CONFIG = GdnDecodeLayerConfig()
@@ -160,6 +168,12 @@ DEFAULT_CONFIG = GdnDecodeLayerConfig()
 # at 64 / 256 lanes: 105 / 358 us against 208 / 796 us; docs/kernels_notes.md, "GDN decode at many lanes").
 ROWS_CONFIG = GdnDecodeLayerConfig(num_warps=4)
 WIDE_PROGRAMS = 2048
+# One-row wide rounds: 4 warps as above, and the 27B's three value heads of a key head in one program, in turn (the
+# key head's q, k conv and norms once; 2048 programs at 128 lanes in place of 6144): the kernel alone 2-3% faster
+# (27B heads, two runs: 270 / 276 against 277 / 282 us at 128 lanes, 146 / 147 against 152 / 149 at 64), the same
+# outputs bit for bit (docs/kernels_notes.md). A group that 3 does not divide keeps one head a program: the
+# 35B-A3B's 2 were 2-3% faster alone too (194 against 198 us at 128 lanes) but were not run through the engine.
+WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=3)
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config"))
@@ -203,7 +217,8 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
       ssm_pool when write_state).
     """
     lanes, t = proj.shape[:2]
-    config = config or (DEFAULT_CONFIG if t == 1 and lanes * ssm_pool.shape[1] < WIDE_PROGRAMS else ROWS_CONFIG)
+    if config is None:
+        config = ROWS_CONFIG if t > 1 else DEFAULT_CONFIG if lanes * ssm_pool.shape[1] < WIDE_PROGRAMS else WIDE_CONFIG
     taps, channels = conv_w.shape
     hv, dk, dv = ssm_pool.shape[1:]
     if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, t, channels + hv * dv + 2 * hv):
@@ -217,15 +232,17 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         raise ValueError("gdn_rows_layer: value heads must be a multiple of key heads, the state float32")
     full = _compat.full_spec()
     block_v = program_blocks(lanes * hv, dv, config.block_v, config.min_programs)
+    group = hv // num_key_heads
+    hp = config.heads_per_program if group % config.heads_per_program == 0 else 1
     norm_dtype = jnp.promote_types(norm_w.dtype, proj.dtype)
     out_shape = [jax.ShapeDtypeStruct((lanes, t, hv, dv), proj.dtype),
                  jax.ShapeDtypeStruct((lanes, taps - 1, channels), proj.dtype)]
     if write_state:
         out_shape.append(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype))
     out = pl.pallas_call(
-        functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=hv // num_key_heads, taps=taps,
-                          eps=eps, norm_dtype=norm_dtype, block_v=block_v),
-        grid=(lanes, hv, dv // block_v),
+        functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=group, taps=taps, eps=eps,
+                          norm_dtype=norm_dtype, block_v=block_v, heads_per_program=hp),
+        grid=(lanes, hv // hp, dv // block_v),
         in_specs=[full] * 9,
         out_specs=[full] * len(out_shape),
         out_shape=out_shape,

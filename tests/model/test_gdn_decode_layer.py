@@ -77,6 +77,30 @@ def test_heads_split_over_programs_equal_whole_heads(dtype):
     np.testing.assert_array_equal(np.asarray(split[2], np.float32), np.asarray(whole[2], np.float32))
 
 
+@pytest.mark.parametrize("min_programs", [0, 10**6], ids=["whole-heads", "column-blocks"])
+def test_heads_of_a_key_head_in_one_program_equal_one_head_a_program(min_programs):
+    """A key head's value heads in turn in one program (its q, k conv once; wide rounds) give what one program per
+    value head gives, bit for bit: one row a lane, and three rows a lane in the commit form."""
+    cfg = ModelConfig.from_file("configs/tiny-moe.json")
+    group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    layer, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=11)
+    proj = qwen3_5.dot(KernelConfig(), x, layer.in_proj)
+    args = (conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w)
+    kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
+    one, grouped = (GdnDecodeLayerConfig(num_warps=4, min_programs=min_programs, heads_per_program=hp)
+                    for hp in (1, group))
+    for a, b in zip(gdn_decode_layer(proj, ctx["active"], *args, jnp.copy(ssm), ctx["slots"], **kw, config=one),
+                    gdn_decode_layer(proj, ctx["active"], *args, jnp.copy(ssm), ctx["slots"], **kw, config=grouped)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    rows3 = jnp.stack([proj, proj[::-1], proj * 0.5], axis=1)
+    counts = jnp.asarray([3, 0, 2], jnp.int32)
+    for a, b in zip(gdn_rows_layer(rows3, counts, *args, jnp.copy(ssm), ctx["slots"], write_state=True, **kw,
+                                   config=one),
+                    gdn_rows_layer(rows3, counts, *args, jnp.copy(ssm), ctx["slots"], write_state=True, **kw,
+                                   config=grouped)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("write_state", [False, True], ids=["verify", "commit"])
 def test_fused_rows_equal_the_composed_rows(write_state):
     """T = 3 rows a lane (a verify round and its commit), lanes counting 3, 0 and 2 rows: the kernel's outputs of
@@ -117,7 +141,7 @@ def test_fusion_needs_the_pallas_backend():
         KernelConfig(fuse_gdn_decode=True)
 
 
-@pytest.mark.parametrize("lanes", [1, 8])
+@pytest.mark.parametrize("lanes", [1, 8, 64])  # 64: the wide rounds' config (WIDE_CONFIG)
 @pytest.mark.parametrize("config", ["qwen3.5-35b-a3b", "qwen3.5-27b"])
 def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
     lower_for_h200()
