@@ -41,7 +41,9 @@ def verify_inputs(engine, lanes: int, k: int, position: int, ahead: int = 0):
 
     tokens, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, position + k + ahead)
     c = engine.runner.max_lanes
-    rows = np.ones((c, k + 1), np.int32)
+    # distinct tokens per lane and row (`decode_inputs`' rule): rows fed one token route alike in an MoE model
+    rows = (tokens[:, None] + 104729 * np.arange(k + 1)[None, :]) % (engine.runner.cfg.vocab_size - 1) + 1
+    rows = rows.astype(np.int32)
     counts = np.where(active, k + 1, 0).astype(np.int32)
     positions = np.where(active, position, 0).astype(np.int32)
     return rows, positions, counts, np.zeros(c, np.int32), tables, slots, sampler

@@ -106,7 +106,8 @@ def _merged_busy(intervals: list[tuple[float, float]]) -> float:
 
 def decode_inputs(engine, lanes: int, position: int) -> tuple:
     """`runner.decode` arguments for `lanes` lanes at `position` on an idle engine (any pages will do, disjoint
-    per lane); the other lanes inactive."""
+    per lane); the other lanes inactive. Each lane feeds a token of its own: lanes fed one token route alike, so an
+    MoE round would read 8 experts a layer where the engine's lanes read most of them."""
     import numpy as np
 
     from ninfer_jax.model.state import PAGE
@@ -120,7 +121,8 @@ def decode_inputs(engine, lanes: int, position: int) -> tuple:
         tables[lane, :per_lane] = np.arange(lane * per_lane, (lane + 1) * per_lane)
     active = np.zeros(c, bool)
     active[:lanes] = True
-    return (np.ones(c, np.int32), np.full(c, position, np.int32), tables, np.arange(c, dtype=np.int32), active,
+    tokens = (np.arange(c, dtype=np.int64) * 7919 % (runner.cfg.vocab_size - 1) + 1).astype(np.int32)
+    return (tokens, np.full(c, position, np.int32), tables, np.arange(c, dtype=np.int32), active,
             SamplerInputs.empty(c).arrays())
 
 
