@@ -217,6 +217,10 @@ class EngineOptions:
     num_speculative_tokens: int | None = _option(
         int, None, "draft tokens per lane and round", flag="--num-speculative-tokens", minimum=1,
         maximum=MAX_SPECULATIVE_TOKENS, rule="3 with speculative decoding")
+    adaptive_speculation: str = _option(
+        str, "auto", "decode plainly while verify rounds measure slower than plain ones, per round width, and try "
+        "speculation again after a run of plain rounds", flag="--adaptive-speculation", choices=("auto", "on", "off"),
+        rule="auto: on with a GPU; off on a CPU, where the rounds' kinds then follow from the requests alone")
     prompt_lookup_max: int = _option(
         int, 4, "longest n-gram that prompt lookup matches", flag="--prompt-lookup-max", minimum=1, maximum=16)
     prompt_lookup_min: int = _option(
@@ -334,6 +338,8 @@ class EngineOptions:
             max_concurrency=lanes,
             num_speculative_tokens=self.num_speculative_tokens or (DEFAULT_SPECULATIVE_TOKENS
                                                                    if self.speculative else None),
+            adaptive_speculation=self.adaptive_speculation if self.adaptive_speculation != "auto"
+            else "on" if backend == "gpu" and self.speculative else "off",
             host_cache_mib=host_mib,
             background_compile=self.background_compile if self.background_compile != "auto"
             else "on" if backend == "gpu" and self.tensor_parallel_size == 1 else "off",
@@ -420,6 +426,8 @@ class EngineOptions:
         if self.speculative is None:
             if self.num_speculative_tokens is not None:
                 raise OptionsError("num_speculative_tokens needs speculative decoding; set speculative")
+            if self.adaptive_speculation == "on":
+                raise OptionsError("adaptive_speculation 'on' needs speculative decoding; set speculative")
             return
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise OptionsError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "

@@ -35,7 +35,7 @@ from ninfer_jax.runtime.outputs import OutputProcessor
 from ninfer_jax.runtime.prefix.manager import PrefixCacheManager
 from ninfer_jax.runtime.request import Request
 from ninfer_jax.runtime.sampling import SamplerInputs, lane_row
-from ninfer_jax.runtime.speculative import DraftPause, NgramProposer, SpeculativeStats
+from ninfer_jax.runtime.speculative import DraftPause, NgramProposer, RoundChoice, SpeculativeStats
 from ninfer_jax.runtime.structured import allowed_tokens
 
 log = logging.getLogger("ninfer_jax.scheduler")
@@ -98,6 +98,9 @@ class Scheduler:
         # has mixed_tokens); scripts/bench_arrivals.py turns it off to time passes and rounds apart on one engine.
         self.mix = runner.mixed_tokens > 0 and not self.speculating
         self.speculative, self.pause = SpeculativeStats(k), DraftPause()
+        # Whether speculation pays, measured per round width (`RoundChoice`); None: every round that can verify does.
+        self.choice = RoundChoice() if self.speculating and options.adaptive_speculation == "on" else None
+        self._last_read = None  # (kind of round, lanes, prefill passes so far), when its read returned
         # Lanes that stopped in a verify round one token short of their output: the next round feeds that token, as a
         # plain round in flight does, so endpoints (spec §7.7) cover the same tokens with speculation on or off.
         self.closing: set[int] = set()
@@ -344,6 +347,8 @@ class Scheduler:
                 return verify, None
             self.speculative.plain_rounds += 1
             self.pause.plain_round()
+            if self.choice is not None:
+                self.choice.plain_round()
         live = [r for r in self.lanes if r is not None and active[r.lane]]
         decode_round = dict(
             tokens=tokens, positions=positions, page_tables=self.page_tables, slots=self.cache_manager.lane_slots,
@@ -370,7 +375,19 @@ class Scheduler:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
         return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
-            r.sampling.processed or r.grammar is not None for r in live)
+            r.sampling.processed or r.grammar is not None for r in live) and (
+            self.choice is None or self.choice.speculate(len(live)))
+
+    def _measure(self, verify: bool, lanes: int, tokens: int) -> None:
+        """Times a round just read from the read of the one before it, when both are of one kind and width with no
+        prefill pass between them (then the interval is the round's steady cost: device and host), for
+        `RoundChoice`."""
+        if self.choice is None:
+            return
+        now, kind = time.perf_counter(), (verify, lanes, self.counters["prefill_chunks"])
+        if self._last_read is not None and self._last_read[0] == kind:
+            self.choice.record(verify, lanes, tokens, now - self._last_read[1])
+        self._last_read = (kind, now)
 
     def _dispatch_verify(self, active: np.ndarray, previous: _Round | None = None) -> _Round | None:
         """A verify round over the `active` lanes (each fed its last token and its drafts) when one has a draft;
@@ -446,6 +463,7 @@ class Scheduler:
         t = self.runner.verify_rows
         emitted, kept, fed = np.asarray(out.emitted), np.asarray(out.kept), np.asarray(out.fed)
         drafts = np.asarray(out.drafts) if out.drafts is not None else None
+        self._measure(True, len(done.reqs), int(np.sum(np.where(fed > 0, kept + 1, 0))))
         following = self.pending.chained if self.pending is not None else frozenset()
         for req in done.reqs:
             lane, base = req.lane, req.computed
@@ -515,6 +533,7 @@ class Scheduler:
             return self._retire_verify(done)
         tokens_out, chosen, top = done.out
         tokens_out = np.asarray(tokens_out)
+        self._measure(False, len(done.reqs), len(done.reqs))
         following = {r.lane for r in self.pending.reqs} if self.pending is not None else set()
         ended = []
         for req in done.reqs:
@@ -601,6 +620,7 @@ class Scheduler:
             "running": sum(r is not None for r in self.lanes),
             "pages": self.pages.ledger(),
             "counters": dict(self.counters),
-            "speculative": {**self.speculative.as_dict(), "pauses": self.pause.pauses}
+            "speculative": {**self.speculative.as_dict(), "pauses": self.pause.pauses,
+                            "adaptive": self.choice.as_dict() if self.choice is not None else None}
             if self.speculating else None,
         }

@@ -150,3 +150,59 @@ class SpeculativeStats:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accept_length": sum(n * c for n, c in self.histogram.items()) / lanes if lanes else 0.0,
                 "accept_length_histogram": {n: self.histogram[n] for n in range(1, self.k + 2)}}
+
+
+class RoundChoice:
+    """Whether speculation pays (issue 30), from the rounds the engine ran: per width (the decoding lanes, to a power
+    of two), the tokens each kind of round emits per second of wall clock, an average over its steady rounds. While
+    verify rounds emit at least plain rounds' rate they run; once they fall behind, PROBE_AFTER plain rounds follow
+    and speculation is measured again (acceptance and contexts change). A width whose plain rate is unknown runs
+    MEASURE plain rounds first. The scheduler times each round from the read of the one before it, counting only
+    rounds of one kind and width in a row with no prefill pass between them (`Scheduler._measure`)."""
+
+    MEASURE = 8  # steady rounds of a kind that make its rate known
+    PROBE_AFTER = 64  # plain rounds before a width that chose them tries speculation again
+    WEIGHT = 0.25  # of the newest round in a rate
+
+    def __init__(self):
+        self.rates: dict[tuple[bool, int], tuple[float, int]] = {}  # (verify, width) -> (tokens per second, rounds)
+        self.plain_left = 0  # plain rounds to run before speculation is tried again
+        self.chose_plain = 0  # times speculation measured slower than plain decoding
+
+    @staticmethod
+    def width(lanes: int) -> int:
+        return 1 << max(0, lanes - 1).bit_length()
+
+    def speculate(self, lanes: int) -> bool:
+        """Whether a round of `lanes` decoding lanes should verify drafts."""
+        if self.plain_left:
+            return False
+        w = self.width(lanes)
+        verify, plain = self.rates.get((True, w)), self.rates.get((False, w))
+        if verify is None or verify[1] < self.MEASURE:
+            return True  # measure speculation first: that is what was asked for
+        if plain is None or plain[1] < self.MEASURE:
+            self.plain_left = self.MEASURE + 2  # the first of a run and one read late do not count
+            return False
+        if verify[0] >= plain[0]:
+            return True
+        self.chose_plain += 1
+        self.plain_left = self.PROBE_AFTER
+        del self.rates[(True, w)]  # measured afresh after the plain rounds
+        return False
+
+    def plain_round(self) -> None:
+        self.plain_left = max(0, self.plain_left - 1)
+
+    def record(self, verify: bool, lanes: int, tokens: int, seconds: float) -> None:
+        """A steady round of `lanes` lanes emitted `tokens` tokens in `seconds` since the round before it."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        key = (verify, self.width(lanes))
+        rate, n = self.rates.get(key, (tokens / seconds, 0))
+        self.rates[key] = (rate + self.WEIGHT * (tokens / seconds - rate) if n else rate, n + 1)
+
+    def as_dict(self) -> dict:
+        return {"chose_plain": self.chose_plain,
+                "tokens_per_s": {f"{'verify' if v else 'plain'}@{w}": round(r, 1)
+                                 for (v, w), (r, n) in sorted(self.rates.items()) if n >= self.MEASURE}}

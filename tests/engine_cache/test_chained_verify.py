@@ -136,3 +136,31 @@ def test_a_lane_that_processes_its_logits_joining_verify_rounds_leaves_every_lan
     after = chained.stats()["speculative"]
     assert after["verify_rounds"] > before["verify_rounds"] and after["plain_rounds"] > before["plain_rounds"]
     chained.check_ledger()
+
+
+def test_rounds_switching_between_verifying_and_plain_decoding_keep_plain_decodings_tokens(engines):
+    """Adaptive speculation (`RoundChoice`) may turn verify rounds off and on at any round; plain rounds leave the
+    MTP layer's pages and carry behind the lanes, which costs drafts, never tokens. The scheduler times the steady
+    rounds of each kind for it."""
+    from ninfer_jax.runtime.speculative import RoundChoice
+
+    plain, chained = engines
+    counters = chained.scheduler.counters
+
+    class Alternating(RoundChoice):  # three rounds verify, three decode plainly, in turn
+        def speculate(self, lanes):
+            return counters["decode_rounds"] // 3 % 2 == 0
+
+    chained.scheduler.choice = choice = Alternating()
+    try:
+        prompts = [chained.tokenizer.encode(text) for text in CODE[:3]]
+        greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        before = chained.stats()["speculative"]
+        got = chained.generate_many(prompts, greedy)
+        after = chained.stats()["speculative"]
+    finally:
+        chained.scheduler.choice = None
+    assert [o.token_ids for o in got] == [plain.generate(p, greedy).token_ids for p in prompts]
+    assert after["verify_rounds"] > before["verify_rounds"] + 3 and after["plain_rounds"] > before["plain_rounds"] + 3
+    assert {verify for verify, _ in choice.rates} == {True, False}  # steady rounds of both kinds were timed
+    chained.check_ledger()

@@ -15,7 +15,7 @@ from ninfer_jax.model.mtp import mtp_forward, mtp_logits
 from ninfer_jax.model.ops import REFERENCE
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
-from ninfer_jax.runtime.speculative import NgramProposer, accept_drafts
+from ninfer_jax.runtime.speculative import NgramProposer, RoundChoice, accept_drafts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 COMMON = dict(prefill_chunk=64, max_model_len=512, kv_capacity=64 * 64, output_window=64, warmup=False)
@@ -126,16 +126,45 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert np.all(emitted[kept >= 1, 0] == d1)
 
 
+# --- whether speculation pays ----------------------------------------------------------------------------
+def test_speculation_runs_while_its_rounds_measure_faster_per_width_and_is_tried_again_after_plain_rounds():
+    choice, m, step = RoundChoice(), RoundChoice.MEASURE, 2.0**-7  # seconds a round: binary, so rates are exact
+    for _ in range(m):  # an unmeasured width speculates first
+        assert choice.speculate(6)
+        choice.record(True, 6, 16, step)  # 2,048 tok/s
+    for _ in range(m + 2):  # then measures plain rounds
+        assert not choice.speculate(6)
+        choice.plain_round()
+        choice.record(False, 6, 6, step / 2 * 6 / 8)  # 2,048 tok/s: a tie keeps speculating
+    assert choice.speculate(6) and choice.speculate(8)  # 5-8 lanes share a width
+    assert choice.speculate(9)  # 16 lanes: not measured, speculation first
+    choice.record(True, 6, 8, step)  # fewer drafts kept: 1,024 tok/s pulls the rate to 1,792
+    assert not choice.speculate(6) and choice.chose_plain == 1
+    for _ in range(RoundChoice.PROBE_AFTER):
+        assert not choice.speculate(6)
+        choice.plain_round()
+    assert choice.speculate(6)  # measured afresh
+    assert choice.as_dict() == {"chose_plain": 1, "tokens_per_s": {"plain@8": 2048.0}}
+
+
 # --- options ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, words", [
     (dict(num_speculative_tokens=2), "needs speculative decoding"),
     (dict(speculative="ngram", batch_invariant=True), "conflicts with batch_invariant"),
     (dict(speculative="ngram", prompt_lookup_min=5, prompt_lookup_max=3), "must not exceed"),
     (dict(speculative="ngram", num_speculative_tokens=5), "num_speculative_tokens must be in 1..4"),
+    (dict(adaptive_speculation="on"), "adaptive_speculation 'on' needs speculative decoding"),
 ])
 def test_conflicting_speculative_options_are_refused(options, words):
     with pytest.raises(OptionsError, match=words):
         EngineOptions(**options).check_conflicts()
+
+
+def test_adaptive_speculation_is_on_with_a_gpu_and_off_on_a_cpu():
+    def adaptive(backend, **options):
+        return EngineOptions(speculative="mtp", **options).resolve(4096, backend).adaptive_speculation
+    assert (adaptive("gpu"), adaptive("cpu"), adaptive("cpu", adaptive_speculation="on")) == ("on", "off", "on")
+    assert EngineOptions().resolve(4096, "gpu").adaptive_speculation == "off"  # nothing to adapt
 
 
 # --- the engine -----------------------------------------------------------------------------------------
