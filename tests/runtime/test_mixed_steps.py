@@ -122,7 +122,7 @@ def _host_loops(jaxpr) -> int:
     return n
 
 
-def test_a_mixed_steps_pass_reads_its_prefix_without_a_host_loop(engine):
+def test_a_mixed_steps_pass_and_a_decode_round_run_without_a_host_loop(engine):
     # With prefill_attention "cudnn" a pass alone gathers its prefix segment by segment in a while loop; beside a
     # round that loop would hold the host until the device reached each attention layer (TPOT p99 49 -> 32 ms at
     # 64 lanes of the 35B-A3B, docs/benchmarks/arrivals.md), so the mixed step reads it with the Pallas kernel.
@@ -137,6 +137,7 @@ def test_a_mixed_steps_pass_reads_its_prefix_without_a_host_loop(engine):
                                     r.media, r_packed, prev)
     alone = r._steps["prefill"].trace(r.params, r.cfg, kc, False, (r.mixed_tokens, r.max_taps), r.state, packed,
                                       r.media, r.mtp_carry)
+    decode = r._steps["decode"].trace(r.params, r.cfg, kc, False, r.state, r_packed, prev)
     layers = len(r.cfg.attn_layers)
     assert _host_loops(alone.jaxpr.jaxpr) == layers
-    assert _host_loops(mixed.jaxpr.jaxpr) == 0
+    assert _host_loops(mixed.jaxpr.jaxpr) == _host_loops(decode.jaxpr.jaxpr) == 0
