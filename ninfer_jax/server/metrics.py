@@ -132,6 +132,11 @@ class _EngineCollector:
             for length, count in spec["accept_length_histogram"].items():
                 family.add_metric([str(length)], float(count))
             yield family
+            family = CounterMetricFamily("ninfer_spec_decode_rounds", "Decode rounds by kind: verify (drafts fed) or "
+                                         "plain (speculation paused, not paying, or not possible).", labels=["kind"])
+            for kind in ("verify", "plain"):
+                family.add_metric([kind], float(spec.get(f"{kind}_rounds", 0)))
+            yield family
         vision = stats.get("vision")
         if vision:  # a model with a vision tower
             yield _counter("ninfer_vision_images_encoded", "Images the vision tower encoded.", vision["images_encoded"])

@@ -68,7 +68,8 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
              "prefix_cache": {"reuse_tokens": 100, "snapshot_slots": {"free": 1, "active": 0, "cached": 4,
                                                                        "filling": 0, "capacity": 5},
                               "host_tier": True, "host_slabs": {"free": 7, "node": 1, "capacity": 8}},
-             "speculative": {"drafted": 30, "accepted": 21, "accept_length_histogram": {1: 2, 2: 3, 3: 1, 4: 4}},
+             "speculative": {"drafted": 30, "accepted": 21, "accept_length_histogram": {1: 2, 2: 3, 3: 1, 4: 4},
+                             "verify_rounds": 7, "plain_rounds": 64},
              "vision": {"images_encoded": 6, "image_cache_hits": 2, "image_tokens_encoded": 600, "cached_images": 3,
                         "cached_tokens": 300, "capacity_tokens": 4096, "evictions": 1},
              "compiles_since_warmup": 0, "failed": None, "stats_age_s": 0.1}
@@ -89,12 +90,15 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
     assert samples["ninfer_kv_cache_usage_perc"] == 0.6  # active + filling of 10
     assert samples["ninfer_prefix_cache_queries_total"] == 400 and samples["ninfer_prefix_cache_hits_total"] == 100
     assert samples["ninfer_prefix_cache_hit_rate"] == 0.25
-    assert samples['ninfer_snapshot_slots{state="cached"}'] == 4 and samples['ninfer_host_cache_slabs{state="node"}'] == 1
+    assert samples['ninfer_snapshot_slots{state="cached"}'] == 4
+    assert samples['ninfer_host_cache_slabs{state="node"}'] == 1
     assert samples["ninfer_num_requests_waiting"] == 5 and samples["ninfer_server_requests_in_flight"] == 8
     assert samples["ninfer_spec_decode_num_drafts_total"] == 10
     assert samples["ninfer_spec_decode_num_draft_tokens_total"] == 30
     assert samples["ninfer_spec_decode_num_accepted_tokens_total"] == 21
     assert samples['ninfer_spec_decode_accept_length_total{length="4"}'] == 4
+    assert samples['ninfer_spec_decode_rounds_total{kind="verify"}'] == 7
+    assert samples['ninfer_spec_decode_rounds_total{kind="plain"}'] == 64
     assert samples["ninfer_vision_images_encoded_total"] == 6 and samples["ninfer_vision_encoder_cache_hits_total"] == 2
     assert samples["ninfer_vision_encoder_cache_tokens"] == 300
     assert "failed" not in text
