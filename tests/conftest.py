@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -35,6 +36,28 @@ warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 
 from ninfer_jax.model.tiny import write_random_checkpoint  # noqa: E402
 from oracle import oracle_config  # noqa: E402
+
+# The files that take half a minute or more on a 2-core CI machine, longest first (`--durations`, 2026-12-03). xdist
+# hands whole files to its two workers in order (`--dist loadfile --no-loadscope-reorder`); its default order, most
+# tests first, left these (few tests, long fixtures) to the end, where one worker ran them while the other idled.
+LONG_FILES = (
+    "runtime/test_tensor_parallel.py", "runtime/test_sampling_features.py", "engine_cache/test_chained_verify.py",
+    "runtime/test_engine.py", "model/test_gdn_decode_layer.py", "runtime/test_speculative.py",
+    "runtime/test_compile_cache.py", "engine_cache/test_cache_scenarios.py", "engine_cache/test_kv_profiles.py",
+    "server/test_server_cli.py", "engine_cache/test_wide_serving.py", "engine_cache/test_speculative_cache.py",
+    "server/test_server_fuzz.py", "engine_cache/test_persistence.py", "server/test_server_n.py",
+    "runtime/test_mixed_steps.py", "benchmarks/test_bench_trace.py", "training/test_train_tiny_mtp.py",
+    "engine_cache/test_vision_cache.py", "engine_cache/test_host_faults.py", "engine_cache/test_host_tier.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long files first, in LONG_FILES' order, then the rest by their number of tests (xdist's default order);
+    each file's tests stay together and in order."""
+    rank = {f"tests/{name}": i for i, name in enumerate(LONG_FILES)}
+    files = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    items.sort(key=lambda item: (rank.get(f := item.nodeid.split("::")[0], len(rank)),
+                                 0 if f in rank else -files[f], f))
 
 
 @pytest.fixture(scope="session")

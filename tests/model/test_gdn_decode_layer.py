@@ -77,10 +77,12 @@ def test_heads_split_over_programs_equal_whole_heads(dtype):
     np.testing.assert_array_equal(np.asarray(split[2], np.float32), np.asarray(whole[2], np.float32))
 
 
-@pytest.mark.parametrize("min_programs", [0, 10**6], ids=["whole-heads", "column-blocks"])
-def test_heads_of_a_key_head_in_one_program_equal_one_head_a_program(min_programs):
+@pytest.mark.parametrize("min_programs, rows", [(0, 1), (10**6, 3)], ids=["one-row-whole-heads",
+                                                                          "three-rows-column-blocks"])
+def test_heads_of_a_key_head_in_one_program_equal_one_head_a_program(min_programs, rows):
     """A key head's value heads in turn in one program (its q, k conv once; wide rounds) give what one program per
-    value head gives, bit for bit: one row a lane, and three rows a lane in the commit form."""
+    value head gives, bit for bit: one row a lane with whole heads a program (the norm inside), three rows a lane in
+    the commit form with column blocks (the norm after it)."""
     cfg = ModelConfig.from_file("configs/tiny-moe.json")
     group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
     layer, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=11)
@@ -89,15 +91,15 @@ def test_heads_of_a_key_head_in_one_program_equal_one_head_a_program(min_program
     kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
     one, grouped = (GdnDecodeLayerConfig(num_warps=4, min_programs=min_programs, heads_per_program=hp)
                     for hp in (1, group))
-    for a, b in zip(gdn_decode_layer(proj, ctx["active"], *args, jnp.copy(ssm), ctx["slots"], **kw, config=one),
-                    gdn_decode_layer(proj, ctx["active"], *args, jnp.copy(ssm), ctx["slots"], **kw, config=grouped)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    rows3 = jnp.stack([proj, proj[::-1], proj * 0.5], axis=1)
-    counts = jnp.asarray([3, 0, 2], jnp.int32)
-    for a, b in zip(gdn_rows_layer(rows3, counts, *args, jnp.copy(ssm), ctx["slots"], write_state=True, **kw,
-                                   config=one),
-                    gdn_rows_layer(rows3, counts, *args, jnp.copy(ssm), ctx["slots"], write_state=True, **kw,
-                                   config=grouped)):
+    if rows == 1:
+        outs = [gdn_decode_layer(proj, ctx["active"], *args, jnp.copy(ssm), ctx["slots"], **kw, config=c)
+                for c in (one, grouped)]
+    else:
+        rows3 = jnp.stack([proj, proj[::-1], proj * 0.5], axis=1)
+        counts = jnp.asarray([3, 0, 2], jnp.int32)
+        outs = [gdn_rows_layer(rows3, counts, *args, jnp.copy(ssm), ctx["slots"], write_state=True, **kw, config=c)
+                for c in (one, grouped)]
+    for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
