@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, random_engine
-from ninfer_jax.benchmarks.profiling import decode_inputs, time_rounds
+from ninfer_jax.benchmarks.profiling import decode_inputs, distinct_tokens, time_rounds
 
 PUBLISHED_ACCEPT_LENGTH = {1: 1.9, 2: 2.6, 3: 3.2, 4: 3.6}  # peers' MTP on the large Qwen models (issue 30)
 
@@ -39,11 +39,9 @@ def verify_inputs(engine, lanes: int, k: int, position: int, ahead: int = 0):
     commit's, whose cost every row's replay bounds); their pages map `ahead` positions more."""
     import numpy as np
 
-    tokens, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, position + k + ahead)
+    _, _, tables, slots, active, sampler = decode_inputs(engine, lanes, position + k + ahead)
     c = engine.runner.max_lanes
-    # distinct tokens per lane and row (`decode_inputs`' rule): rows fed one token route alike in an MoE model
-    rows = (tokens[:, None] + 104729 * np.arange(k + 1)[None, :]) % (engine.runner.cfg.vocab_size - 1) + 1
-    rows = rows.astype(np.int32)
+    rows = distinct_tokens((c, k + 1), engine.runner.cfg.vocab_size)
     counts = np.where(active, k + 1, 0).astype(np.int32)
     positions = np.where(active, position, 0).astype(np.int32)
     return rows, positions, counts, np.zeros(c, np.int32), tables, slots, sampler

@@ -29,9 +29,7 @@ def step_calls(engine, lanes: int, context: int, tokens: int, base: int):
     from ninfer_jax.runtime.sampling import SamplerInputs
 
     runner = engine.runner
-    ids, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, context)
-    # distinct tokens: lanes fed one token would all route to the same experts
-    ids = np.random.default_rng(0).integers(0, runner.cfg.vocab_size, len(ids)).astype(np.int32)
+    ids, positions, tables, slots, active, sampler = decode_inputs(engine, lanes, context)  # distinct tokens
     first = int(tables[:lanes].max()) + 1 if lanes else 0
     table = np.zeros(runner.max_pages, np.int32)
     need = -(-(base + tokens) // PAGE)

@@ -104,10 +104,18 @@ def _merged_busy(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def distinct_tokens(shape, vocab: int):
+    """int32 token ids of `shape`, no two alike while they fit the vocabulary (none is 0): rows fed one token route
+    alike, so an MoE round of many rows would read one row's experts where the engine's rows read most of them."""
+    import numpy as np
+
+    n = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    return (n * 7919 % (vocab - 1) + 1).astype(np.int32)
+
+
 def decode_inputs(engine, lanes: int, position: int) -> tuple:
     """`runner.decode` arguments for `lanes` lanes at `position` on an idle engine (any pages will do, disjoint
-    per lane); the other lanes inactive. Each lane feeds a token of its own: lanes fed one token route alike, so an
-    MoE round would read 8 experts a layer where the engine's lanes read most of them."""
+    per lane); the other lanes inactive. Each lane feeds a token of its own (`distinct_tokens`)."""
     import numpy as np
 
     from ninfer_jax.model.state import PAGE
@@ -121,9 +129,8 @@ def decode_inputs(engine, lanes: int, position: int) -> tuple:
         tables[lane, :per_lane] = np.arange(lane * per_lane, (lane + 1) * per_lane)
     active = np.zeros(c, bool)
     active[:lanes] = True
-    tokens = (np.arange(c, dtype=np.int64) * 7919 % (runner.cfg.vocab_size - 1) + 1).astype(np.int32)
-    return (tokens, np.full(c, position, np.int32), tables, np.arange(c, dtype=np.int32), active,
-            SamplerInputs.empty(c).arrays())
+    return (distinct_tokens(c, runner.cfg.vocab_size), np.full(c, position, np.int32), tables,
+            np.arange(c, dtype=np.int32), active, SamplerInputs.empty(c).arrays())
 
 
 def time_rounds(engine, lanes: int, rounds: int, sync: bool, position: int = 1024) -> float:

@@ -66,7 +66,6 @@ class KernelConfig:
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
-
     def without_host_loops(self) -> KernelConfig:
         """This config with the prefill attention in the Pallas kernel where it is cuDNN's, for a step that runs
         beside a decode round: cuDNN's form loops over the prefix's segments in an XLA while loop, whose trip count

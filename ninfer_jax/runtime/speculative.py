@@ -198,9 +198,9 @@ class RoundChoice:
         """A steady round of `lanes` lanes emitted `tokens` tokens in `seconds` since the round before it."""
         if seconds <= 0 or tokens <= 0:
             return
-        key = (verify, self.width(lanes))
-        rate, n = self.rates.get(key, (tokens / seconds, 0))
-        self.rates[key] = (rate + self.WEIGHT * (tokens / seconds - rate) if n else rate, n + 1)
+        key, now = (verify, self.width(lanes)), tokens / seconds
+        rate, n = self.rates.get(key, (now, 0))
+        self.rates[key] = (rate + self.WEIGHT * (now - rate), n + 1)
 
     def as_dict(self) -> dict:
         return {"chose_plain": self.chose_plain,

@@ -135,7 +135,7 @@ class _EngineCollector:
             family = CounterMetricFamily("ninfer_spec_decode_rounds", "Decode rounds by kind: verify (drafts fed) or "
                                          "plain (speculation paused, not paying, or not possible).", labels=["kind"])
             for kind in ("verify", "plain"):
-                family.add_metric([kind], float(spec.get(f"{kind}_rounds", 0)))
+                family.add_metric([kind], float(spec[f"{kind}_rounds"]))
             yield family
         vision = stats.get("vision")
         if vision:  # a model with a vision tower
