@@ -4,16 +4,18 @@
 
 A decode round reads every weight once for a few rows, so the kernels are bound by reading W: FP8 halves the bytes
 of bf16. Each program streams 128-wide column blocks of the contraction for a block of W's rows (output columns)
-over one split of K, multiplies each [rows, 128] FP8 tile's product by the tile's block scale (one scalar: the tile
-lies in one block) and adds it to a float32 accumulator; XLA sums the splits' float32 partials. Two kernels:
-  * `cuda_core` (M <= `Fp8Config.cuda_core_max_rows`): the tile converted to float32 and reduced against each row
-    of x on the CUDA cores. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
-  * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows
-    (padded to 16) its right, so the 16-row minimum falls on x, not on W's 128 rows.
+over one split of K; each 128-block's product is scaled by the block's scale (one scalar: the tile lies in one
+block). With several splits XLA sums their float32 partials; with one the kernel writes the result. Kernels:
+  * `cuda_core` (M <= `Fp8Config.cuda_core_max_rows`, one row): each thread keeps its share of a [block_n, 128]
+    float32 product tile, one FMA a weight with the block scale folded into x's 128 values, and the tile is
+    reduced once after the loop. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
+  * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows (16,
+    the rows past M loaded as zeros) its right, so the 16-row minimum falls on x, not on W's rows. bf16 rows go in
+    as float16, each row over a power of two (exact): FP8 -> float16 is one packed conversion a pair, FP8 -> bf16
+    three, and the conversion is what bounds this kernel.
   * With quantize_activations (2 rows and more): x quantized per token and 128-group with dynamic scales (the
-    packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8:
-    no FP8-to-bf16 conversion, which is what bounds the weight-only tensor-core kernel (1.4x its speed at 8 rows),
-    at the activations' quantization error (about 2.6% relative per product).
+    packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8,
+    no conversion in the loop, at the activations' quantization error (about 2.6% relative per product).
 Larger M (prefill) is not here: weight-only dequantizes to bf16 for XLA's matmul; with quantized activations on
 Hopper, fp8_gemm.py (Mosaic GPU wgmma) runs it (docs/kernels_notes.md, "FP8 weights"). K and N must be multiples of
 128 (`supported`).
@@ -62,22 +64,41 @@ def dequantize(w: BlockFp8) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """Tuning knobs (hashable: a static jit argument); tuned on the H200 at the 27B's projections
-    (docs/benchmarks/fp8.md). block_n: W rows per tensor-core program (<= 128, so a tile has one scale)."""
+    (docs/kernels_notes.md, "FP8 weights"). block_n: W rows per program (<= 128, so a tile has one scale);
+    block_k: contraction per loop step (128-blocks, each with its own scale); splits: at most this many programs
+    share one block of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer; with
+    one split the kernel writes the result itself, otherwise XLA adds the splits' float32 partials. tc_mode: the
+    weight-only tensor-core product's operands for bf16 rows, "f16" or "bf16". dynamic_*: the FP8 x FP8
+    product's."""
 
-    cuda_core_max_rows: int = 2
+    cuda_core_max_rows: int = 1
     max_rows: int = 16
     cuda_core_splits: int = 16
+    cuda_core_block_n: int = 32
+    cuda_core_block_k: int = 256
+    cuda_core_warps: int = 4
+    cuda_core_stages: int = 3
     splits: int = 8
-    block_n: int = 64
+    block_n: int = 32
+    block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    min_programs: int = 512
+    tc_mode: str = "f16"
+    dynamic_block_n: int = 64
+    dynamic_min_programs: int = 512
 
     def __post_init__(self):
-        for name in ("cuda_core_splits", "splits", "block_n", "num_warps"):
+        for name in ("block_n", "cuda_core_block_n", "dynamic_block_n", "block_k", "cuda_core_block_k",
+                     "num_warps", "cuda_core_warps"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"Fp8Config.{name} must be a power of two, got {getattr(self, name)}")
-        if not 16 <= self.block_n <= BLOCK:
-            raise ValueError(f"Fp8Config.block_n must be in 16..{BLOCK}, got {self.block_n}")
+        if not all(16 <= b <= BLOCK for b in (self.block_n, self.cuda_core_block_n, self.dynamic_block_n)):
+            raise ValueError(f"Fp8Config block_n must be in 16..{BLOCK}")
+        if self.block_k < BLOCK or self.cuda_core_block_k < BLOCK:
+            raise ValueError(f"Fp8Config block_k must be a multiple of {BLOCK}")
+        if self.tc_mode not in ("f16", "bf16"):
+            raise ValueError(f"Fp8Config.tc_mode must be f16 or bf16, got {self.tc_mode}")
         if not 0 <= self.cuda_core_max_rows <= self.max_rows <= _TC_ROWS:
             raise ValueError(f"Fp8Config needs 0 <= cuda_core_max_rows <= max_rows <= {_TC_ROWS}")
 
@@ -106,83 +127,134 @@ def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_a
     return _tensor_core(x, values, scales, cfg, interpret, quantize_activations)
 
 
-def _splits(k_blocks: int, wanted: int) -> int:
-    """The largest power of two <= wanted that divides the K blocks evenly."""
-    splits = max(1, min(wanted, k_blocks))
-    while k_blocks % splits:
-        splits //= 2
-    return splits
+def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs: int):
+    """(128-blocks per step, splits of K, steps per split): the most splits <= `splits` that divide the steps, or
+    the fewest that still give min_programs programs (fewer partial sums to write and add)."""
+    sub, k_blocks = block_k // BLOCK, k // BLOCK
+    while k_blocks % sub:
+        sub //= 2
+    steps = k_blocks // sub
+    fits = [d for d in range(1, min(splits, steps) + 1) if steps % d == 0]
+    enough = [d for d in fits if n // block_n * d >= min_programs]
+    chosen = min(enough) if min_programs and enough else max(fits)
+    return sub, chosen, steps // chosen
 
 
-def _cuda_core_kernel(x_ref, w_ref, s_ref, part_ref, *, steps: int):
+def _w_tile(w_ref, n, block_n: int, kb):
+    return w_ref[pl.ds(n * block_n, block_n), pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)]
+
+
+def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, block_n: int):
     # x_ref [M, K]   w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
-    # part_ref (out) [S, M, N] f32: program (n, s) writes W rows n*128.. summed over split s of K, for every row of x
+    # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. summed over split s of K)
+    #   or [M, N] in x's dtype (one split)
+    # Each thread keeps its share of a [block_n, 128] float32 product tile per row of x and reduces it once at the
+    # end: one FMA a weight (the block's scale rides on x's 128 values), no cross-thread sum in the loop.
     n, s = pl.program_id(0), pl.program_id(1)
     rows = x_ref.shape[0]
+    srow = n // (BLOCK // block_n)
 
     def body(i, accs):
-        kb = s * steps + i
-        k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-        wt = w_ref[pl.ds(n * BLOCK, BLOCK), pl.ds(k0, BLOCK)].astype(jnp.float32) * s_ref[n, kb]  # [128 n, 128 k]
-        return tuple(acc + jnp.sum(wt * x_ref[r, pl.ds(k0, BLOCK)].astype(jnp.float32)[None, :], axis=1)
-                     for r, acc in enumerate(accs))
+        accs = list(accs)
+        for j in range(sub):
+            kb = (s * steps + i) * sub + j
+            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
+            w = _w_tile(w_ref, n, block_n, kb).astype(jnp.float32)
+            scale = s_ref[srow, kb]
+            for r in range(rows):
+                accs[r] = accs[r] + w * (x_ref[r, pl.ds(k0, BLOCK)].astype(jnp.float32) * scale)[None, :]
+        return tuple(accs)
 
-    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((BLOCK,), jnp.float32) for _ in range(rows)))
+    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((block_n, BLOCK), jnp.float32) for _ in range(rows)))
     for r, acc in enumerate(accs):
-        part_ref[s, r, pl.ds(n * BLOCK, BLOCK)] = acc
+        total = jnp.sum(acc, axis=1)
+        if len(out_ref.shape) == 3:
+            out_ref[s, r, pl.ds(n * block_n, block_n)] = total
+        else:
+            out_ref[r, pl.ds(n * block_n, block_n)] = total.astype(out_ref.dtype)
 
 
 def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     (m, k), n = x.shape, values.shape[0]
-    splits = _splits(k // BLOCK, cfg.cuda_core_splits)
-    parts = pl.pallas_call(
-        functools.partial(_cuda_core_kernel, steps=k // BLOCK // splits),
-        grid=(n // BLOCK, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-        compiler_params=_compat.triton_params(cfg.num_warps, cfg.num_stages),
+    bn = cfg.cuda_core_block_n
+    sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, 0)
+    out = pl.pallas_call(
+        functools.partial(_cuda_core_kernel, steps=steps, sub=sub, block_n=bn),
+        grid=(n // bn, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
+                                       jnp.float32 if splits > 1 else x.dtype),
+        compiler_params=_compat.triton_params(cfg.cuda_core_warps, cfg.cuda_core_stages),
         interpret=interpret,
         name="fp8_gemv",
     )(x, values, scales)
-    return parts.sum(0).astype(x.dtype)
+    return out.sum(0).astype(x.dtype) if splits > 1 else out
 
 
-def _tensor_core_kernel(x_ref, *refs, steps: int, block_n: int, fp8_rows: bool):
-    # x_ref [16, K] (zero past M; FP8 with fp8_rows, then xs_ref [K / 128, 16] f32 its group scales)
+def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: str):
+    # x_ref [M, K]: FP8 in mode "fp8", then side[0] [K / 128, M] f32 its group scales; float16 in mode "f16", each
+    #   row over a power of two in side[0] [M] f32; rows M..15 of the product's 16 load as zeros
     # w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
-    # part_ref (out) [S, N, 16] f32: program (n, s) writes W rows n*block_n.. (x @ W transposed), split s of K
-    *xs_ref, w_ref, s_ref, part_ref = refs
+    # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. for split s of K)
+    #   or [M, N] in the output's dtype (one split)
+    *side, w_ref, s_ref, out_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
-    per_block = BLOCK // block_n
+    m = x_ref.shape[0]
+    srow = n // (BLOCK // block_n)
+    rows = jnp.arange(_TC_ROWS, dtype=jnp.int32)
+    live = rows < m
+    cols = jnp.arange(BLOCK, dtype=jnp.int32)
 
     def body(i, acc):
-        kb = s * steps + i
-        k0 = pl.multiple_of(kb * BLOCK, BLOCK)
-        xt = x_ref[:, pl.ds(k0, BLOCK)]
-        wt = w_ref[pl.ds(n * block_n, block_n), pl.ds(k0, BLOCK)]
-        if not fp8_rows:
-            wt = wt.astype(xt.dtype)
-        d = lax.dot_general(wt, xt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [block_n, 16]
-        scale = s_ref[n // per_block, kb]
-        return acc + (d * (scale * xs_ref[0][kb, :])[None, :] if fp8_rows else d * scale)
+        for j in range(sub):
+            kb = (s * steps + i) * sub + j
+            k0 = pl.multiple_of(kb * BLOCK, BLOCK)
+            xt = _compat.load(x_ref.at[rows[:, None], (k0 + cols)[None, :]], mask=live[:, None], other=0.0)
+            wt = _w_tile(w_ref, n, block_n, kb)
+            if mode != "fp8":
+                wt = wt.astype(xt.dtype)
+            d = lax.dot_general(wt, xt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bn, 16]
+            scale = s_ref[srow, kb]
+            if mode == "fp8":
+                scale = scale * _compat.load(side[0].at[kb, rows], mask=live, other=0.0)[None, :]
+            acc = acc + d * scale
+        return acc
 
-    part_ref[s, pl.ds(n * block_n, block_n), :] = lax.fori_loop(
-        0, steps, body, jnp.zeros((block_n, x_ref.shape[0]), jnp.float32))
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n, _TC_ROWS), jnp.float32))
+    if mode == "f16":
+        acc = acc * _compat.load(side[0].at[rows], mask=live, other=0.0)[None, :]
+    cols_n = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    if len(out_ref.shape) == 3:
+        _compat.store(out_ref.at[s, rows[:, None], cols_n[None, :]], acc.T, mask=live[:, None])
+    else:
+        _compat.store(out_ref.at[rows[:, None], cols_n[None, :]], acc.T.astype(out_ref.dtype), mask=live[:, None])
 
 
 def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: bool):
     (m, k), n = x.shape, values.shape[0]
-    xp = jnp.pad(x, ((0, _TC_ROWS - m), (0, 0))) if m < _TC_ROWS else x
-    inputs = quantize_rows(xp) if fp8_rows else (xp,)
-    splits = _splits(k // BLOCK, cfg.splits)
-    parts = pl.pallas_call(
-        functools.partial(_tensor_core_kernel, steps=k // BLOCK // splits, block_n=cfg.block_n, fp8_rows=fp8_rows),
-        grid=(n // cfg.block_n, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, n, _TC_ROWS), jnp.float32),
+    mode = "fp8" if fp8_rows else cfg.tc_mode if x.dtype == jnp.bfloat16 else "plain"
+    if mode == "fp8":
+        inputs = quantize_rows(x)
+    elif mode == "f16":
+        # bf16 rows into float16 exactly (8 of float16's 11 mantissa bits), each row over a power of two that puts
+        # its largest magnitude at or under 2**15: FP8 -> float16 is one packed conversion a pair, -> bf16 three
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+        row_scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))) - 15)
+        inputs = ((x.astype(jnp.float32) / row_scale[:, None]).astype(jnp.float16), row_scale)
+    else:
+        inputs = (x,)
+    bn = cfg.dynamic_block_n if fp8_rows else cfg.block_n
+    min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs
+    sub, splits, steps = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
+    out = pl.pallas_call(
+        functools.partial(_tensor_core_kernel, steps=steps, sub=sub, block_n=bn, mode=mode),
+        grid=(n // bn, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
+                                       jnp.float32 if splits > 1 else x.dtype),
         compiler_params=_compat.triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="fp8_fp8_swap_ab" if fp8_rows else "fp8_swap_ab",
     )(*inputs, values, scales)
-    return parts.sum(0)[:, :m].T.astype(x.dtype)
+    return out.sum(0).astype(x.dtype) if splits > 1 else out
 
 
 def quantize_rows(x):

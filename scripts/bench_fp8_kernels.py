@@ -37,9 +37,9 @@ from pallas_kernels import fp8_gemm, fp8_matmul  # noqa: E402
 SHAPES = {"27b mlp gate_up": (5120, 34816), "27b mlp down": (17408, 5120), "27b gdn in [qkv|z]": (5120, 16384),
           "27b o_proj": (6144, 5120), "35b shared gate_up": (2048, 1024)}
 CONFIGS = {"default": fp8_matmul.DEFAULT_CONFIG,
-           "cuda-core to 8 rows": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, cuda_core_max_rows=8),
-           "swap-AB block_n 128": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, block_n=128, cuda_core_max_rows=0),
-           "swap-AB splits 16": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, splits=16, cuda_core_max_rows=0)}
+           "cuda-core to 2 rows": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, cuda_core_max_rows=2),
+           "swap-AB bf16": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, tc_mode="bf16", cuda_core_max_rows=0),
+           "swap-AB 8 splits": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, min_programs=0, cuda_core_max_rows=0)}
 
 
 def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:

@@ -29,13 +29,28 @@ def _weight(seed=0, k=K, n=N):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16], ids=lambda r: f"{r}rows")
 def test_weight_only_kernels_match_float64_reference(rows):
-    """1-2 rows take the CUDA-core kernel, 3-16 the swap-AB tensor-core one; both equal x @ W in float64 to float32
+    """1 row takes the CUDA-core kernel, 2-16 the swap-AB tensor-core one; both equal x @ W in float64 to float32
     accumulation error (W's FP8 values are exact in float32, times their own block's scale)."""
     values, scales, exact = _weight(rows)
     x = np.random.default_rng(10 + rows).standard_normal((rows, K)).astype(np.float32)
     got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, interpret=INTERPRET), np.float64)
     want = x.astype(np.float64) @ exact.T
     np.testing.assert_allclose(got, want, rtol=F32_TOL, atol=F32_TOL * np.abs(want).max())
+
+
+@pytest.mark.parametrize("splits", [None, 1], ids=["splits", "one-split"])
+@pytest.mark.parametrize("rows", [1, 8], ids=lambda r: f"{r}rows")
+def test_bf16_rows_match_float64_reference(rows, splits):
+    """The model's bf16 rows: at 1 row two 128-blocks a loop step (six blocks of K), at 8 rows the float16
+    tensor-core product (each row scaled by a power of two into float16's range, exactly); partials added by XLA,
+    or one split writing the result itself. Off by the bf16 output's rounding only."""
+    values, scales, exact = _weight(30 + rows, k=768)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 768)) * 3e3, jnp.bfloat16)
+    cfg = fp8_matmul.Fp8Config(cuda_core_splits=1, splits=1) if splits == 1 else None
+    got = np.asarray(fp8_matmul.fp8_matmul(x, values, scales, config=cfg, interpret=INTERPRET).astype(jnp.float32),
+                     np.float64)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ exact.T
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("rows", [2, 16], ids=lambda r: f"{r}rows")
