@@ -237,21 +237,23 @@ def heldout_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
 
 
 def bench_checkpoint(path: str, args) -> tuple[dict, list]:
-    """Greedy decoding of a trained checkpoint with speculation off and MTP at each k, at each lane count."""
+    """Greedy decoding of a trained checkpoint with speculation off and MTP at each k, at each lane count: with the
+    per-round choice (`adaptive_speculation="on"`) and with every round verifying, on chained rounds. Each lane count
+    runs twice on one engine; the second run is timed (the choice has measured its width by then)."""
     from ninfer_jax import Engine, SamplingParams
 
     lanes_list, ks = [int(x) for x in args.lanes.split(",")], [int(x) for x in args.k.split(",")]
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     result, rows, plain = {"runs": []}, [], {}
-    for k in [0] + ks:
-        spec = dict(speculative="mtp", num_speculative_tokens=k) if k else {}
+    for k, adaptive in [(0, "off")] + [(k, a) for k in ks for a in ("on", "off")]:
+        spec = dict(speculative="mtp", num_speculative_tokens=k, adaptive_speculation=adaptive) if k else {}
         engine = Engine.from_pretrained(path, kernels=args.kernels, max_concurrency=max(lanes_list),
                                         no_prefix_reuse=True, background_compile="off", **spec)
         try:
             prompts = heldout_prompts(engine.tokenizer, max(lanes_list), 256)
             engine.generate_many(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # first-use work
-            for lanes, chain in [(n, c) for n in lanes_list for c in ((True, False) if k else (True,))]:
-                engine.scheduler.chain_rounds = chain  # MTP rounds chained on the device, or each read back first
+            for lanes in lanes_list:
+                engine.generate_many(prompts[:lanes], sampling)  # the choice measures this width
                 before = engine.stats()["speculative"] or {}
                 start = time.perf_counter()
                 outs = engine.generate_many(prompts[:lanes], sampling)
@@ -259,22 +261,24 @@ def bench_checkpoint(path: str, args) -> tuple[dict, list]:
                 decode = max(o.metrics.latency_s - o.metrics.ttft_s for o in outs)
                 rate = sum(len(o.token_ids) - 1 for o in outs) / decode
                 after = engine.stats()["speculative"] or {}
-                rounds = sum(after.get("accept_length_histogram", {}).values()) - sum(
-                    before.get("accept_length_histogram", {}).values())
-                emitted = sum(n * c for n, c in after.get("accept_length_histogram", {}).items()) - sum(
-                    n * c for n, c in before.get("accept_length_histogram", {}).items())
-                length = emitted / rounds if rounds else 1.0
+                hist_before = before.get("accept_length_histogram", {})
+                hist = {n: c - hist_before.get(n, 0) for n, c in after.get("accept_length_histogram", {}).items()}
+                rounds = sum(hist.values())
+                length = sum(n * c for n, c in hist.items()) / rounds if rounds else 1.0
                 if not k:
                     plain[lanes] = (rate, [o.token_ids for o in outs])
                 same = [o.token_ids for o in outs] == plain[lanes][1]
-                entry = {"k": k, "lanes": lanes, "chained": chain and bool(k), "decode_tok_s": rate, "seconds": seconds,
-                         "accept_length": length, "speedup": rate / plain[lanes][0], "tokens_equal_plain": same}
+                choice = after.get("adaptive") or {}
+                entry = {"k": k, "lanes": lanes, "adaptive": adaptive == "on" and bool(k), "decode_tok_s": rate,
+                         "seconds": seconds, "verify_rounds": rounds, "accept_length": length,
+                         "speedup": rate / plain[lanes][0], "tokens_equal_plain": same, "choice": choice}
                 result["runs"].append(entry)
-                label = "off" if not k else f"mtp k={k}" + ("" if chain else ", read back each round")
-                rows.append([label, lanes, f"{rate:.1f}", f"{length:.2f}", f"{entry['speedup']:.2f}x",
+                label = "off" if not k else f"mtp k={k}, " + ("per-round choice" if adaptive == "on" else
+                                                              "every round verifies")
+                rows.append([label, lanes, f"{rate:.1f}", rounds, f"{length:.2f}", f"{entry['speedup']:.2f}x",
                              "yes" if same else "NO"])
-                print(f"[checkpoint] {label} {lanes} lanes: {rate:.1f} tok/s, accept length {length:.2f}, "
-                      f"{entry['speedup']:.2f}x, tokens equal plain: {same}", flush=True)
+                print(f"[checkpoint] {label} {lanes} lanes: {rate:.1f} tok/s, {rounds} verify rounds, accept length "
+                      f"{length:.2f}, {entry['speedup']:.2f}x, tokens equal plain: {same}, choice {choice}", flush=True)
         finally:
             engine.stop()
     return result, rows
@@ -301,8 +305,8 @@ def main() -> int:
         lines = report.header("Speculative decoding with a trained checkpoint's MTP layer", meta,
                               f"checkpoint {args.checkpoint}, greedy, {args.tokens} tokens a request, prompts of 256 "
                               f"tokens from the standard library's last files, kernels {args.kernels}")
-        lines += report.table(["speculation", "lanes", "decode tok/s", "mean accept length", "speedup",
-                               "tokens equal off"], rows)
+        lines += report.table(["speculation", "lanes", "decode tok/s", "verify rounds", "mean accept length",
+                               "speedup", "tokens equal off"], rows)
         page = report.write_report(args.out or tempfile.mkdtemp(prefix="bench_mtp_"), "speculative_trained",
                                    {**meta, **result}, lines)
         print(f"report: {page}", flush=True)
