@@ -11,8 +11,8 @@ block). With several splits XLA sums their float32 partials; with one the kernel
     reduced once after the loop. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
   * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows (16,
     the rows past M loaded as zeros) its right, so the 16-row minimum falls on x, not on W's rows. bf16 rows go in
-    as float16, each row over a power of two (exact): FP8 -> float16 is one packed conversion a pair, FP8 -> bf16
-    three, and the conversion is what bounds this kernel.
+    as float16, each row over a power of two (exact within 2**29 of its largest): FP8 -> float16 is one packed
+    conversion a pair, FP8 -> bf16 three, and the conversion is what bounds this kernel.
   * With quantize_activations (2 rows and more): x quantized per token and 128-group with dynamic scales (the
     packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8,
     no conversion in the loop, at the activations' quantization error (about 2.6% relative per product).
@@ -235,8 +235,10 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
     if mode == "fp8":
         inputs = quantize_rows(x)
     elif mode == "f16":
-        # bf16 rows into float16 exactly (8 of float16's 11 mantissa bits), each row over a power of two that puts
-        # its largest magnitude at or under 2**15: FP8 -> float16 is one packed conversion a pair, -> bf16 three
+        # bf16 rows into float16 (8 of float16's 11 mantissa bits), each row over a power of two that puts its
+        # largest magnitude at or under 2**15: exact for values within 2**29 of it, smaller ones round in float16's
+        # subnormals, far below the float32 accumulation's error. FP8 -> float16 is one packed conversion a pair,
+        # -> bf16 three
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
         row_scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))) - 15)
         inputs = ((x.astype(jnp.float32) / row_scale[:, None]).astype(jnp.float16), row_scale)

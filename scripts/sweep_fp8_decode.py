@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ninfer_jax.model.random_init import fp8_normal  # noqa: E402
 from pallas_kernels import fp8_matmul as fm  # noqa: E402
 
 old = None
@@ -55,13 +56,6 @@ only = os.environ.get("SHAPES")
 if only:
     SHAPES = {k: v for k, v in SHAPES.items() if k in only.split(",")}
 T0 = time.time()
-
-
-def fp8_normal(key, n, k):
-    blocks = (jax.random.normal(key, (n, k), jnp.float32) * k**-0.5).reshape(n // 128, 128, k // 128, 128)
-    scales = jnp.max(jnp.abs(blocks), axis=(1, 3)) / 448.0
-    values = (blocks / scales[:, None, :, None]).astype(jnp.float8_e4m3fn).reshape(n, k)
-    return values, scales
 
 
 def step_fn(fn, unroll=10):
@@ -179,7 +173,7 @@ def main():
     print(f"[{time.time()-T0:.0f}s] compiled {len(futs)}", flush=True)
     results = []
     for sname, (k, n) in SHAPES.items():
-        values, scales = fp8_normal(jax.random.key(0), n, k)
+        values, scales = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
         deq = (values.astype(jnp.float32).reshape(n // 128, 128, k // 128, 128)
                * scales[:, None, :, None]).reshape(n, k)
         wbf = deq.T.astype(jnp.bfloat16)
