@@ -152,20 +152,46 @@ class SpeculativeStats:
                 "accept_length_histogram": {n: self.histogram[n] for n in range(1, self.k + 2)}}
 
 
+class _Window:
+    """The tokens and seconds of the last `size` steady rounds of one kind and width, with their sums (a ring: no
+    allocation a round)."""
+
+    __slots__ = ("tokens", "seconds", "total_tokens", "total_seconds", "rounds")
+
+    def __init__(self, size: int):
+        self.tokens, self.seconds = [0] * size, [0.0] * size
+        self.total_tokens, self.total_seconds, self.rounds = 0, 0.0, 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        i = self.rounds % len(self.tokens)
+        self.total_tokens += tokens - self.tokens[i]
+        self.total_seconds += seconds - self.seconds[i]
+        self.tokens[i], self.seconds[i] = tokens, seconds
+        self.rounds += 1
+
+    @property
+    def rate(self) -> float:
+        return self.total_tokens / self.total_seconds
+
+
 class RoundChoice:
     """Whether speculation pays (issue 30), from the rounds the engine ran: per width (the decoding lanes, to a power
-    of two), the tokens each kind of round emits per second of wall clock, an average over its steady rounds. While
+    of two), the tokens each kind of round emits per second of wall clock, as the sum of tokens over the sum of
+    seconds of its last WINDOW steady rounds: one host-bound round's time is noisy, a sum over many is not, and a
+    ratio of sums weighs each round by its time where a mean of per-round rates would favour short rounds. While
     verify rounds emit at least plain rounds' rate they run; once they fall behind, PROBE_AFTER plain rounds follow
     and speculation is measured again (acceptance and contexts change). A width whose plain rate is unknown runs
     MEASURE plain rounds first. The scheduler times each round from the read of the one before it, counting only
     rounds of one kind and width in a row with no prefill pass between them (`Scheduler._measure`)."""
 
-    MEASURE = 8  # steady rounds of a kind that make its rate known
+    # Steady rounds of a kind that make its rate known. Host-bound rounds range 0.6-1.6 ms: one slow round among 8
+    # fast ones moves their sum by about 20%, as much as verifying gains at 1 lane; among 16 by half that.
+    MEASURE = 16
+    WINDOW = 32  # steady rounds in a rate: enough to outweigh a slow one, few enough to follow changed acceptance
     PROBE_AFTER = 64  # plain rounds before a width that chose them tries speculation again
-    WEIGHT = 0.25  # of the newest round in a rate
 
     def __init__(self):
-        self.rates: dict[tuple[bool, int], tuple[float, int]] = {}  # (verify, width) -> (tokens per second, rounds)
+        self.windows: dict[tuple[bool, int], _Window] = {}  # (verify, width) -> its last steady rounds
         self.plain_left = 0  # plain rounds to run before speculation is tried again
         self.chose_plain = 0  # times speculation measured slower than plain decoding
 
@@ -173,22 +199,28 @@ class RoundChoice:
     def width(lanes: int) -> int:
         return 1 << max(0, lanes - 1).bit_length()
 
+    def _known(self, key: tuple[bool, int]) -> _Window | None:
+        window = self.windows.get(key)
+        return window if window is not None and window.rounds >= self.MEASURE else None
+
     def speculate(self, lanes: int) -> bool:
         """Whether a round of `lanes` decoding lanes should verify drafts."""
         if self.plain_left:
             return False
         w = self.width(lanes)
-        verify, plain = self.rates.get((True, w)), self.rates.get((False, w))
-        if verify is None or verify[1] < self.MEASURE:
+        verify = self._known((True, w))
+        if verify is None:
             return True  # measure speculation first: that is what was asked for
-        if plain is None or plain[1] < self.MEASURE:
+        plain = self._known((False, w))
+        if plain is None:
             self.plain_left = self.MEASURE + 2  # the first of a run and one read late do not count
             return False
-        if verify[0] >= plain[0]:
+        # Exact, no margin: speculation was asked for, and where it keeps pace it runs (8 lanes: never slower).
+        if verify.rate >= plain.rate:
             return True
         self.chose_plain += 1
         self.plain_left = self.PROBE_AFTER
-        del self.rates[(True, w)]  # measured afresh after the plain rounds
+        del self.windows[(True, w)]  # measured afresh after the plain rounds
         return False
 
     def plain_round(self) -> None:
@@ -198,11 +230,13 @@ class RoundChoice:
         """A steady round of `lanes` lanes emitted `tokens` tokens in `seconds` since the round before it."""
         if seconds <= 0 or tokens <= 0:
             return
-        key, now = (verify, self.width(lanes)), tokens / seconds
-        rate, n = self.rates.get(key, (now, 0))
-        self.rates[key] = (rate + self.WEIGHT * (now - rate), n + 1)
+        key = (verify, self.width(lanes))
+        window = self.windows.get(key)
+        if window is None:
+            window = self.windows[key] = _Window(self.WINDOW)
+        window.add(tokens, seconds)
 
     def as_dict(self) -> dict:
         return {"chose_plain": self.chose_plain,
-                "tokens_per_s": {f"{'verify' if v else 'plain'}@{w}": round(r, 1)
-                                 for (v, w), (r, n) in sorted(self.rates.items()) if n >= self.MEASURE}}
+                "tokens_per_s": {f"{'verify' if v else 'plain'}@{w}": round(window.rate, 1)
+                                 for (v, w), window in sorted(self.windows.items()) if window.rounds >= self.MEASURE}}

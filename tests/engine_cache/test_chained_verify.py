@@ -162,5 +162,5 @@ def test_rounds_switching_between_verifying_and_plain_decoding_keep_plain_decodi
         chained.scheduler.choice = None
     assert [o.token_ids for o in got] == [plain.generate(p, greedy).token_ids for p in prompts]
     assert after["verify_rounds"] > before["verify_rounds"] + 3 and after["plain_rounds"] > before["plain_rounds"] + 3
-    assert {verify for verify, _ in choice.rates} == {True, False}  # steady rounds of both kinds were timed
+    assert {verify for verify, _ in choice.windows} == {True, False}  # steady rounds of both kinds were timed
     chained.check_ledger()

@@ -135,16 +135,28 @@ def test_speculation_runs_while_its_rounds_measure_faster_per_width_and_is_tried
     for _ in range(m + 2):  # then measures plain rounds
         assert not choice.speculate(6)
         choice.plain_round()
-        choice.record(False, 6, 6, step / 2 * 6 / 8)  # 2,048 tok/s: a tie keeps speculating
+        choice.record(False, 7, 7, step / 2)  # 1,792 tok/s
     assert choice.speculate(6) and choice.speculate(8)  # 5-8 lanes share a width
     assert choice.speculate(9)  # 16 lanes: not measured, speculation first
-    choice.record(True, 6, 8, step)  # fewer drafts kept: 1,024 tok/s pulls the rate to 1,792
-    assert not choice.speculate(6) and choice.chose_plain == 1
+    for _ in range(RoundChoice.WINDOW - m - 1):
+        choice.record(True, 6, 16, step)
+    choice.record(True, 6, 16, 4 * step)  # one round held up on the host: 512 tok/s alone
+    assert choice.speculate(6)  # the window's 1,872 tok/s (a mean of the last few rounds' rates would be below plain)
+    fewer = 0  # rounds keeping fewer drafts: 1,536 tok/s, each displacing the window's oldest round
+    while choice.speculate(6):
+        choice.record(True, 6, 12, step)
+        fewer += 1
+    assert fewer == 6 and choice.chose_plain == 1  # (31 - 6) * 16 + 16 + 6 * 12 tokens in 35 steps: 1,785 tok/s
     for _ in range(RoundChoice.PROBE_AFTER):
         assert not choice.speculate(6)
         choice.plain_round()
-    assert choice.speculate(6)  # measured afresh
-    assert choice.as_dict() == {"chose_plain": 1, "tokens_per_s": {"plain@8": 2048.0}}
+        choice.record(False, 8, 8, step / 2)  # plain rounds now 2,048 tok/s; the window forgets the 1,792 ones
+    assert choice.as_dict() == {"chose_plain": 1, "tokens_per_s": {"plain@8": 2048.0}}  # verify measured afresh
+    for _ in range(m):
+        assert choice.speculate(6)
+        choice.record(True, 6, 16, step)  # 2,048 tok/s: a tie keeps speculating
+    assert choice.speculate(6) and choice.chose_plain == 1
+    assert choice.as_dict() == {"chose_plain": 1, "tokens_per_s": {"plain@8": 2048.0, "verify@8": 2048.0}}
 
 
 # --- options ------------------------------------------------------------------------------------------
