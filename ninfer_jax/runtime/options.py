@@ -50,9 +50,10 @@ MOE_PREFILL_CHUNK = 8192
 MOE_IDLE_PREFILL_CHUNK = 32768
 # A pass that rides in one step with the running lanes' decode round (mixed_prefill_tokens) lengthens every running
 # request's token by its own compute: a dense model's 256 tokens cost about what a wide round does. A round of an MoE
-# model already reads most experts' weights, which a longer pass then shares.
+# model already reads most experts' weights, which a longer pass then shares: at 64 lanes of the 35B-A3B, 512 tokens
+# keep TPOT p99 within 2x of decoding alone where 1024 do not (docs/benchmarks/arrivals.md).
 DENSE_MIXED_TOKENS = 256
-MOE_MIXED_TOKENS = 1024
+MOE_MIXED_TOKENS = 512
 MAX_DEFAULT_MODEL_LEN = 32768  # the default context: the model's limit, at most this
 MAX_CONCURRENCY = 256  # vLLM's and SGLang's default running sequences; a decode round's weights serve them all
 CPU_CONCURRENCY = 4  # max_concurrency auto where the device reports no memory (a CPU)
