@@ -4,11 +4,19 @@ bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our dec
 At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then one 35B-A3B MoE layer (256 experts,
 top 8, the shared expert) on bf16 against block-FP8 experts. `--only gemm`: the prefill block-FP8 GEMM
 (pallas_kernels/fp8_gemm.py, Mosaic GPU wgmma) at the 27B's projections, its configs first at two tuning points,
-then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process.
+then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process. `--only sweep`
+(never run by default): the decode kernels' config variants (SWEEP_VARIANTS) checked against float64 at a small
+shape and against the dequantized float32 product at the real ones, and timed beside XLA's bf16 matmul and, with
+`--sweep-old`, an earlier copy of fp8_matmul.py; every program is compiled before any is timed (compiling beside a
+timing slows it). On a CPU it runs the kernels in the Pallas interpreter, by default at a 1024x256 weight: a check
+of the script, not a measurement.
 
     python scripts/bench_fp8_kernels.py --out docs/benchmarks/fp8                # fp8_kernels.{json,md}
     python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
+    git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
+    python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
+                                                                                  # fp8_sweep.{json,md}
 
 Times are per call (median of 5 batches; a call repeated 10 times inside one jit, so dispatch is not timed); GB/s
 count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
@@ -17,15 +25,18 @@ count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import dataclasses
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_kernels import time_pure, time_torch  # noqa: E402
+from bench_kernels import compile_pure, time_pure, time_torch  # noqa: E402
 
 from ninfer_jax.benchmarks import report  # noqa: E402
 from ninfer_jax.model import ops  # noqa: E402
@@ -219,6 +230,158 @@ def bench_gemm(rows: tuple[int, ...], config_names: list[str]) -> list[dict]:
     return out
 
 
+# the decode kernels' config variants `--only sweep` times: name -> (config, quantize_activations, rows, shapes: names
+# from SHAPES, None for all)
+_D = fp8_matmul.DEFAULT_CONFIG
+SWEEP_VARIANTS = {
+    "new": (_D, False, (1, 2, 8, 16), None),
+    "new dynamic": (_D, True, (2, 8, 16), None),
+    "alt cc stages1": (dataclasses.replace(_D, cuda_core_stages=1), False, (1,), None),
+    "alt cc to 2 rows": (dataclasses.replace(_D, cuda_core_max_rows=2), False, (2,), None),
+    "alt tc 8 splits": (dataclasses.replace(_D, min_programs=0), False, (8,), None),
+    "alt dyn bn32 8 splits": (dataclasses.replace(_D, dynamic_block_n=32, dynamic_min_programs=0), True, (8,), None),
+}
+SWEEP_CPU_SHAPE = (1024, 256)  # the interpreter takes tens of seconds a program at the 27B's shapes
+
+
+def _bf16_dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.bfloat16)
+
+
+def _sweep_shapes(spec: str | None, cpu: bool) -> dict[str, tuple[int, int]]:
+    """--sweep-shapes: names from SHAPES or KxN, comma-separated; by default every SHAPES entry (on a CPU, one
+    small weight)."""
+    if not spec:
+        return {"x".join(map(str, SWEEP_CPU_SHAPE)): SWEEP_CPU_SHAPE} if cpu else dict(SHAPES)
+    out = {}
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        if item in SHAPES:
+            out[item] = SHAPES[item]
+        else:
+            k, sep, n = item.partition("x")
+            if not (sep and k.isdigit() and n.isdigit() and fp8_matmul.supported(int(k), int(n))):
+                raise SystemExit(f"--sweep-shapes: {item!r} is neither one of {list(SHAPES)} nor KxN in 128-blocks")
+            out[item] = (int(k), int(n))
+    return out
+
+
+def _load_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # its dataclasses look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sweep_jobs(rows: tuple[int, ...], old, interpret: bool) -> list[tuple]:
+    """(label, M, fn, shapes) of each program the sweep times; fn None: XLA's matmul on bf16 weights."""
+    kw = {"interpret": True} if interpret else {}
+    jobs = []
+    for m in rows:
+        jobs.append(("bf16", m, None, None))
+        if old is not None:
+            jobs.append(("old default", m, lambda a, v, s: old.fp8_matmul(a, v, s, **kw), None))
+            if m >= 2:
+                jobs.append(("old dynamic", m, lambda a, v, s: old.fp8_matmul(a, v, s, quantize_activations=True,
+                                                                              **kw), None))
+    for name, (cfg, q, ms, shapes) in SWEEP_VARIANTS.items():
+        jobs += [(name, m, lambda a, v, s, cfg=cfg, q=q: fp8_matmul.fp8_matmul(a, v, s, config=cfg,
+                                                                               quantize_activations=q, **kw), shapes)
+                 for m in ms if m in rows]
+    return jobs
+
+
+def _sweep_float64_check(jobs: list[tuple]) -> list[dict]:
+    """Each FP8 kernel at K=1024, N=256 against float64, the weight's block scales over three decades (an error
+    the real shapes' float32 reference would hide)."""
+    rng = np.random.default_rng(0)
+    k, n = 1024, 256
+    decades = np.repeat(np.repeat(10.0 ** rng.uniform(-3, 0, (n // 128, k // 128)), 128, 0), 128, 1)
+    w = rng.standard_normal((n, k)) * decades
+    sc = (np.abs(w.reshape(n // 128, 128, k // 128, 128)).max(axis=(1, 3)) / 448).astype(np.float32)
+    vals = jnp.asarray((w / np.repeat(np.repeat(sc, 128, 0), 128, 1)).astype(np.float32)).astype(jnp.float8_e4m3fn)
+    exact = np.asarray(vals.astype(jnp.float32), np.float64) * np.repeat(np.repeat(sc.astype(np.float64), 128, 0),
+                                                                          128, 1)
+
+    def one(job):
+        label, m, fn, _ = job
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)) * 30, jnp.bfloat16)
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ exact.T
+        limit = 0.05 if "dyn" in label else 4e-3  # dynamic: the activations' FP8 quantization
+        try:
+            got = np.asarray(jax.jit(fn)(x, vals, jnp.asarray(sc)).astype(jnp.float32), np.float64)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        except Exception as e:  # one kernel failing must not end the run
+            err = f"{type(e).__name__}: {str(e)[:300]}"
+        ok = isinstance(err, float) and bool(np.isfinite(err)) and err <= limit
+        return {"kernel": label, "M": m, "rel_err": err, "limit": limit, "ok": ok}
+
+    with cf.ThreadPoolExecutor(max_workers=15) as pool:
+        checks = list(pool.map(one, [j for j in jobs if j[2] is not None]))
+    print(f"float64 check at {k}x{n}: {len(checks)} kernels, failing: "
+          f"{[c for c in checks if not c['ok']]}", flush=True)
+    return checks
+
+
+def bench_sweep(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], old_path: str | None, out: str,
+                meta: dict, interpret: bool) -> tuple[list[dict], list[dict]]:
+    """The decode kernels' SWEEP_VARIANTS (and with old_path an earlier fp8_matmul.py's default and dynamic
+    kernels) beside XLA's bf16 matmul: per call times (GB/s of FP8 weight bytes; bf16: its own), errors against
+    the dequantized weight's float32 product, and the float64 check. fp8_sweep.json is rewritten after each
+    shape, so a run cut short keeps the shapes it finished."""
+    old = _load_module("fp8_matmul_old", old_path) if old_path else None
+    if old is not None:
+        print("old fp8_matmul from", old.__file__, flush=True)
+    jobs = _sweep_jobs(rows, old, interpret)
+    checks = _sweep_float64_check(jobs)
+    sds = jax.ShapeDtypeStruct
+    programs = {}
+    with cf.ThreadPoolExecutor(max_workers=15) as pool:
+        for name, (k, n) in shapes.items():
+            for label, m, fn, only in jobs:
+                if only is not None and name not in only:
+                    continue
+                x = sds((m, k), jnp.bfloat16)
+                args = (x, sds((k, n), jnp.bfloat16)) if fn is None else (
+                    x, sds((n, k), jnp.float8_e4m3fn), sds((n // 128, k // 128), jnp.float32))
+                programs[name, label, m] = pool.submit(compile_pure, fn or _bf16_dot, args, unroll=10)
+    print(f"compiled {len(programs)} programs", flush=True)
+    results = []
+    for name, (k, n) in shapes.items():
+        results += _sweep_shape(name, k, n, jobs, programs)
+        report.write_json(out, "fp8_sweep", {**meta, "float64_check": checks, "rows": results})
+    return results, checks
+
+
+def _sweep_shape(name: str, k: int, n: int, jobs: list[tuple], programs: dict) -> list[dict]:
+    """The sweep's rows of one shape (its weights freed on return: the next shape's need the memory)."""
+    w = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+    deq = ops.dequantize(w)
+    bf16 = deq.astype(jnp.bfloat16)
+    bf16_us, out = {}, []
+    for label, m, fn, _ in jobs:
+        if (name, label, m) not in programs:
+            continue
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        f, args = (_bf16_dot, (x, bf16)) if fn is None else (fn, (x, w.values, w.scales))
+
+        def measure(f=f, args=args, x=x, program=programs[name, label, m]):
+            t = time_pure(f, args, unroll=10, compiled=program.result())
+            return t, _rel(jax.jit(f)(*args), jnp.dot(x.astype(jnp.float32), deq, precision="highest"))
+
+        got = _guard(f"{name} {label} M={m}", measure)
+        if got is None:
+            continue
+        us = got[0] * 1e6
+        if fn is None:
+            bf16_us[m] = us
+        row = {"shape": name, "K": k, "N": n, "M": m, "kernel": label, "us": us,
+               "gbps": k * n * (2 if fn is None else 1) / us / 1e3,
+               "vs_bf16": bf16_us[m] / us if m in bf16_us else None, "rel_err": got[1]}
+        print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+        out.append(row)
+    return out
+
+
 def _torch_rowwise(m: int, k: int, n: int) -> float | None:
     try:
         import torch
@@ -237,10 +400,42 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--rows", default="1,2,8,16,2048,8192")
     p.add_argument("--moe-tokens", default="1,8,512,8192")
-    p.add_argument("--only", choices=["dense", "moe", "gemm"], help="one section")
+    p.add_argument("--only", choices=["dense", "moe", "gemm", "sweep"],
+                   help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
     p.add_argument("--gemm-configs", default=",".join(GEMM_CONFIGS), help="names from GEMM_CONFIGS to tune over")
+    p.add_argument("--sweep-rows", default="1,2,8,16",
+                   help="bf16 and --sweep-old's kernels at each; each SWEEP_VARIANTS entry at its rows among these")
+    p.add_argument("--sweep-shapes", help="comma-separated names from SHAPES, or KxN (default: every SHAPES entry; "
+                   f"on a CPU {SWEEP_CPU_SHAPE[0]}x{SWEEP_CPU_SHAPE[1]})")
+    p.add_argument("--sweep-old", metavar="PATH", help="a copy of an earlier pallas_kernels/fp8_matmul.py (git show "
+                   "REV:pallas_kernels/fp8_matmul.py > PATH): its default and dynamic kernels timed beside")
     args = p.parse_args()
+    if args.only == "sweep":
+        cpu = jax.default_backend() == "cpu"
+        shapes = _sweep_shapes(args.sweep_shapes, cpu)
+        meta = report.run_meta(report.command_line())
+        rows, checks = bench_sweep(shapes, tuple(int(m) for m in args.sweep_rows.split(",")), args.sweep_old,
+                                   args.out, meta, interpret=cpu)
+        cols = ["shape", "M", "kernel", "us", "gbps", "vs_bf16", "rel_err"]
+        lines = report.header("Block-FP8 decode kernel configs", meta, "pallas_kernels/fp8_matmul.py's configs "
+                              "(SWEEP_VARIANTS in scripts/bench_fp8_kernels.py; old: --sweep-old's copy) beside "
+                              "XLA's bf16 matmul on bf16 weights; us per call (10 calls inside one jit, median of 5 "
+                              "batches, every program compiled before any is timed); gbps: FP8 weight bytes a "
+                              "second (bf16: its own bytes); vs_bf16: the bf16 matmul's time over the kernel's at the "
+                              "same rows; rel_err against the dequantized weight's float32 product"
+                              + ("; the Pallas interpreter on a CPU: times are not measurements" if cpu else ""))
+        lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
+        kernels = list(dict.fromkeys((r["kernel"], r["M"]) for r in rows))
+        cell = {(r["kernel"], r["M"], r["shape"]): f"{report.fmt(r['gbps'])} x{report.fmt(r['vs_bf16'])}" for r in rows}
+        lines += ["", "GB/s (x bf16):", ""]
+        lines += report.table(["kernel", "M", *shapes], [[lb, m, *[cell.get((lb, m, s), "") for s in shapes]]
+                                                         for lb, m in kernels])
+        lines += ["", "float64 check (K=1024, N=256, block scales over three decades):", ""]
+        lines += report.table(["kernel", "M", "rel_err", "limit", "ok"],
+                              [[c["kernel"], c["M"], report.fmt(c["rel_err"]), c["limit"], c["ok"]] for c in checks])
+        report.write_report(args.out, "fp8_sweep", {**meta, "float64_check": checks, "rows": rows}, lines)
+        return
     if args.only == "gemm":
         rows = bench_gemm(tuple(int(m) for m in args.gemm_rows.split(",")), args.gemm_configs.split(","))
         meta = report.run_meta(report.command_line())

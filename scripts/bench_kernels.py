@@ -87,19 +87,11 @@ def guarded(label, fn):
 # ------------------------------------------------------------------------------------------------
 
 
-def time_jax(step, state, args=(), unroll=1, reps=5, min_time=0.05):
-    """Median seconds per call of step(state, *args) -> (state, out); state is donated and threaded."""
-    if unroll > 1:
-        inner = step
-
-        def step(s, *a):  # noqa: F811
-            out = None
-            for _ in range(unroll):
-                s, out = inner(s, *a)
-            return s, out
-
-    f = jax.jit(step, donate_argnums=0)
-    state, out = f(state, *args)  # compile + warm
+def time_jax(step, state, args=(), unroll=1, reps=5, min_time=0.05, program=None):
+    """Median seconds per call of step(state, *args) -> (state, out); state is donated and threaded. program:
+    `_program(step, unroll)` compiled ahead (compile_pure), for callers that keep compiles apart from timings."""
+    f = _program(step, unroll) if program is None else program
+    state, out = f(state, *args)  # compile (unless compiled ahead) + warm
     jax.block_until_ready((state, out))
     t0 = time.perf_counter()
     state, out = f(state, *args)
@@ -116,9 +108,21 @@ def time_jax(step, state, args=(), unroll=1, reps=5, min_time=0.05):
     return statistics.median(times), state
 
 
-def time_pure(fn, args, chain_arg=0, unroll=1, reps=5, min_time=0.05):
-    """Time a pure jax function; successive calls are chained through a negligible dependency."""
+def _program(step, unroll):
+    """step repeated `unroll` times inside one jit (no host gaps), its state donated."""
+    if unroll > 1:
+        inner = step
 
+        def step(s, *a):  # noqa: F811
+            out = None
+            for _ in range(unroll):
+                s, out = inner(s, *a)
+            return s, out
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def _pure_step(fn, chain_arg, unroll):
     def step(state, *rest):
         a = list(rest)
         if unroll > 1:  # keep XLA from merging the unrolled calls (the chained input is small)
@@ -126,7 +130,20 @@ def time_pure(fn, args, chain_arg=0, unroll=1, reps=5, min_time=0.05):
         out = fn(*a)
         return jnp.sum(out.reshape(-1)[:1]).astype(jnp.float32) * 0, out
 
-    return time_jax(step, jnp.zeros((), jnp.float32), args, unroll=unroll, reps=reps, min_time=min_time)[0]
+    return step
+
+
+def time_pure(fn, args, chain_arg=0, unroll=1, reps=5, min_time=0.05, compiled=None):
+    """Time a pure jax function; successive calls are chained through a negligible dependency. compiled:
+    `compile_pure(fn, args, chain_arg, unroll)`, for callers that compile every program before timing any."""
+    return time_jax(_pure_step(fn, chain_arg, unroll), jnp.zeros((), jnp.float32), args, unroll=unroll, reps=reps,
+                    min_time=min_time, program=compiled)[0]
+
+
+def compile_pure(fn, args, chain_arg=0, unroll=1):
+    """time_pure's program for fn, compiled for args (arrays or jax.ShapeDtypeStruct) without running it."""
+    step = _pure_step(fn, chain_arg, unroll)
+    return _program(step, unroll).lower(jax.ShapeDtypeStruct((), jnp.float32), *args).compile()
 
 
 def time_torch(fn):
@@ -309,7 +326,8 @@ def run_gdn():
             (q, k, v, g, beta, no_taps, no_taps, jnp.int32(0)))[0])
         if r is not None:
             log(f"  sweep {cfg}: {r * 1e3:.3f} ms")
-            RESULTS["rows"].append({"kernel": "gdn_sweep", "shape": name, "T": t_sweep, "config": str(cfg), "ms": r * 1e3})
+            RESULTS["rows"].append({"kernel": "gdn_sweep", "shape": name, "T": t_sweep, "config": str(cfg),
+                                    "ms": r * 1e3})
             if best_t is None or r < best_t:
                 best, best_t = cfg, r
     log(f"  best config: {best}")
@@ -317,7 +335,8 @@ def run_gdn():
     for cfg in configs[:2]:
         parts = guarded(f"gdn parts {cfg}", lambda: _gdn_parts(cfg, q, k, v, g, beta, hv, d, slots))
         if parts:
-            log(f"  parts fuse_output={cfg.fuse_output}: " + ", ".join(f"{a} {b * 1e3:.3f} ms" for a, b in parts.items()))
+            log(f"  parts fuse_output={cfg.fuse_output}: "
+                + ", ".join(f"{a} {b * 1e3:.3f} ms" for a, b in parts.items()))
             RESULTS["rows"].append({"kernel": "gdn_parts", "shape": name, "T": t_sweep, "config": str(cfg),
                                     **{f"{a}_ms": b * 1e3 for a, b in parts.items()}})
 
