@@ -503,8 +503,12 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     if fp8 and rows >= num_experts * cfg.fp8_dequantize_rows_per_expert:
         # A long prefill: every expert's bf16 tiles beat converting FP8 tiles in the kernels (a 35B-A3B layer at 8192
         # tokens: 0.57x of bf16 weights converting in-kernel; docs/kernels_notes.md, "FP8 weights"), and the one
-        # pass that dequantizes the experts is small beside the pass's matmuls.
-        gate_up, down = (fp8_matmul.dequantize(w).astype(dtype) for w in (gate_up, down))
+        # pass that dequantizes the experts is small beside the pass's matmuls. The barrier ties the weights to x:
+        # a dequantization reads weights only, and XLA otherwise starts every layer's early and holds them all (a
+        # 35B-A3B pass of 32768 tokens asked 24 GiB more and ran out of memory on the H200). Straight to `dtype`:
+        # no float32 copy of the experts.
+        (gate_up, down), x = lax.optimization_barrier(((gate_up, down), x))
+        gate_up, down = (jnp.swapaxes(fp8_matmul.dequantize_rows(w, dtype), -1, -2) for w in (gate_up, down))
     if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)

@@ -1,4 +1,5 @@
-"""Where a decode round's time goes at the real shapes (random bf16 weights): host loop vs device, per kernel.
+"""Where a decode round's time goes at the real shapes (random bf16 or block-FP8 weights): host loop vs device, per
+kernel.
 
 Default mode, on one idle engine per model: the runner's decode round at 1 and all lanes, synchronous (each
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
@@ -8,6 +9,7 @@ cProfile while the engine decodes one lane, on the wall clock and on the thread'
 
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/profile_decode.py --models 35b-a3b --engine --out /tmp/decode
+    python scripts/profile_decode.py --models 27b --weights fp8 --out docs/benchmarks/fp8   # an FP8 pack's round
     python scripts/profile_decode.py --smoke          # the tiny shape on CPU, a temporary folder
 """
 
@@ -99,19 +101,21 @@ def round_profile(engine, name: str, args) -> dict:
 def profile(name: str, args) -> dict:
     from ninfer_jax import SamplingParams
 
-    engine, _ = random_engine(name, kernels=args.kernels, max_concurrency=args.lanes, prefill_chunk=2048,
-                              max_model_len=args.max_model_len, kv_capacity=65536, no_prefix_reuse=True)
+    engine, _ = random_engine(name, kernels=args.kernels, weights=args.weights, max_concurrency=args.lanes,
+                              prefill_chunk=2048, max_model_len=args.max_model_len, kv_capacity=65536,
+                              no_prefix_reuse=True)
     try:
         engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         mode = engine_profile if args.engine else round_profile
-        return {"model": name, "max_model_len": args.max_model_len, **mode(engine, name, args)}
+        return {"model": name, "weights": args.weights, "max_model_len": args.max_model_len,
+                **mode(engine, name, args)}
     finally:
         engine.stop()
 
 
 def write_report(rows: list[dict], args, out: Path) -> None:
     meta = report.run_meta()
-    lines = report.header("Decode profile", meta, f"random bf16 weights, kernels {args.kernels}, "
+    lines = report.header("Decode profile", meta, f"random {args.weights} weights, kernels {args.kernels}, "
                           f"{args.lanes} lanes, max_model_len {args.max_model_len}, rounds at position 1024")
     for r in rows:
         if "kernels_1lane" in r:
@@ -135,6 +139,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="27b,35b-a3b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--kernels", default="pallas")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: block-FP8 as Qwen's FP8 packs")
     p.add_argument("--lanes", type=int, default=8, help="the engine's max_concurrency: the all-lanes round")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="the engine's; it sets the page tables' width, so paged decode attention's splits")

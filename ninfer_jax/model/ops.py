@@ -304,6 +304,8 @@ def quantized_dot(kc: KernelConfig, x, w):
                                      interpret=kc.interpret)
     if kc.fp8_activations and not kc.interpret and fp8_gemm.supported(k, n) and fp8_gemm.available():
         return fp8_gemm.fp8_gemm(x, w.values, w.scales)
+    # tied to x, so XLA cannot start every layer's dequantization early and hold them all (pallas_kernels/moe.py)
+    w, x = lax.optimization_barrier((w, x))
     rows = fp8_matmul.dequantize_rows(block_fp8(w), x.dtype)
     return lax.dot_general(x, rows, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 
