@@ -1,5 +1,5 @@
-"""Decode output tok/s at many lanes (1 to 256) for the real Qwen3.5 shapes with random bf16 weights, each against
-the round's roofline (issue 31: >= 80% of it at 64 lanes and up).
+"""Decode output tok/s at many lanes (1 to 256) for the real Qwen3.5 shapes with random bf16 weights (or block-FP8:
+--weights fp8, fp8-dynamic), each against the round's roofline (issue 31: >= 80% of it at 64 lanes and up).
 
 Per model (one process each), on one engine whose max_concurrency is the most lanes asked that fit:
   * the two ceilings in the same run (`models.measure_ceilings`: a bf16 matmul, a device copy);
@@ -19,6 +19,7 @@ Writes docs/benchmarks/wide_decode.{json,md} (or --out DIR); a run keeps the oth
 
     python scripts/bench_wide_decode.py --models 35b-a3b --deadline 480
     python scripts/bench_wide_decode.py --models 27b --deadline 480
+    python scripts/bench_wide_decode.py --models 35b-a3b --weights fp8-dynamic --lanes 8,64,256 --deadline 480
     python scripts/bench_wide_decode.py --smoke      # the tiny MoE shape on CPU, lanes 1 and 4, a temporary folder
 """
 
@@ -31,6 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import argparse
 import collections
+import dataclasses
 import json
 import subprocess
 import sys
@@ -88,23 +90,28 @@ def bench(name: str, args) -> dict:
 
     from ninfer_jax import SamplingParams
     from ninfer_jax.benchmarks.models import random_engine
+    from ninfer_jax.config import QuantizationConfig
     from ninfer_jax.benchmarks.wide_decode import engine_pass_tokens, round_roofline, run_wave, wave_tokens
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.model.state import slot_bytes
 
     cfg = model_config(name)
+    fp8 = args.weights != "bf16"
+    section = name if not fp8 else f"{name}, {args.weights} weights"
     lanes_asked = sorted({int(n) for n in args.lanes.split(",")})
-    result = {**report.run_meta(), "model": name, "decode_context": args.decode_context,
+    result = {**report.run_meta(), "model": name, "weights": args.weights, "decode_context": args.decode_context,
               "decode_tokens": args.decode_tokens, "kernels": args.kernels, "lanes": []}
 
     def save(event: str) -> None:
-        print(f"[{name}] {event}", flush=True)
-        write_report(name, result, Path(args.out))
+        print(f"[{section}] {event}", flush=True)
+        write_report(section, result, Path(args.out))
 
     tflops, tbps = measure_ceilings(*((256, 1) if args.smoke else ()))
     result.update(matmul_tflops=tflops, copy_tbps=tbps)
     save(f"ceilings: matmul {report.fmt(tflops)} TFLOP/s, copy {report.fmt(tbps)} TB/s")
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: random_params(cfg))))
+    made = dataclasses.replace(cfg, quantization=QuantizationConfig()) if fp8 else cfg  # as an FP8 pack's config says
+    weights = sum(x.size * x.dtype.itemsize
+                  for x in jax.tree.leaves(jax.eval_shape(lambda: random_params(made, fp8=fp8))))
     plans = {n: memory_plan(cfg, n, args, weights) for n in lanes_asked}
     fitting = [n for n in lanes_asked if plans[n]["fits"]]
     result["slot_mib"] = slot_bytes(cfg, jax.numpy.bfloat16) / 2**20
@@ -120,7 +127,9 @@ def bench(name: str, args) -> dict:
     plan = plans[fitting[-1]]
     result["plan"] = plan
     try:
-        engine, init_s = random_engine(name, kernels=args.kernels, **plan["options"])
+        engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
+                                       **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
+                                       **plan["options"])
     except Exception as e:  # noqa: BLE001  (an engine that cannot start is a result, not a crash)
         result["error"] = f"engine start: {type(e).__name__}: {e}"[:2000]
         save(result["error"])
@@ -167,7 +176,7 @@ def bench(name: str, args) -> dict:
             save(f"{n} lanes: no round ran all lanes (raise --decode-tokens)")
             continue
         roof = round_roofline(cfg, n, args.decode_context + (window.start_tokens + window.end_tokens) / 2,
-                              tflops, tbps)
+                              tflops, tbps, fp8=fp8)
         row.update(status="measured", tok_s=window.tok_s, rounds=window.rounds, every_lane=window.every_lane,
                    finish_reasons=collections.Counter(timed.finish_reasons), ms_per_round=window.ms_per_round,
                    mean_context=roof.context, roofline_tok_s=roof.tok_s, roofline_ms=roof.seconds * 1e3,
@@ -201,7 +210,9 @@ def write_report(name: str, result: dict, out: Path) -> None:
     meta = report.run_meta(result["command"], device=result.get("device", ""))
     lines = report.header(
         "Wide decode", meta,
-        "random bf16 weights at the real shapes; greedy, ignore_eos; each lane's prompt is random token ids",
+        "random weights at the real shapes, bf16 unless a section names FP8 (block-FP8 as Qwen's packs: the roofline "
+        "reads their quantized linears at one byte and still counts FLOPs at the bf16 matmul rate); greedy, "
+        "ignore_eos; each lane's prompt is random token ids",
         "decode tok/s: the rounds in which every lane of the wave decodes (after the last prompt's first token, "
         "until the first lane finishes), timed by the token reads of the lane that finishes first "
         "(`ninfer_jax/benchmarks/wide_decode.py`); the untimed first wave at each width compiled its round sizes",
@@ -277,12 +288,16 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill pass (default: the "
                    "engine's)")
     p.add_argument("--kernels", default="pallas")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-dynamic"],
+                   help="fp8: block-FP8 as Qwen's packs; fp8-dynamic: with fp8_activations 'dynamic'")
     p.add_argument("--deadline", type=float, default=None, help="seconds from the start: a lane count whose "
                    "waves would end later (projected from the last timed wave and its first wave's compiles) is "
                    "skipped and recorded as skipped")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU with reference kernels")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
+    if args.smoke and args.weights != "bf16":
+        p.error("--smoke runs bf16 weights only: block-FP8 needs whole 128-blocks, which the tiny shape lacks")
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
@@ -294,8 +309,8 @@ def main() -> int:
     if len(names) > 1:  # one process per model: jax keeps the GPU memory a model took
         common = ["--lanes", args.lanes, "--decode-context", str(args.decode_context), "--decode-tokens",
                   str(args.decode_tokens), "--device-snapshot-slots", str(args.device_snapshot_slots), "--kernels",
-                  args.kernels, "--out", args.out, *(["--prefill-chunk", str(args.prefill_chunk)]
-                                                      if args.prefill_chunk else []),
+                  args.kernels, "--weights", args.weights, "--out", args.out,
+                  *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                   *(["--deadline", str(args.deadline)] if args.deadline else [])]
         return max(subprocess.run([sys.executable, __file__, "--models", n, *common], check=False).returncode
                    for n in names)

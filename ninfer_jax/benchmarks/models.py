@@ -102,9 +102,12 @@ def param_counts(cfg, fp8: bool = False) -> tuple[int, int, int]:
     w = weight_parts(cfg)
     total = w.mixers + w.layers * (w.ffn + w.num_experts * w.expert) + w.vocab_rows * (1 if w.tied else 2)
     active = w.active
-    # GDN's b and a projections and the lm_head stay bf16 in the packs
-    unquantized = len(cfg.gdn_layers) * 2 * cfg.linear_num_value_heads * w.hidden + w.vocab_rows
-    return total, active, 2 * active - (active - unquantized if fp8 else 0)
+    return total, active, 2 * active - (active - w.vocab_rows - gdn_ab_params(cfg) if fp8 else 0)
+
+
+def gdn_ab_params(cfg) -> int:
+    """The GDN b and a projections' params: they (and the lm_head, embeddings and norms) stay bf16 in the FP8 packs."""
+    return len(cfg.gdn_layers) * 2 * cfg.linear_num_value_heads * cfg.hidden_size
 
 
 def best_seconds(fn, *args, batches: int = 3, calls: int = 10) -> float:

@@ -18,7 +18,7 @@ import time
 
 import jax.numpy as jnp
 
-from ninfer_jax.benchmarks.models import weight_parts
+from ninfer_jax.benchmarks.models import gdn_ab_params, weight_parts
 from ninfer_jax.model.state import PAGE, page_bytes, slot_bytes
 from ninfer_jax.runtime.options import DENSE_MIXED_TOKENS, DENSE_PREFILL_CHUNK, MOE_MIXED_TOKENS, MOE_PREFILL_CHUNK
 
@@ -55,13 +55,15 @@ class RoundRoofline:
         return self.lanes / self.seconds
 
 
-def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float) -> RoundRoofline:
-    """The roofline of a bf16 decode round of `lanes` rows, each reading `context` tokens of KV, at `tflops` TFLOP/s
-    and `tbps` TB/s (`models.measure_ceilings`). FLOPs: 2 x active params per row, plus 4 x head_dim x heads x
-    context per row and attention layer (scores and values)."""
+def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, fp8: bool = False) -> RoundRoofline:
+    """The roofline of a decode round of `lanes` rows, each reading `context` tokens of KV, at `tflops` TFLOP/s
+    and `tbps` TB/s (`models.measure_ceilings`); fp8: the linears the FP8 packs quantize at one byte (their block
+    scales add 1/4096 and are left out), the rest bf16. FLOPs: 2 x active params per row, plus 4 x head_dim x
+    heads x context per row and attention layer (scores and values)."""
     w = weight_parts(cfg)
     experts = expected_experts(w.num_experts, w.experts_per_token, lanes) if w.num_experts else 0.0
-    weights = BF16_BYTES * (w.mixers + w.layers * (w.ffn + experts * w.expert) + w.vocab_rows + lanes * w.hidden)
+    linears = w.mixers + w.layers * (w.ffn + experts * w.expert)
+    weights = BF16_BYTES * (linears + w.vocab_rows + lanes * w.hidden) - (linears - gdn_ab_params(cfg) if fp8 else 0)
     kv = lanes * context * page_bytes(cfg, jnp.bfloat16) / PAGE
     state = 2 * lanes * slot_bytes(cfg, jnp.bfloat16)
     attention = len(cfg.attn_layers) * 4 * cfg.head_dim * cfg.num_attention_heads * context * lanes

@@ -47,6 +47,15 @@ def test_the_round_roofline_counts_touched_experts_kv_and_state_at_a_hand_comput
     assert (slower_copy.seconds, slower_copy.bound) == (pytest.approx(16.832), "bytes")
 
 
+def test_an_fp8_round_reads_its_quantized_linears_at_one_byte_and_the_rest_in_bf16(cfg):
+    # linears 1120 + 4 x 192 = 1888 at one byte, less the GDN b and a projections (3 layers x 2 x 2 heads x 8 = 96),
+    # which stay bf16 with the lm_head and the embedding rows: 5408 - (1888 - 96)
+    roof = round_roofline(cfg, lanes=2, context=10, tflops=1e-9, tbps=1e-9, fp8=True)
+    assert roof.weight_bytes == 5408 - 1792 == 3616
+    assert param_counts(cfg, fp8=True)[2] == 2 * 2496 - (2496 - 800 - 96)  # one lane's bytes: the same rule
+    assert roof.flops == 10624  # the same work
+
+
 def test_the_window_runs_from_the_second_read_after_the_last_first_token_to_the_first_finish():
     # Three lanes prefilled one a step (first tokens at 0, 1, 2), each step reading the round dispatched in the one
     # before: the read right after lane 2's first token (2.01) and the next (2.5) lack lane 2; the rounds read at 3,
