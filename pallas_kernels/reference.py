@@ -109,11 +109,14 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = PAGE, phase: int = 0,
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     a = jnp.where(strict, jnp.einsum("nhik,nhjk->nhij", k_beta, k) * decay, 0.0)
     eye = jnp.eye(chunk, dtype=jnp.float32)
-    # (I + A)^-1 applied to beta*v and to beta*k*exp(cum): the UT transform.
-    u = jax.scipy.linalg.solve_triangular(eye + a, v * beta[..., None], lower=True, unit_diagonal=True)
-    w = jax.scipy.linalg.solve_triangular(
-        eye + a, k_beta * jnp.exp(cum)[..., None], lower=True, unit_diagonal=True
-    )
+    # (I + A)^-1 applied to beta*v and to beta*k*exp(cum): the UT transform. One solve of both right-hand sides:
+    # two independent LAPACK solves can run at once on XLA:CPU's pool, each waiting for work queued behind the
+    # other, and on two cores that deadlocked (jaxlib 0.10.2).
+    dv = v.shape[-1]
+    uw = jax.scipy.linalg.solve_triangular(
+        eye + a, jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], -1), lower=True,
+        unit_diagonal=True)
+    u, w = uw[..., :dv], uw[..., dv:]
     attn = jnp.einsum("nhik,nhjk->nhij", q, k) * decay  # causal incl. diagonal
     q_decayed = q * jnp.exp(cum)[..., None]
     k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
