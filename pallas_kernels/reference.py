@@ -74,6 +74,31 @@ def gdn_recurrent_ref(q, k, v, g, beta, state):
     return o, final
 
 
+_EXACT = jax.lax.Precision.HIGHEST
+
+
+def _unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two, by matmuls alone.
+
+    Doubles inverted diagonal blocks: [[X, 0], [B, Y]]^-1 = [[X^-1, 0], [-Y^-1 B X^-1, Y^-1]]. No LAPACK
+    triangular solve: on XLA:CPU two of those running at once on a two-core pool can wait on each other forever
+    (jaxlib 0.10.2), and a train step's forward and backward hold several.
+    """
+    batch, c = a.shape[:-2], a.shape[-1]
+    inverse = jnp.ones(batch + (c, 1, 1), a.dtype)  # the inverses of the 1x1 diagonal blocks
+    s = 1
+    while s < c:
+        nb = c // (2 * s)
+        pairs = inverse.reshape(batch + (nb, 2, s, s))
+        upper, lower = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        blocks = jnp.moveaxis(jnp.diagonal(a.reshape(batch + (nb, 2 * s, nb, 2 * s)), axis1=-4, axis2=-2), -1, -3)
+        corner = -jnp.matmul(jnp.matmul(lower, blocks[..., s:, :s], precision=_EXACT), upper, precision=_EXACT)
+        zero = jnp.zeros_like(upper)
+        inverse = jnp.concatenate([jnp.concatenate([upper, zero], -1), jnp.concatenate([corner, lower], -1)], -2)
+        s *= 2
+    return inverse.reshape(batch + (c, c))
+
+
 def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = PAGE, phase: int = 0,
                     return_chunk_states: bool = False):
     """Chunked gated delta rule (the WY/UT form fla and HF use).
@@ -108,15 +133,10 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = PAGE, phase: int = 0,
     k_beta = k * beta[..., None]
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     a = jnp.where(strict, jnp.einsum("nhik,nhjk->nhij", k_beta, k) * decay, 0.0)
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    # (I + A)^-1 applied to beta*v and to beta*k*exp(cum): the UT transform. One solve of both right-hand sides:
-    # two independent LAPACK solves can run at once on XLA:CPU's pool, each waiting for work queued behind the
-    # other, and on two cores that deadlocked (jaxlib 0.10.2).
-    dv = v.shape[-1]
-    uw = jax.scipy.linalg.solve_triangular(
-        eye + a, jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], -1), lower=True,
-        unit_diagonal=True)
-    u, w = uw[..., :dv], uw[..., dv:]
+    # (I + A)^-1 applied to beta*v and to beta*k*exp(cum): the UT transform
+    inverse = _unit_lower_inverse(a)
+    u = jnp.einsum("nhij,nhjv->nhiv", inverse, v * beta[..., None], precision=_EXACT)
+    w = jnp.einsum("nhij,nhjk->nhik", inverse, k_beta * jnp.exp(cum)[..., None], precision=_EXACT)
     attn = jnp.einsum("nhik,nhjk->nhij", q, k) * decay  # causal incl. diagonal
     q_decayed = q * jnp.exp(cum)[..., None]
     k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
