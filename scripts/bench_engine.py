@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, measure_ceilings, model_config, param_counts
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, measure_ceilings, model_config, param_counts
 from ninfer_jax.runtime.options import KV_DTYPES
 
 SMOKE = dict(models="tiny-moe", kernels="reference", prefill_lengths=(512, 1024), decode_tokens=8, lanes=(1, 4),
@@ -60,8 +60,7 @@ def bench_ours(name: str, args) -> dict:
     max_model_len = max(sizes["max_model_len"], args.decode_context + 64 + wave_tokens(
         cfg, max(sizes["lanes"]), args.decode_context, args.decode_tokens,
         default_pass_tokens(cfg, args.prefill_chunk)))
-    engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
-                                   **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
+    engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights,
                                    max_concurrency=sizes["max_concurrency"], prefill_chunk=args.prefill_chunk,
                                    max_model_len=max_model_len, no_prefix_reuse=True, kv_dtype=args.kv_dtype)
     chunk = engine.options.prefill_chunk  # --prefill-chunk, or the engine's default for this model
@@ -265,6 +264,9 @@ def main() -> int:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV pools' storage profile")
     p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode lane")
     args = p.parse_args()
+    unknown = set(args.weights.split(",")) - set(WEIGHTS)
+    if unknown:
+        p.error(f"--weights takes {', '.join(WEIGHTS)}; not {', '.join(sorted(unknown))}")
     if args.smoke:
         args.models, args.kernels, args.decode_tokens = SMOKE["models"], SMOKE["kernels"], SMOKE["decode_tokens"]
         args.prefill_chunk = args.prefill_chunk or 256

@@ -32,7 +32,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import argparse
 import collections
-import dataclasses
 import json
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, measure_ceilings, model_config
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, measure_ceilings, model_config
 
 STARTED = time.monotonic()
 NAME = "wide_decode"
@@ -89,10 +88,8 @@ def bench(name: str, args) -> dict:
     import numpy as np
 
     from ninfer_jax import SamplingParams
-    from ninfer_jax.benchmarks.models import random_engine
-    from ninfer_jax.config import QuantizationConfig
+    from ninfer_jax.benchmarks.models import random_engine, weight_bytes
     from ninfer_jax.benchmarks.wide_decode import engine_pass_tokens, round_roofline, run_wave, wave_tokens
-    from ninfer_jax.model.random_init import random_params
     from ninfer_jax.model.state import slot_bytes
 
     cfg = model_config(name)
@@ -109,9 +106,7 @@ def bench(name: str, args) -> dict:
     tflops, tbps = measure_ceilings(*((256, 1) if args.smoke else ()))
     result.update(matmul_tflops=tflops, copy_tbps=tbps)
     save(f"ceilings: matmul {report.fmt(tflops)} TFLOP/s, copy {report.fmt(tbps)} TB/s")
-    made = dataclasses.replace(cfg, quantization=QuantizationConfig()) if fp8 else cfg  # as an FP8 pack's config says
-    weights = sum(x.size * x.dtype.itemsize
-                  for x in jax.tree.leaves(jax.eval_shape(lambda: random_params(made, fp8=fp8))))
+    weights = weight_bytes(cfg, args.weights)
     plans = {n: memory_plan(cfg, n, args, weights) for n in lanes_asked}
     fitting = [n for n in lanes_asked if plans[n]["fits"]]
     result["slot_mib"] = slot_bytes(cfg, jax.numpy.bfloat16) / 2**20
@@ -127,9 +122,7 @@ def bench(name: str, args) -> dict:
     plan = plans[fitting[-1]]
     result["plan"] = plan
     try:
-        engine, init_s = random_engine(name, kernels=args.kernels, weights="fp8" if fp8 else "bf16",
-                                       **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}),
-                                       **plan["options"])
+        engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights, **plan["options"])
     except Exception as e:  # noqa: BLE001  (an engine that cannot start is a result, not a crash)
         result["error"] = f"engine start: {type(e).__name__}: {e}"[:2000]
         save(result["error"])
@@ -288,7 +281,7 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill pass (default: the "
                    "engine's)")
     p.add_argument("--kernels", default="pallas")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-dynamic"],
+    p.add_argument("--weights", default="bf16", choices=WEIGHTS,
                    help="fp8: block-FP8 as Qwen's packs; fp8-dynamic: with fp8_activations 'dynamic'")
     p.add_argument("--deadline", type=float, default=None, help="seconds from the start: a lane count whose "
                    "waves would end later (projected from the last timed wave and its first wave's compiles) is "

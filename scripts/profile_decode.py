@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, random_engine
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, random_engine
 from ninfer_jax.benchmarks.profiling import dispatch_ms, kernel_table, time_rounds
 
 
@@ -139,7 +139,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="27b,35b-a3b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--kernels", default="pallas")
-    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: block-FP8 as Qwen's FP8 packs")
+    p.add_argument("--weights", default="bf16", choices=WEIGHTS,
+                   help="fp8: block-FP8 as Qwen's FP8 packs; fp8-dynamic: with fp8_activations 'dynamic'")
     p.add_argument("--lanes", type=int, default=8, help="the engine's max_concurrency: the all-lanes round")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="the engine's; it sets the page tables' width, so paged decode attention's splits")

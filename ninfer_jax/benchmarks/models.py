@@ -20,27 +20,49 @@ def model_config(name: str):
     return ModelConfig.from_file(ROOT / "configs" / f"{MODELS[name]}.json")
 
 
+# Weight formats of the benchmark engines: random bf16, block-FP8 as Qwen's packs, and block-FP8 with dynamic
+# FP8 activations (fp8_activations="dynamic")
+WEIGHTS = ("bf16", "fp8", "fp8-dynamic")
+
+
+def pack_config(cfg, weights: str):
+    """`cfg` as the config.json of a `weights` pack says: FP8 packs carry a quantization_config."""
+    from ninfer_jax.config import QuantizationConfig
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    return cfg if weights == "bf16" else dataclasses.replace(cfg, quantization=QuantizationConfig())
+
+
+def weight_bytes(cfg, weights: str) -> int:
+    """Device bytes of random `weights` params at `cfg`'s shapes (FP8 block scales included), without making them."""
+    import jax
+
+    from ninfer_jax.model.random_init import random_params
+
+    made = pack_config(cfg, weights)
+    shapes = jax.eval_shape(lambda: random_params(made, fp8=weights != "bf16"))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, tokenizer=None, weights: str = "bf16",
                   **options):
-    """An Engine on random weights at the shapes of `name`: bf16, or with weights="fp8" the projections and experts
-    block-FP8 as in Qwen's FP8 packs. On a CPU the Pallas kernels run in interpret mode (a smoke run). Returns
-    (engine, seconds to make the weights)."""
+    """An Engine on random weights at the shapes of `name` in one of `WEIGHTS` formats. On a CPU the Pallas kernels
+    run in interpret mode (a smoke run). Returns (engine, seconds to make the weights)."""
     import jax
 
     from ninfer_jax import Engine
-    from ninfer_jax.config import QuantizationConfig
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.runtime.options import EngineOptions
 
-    cfg = model_config(name)
-    if weights == "fp8":  # as the config.json of an FP8 pack says
-        cfg = dataclasses.replace(cfg, quantization=QuantizationConfig())
+    cfg = pack_config(model_config(name), weights)
     start = time.perf_counter()
-    params = random_params(cfg, seed=0, fp8=weights == "fp8")
+    params = random_params(cfg, seed=0, fp8=weights != "bf16")
     jax.block_until_ready(params)
     init_s = time.perf_counter() - start
     interpret = kernels == "pallas" and jax.default_backend() == "cpu"
-    opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret, **options})
+    dynamic = {"fp8_activations": "dynamic"} if weights == "fp8-dynamic" else {}
+    opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret, **dynamic, **options})
     return Engine(cfg, params, opts, tokenizer=tokenizer, model_name=name, warmup=warmup), init_s
 
 

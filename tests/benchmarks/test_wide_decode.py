@@ -5,12 +5,13 @@ import dataclasses
 
 import pytest
 
-from ninfer_jax.benchmarks.models import model_config, param_counts
+from ninfer_jax.benchmarks.models import model_config, pack_config, param_counts, weight_bytes
 from ninfer_jax.benchmarks.wide_decode import (
     expected_experts,
     full_width_window,
     round_roofline,
 )
+from ninfer_jax.config import QuantizationConfig
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,16 @@ def test_an_fp8_round_reads_its_quantized_linears_at_one_byte_and_the_rest_in_bf
     assert roof.weight_bytes == 5408 - 1792 == 3616
     assert param_counts(cfg, fp8=True)[2] == 2 * 2496 - (2496 - 800 - 96)  # one lane's bytes: the same rule
     assert roof.flops == 10624  # the same work
+
+
+def test_an_fp8_pack_of_the_27b_holds_55_percent_of_its_bf16_bytes_and_unknown_formats_are_refused():
+    cfg = model_config("27b")
+    assert pack_config(cfg, "bf16") is cfg and pack_config(cfg, "fp8").quantization == QuantizationConfig()
+    bf16, fp8 = weight_bytes(cfg, "bf16"), weight_bytes(cfg, "fp8")
+    # embeddings, lm_head, norms and the GDN a/b projections stay bf16; the block scales add 1/16384 per byte
+    assert (bf16, fp8) == (54_641_404_928, 29_948_227_328) and weight_bytes(cfg, "fp8-dynamic") == fp8
+    with pytest.raises(ValueError, match="weights must be one of bf16, fp8, fp8-dynamic"):
+        pack_config(cfg, "int4")
 
 
 def test_the_window_runs_from_the_second_read_after_the_last_first_token_to_the_first_finish():
