@@ -1,5 +1,7 @@
 """Shared helpers of the engine-level cache tests: prompts, the resumed-equals-root check, leak checks."""
 
+import threading
+
 import numpy as np
 
 from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, TapHint, prepare_tokens
@@ -32,6 +34,21 @@ def settle_host(engine, *, warmed=True):
     assert sum(v for k, v in slabs.items() if k != "capacity") == slabs["capacity"]
     if warmed:
         assert stats["compiles_since_warmup"] == 0  # the transfer ops were compiled at startup
+
+
+def cancel_mid_prefill(engine, prompt, sampling, request_id="cancel-me"):
+    """Submit `prompt` and cancel it at its first progress event, which takes effect after its first prefill chunk;
+    returns once it has finished."""
+    done = threading.Event()
+
+    def sink(event):
+        if event.finish_reason is None and event.usage is not None:
+            engine.cancel(request_id)
+        if event.finish_reason is not None:
+            done.set()
+
+    engine.submit(prompt, sampling, request_id=request_id, sink=sink)
+    assert done.wait(120)
 
 
 def io_error(*args):

@@ -10,7 +10,7 @@ import queue
 import numpy as np
 import pytest
 
-from cache_support import assert_same_output, tokens, with_hints
+from cache_support import assert_same_output, cancel_mid_prefill, tokens, with_hints
 from oracle import ORACLE_VOCAB
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.frontend.prepared_prompt import TapHintKind
@@ -206,19 +206,8 @@ def test_eight_identical_prompts_arriving_together_are_correct(hpc, root):
 
 
 def test_cancel_mid_prefill_publishes_its_blocks_and_they_are_reused(hpc, root):
-    import threading
-
     prompt = tokens(1000, 9)
-    done = threading.Event()
-
-    def sink(ev):
-        if ev.finish_reason is None and ev.usage is not None:
-            hpc.cancel("cancel-me")  # takes effect at the next unit boundary: after the first 256-token chunk
-        if ev.finish_reason is not None:
-            done.set()
-
-    hpc.submit(prompt, GREEDY, request_id="cancel-me", sink=sink)
-    assert done.wait(120)
+    cancel_mid_prefill(hpc, prompt, GREEDY)  # cancelled after the first 256-token chunk
     out = hpc.generate(prompt, GREEDY)
     assert 256 <= out.usage.cached_tokens < 1000
     assert out.token_ids == root.generate(prompt, GREEDY).token_ids

@@ -1,20 +1,21 @@
-"""The prefix cache in quantized KV profiles (spec §3.1, §11.2, §13.3) on the tiny model (fp32, 4 layers): a
-resumed request (a Device tap, a Device endpoint with its tail, a Host-only restore, a persisted file after a
-restart, in k8v4) gives the tokens and first logprobs the same profile gives without reuse, and the pages' bytes
-move unchanged.
+"""The prefix cache in every KV profile (spec §3.1, §11.2, §13.3) on the tiny model (fp32, 4 layers): inside a
+profile, a resumed request (a Device tap, a Device endpoint with its tail, a Host-only restore, a persisted file
+after a restart) and the §13.3 scenarios that write and read pages (multi-turn copy-on-write tails, a shared
+preamble among concurrent sessions, identical prompts together, a cancelled prefill's published blocks) give the
+tokens and first logprobs the same profile gives without reuse, and the pages' bytes move unchanged."""
 
-int8 and k8v4 between them store every format (INT8 groups with float16 scales, FP8 rows, NVFP4 nibbles with FP8
-scales) and a page whose K and V differ in format; fp8 and nvfp4 pages move through the same plane code."""
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cache_support import assert_same_output, tokens
+from cache_support import assert_same_output, cancel_mid_prefill, tokens, with_hints
 from cache_support import settle_host as settle
 
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.config import ModelConfig
+from ninfer_jax.frontend.prepared_prompt import TapHintKind
 from ninfer_jax.model.state import prefill_activation_bytes
 from ninfer_jax.prefix_cache import HostSlabPool
 from ninfer_jax.runtime import startup
@@ -24,12 +25,13 @@ from pallas_kernels import kv_quant
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=5)
-NO_REUSE = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5, prefix_cache=False)
+NO_REUSE = dataclasses.replace(GREEDY, prefix_cache=False)
 SMALL = {"max_concurrency": 1, "prefill_chunk": 128, "max_model_len": 512, "output_window": 64,
          "kv_capacity": 16 * 64, "host_cache_mib": 4, "warmup": False}
-# One attention layer of 2 KV heads of 64 dims. Per token and head, K + V: int8 2 x (64 + 2 B of one float16
-# scale, its group capped at 64); k8v4 (64 + 2) + (32 B of nibbles + 4 FP8 scales). Times 2 heads.
-BYTES_PER_TOKEN = {"int8": 264, "k8v4": 204}
+# One attention layer of 2 KV heads of 64 dims. Per token and head, K + V: bfloat16 2 x 128 B; int8 2 x (64 + 2 B
+# of one float16 scale, its group capped at 64); fp8 the same (one float16 scale for the 64-value row); k8v4 the
+# FP8 K (64 + 2) + the NVFP4 V (32 B of nibbles + 4 FP8 scales); nvfp4 2 x (32 + 4). Times 2 heads.
+BYTES_PER_TOKEN = {"bfloat16": 512, "int8": 264, "fp8": 264, "k8v4": 204, "nvfp4": 144}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,6 @@ def test_resumes_inside_a_profile_equal_its_runs_without_reuse(checkpoint, tmp_p
     same_as_without_reuse(engine, edited, 256, "tap", host=True)
     settle(engine, warmed=False)
     engine.stop()  # saves the Host tier
-    if profile != "k8v4":  # the file holds slab bytes whatever the format: one profile restarts (CI time)
-        return
 
     restarted = Engine.from_pretrained(checkpoint, kv_dtype=profile, prefix_cache_file=str(path), **SMALL)
     assert restarted.stats()["prefix_cache"]["loaded"]["outcome"] == "restored"
@@ -72,6 +72,59 @@ def test_resumes_inside_a_profile_equal_its_runs_without_reuse(checkpoint, tmp_p
     same_as_without_reuse(restarted, history + tokens(40, 4), 369, "endpoint", host=True)
     settle(restarted, warmed=False)
     restarted.stop()
+
+
+WIDE = {"max_concurrency": 4, "prefill_chunk": 128, "max_model_len": 1024, "output_window": 64,
+        "kv_capacity": 48 * 64, "host_cache_mib": 0, "max_new_taps": 4, "tap_ladder_tokens": 256,
+        "tap_min_gap_tokens": 128, "device_snapshot_slots": 12, "warmup": False}
+
+
+@pytest.mark.parametrize("profile", list(BYTES_PER_TOKEN))
+def test_the_page_writing_scenarios_inside_a_profile_equal_its_runs_without_reuse(checkpoint, profile):
+    engine = Engine.from_pretrained(checkpoint, kv_dtype=profile, **WIDE)
+
+    def without_reuse(prompts):
+        return engine.generate_many(prompts, NO_REUSE)
+
+    # Multi-turn: each turn resumes the last endpoint; two continuations of one endpoint leave its tail page intact
+    history, end = tokens(150, 5), 0
+    for turn in range(2):
+        out = engine.generate(history, LONG)
+        assert out.usage.cached_tokens == end
+        assert out.token_ids == engine.generate(history, dataclasses.replace(LONG, prefix_cache=False)).token_ids
+        end = len(history) + len(out.token_ids) - 1
+        history = history + list(out.token_ids) + tokens(30, 10 + turn)
+    base = history[:end]
+    continuations = [base + tokens(20, 20), base + tokens(20, 21), base + tokens(20, 20)]
+    for out, ref in zip([engine.generate(c, GREEDY) for c in continuations], without_reuse(continuations)):
+        assert out.usage.cached_tokens == end
+        assert_same_output(out, ref)
+
+    # A shared preamble among concurrent sessions is stored once; identical prompts arriving together agree
+    preamble = tokens(256, 7)
+    sessions = [with_hints(preamble + tokens(40 + 7 * i, 30 + i), (256, TapHintKind.END_OF_SYSTEM)) for i in range(4)]
+    engine.generate(sessions[0], GREEDY)
+    outs = engine.generate_many(sessions, GREEDY)
+    assert all(o.usage.cached_tokens >= 256 for o in outs)
+    for out, ref in zip(outs, without_reuse([s.token_ids.tolist() for s in sessions])):
+        assert_same_output(out, ref)
+    tree = engine.cache_manager.index.tree
+    for b in range(4):
+        block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()
+        assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1
+    same = tokens(333, 8)
+    ref = without_reuse([same])[0]
+    assert all(o.token_ids == ref.token_ids for o in engine.generate_many([same] * 4, GREEDY))
+
+    # A prefill cancelled after its first chunk publishes that chunk's blocks, and a resume from them is exact
+    prompt = tokens(600, 9)
+    cancel_mid_prefill(engine, prompt, GREEDY)
+    out = engine.generate(prompt, GREEDY)
+    assert 128 <= out.usage.cached_tokens < 600
+    assert_same_output(out, without_reuse([prompt])[0])
+    engine.check_ledger()
+    assert engine.stats()["pages"]["active"] == 0 and engine.stats()["requests"]["running"] == 0
+    engine.stop()
 
 
 # spec §3.1: a 64-token page of the 27B (16 attention layers x 4 KV heads) in each profile, in KiB
