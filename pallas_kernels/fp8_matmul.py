@@ -10,7 +10,8 @@ block). With several splits XLA sums their float32 partials; with one the kernel
     float32 product tile, one FMA a weight with the block scale folded into x's 128 values, and the tile is
     reduced once after the loop. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
   * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows (16,
-    the rows past M loaded as zeros) its right, so the 16-row minimum falls on x, not on W's rows. bf16 rows go in
+    or the power of two at or above M up to 128; the rows past M loaded as zeros) its right, so the 16-row minimum
+    falls on x, not on W's rows. bf16 rows go in
     as float16, each row over a power of two (exact within 2**29 of its largest): FP8 -> float16 is one packed
     conversion a pair, FP8 -> bf16 three, and the conversion is what bounds this kernel.
   * With quantize_activations (2 rows and more): x quantized per token and 128-group with dynamic scales (the
@@ -38,6 +39,7 @@ from pallas_kernels._blocks import is_pow2
 BLOCK = 128  # the checkpoints' weight block, and each kernel's contraction step
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a block's or group's amax maps here
 _TC_ROWS = 16  # the smallest side of a tensor-core product
+MAX_ROWS = 128  # the widest right operand of the swap-AB product: x's rows beside one W tile
 
 
 class BlockFp8(NamedTuple):
@@ -69,7 +71,8 @@ class Fp8Config:
     share one block of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer; with
     one split the kernel writes the result itself, otherwise XLA adds the splits' float32 partials. tc_mode: the
     weight-only tensor-core product's operands for bf16 rows, "f16" or "bf16". dynamic_*: the FP8 x FP8
-    product's."""
+    product's. max_rows: the most rows these kernels take (the model's dispatch reads it); 17-128 rows are built
+    and checked but the default stops at the 16 that were timed against the alternatives."""
 
     cuda_core_max_rows: int = 1
     max_rows: int = 16
@@ -99,8 +102,8 @@ class Fp8Config:
             raise ValueError(f"Fp8Config block_k must be a multiple of {BLOCK}")
         if self.tc_mode not in ("f16", "bf16"):
             raise ValueError(f"Fp8Config.tc_mode must be f16 or bf16, got {self.tc_mode}")
-        if not 0 <= self.cuda_core_max_rows <= self.max_rows <= _TC_ROWS:
-            raise ValueError(f"Fp8Config needs 0 <= cuda_core_max_rows <= max_rows <= {_TC_ROWS}")
+        if not 0 <= self.cuda_core_max_rows <= self.max_rows <= MAX_ROWS:
+            raise ValueError(f"Fp8Config needs 0 <= cuda_core_max_rows <= max_rows <= {MAX_ROWS}")
 
 
 DEFAULT_CONFIG = Fp8Config()
@@ -190,9 +193,9 @@ def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     return out.sum(0).astype(x.dtype) if splits > 1 else out
 
 
-def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: str):
+def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: str, tile_rows: int):
     # x_ref [M, K]: FP8 in mode "fp8", then side[0] [K / 128, M] f32 its group scales; float16 in mode "f16", each
-    #   row over a power of two in side[0] [M] f32; rows M..15 of the product's 16 load as zeros
+    #   row over a power of two in side[0] [M] f32; rows M..tile_rows-1 of the product load as zeros
     # w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
     # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. for split s of K)
     #   or [M, N] in the output's dtype (one split)
@@ -200,7 +203,7 @@ def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: 
     n, s = pl.program_id(0), pl.program_id(1)
     m = x_ref.shape[0]
     srow = n // (BLOCK // block_n)
-    rows = jnp.arange(_TC_ROWS, dtype=jnp.int32)
+    rows = jnp.arange(tile_rows, dtype=jnp.int32)
     live = rows < m
     cols = jnp.arange(BLOCK, dtype=jnp.int32)
 
@@ -212,14 +215,14 @@ def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: 
             wt = _w_tile(w_ref, n, block_n, kb)
             if mode != "fp8":
                 wt = wt.astype(xt.dtype)
-            d = lax.dot_general(wt, xt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bn, 16]
+            d = lax.dot_general(wt, xt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bn, rows]
             scale = s_ref[srow, kb]
             if mode == "fp8":
                 scale = scale * _compat.load(side[0].at[kb, rows], mask=live, other=0.0)[None, :]
             acc = acc + d * scale
         return acc
 
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n, _TC_ROWS), jnp.float32))
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n, tile_rows), jnp.float32))
     if mode == "f16":
         acc = acc * _compat.load(side[0].at[rows], mask=live, other=0.0)[None, :]
     cols_n = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -248,7 +251,8 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
     min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs
     sub, splits, steps = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
     out = pl.pallas_call(
-        functools.partial(_tensor_core_kernel, steps=steps, sub=sub, block_n=bn, mode=mode),
+        functools.partial(_tensor_core_kernel, steps=steps, sub=sub, block_n=bn, mode=mode,
+                          tile_rows=max(_TC_ROWS, pl.next_power_of_2(m))),
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
                                        jnp.float32 if splits > 1 else x.dtype),

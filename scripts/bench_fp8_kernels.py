@@ -17,6 +17,8 @@ of the script, not a measurement.
     git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
     python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
                                                                                   # fp8_sweep.{json,md}
+    python scripts/bench_fp8_kernels.py --only sweep --sweep-rows 16,32,64,128 --out OUT   # a wide round's rows:
+                          # the swap-AB kernels' 32-128-row tiles against dequantize + bf16 and the wgmma GEMM
 
 Times are per call (median of 5 batches; a call repeated 10 times inside one jit, so dispatch is not timed); GB/s
 count the weight's FP8 bytes (bf16: its own bytes), the bound of a decode round.
@@ -240,6 +242,17 @@ SWEEP_VARIANTS = {
     "alt cc to 2 rows": (dataclasses.replace(_D, cuda_core_max_rows=2), False, (2,), None),
     "alt tc 8 splits": (dataclasses.replace(_D, min_programs=0), False, (8,), None),
     "alt dyn bn32 8 splits": (dataclasses.replace(_D, dynamic_block_n=32, dynamic_min_programs=0), True, (8,), None),
+    # a wide decode round's 32-128 rows, where the model takes the wgmma GEMM (dynamic) or dequantize + bf16
+    "wide swap AB": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS), False, (32, 64, 128), None),
+    "wide dynamic": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS), True, (32, 64, 128), None),
+    "wide dynamic bn32": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS, dynamic_block_n=32), True,
+                          (32, 64, 128), None),
+}
+# what the model runs above Fp8Config.max_rows, timed beside the wide variants
+WIDE_BASELINES = {
+    "dequantize + bf16": (lambda a, v, s: ops.quantized_dot(ops.KernelConfig("pallas"), a, QuantizedWeight(v, s)),
+                          False),
+    "gemm dynamic (wgmma)": (lambda a, v, s: fp8_gemm.fp8_gemm(a, v, s), True),  # Mosaic GPU: a GPU only
 }
 SWEEP_CPU_SHAPE = (1024, 256)  # the interpreter takes tens of seconds a program at the 27B's shapes
 
@@ -283,6 +296,9 @@ def _sweep_jobs(rows: tuple[int, ...], old, interpret: bool) -> list[tuple]:
             if m >= 2:
                 jobs.append(("old dynamic", m, lambda a, v, s: old.fp8_matmul(a, v, s, quantize_activations=True,
                                                                               **kw), None))
+    for m in (m for m in rows if m > fp8_matmul.DEFAULT_CONFIG.max_rows):
+        jobs += [(name, m, fn, None) for name, (fn, gpu_only) in WIDE_BASELINES.items()
+                 if not (gpu_only and interpret)]
     for name, (cfg, q, ms, shapes) in SWEEP_VARIANTS.items():
         jobs += [(name, m, lambda a, v, s, cfg=cfg, q=q: fp8_matmul.fp8_matmul(a, v, s, config=cfg,
                                                                                quantize_activations=q, **kw), shapes)

@@ -15,6 +15,7 @@ from pallas_kernels import fp8_matmul
 # float32 accumulation error; compiled on a GPU, the tensor-core kernels' float32 dots are TF32 (10-bit mantissas)
 F32_TOL = 1e-5 if INTERPRET else 1e-3
 K, N = 384, 256  # three 128-blocks of contraction, two of output: every program reads several scales
+WIDE = fp8_matmul.Fp8Config(max_rows=fp8_matmul.MAX_ROWS)  # 17-128 rows: built, not the model's default
 
 
 def _weight(seed=0, k=K, n=N):
@@ -27,13 +28,14 @@ def _weight(seed=0, k=K, n=N):
     return jnp.asarray(values), jnp.asarray(scales), exact
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16], ids=lambda r: f"{r}rows")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40], ids=lambda r: f"{r}rows")
 def test_weight_only_kernels_match_float64_reference(rows):
-    """1 row takes the CUDA-core kernel, 2-16 the swap-AB tensor-core one; both equal x @ W in float64 to float32
-    accumulation error (W's FP8 values are exact in float32, times their own block's scale)."""
+    """1 row takes the CUDA-core kernel, 2-16 the swap-AB tensor-core one (40: its 64-row tile); both equal x @ W in
+    float64 to float32 accumulation error (W's FP8 values are exact in float32, times their own block's scale)."""
     values, scales, exact = _weight(rows)
     x = np.random.default_rng(10 + rows).standard_normal((rows, K)).astype(np.float32)
-    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, interpret=INTERPRET), np.float64)
+    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, config=WIDE, interpret=INTERPRET),
+                     np.float64)
     want = x.astype(np.float64) @ exact.T
     np.testing.assert_allclose(got, want, rtol=F32_TOL, atol=F32_TOL * np.abs(want).max())
 
@@ -53,13 +55,13 @@ def test_bf16_rows_match_float64_reference(rows, splits):
     np.testing.assert_allclose(got, want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows", [2, 16], ids=lambda r: f"{r}rows")
+@pytest.mark.parametrize("rows", [2, 16, 100], ids=lambda r: f"{r}rows")
 def test_fp8_activations_match_float64_reference_of_the_quantized_rows(rows):
     """With quantize_activations the product is FP8 x FP8: it equals, to float32 accumulation error, x quantized per
     token and 128-group (dequantized in float64) times W; and x's own product differs by the quantization's error."""
     values, scales, exact = _weight(20 + rows)
     x = np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)
-    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, quantize_activations=True,
+    got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, config=WIDE, quantize_activations=True,
                                            interpret=INTERPRET), np.float64)
     xq, xs = (np.asarray(a, np.float64) for a in fp8_matmul.quantize_rows(jnp.asarray(x)))
     x_seen = (xq.reshape(rows, K // 128, 128) * xs.T[..., None]).reshape(rows, K)
@@ -75,7 +77,9 @@ def test_refuses_shapes_outside_whole_blocks_and_too_many_rows():
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_matmul.fp8_matmul(jnp.zeros((1, K - 64)), values[:, : K - 64], scales, interpret=INTERPRET)
     with pytest.raises(ValueError, match="exceed Fp8Config.max_rows"):
-        fp8_matmul.fp8_matmul(jnp.zeros((17, K)), values, scales, interpret=INTERPRET)
+        fp8_matmul.fp8_matmul(jnp.zeros((17, K)), values, scales, interpret=INTERPRET)  # the default's 16
+    with pytest.raises(ValueError, match="max_rows <= 128"):
+        fp8_matmul.Fp8Config(max_rows=129)
 
 
 @pytest.mark.parametrize("rows", [2, 40], ids=["decode-kernel", "prefill-dequantized"])
@@ -91,11 +95,11 @@ def test_pallas_quantized_dot_matches_the_reference(rows):
                                atol=F32_TOL * float(jnp.abs(want).max()))
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_lowers_to_triton_at_the_27b_mlp_shape(rows):
+@pytest.mark.parametrize("rows,dynamic", [(1, False), (8, False), (64, True)])
+def test_lowers_to_triton_at_the_27b_mlp_shape(rows, dynamic):
     lower_for_h200()
     spec = jax.ShapeDtypeStruct
-    fn = jax.jit(fp8_matmul.fp8_matmul)
+    fn = jax.jit(lambda x, v, s: fp8_matmul.fp8_matmul(x, v, s, config=WIDE, quantize_activations=dynamic))
     text = fn.trace(spec((rows, 5120), jnp.bfloat16), spec((34816, 5120), jnp.float8_e4m3fn),
                     spec((272, 40), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("fp8_gemv" if rows == 1 else "fp8_swap_ab") in text
+    assert ("fp8_gemv" if rows == 1 else "fp8_fp8_swap_ab" if dynamic else "fp8_swap_ab") in text
