@@ -1,18 +1,19 @@
-"""Random Qwen3.5 checkpoints in real HF layout, written without torch: the built-in default and test models.
+"""Tiny Qwen3.5 checkpoints in real HF layout, written without torch: the test models and the built-in default.
 
-Every parameter is randomised, the multi-token-prediction layer (`mtp.*`), the vision tower (`model.visual.*`, when
-the config has a `vision_config`) and the (1 + w) norm weights included (HF initialises those to zero, which would
-hide a missing "1 +"), deterministically from a seed; `params_tensors` and `write_checkpoint` write any model's Params
-(a trained one: scripts/train_tiny_mtp.py) the same way. The configs come
-from `configs/*.json` (real HF config.json files) with optional overrides of text-config fields. The built-in default is
-`configs/tiny-dense.json` at seed 0, written once under `ninfer_jax.home.ninfer_home()` (~/.cache/ninfer_jax by
-default) with a real Qwen3.5 tokenizer beside it. With fp8=True the checkpoint is a block-FP8 pack in the layout of Qwen's FP8
-checkpoints.
+Random checkpoints randomise every parameter, the multi-token-prediction layer (`mtp.*`), the vision tower
+(`model.visual.*`, when the config has a `vision_config`) and the (1 + w) norm weights included (HF initialises those
+to zero, which would hide a missing "1 +"), deterministically from a seed; `params_tensors` and `write_checkpoint`
+write any model's Params (a trained one: scripts/train_tiny_mtp.py) the same way. The configs come from
+`configs/*.json` (real HF config.json files) with optional overrides of text-config fields. With fp8=True the
+checkpoint is a block-FP8 pack in the layout of Qwen's FP8 checkpoints. The built-in default is the trained tiny model
+stored in the package as a VLM (`default_checkpoint`), assembled once under `ninfer_jax.home.ninfer_home()`
+(~/.cache/ninfer_jax by default) with a real Qwen3.5 tokenizer beside it.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -32,7 +33,6 @@ from ninfer_jax.model.vision import vision_tensor_shapes
 log = logging.getLogger("ninfer_jax.tiny")
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_PRESET = "tiny-dense"
 
 
 def preset_config(preset: str, layout: str = "vlm", **text_overrides) -> dict:
@@ -383,36 +383,29 @@ def params_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 # The image fields of Qwen3.5's released preprocessor_config.json (patch and merge sizes come from the tower)
 PREPROCESSOR_FIELDS = {"image_processor_type": "Qwen2VLImageProcessor", "size": {"longest_edge": 16777216,
                        "shortest_edge": 65536}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-# Bumped when write_random_checkpoint writes other files or draws other tensors: a built-in checkpoint written by
-# another version (or from another preset file) is written again rather than served without them.
-WRITER_VERSION = 2
+# Bumped when the writers write other files or draw other tensors: a built-in checkpoint written by another version
+# is written again rather than served without them.
+WRITER_VERSION = 3
 STAMP = ".ninfer-checkpoint"
-
-
-def _stamp(preset: str, seed: int) -> str:
-    config = (CONFIG_DIR / f"{preset}.json").read_bytes()
-    return hashlib.sha256(config + f"|seed {seed}|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
-
-
-def default_checkpoint(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
-    """The built-in default checkpoint, written on first use (atomically) and reused while its stamp matches this
-    writer and preset file; a copy another version wrote is replaced."""
-    target = ninfer_home() / f"{preset}-seed{seed}"
-    log_line = f"writing built-in checkpoint | {preset} | seed {seed} | {target}"
-    return _materialize(target, _stamp(preset, seed), log_line, lambda tmp: write_random_checkpoint(
-        tmp, preset_config(preset), seed=seed, dtype="float32", tokenizer=True))
 
 
 # The trained tiny checkpoint (scripts/train_tiny_mtp.py), stored in the package without its tokenizer files
 TRAINED_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-trained"
+TRAINED_PRESET = "tiny-trained"
+DEFAULT_NAME = "tiny-trained-vlm"
+
+
+@functools.cache
+def _trained_stamp() -> str:
+    # By content: a checkpoint trained again has the same shapes, so the same size
+    return hashlib.sha256((TRAINED_DIR / "config.json").read_bytes() + (TRAINED_DIR / "model.safetensors").read_bytes()
+                          + (CONFIG_DIR / f"{TRAINED_PRESET}.json").read_bytes()
+                          + f"|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
 
 
 def trained_checkpoint() -> Path:
-    """The trained tiny checkpoint with the Qwen3.5 tokenizer beside it, assembled under ninfer_home on first use
-    and reused while its stamp matches the stored weights."""
-    # By content: a checkpoint trained again has the same shapes, so the same size
-    stamp = hashlib.sha256((TRAINED_DIR / "config.json").read_bytes() + (TRAINED_DIR / "model.safetensors").read_bytes()
-                           + f"|writer {WRITER_VERSION}".encode()).hexdigest()[:16]
+    """The trained tiny checkpoint (text layout, as stored) with the Qwen3.5 tokenizer beside it, assembled under
+    ninfer_home on first use and reused while its stamp matches the stored weights."""
     target = ninfer_home() / "tiny-trained"
 
     def write(tmp: Path) -> None:
@@ -422,7 +415,29 @@ def trained_checkpoint() -> Path:
             shutil.copyfile(TRAINED_DIR / name, tmp / name)
         write_qwen35_tokenizer_files(tmp)
 
-    return _materialize(target, stamp, f"assembling the trained tiny checkpoint | {target}", write)
+    return _materialize(target, _trained_stamp(), f"assembling the trained tiny checkpoint | {target}", write)
+
+
+def default_checkpoint() -> Path:
+    """The built-in default: the trained tiny text model as a Qwen3.5 VLM, so that it prints text learned from
+    Python sources and takes images. Its vision tower (configs/tiny-trained.json) is untrained, drawn from seed 0:
+    images reach the model as embeddings, their content does not. Assembled under ninfer_home on first use
+    (atomically, with the tokenizer and the image preprocessor config) and reused while its stamp matches."""
+    target = ninfer_home() / DEFAULT_NAME
+    return _materialize(target, _trained_stamp() + "|vlm", f"assembling the built-in checkpoint | {target}",
+                        write_default_checkpoint)
+
+
+def write_default_checkpoint(directory: Path) -> Path:
+    """The trained text weights under their VLM names, and a random vision tower after them."""
+    from safetensors import safe_open
+
+    config = preset_config(TRAINED_PRESET)
+    cfg = ModelConfig.from_dict(config)
+    with safe_open(str(TRAINED_DIR / "model.safetensors"), framework="numpy") as stored:
+        tensors = {disk_name(cfg, name): stored.get_tensor(name) for name in stored.keys()}
+    tensors.update(random_vision_tensors(VisionConfig.from_dict(config), np.random.default_rng(0)))
+    return write_checkpoint(directory, config, tensors, dtype="bfloat16", tokenizer=True)
 
 
 def qwen35_tokenizer_dir() -> Path:

@@ -136,23 +136,24 @@ def test_bf16_weights_are_bit_identical_after_load(tmp_path):
 
 
 def test_a_built_in_checkpoint_another_version_wrote_is_written_again(tmp_path, monkeypatch):
-    """The built-in default is reused while its stamp (preset file, seed, writer version) matches, and replaced
-    when it does not (a copy written before the MTP layer or the vision tower were): never served without them."""
+    """The built-in default is reused while its stamp (the stored weights, the config, the writer version) matches,
+    and replaced when it does not (a copy written before the MTP layer or the vision tower were): never served
+    without them."""
     from ninfer_jax.model import tiny
 
     monkeypatch.setenv("NINFER_HOME", str(tmp_path))
     writes = []
 
-    def write(directory, *args, **kwargs):  # the real writer takes seconds (the tokenizer files)
+    def write(directory):  # the real writer takes seconds (the tokenizer files)
         writes.append(directory)
         (directory / "config.json").write_text("{}")
 
-    monkeypatch.setattr(tiny, "write_random_checkpoint", write)
+    monkeypatch.setattr(tiny, "write_default_checkpoint", write)
     first = tiny.default_checkpoint()
-    assert first == tmp_path / "tiny-dense-seed0" and len(writes) == 1
+    assert first == tmp_path / "tiny-trained-vlm" and len(writes) == 1
     assert tiny.default_checkpoint() == first and len(writes) == 1  # reused
     (first / tiny.STAMP).write_text("another version")
     (first / "left-over").write_text("x")
     assert tiny.default_checkpoint() == first and len(writes) == 2
     assert not (first / "left-over").exists() and (first / tiny.STAMP).read_text() != "another version"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dense-seed0"]  # nothing else left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-trained-vlm"]  # nothing else left behind

@@ -26,3 +26,22 @@ def test_the_trained_checkpoints_mtp_drafts_are_mostly_kept_and_change_no_token(
     finally:
         plain.stop()
         mtp.stop()
+
+
+def test_the_built_in_default_is_the_trained_model_as_a_vlm():
+    """The default serves the trained text weights (MTP layer included) bit for bit, under the VLM layout's names,
+    beside a vision tower that maps to its hidden size."""
+    import jax
+    import numpy as np
+
+    from ninfer_jax.model.loader import has_vision_tower, load_checkpoint, load_vision_checkpoint
+    from ninfer_jax.model.tiny import default_checkpoint
+
+    text_cfg, trained = load_checkpoint(trained_checkpoint(), dtype="float32")
+    cfg, default = load_checkpoint(default_checkpoint(), dtype="float32")
+    assert (text_cfg.layout, cfg.layout) == ("text", "vlm") and default.mtp is not None
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), trained, default)
+    assert all(jax.tree.leaves(same))
+    assert has_vision_tower(default_checkpoint() / "config.json")
+    vision_cfg, _ = load_vision_checkpoint(default_checkpoint(), dtype="float32")
+    assert vision_cfg.out_hidden_size == cfg.hidden_size == 48

@@ -33,11 +33,12 @@ def test_logit_bias_with_string_keys_forces_the_token(oai, engine):
 
 def test_penalties_and_min_tokens_reach_the_engine(oai, engine):
     fields = dict(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=8, temperature=0,
-                  logit_bias={str(X): 12})
+                  logit_bias={str(X): 20})
     assert oai.completions.create(**fields).choices[0].text == engine.tokenizer.decode([X] * 8)
     penalised = oai.completions.create(**fields, frequency_penalty=2, presence_penalty=2,
                                        extra_body={"repetition_penalty": 1.2, "min_tokens": 2}).choices[0].text
-    assert penalised != engine.tokenizer.decode([X] * 8)  # 2 per repeat outweighs the bias of 12 within 8 tokens
+    # the penalties (4 at the first repeat, 2 more a repeat, and / 1.2) outweigh the bias of 20 within 8 tokens
+    assert penalised != engine.tokenizer.decode([X] * 8)
 
 
 def test_a_json_schema_chat_answer_parses_and_validates(oai, engine):
