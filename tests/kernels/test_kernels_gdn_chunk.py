@@ -185,6 +185,27 @@ def test_ops_dispatch_matches_reference(rng):
     np.testing.assert_allclose(np.asarray(pool_k), np.asarray(pool_r), rtol=1e-4, atol=1e-5, err_msg=f"seed={seed}")
 
 
+def test_the_reference_chunked_form_and_its_chunk_states_equal_the_float64_recurrence(rng):
+    """The jnp reference's chunked (UT) form, whose (I + A)^-1 is built by matmuls alone, at a phase of 37 over
+    three chunks: o, the final state and each chunk's end state against the float64 recurrence."""
+    r, seed = rng
+    t, phase = 150, 37
+    x = make_inputs(r, t)
+    state = r.standard_normal((HV, D, D)) * 0.3
+    o, final, chunk_states = ref.gdn_chunked_ref(*(jnp.asarray(a, jnp.float32) for a in x),
+                                                 jnp.asarray(state, jnp.float32), phase=phase,
+                                                 return_chunk_states=True)
+    o64, final64, states64 = ref.gdn_naive_f64(*x, state, record_states=True)
+    tol = 2e-5
+    assert np.abs(np.asarray(o) - o64).max() / np.abs(o64).max() < tol, f"seed={seed}"
+    scale = np.abs(final64).max()
+    assert np.abs(np.asarray(final) - final64).max() / scale < tol, f"seed={seed}"
+    ends = [PAGE * (i + 1) - phase for i in range(len(chunk_states))]  # the last one is the padded end: t
+    assert ends[:2] == [27, 91] and len(ends) == 3
+    for i, end in enumerate(ends[:2]):
+        assert np.abs(np.asarray(chunk_states[i]) - states64[end]).max() / scale < tol, f"seed={seed} chunk {i}"
+
+
 def test_rejects_bad_inputs():
     q = jnp.zeros((8, 1, 16))
     v = jnp.zeros((8, 3, 16))
