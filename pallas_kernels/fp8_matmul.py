@@ -11,9 +11,9 @@ block). With several splits XLA sums their float32 partials; with one the kernel
     reduced once after the loop. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
   * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows (16,
     or the power of two at or above M up to 128; the rows past M loaded as zeros) its right, so the 16-row minimum
-    falls on x, not on W's rows. bf16 rows go in
-    as float16, each row over a power of two (exact within 2**29 of its largest): FP8 -> float16 is one packed
-    conversion a pair, FP8 -> bf16 three, and the conversion is what bounds this kernel.
+    falls on x, not on W's rows. bf16 rows go in as float16, each row over a power of two (exact within 2**29 of
+    its largest): FP8 -> float16 is one packed conversion a pair, FP8 -> bf16 three, and the conversion is what
+    bounds this kernel.
   * With quantize_activations (2 rows and more): x quantized per token and 128-group with dynamic scales (the
     packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8,
     no conversion in the loop, at the activations' quantization error (about 2.6% relative per product).

@@ -36,6 +36,14 @@ def settle_host(engine, *, warmed=True):
         assert stats["compiles_since_warmup"] == 0  # the transfer ops were compiled at startup
 
 
+def assert_blocks_stored_once(engine, prefix):
+    """Each whole 64-token block of `prefix` is one node of the engine's radix tree (so one device page)."""
+    tree = engine.cache_manager.index.tree
+    for b in range(len(prefix) // 64):
+        block = np.asarray(prefix[64 * b: 64 * b + 64], "<i4").tobytes()
+        assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1
+
+
 def cancel_mid_prefill(engine, prompt, sampling, request_id="cancel-me"):
     """Submit `prompt` and cancel it at its first progress event, which takes effect after its first prefill chunk;
     returns once it has finished."""

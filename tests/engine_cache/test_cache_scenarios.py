@@ -10,7 +10,7 @@ import queue
 import numpy as np
 import pytest
 
-from cache_support import assert_same_output, cancel_mid_prefill, tokens, with_hints
+from cache_support import assert_blocks_stored_once, assert_same_output, cancel_mid_prefill, tokens, with_hints
 from oracle import ORACLE_VOCAB
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.frontend.prepared_prompt import TapHintKind
@@ -189,10 +189,7 @@ def test_shared_preamble_across_eight_sessions_is_stored_once(hpc, root):
     refs = root.generate_many([s.token_ids.tolist() for s in sessions], GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
     hpc.check_ledger()  # also a sync point: the worker settles a round's lanes after their last events
-    tree = hpc.cache_manager.index.tree
-    for b in range(4):  # one node, so one device page, per preamble block
-        block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()
-        assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1
+    assert_blocks_stored_once(hpc, preamble)
     assert hpc.stats()["prefix_cache"]["snapshots_by_kind"].get("boundary", 0) >= 1
 
 

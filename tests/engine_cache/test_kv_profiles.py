@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cache_support import assert_same_output, cancel_mid_prefill, tokens, with_hints
+from cache_support import assert_blocks_stored_once, assert_same_output, cancel_mid_prefill, tokens, with_hints
 from cache_support import settle_host as settle
 
 from ninfer_jax import Engine, SamplingParams
@@ -108,10 +108,7 @@ def test_the_page_writing_scenarios_inside_a_profile_equal_its_runs_without_reus
     assert all(o.usage.cached_tokens >= 256 for o in outs)
     for out, ref in zip(outs, without_reuse([s.token_ids.tolist() for s in sessions])):
         assert_same_output(out, ref)
-    tree = engine.cache_manager.index.tree
-    for b in range(4):
-        block = np.asarray(preamble[64 * b: 64 * b + 64], "<i4").tobytes()
-        assert sum(1 for n in tree.nodes.values() if n.depth == b and n.tokens == block) == 1
+    assert_blocks_stored_once(engine, preamble)
     same = tokens(333, 8)
     ref = without_reuse([same])[0]
     assert all(o.token_ids == ref.token_ids for o in engine.generate_many([same] * 4, GREEDY))
@@ -122,8 +119,7 @@ def test_the_page_writing_scenarios_inside_a_profile_equal_its_runs_without_reus
     out = engine.generate(prompt, GREEDY)
     assert 128 <= out.usage.cached_tokens < 600
     assert_same_output(out, without_reuse([prompt])[0])
-    engine.check_ledger()
-    assert engine.stats()["pages"]["active"] == 0 and engine.stats()["requests"]["running"] == 0
+    settle(engine, warmed=False)
     engine.stop()
 
 
