@@ -9,17 +9,17 @@ block). With several splits XLA sums their float32 partials; with one the kernel
   * `cuda_core` (M <= `Fp8Config.cuda_core_max_rows`, one row): each thread keeps its share of a [block_n, 128]
     float32 product tile, one FMA a weight with the block scale folded into x's 128 values, and the tile is
     reduced once after the loop. At one row the tensor cores' 16-row minimum would multiply 15 padding rows.
-  * `tensor_core` (up to `Fp8Config.max_rows`): "swap AB", W's tile is the matmul's left operand and x's rows (16,
-    or the power of two at or above M up to 128; the rows past M loaded as zeros) its right, so the 16-row minimum
-    falls on x, not on W's rows. bf16 rows go in as float16, each row over a power of two (exact within 2**29 of
-    its largest): FP8 -> float16 is one packed conversion a pair, FP8 -> bf16 three, and the conversion is what
-    bounds this kernel.
+  * `tensor_core` (up to `Fp8Config.max_rows`; `dynamic_max_rows` for FP8 x FP8): "swap AB", W's tile is the
+    matmul's left operand and x's rows (16, or the power of two at or above M up to 128; the rows past M loaded as
+    zeros) its right, so the 16-row minimum falls on x, not on W's rows. bf16 rows go in as float16, each row over
+    a power of two (exact within 2**29 of its largest): FP8 -> float16 is one packed conversion a pair, FP8 -> bf16
+    three, and the conversion is what bounds this kernel.
   * With quantize_activations (2 rows and more): x quantized per token and 128-group with dynamic scales (the
     packs' `activation_scheme: dynamic`, as vLLM and SGLang serve them), then the same swap-AB product in FP8 x FP8,
     no conversion in the loop, at the activations' quantization error (about 2.6% relative per product).
-Larger M (prefill) is not here: weight-only dequantizes to bf16 for XLA's matmul; with quantized activations on
-Hopper, fp8_gemm.py (Mosaic GPU wgmma) runs it (docs/kernels_notes.md, "FP8 weights"). K and N must be multiples of
-128 (`supported`).
+Larger M (prefill, the widest decode rounds) is not here: weight-only dequantizes to bf16 for XLA's matmul; with
+quantized activations on Hopper, fp8_gemm.py (Mosaic GPU wgmma) runs it (docs/kernels_notes.md, "FP8 weights"). K
+and N must be multiples of 128 (`supported`).
 """
 
 from __future__ import annotations
@@ -71,11 +71,14 @@ class Fp8Config:
     share one block of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer; with
     one split the kernel writes the result itself, otherwise XLA adds the splits' float32 partials. tc_mode: the
     weight-only tensor-core product's operands for bf16 rows, "f16" or "bf16". dynamic_*: the FP8 x FP8
-    product's. max_rows: the most rows these kernels take (the model's dispatch reads it); 17-128 rows are built
-    and checked but the default stops at the 16 that were timed against the alternatives."""
+    product's. max_rows / dynamic_max_rows: the most rows the weight-only / FP8 x FP8 kernels take (the model's
+    dispatch reads them; past them it dequantizes or runs the wgmma GEMM). At the 27B's projections on the H200
+    the swap-AB kernels beat dequantize + bf16 2-3x at 32-128 rows, and the FP8 x FP8 kernel beats the wgmma GEMM
+    1.0-2.0x at 32 rows but not at 64-128 (docs/benchmarks/fp8/fp8_sweep.md)."""
 
     cuda_core_max_rows: int = 1
-    max_rows: int = 16
+    max_rows: int = 128
+    dynamic_max_rows: int = 32
     cuda_core_splits: int = 16
     cuda_core_block_n: int = 32
     cuda_core_block_k: int = 256
@@ -102,8 +105,14 @@ class Fp8Config:
             raise ValueError(f"Fp8Config block_k must be a multiple of {BLOCK}")
         if self.tc_mode not in ("f16", "bf16"):
             raise ValueError(f"Fp8Config.tc_mode must be f16 or bf16, got {self.tc_mode}")
-        if not 0 <= self.cuda_core_max_rows <= self.max_rows <= MAX_ROWS:
-            raise ValueError(f"Fp8Config needs 0 <= cuda_core_max_rows <= max_rows <= {MAX_ROWS}")
+        if not 0 <= self.cuda_core_max_rows <= min(self.max_rows, self.dynamic_max_rows):
+            raise ValueError("Fp8Config needs cuda_core_max_rows <= max_rows and dynamic_max_rows")
+        if max(self.max_rows, self.dynamic_max_rows) > MAX_ROWS:
+            raise ValueError(f"Fp8Config needs max_rows and dynamic_max_rows <= {MAX_ROWS}")
+
+    def rows_limit(self, quantize_activations: bool) -> int:
+        """The most rows these kernels take for weight-only (False) or FP8 x FP8 (True) products."""
+        return self.dynamic_max_rows if quantize_activations else self.max_rows
 
 
 DEFAULT_CONFIG = Fp8Config()
@@ -117,14 +126,16 @@ def supported(k: int, n: int) -> bool:
 def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_activations: bool = False,
                interpret: bool = False):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) for
-    M <= config.max_rows, in x's dtype with float32 accumulation; quantize_activations: x in FP8 too (see above)."""
+    M <= config.rows_limit(quantize_activations), in x's dtype with float32 accumulation; quantize_activations: x in
+    FP8 too (see above)."""
     cfg = config or DEFAULT_CONFIG
     (m, k), n = x.shape, values.shape[0]
     if not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"fp8_matmul: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
-    if m > cfg.max_rows:
-        raise ValueError(f"fp8_matmul: {m} rows exceed Fp8Config.max_rows {cfg.max_rows} (dequantize instead)")
+    if m > cfg.rows_limit(quantize_activations):
+        raise ValueError(f"fp8_matmul: {m} rows exceed Fp8Config's limit of {cfg.rows_limit(quantize_activations)} "
+                         f"(max_rows / dynamic_max_rows; dequantize or run the GEMM instead)")
     if m <= cfg.cuda_core_max_rows and not (quantize_activations and m > 1):
         return _cuda_core(x, values, scales, cfg, interpret)
     return _tensor_core(x, values, scales, cfg, interpret, quantize_activations)

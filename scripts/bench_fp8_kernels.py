@@ -244,8 +244,8 @@ SWEEP_VARIANTS = {
     "alt dyn bn32 8 splits": (dataclasses.replace(_D, dynamic_block_n=32, dynamic_min_programs=0), True, (8,), None),
     # a wide decode round's 32-128 rows, where the model takes the wgmma GEMM (dynamic) or dequantize + bf16
     "wide swap AB": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS), False, (32, 64, 128), None),
-    "wide dynamic": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS), True, (32, 64, 128), None),
-    "wide dynamic bn32": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS, dynamic_block_n=32), True,
+    "wide dynamic": (dataclasses.replace(_D, dynamic_max_rows=fp8_matmul.MAX_ROWS), True, (32, 64, 128), None),
+    "wide dynamic bn32": (dataclasses.replace(_D, dynamic_max_rows=fp8_matmul.MAX_ROWS, dynamic_block_n=32), True,
                           (32, 64, 128), None),
 }
 # what the model runs above Fp8Config.max_rows, timed beside the wide variants

@@ -52,7 +52,7 @@ class KernelConfig:
     # backend
     fuse_gdn_conv: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
-    # round's 2-16 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
+    # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
     fp8_activations: bool = False
     # Tensor / expert parallel: the mesh the model's explicit SPMD blocks run on (model/spmd.py); the runner sets it
@@ -287,11 +287,11 @@ def block_fp8(w: QuantizedWeight) -> fp8_matmul.BlockFp8:
 def quantized_dot(kc: KernelConfig, x, w):
     """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation.
 
-    The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's few
-    rows (pallas_kernels/fp8_matmul.py). More rows, with fp8_activations on a Hopper GPU: the FP8 x FP8 wgmma GEMM
-    (pallas_kernels/fp8_gemm.py, 1.3-1.7x the dequantized matmul at 2048-8192 rows, at the activations'
-    quantization error); otherwise the weight dequantized to x's dtype for XLA's matmul (docs/kernels_notes.md,
-    "FP8 weights")."""
+    The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's rows
+    (pallas_kernels/fp8_matmul.py: up to 128 weight-only, 32 FP8 x FP8). More rows, with fp8_activations on a Hopper
+    GPU: the FP8 x FP8 wgmma GEMM (pallas_kernels/fp8_gemm.py, 1.3-1.7x the dequantized matmul at 2048-8192 rows,
+    at the activations' quantization error); otherwise the weight dequantized to x's dtype for XLA's matmul
+    (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):
         return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
@@ -299,7 +299,7 @@ def quantized_dot(kc: KernelConfig, x, w):
     if kc.backend != "pallas":
         return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
     n, k = w.values.shape
-    if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(k, n):
+    if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(kc.fp8_activations) and fp8_matmul.supported(k, n):
         return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
                                      interpret=kc.interpret)
     if kc.fp8_activations and not kc.interpret and fp8_gemm.supported(k, n) and fp8_gemm.available():

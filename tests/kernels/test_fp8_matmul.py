@@ -15,7 +15,8 @@ from pallas_kernels import fp8_matmul
 # float32 accumulation error; compiled on a GPU, the tensor-core kernels' float32 dots are TF32 (10-bit mantissas)
 F32_TOL = 1e-5 if INTERPRET else 1e-3
 K, N = 384, 256  # three 128-blocks of contraction, two of output: every program reads several scales
-WIDE = fp8_matmul.Fp8Config(max_rows=fp8_matmul.MAX_ROWS)  # 17-128 rows: built, not the model's default
+# up to 128 rows of both products (the default stops FP8 x FP8 at 32, where the wgmma GEMM starts to win)
+WIDE = fp8_matmul.Fp8Config(max_rows=fp8_matmul.MAX_ROWS, dynamic_max_rows=fp8_matmul.MAX_ROWS)
 
 
 def _weight(seed=0, k=K, n=N):
@@ -76,16 +77,20 @@ def test_refuses_shapes_outside_whole_blocks_and_too_many_rows():
     values, scales, _ = _weight()
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_matmul.fp8_matmul(jnp.zeros((1, K - 64)), values[:, : K - 64], scales, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="exceed Fp8Config.max_rows"):
-        fp8_matmul.fp8_matmul(jnp.zeros((17, K)), values, scales, interpret=INTERPRET)  # the default's 16
-    with pytest.raises(ValueError, match="max_rows <= 128"):
-        fp8_matmul.Fp8Config(max_rows=129)
+    with pytest.raises(ValueError, match="129 rows exceed Fp8Config's limit of 128"):
+        fp8_matmul.fp8_matmul(jnp.zeros((129, K)), values, scales, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="33 rows exceed Fp8Config's limit of 32"):
+        fp8_matmul.fp8_matmul(jnp.zeros((33, K)), values, scales, quantize_activations=True, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="dynamic_max_rows <= 128"):
+        fp8_matmul.Fp8Config(dynamic_max_rows=129)
+    with pytest.raises(ValueError, match="cuda_core_max_rows <= max_rows"):
+        fp8_matmul.Fp8Config(cuda_core_max_rows=8, dynamic_max_rows=4)
 
 
-@pytest.mark.parametrize("rows", [2, 40], ids=["decode-kernel", "prefill-dequantized"])
+@pytest.mark.parametrize("rows", [2, 40, 130], ids=["decode-kernel", "wide-decode-kernel", "prefill-dequantized"])
 def test_pallas_quantized_dot_matches_the_reference(rows):
-    """The model's product on the pallas backend: a decode round's rows through the kernel, a prefill chunk's
-    through the dequantized matmul; both equal the float32 reference."""
+    """The model's product on the pallas backend: a decode round's rows (up to 128) through the kernel, a prefill
+    chunk's through the dequantized matmul; each equals the float32 reference."""
     values, scales, _ = _weight(7)
     w = QuantizedWeight(values, scales)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, K)), jnp.float32)
