@@ -73,6 +73,7 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
             for label, cfg in CONFIGS.items():
                 row[f"{label}_us"] = time_pure(lambda a, v, s, cfg=cfg: fp8_matmul.fp8_matmul(a, v, s, config=cfg),
                                                (x, w.values, w.scales), unroll=10) * 1e6
+        if m <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
             # --fp8-activations dynamic: the rows quantized per token and 128-group, an FP8 x FP8 product
             row["dynamic_us"] = time_pure(lambda a, v, s: fp8_matmul.fp8_matmul(a, v, s, quantize_activations=True),
                                           (x, w.values, w.scales), unroll=10) * 1e6
@@ -248,10 +249,11 @@ SWEEP_VARIANTS = {
     "wide dynamic bn32": (dataclasses.replace(_D, dynamic_max_rows=fp8_matmul.MAX_ROWS, dynamic_block_n=32), True,
                           (32, 64, 128), None),
 }
-# what the model runs above Fp8Config.max_rows, timed beside the wide variants
+# what the model ran above 16 rows before the wide tiles (and still runs past the Fp8Config limits), timed beside
+# the wide variants from WIDE_FROM rows
+WIDE_FROM = 17
 WIDE_BASELINES = {
-    "dequantize + bf16": (lambda a, v, s: ops.quantized_dot(ops.KernelConfig("pallas"), a, QuantizedWeight(v, s)),
-                          False),
+    "dequantize + bf16": (lambda a, v, s: ops.dequantized_dot(a, QuantizedWeight(v, s)), False),
     "gemm dynamic (wgmma)": (lambda a, v, s: fp8_gemm.fp8_gemm(a, v, s), True),  # Mosaic GPU: a GPU only
 }
 SWEEP_CPU_SHAPE = (1024, 256)  # the interpreter takes tens of seconds a program at the 27B's shapes
@@ -296,7 +298,7 @@ def _sweep_jobs(rows: tuple[int, ...], old, interpret: bool) -> list[tuple]:
             if m >= 2:
                 jobs.append(("old dynamic", m, lambda a, v, s: old.fp8_matmul(a, v, s, quantize_activations=True,
                                                                               **kw), None))
-    for m in (m for m in rows if m > fp8_matmul.DEFAULT_CONFIG.max_rows):
+    for m in (m for m in rows if m >= WIDE_FROM):
         jobs += [(name, m, fn, None) for name, (fn, gpu_only) in WIDE_BASELINES.items()
                  if not (gpu_only and interpret)]
     for name, (cfg, q, ms, shapes) in SWEEP_VARIANTS.items():
@@ -476,11 +478,11 @@ def main() -> None:
             "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err", "dynamic_us",
             "dynamic_vs_engine", "dynamic_rel_err"]
     lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
-                          "kernel up to 16 rows, dequantize + XLA's bf16 matmul above; for the MoE layer, the expert "
-                          "kernels reading FP8 tiles); torch_rowwise: cuBLASLt FP8 with one scale per row and column "
-                          "(coarser than the packs' 128-blocks); dynamic: --fp8-activations dynamic, the rows "
-                          "quantized per token and 128-group for an FP8 x FP8 product (its error against the bf16 "
-                          "rows in dynamic_rel_err)")
+                          "kernels up to Fp8Config's row limits, then the wgmma GEMM or dequantize + XLA's bf16 "
+                          "matmul; for the MoE layer, the expert kernels reading FP8 tiles); torch_rowwise: "
+                          "cuBLASLt FP8 with one scale per row and column (coarser than the packs' 128-blocks); "
+                          "dynamic: --fp8-activations dynamic, the rows quantized per token and 128-group for an FP8 "
+                          "x FP8 product (its error against the bf16 rows in dynamic_rel_err)")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
     report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 

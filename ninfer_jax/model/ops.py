@@ -304,6 +304,11 @@ def quantized_dot(kc: KernelConfig, x, w):
                                      interpret=kc.interpret)
     if kc.fp8_activations and not kc.interpret and fp8_gemm.supported(k, n) and fp8_gemm.available():
         return fp8_gemm.fp8_gemm(x, w.values, w.scales)
+    return dequantized_dot(x, w)
+
+
+def dequantized_dot(x, w: QuantizedWeight):
+    """x [R, K] @ w with the weight dequantized to x's dtype for XLA's matmul (many weight-only rows)."""
     # tied to x, so XLA cannot start every layer's dequantization early and hold them all (pallas_kernels/moe.py)
     w, x = lax.optimization_barrier((w, x))
     rows = fp8_matmul.dequantize_rows(block_fp8(w), x.dtype)
