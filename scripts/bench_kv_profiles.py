@@ -78,8 +78,9 @@ def accuracy(params, cfg, kc, profiles, act_dtype) -> dict:
     return out
 
 
-def profile_engine(params, cfg, profile: str, args) -> dict:
-    """Capacity, decode rounds and a Host restore on one engine of `profile`."""
+def profile_engine(params, cfg, profile: str, args, save) -> dict:
+    """Capacity, decode rounds and a Host restore on one engine of `profile`; `save(row)` after each part, so a
+    run cut short keeps what it measured."""
     from ninfer_jax import Engine
     from ninfer_jax.benchmarks.profiling import time_rounds
     from ninfer_jax.model.state import PAGE
@@ -107,6 +108,7 @@ def profile_engine(params, cfg, profile: str, args) -> dict:
             row[f"decode_{lanes}lane"] = {"ms_per_round": s * 1e3, "tok_s": lanes / s, "compile_s": compile_s}
             print(f"[{profile}] decode {lanes} lanes at {args.context}: {s * 1e3:.2f} ms/round = {lanes / s:.1f} "
                   f"tok/s (compile {compile_s:.1f} s)", flush=True)
+            save(row)
         if args.restore_tokens:
             measured = restore.measure(engine, args.restore_tokens, args.restore_reps, profile)
             row["restore"] = {k: measured[k] for k in ("restored_bytes", "restore_s", "restore_gbs", "ceiling_gbs",
@@ -184,8 +186,11 @@ def main(argv=None) -> int:
         if args.deadline and left < args.profile_s:
             data["rows"].append({"profile": profile, "error": f"not run: {left:.0f} s left before --deadline"})
             continue
-        data["rows"].append(profile_engine(params, cfg, profile, args))
-        report.write_json(out, args.report_name, data)  # what ran survives a later profile's failure
+        def save(row):  # what ran survives a later part's or profile's failure
+            report.write_json(out, args.report_name, {**data, "rows": [*data["rows"], row]})
+
+        data["rows"].append(profile_engine(params, cfg, profile, args, save))
+        report.write_json(out, args.report_name, data)
     report.write_report(out, args.report_name, data, markdown(data))
     print(f"report: {out / (args.report_name + '.md')} ({time.perf_counter() - t0:.0f} s)")
     return 0

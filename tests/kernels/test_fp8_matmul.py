@@ -108,3 +108,17 @@ def test_lowers_to_triton_at_the_27b_mlp_shape(rows, dynamic):
     text = fn.trace(spec((rows, 5120), jnp.bfloat16), spec((34816, 5120), jnp.float8_e4m3fn),
                     spec((272, 40), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert ("fp8_gemv" if rows == 1 else "fp8_fp8_swap_ab" if dynamic else "fp8_swap_ab") in text
+
+
+@pytest.mark.parametrize("rows,dynamic,kernel", [
+    (1, False, "fp8_gemv"), (128, False, "fp8_swap_ab"), (129, False, None),
+    (2, True, "fp8_fp8_swap_ab"), (32, True, "fp8_fp8_swap_ab"), (33, True, None)])
+def test_the_model_takes_the_decode_kernels_up_to_their_row_limits(rows, dynamic, kernel):
+    """`ops.quantized_dot` on the pallas backend: 128 weight-only and 32 FP8 x FP8 rows at most through
+    fp8_matmul (the H200 sweep's crossovers); past them no decode kernel (on a CPU: the dequantized matmul)."""
+    kc = ops.KernelConfig("pallas", interpret=INTERPRET, fp8_activations=dynamic)
+    spec = jax.ShapeDtypeStruct
+    jaxpr = str(jax.make_jaxpr(lambda x, v, s: ops.quantized_dot(kc, x, QuantizedWeight(v, s)))(
+        spec((rows, K), jnp.bfloat16), spec((N, K), jnp.float8_e4m3fn), spec((N // 128, K // 128), jnp.float32)))
+    names = [n for n in ("fp8_gemv", "fp8_fp8_swap_ab", "fp8_swap_ab") if f"name={n}" in jaxpr]
+    assert names == ([kernel] if kernel else [])
