@@ -281,3 +281,15 @@ def test_a_deadline_too_short_for_the_first_arm_is_refused_before_any_work(tmp_p
         main(["--arms", "hpc,align", "--deadline", "200", "--probe-reserve", "100", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # no report of a run that measured nothing
 
+
+
+def test_the_smoke_claim_judges_only_the_arms_that_were_asked_for():
+    def arm(cached):
+        return {"records": [{"finish_reason": "stop", "conversation": 0, "turn": 0, "ttft_s": 0.1,
+                             "prompt_tokens": 100, "cached_tokens": cached, "reusable_tokens": 100}]}
+
+    assert prefix_cache.smoke_check({"hpc": arm(80)}) == 0  # --arms hpc
+    assert prefix_cache.smoke_check({"hpc": arm(80), "no_reuse": arm(0)}) == 0
+    assert prefix_cache.smoke_check({"hpc": arm(80), "no_reuse": arm(5)}) == 1  # no reuse served cached tokens
+    assert prefix_cache.smoke_check({"hpc": arm(80), "no_reuse": {"error": "crashed"}}) == 1  # asked for, no records
+    assert prefix_cache.smoke_check({"hpc": arm(10)}) == 1
