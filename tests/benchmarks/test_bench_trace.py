@@ -282,7 +282,6 @@ def test_a_deadline_too_short_for_the_first_arm_is_refused_before_any_work(tmp_p
     assert not list(tmp_path.iterdir())  # no report of a run that measured nothing
 
 
-
 def test_the_smoke_claim_judges_only_the_arms_that_were_asked_for():
     def arm(cached):
         return {"records": [{"finish_reason": "stop", "conversation": 0, "turn": 0, "ttft_s": 0.1,
