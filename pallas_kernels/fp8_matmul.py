@@ -74,7 +74,10 @@ class Fp8Config:
     product's. max_rows / dynamic_max_rows: the most rows the weight-only / FP8 x FP8 kernels take (the model's
     dispatch reads them; past them it dequantizes or runs the wgmma GEMM). At the 27B's projections on the H200
     the swap-AB kernels beat dequantize + bf16 2-3x at 32-128 rows, and the FP8 x FP8 kernel beats the wgmma GEMM
-    1.0-2.0x at 32 rows but not at 64-128 (docs/benchmarks/fp8/fp8_sweep.md)."""
+    1.0-2.0x at 32 rows but not at 64-128 (docs/benchmarks/fp8/fp8_sweep.md). wide_tiles: the weight-only tiles
+    past 16 rows, (most rows, block_n, num_warps) in rising rows (block_n / num_warps below and past them): every
+    program reads all of x's rows from L2 for its block_n weight rows, so wider rounds take wider blocks (at the
+    27B's projections 1.31x at 32 rows with 64, 1.11x at 64 rows with 128 and 8 warps, fp8_sweep.md)."""
 
     cuda_core_max_rows: int = 1
     max_rows: int = 128
@@ -93,14 +96,20 @@ class Fp8Config:
     tc_mode: str = "f16"
     dynamic_block_n: int = 64
     dynamic_min_programs: int = 512
+    wide_tiles: tuple[tuple[int, int, int], ...] = ((32, 64, 4), (MAX_ROWS, 128, 8))
 
     def __post_init__(self):
         for name in ("block_n", "cuda_core_block_n", "dynamic_block_n", "block_k", "cuda_core_block_k",
                      "num_warps", "cuda_core_warps"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"Fp8Config.{name} must be a power of two, got {getattr(self, name)}")
-        if not all(16 <= b <= BLOCK for b in (self.block_n, self.cuda_core_block_n, self.dynamic_block_n)):
-            raise ValueError(f"Fp8Config block_n must be in 16..{BLOCK}")
+        wide_n = [n for _, n, _ in self.wide_tiles]
+        if not all(16 <= b <= BLOCK and is_pow2(b)
+                   for b in (self.block_n, self.cuda_core_block_n, self.dynamic_block_n, *wide_n)):
+            raise ValueError(f"Fp8Config block_n must be a power of two in 16..{BLOCK}")
+        rows = [r for r, _, _ in self.wide_tiles]
+        if rows != sorted(set(rows)) or not all(is_pow2(w) for _, _, w in self.wide_tiles):
+            raise ValueError(f"Fp8Config.wide_tiles must rise in rows, warps powers of two: {self.wide_tiles}")
         if self.block_k < BLOCK or self.cuda_core_block_k < BLOCK:
             raise ValueError(f"Fp8Config block_k must be a multiple of {BLOCK}")
         if self.tc_mode not in ("f16", "bf16"):
@@ -113,6 +122,13 @@ class Fp8Config:
     def rows_limit(self, quantize_activations: bool) -> int:
         """The most rows these kernels take for weight-only (False) or FP8 x FP8 (True) products."""
         return self.dynamic_max_rows if quantize_activations else self.max_rows
+
+    def tile(self, rows: int, quantize_activations: bool) -> tuple[int, int]:
+        """(block_n, num_warps) of the tensor-core kernel for x of `rows` rows."""
+        if quantize_activations:
+            return self.dynamic_block_n, self.num_warps
+        wide = (t for t in self.wide_tiles if _TC_ROWS < rows <= t[0])
+        return next(((n, w) for _, n, w in wide), (self.block_n, self.num_warps))
 
 
 DEFAULT_CONFIG = Fp8Config()
@@ -258,7 +274,7 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
         inputs = ((x.astype(jnp.float32) / row_scale[:, None]).astype(jnp.float16), row_scale)
     else:
         inputs = (x,)
-    bn = cfg.dynamic_block_n if fp8_rows else cfg.block_n
+    bn, warps = cfg.tile(m, fp8_rows)
     min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs
     sub, splits, steps = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
     out = pl.pallas_call(
@@ -267,7 +283,7 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
                                        jnp.float32 if splits > 1 else x.dtype),
-        compiler_params=_compat.triton_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=_compat.triton_params(warps, cfg.num_stages),
         interpret=interpret,
         name="fp8_fp8_swap_ab" if fp8_rows else "fp8_swap_ab",
     )(*inputs, values, scales)

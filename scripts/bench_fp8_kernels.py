@@ -243,14 +243,13 @@ SWEEP_VARIANTS = {
     "alt cc to 2 rows": (dataclasses.replace(_D, cuda_core_max_rows=2), False, (2,), None),
     "alt tc 8 splits": (dataclasses.replace(_D, min_programs=0), False, (8,), None),
     "alt dyn bn32 8 splits": (dataclasses.replace(_D, dynamic_block_n=32, dynamic_min_programs=0), True, (8,), None),
-    # a wide decode round's 32-128 rows, where the model takes the wgmma GEMM (dynamic) or dequantize + bf16
-    "wide swap AB": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS), False, (32, 64, 128), None),
-    # every program reads all of x's rows from L2 for its block_n weight rows: at 128 rows and block_n 32, 8x the
-    # bytes of its FP8 weight tile; wider blocks read x fewer times
-    "wide swap AB bn64": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS, block_n=64), False, (32, 64, 128),
+    # a wide decode round's 32-128 rows: the default tiles (Fp8Config.wide_tiles), 16 rows' tile, and one tile for all
+    "wide tiles": (_D, False, (32, 64, 128), None),
+    "wide swap AB": (dataclasses.replace(_D, wide_tiles=()), False, (32, 64, 128), None),
+    "wide swap AB bn64": (dataclasses.replace(_D, wide_tiles=((fp8_matmul.MAX_ROWS, 64, 4),)), False, (32, 64, 128),
                           None),
-    "wide swap AB bn128 8 warps": (dataclasses.replace(_D, max_rows=fp8_matmul.MAX_ROWS, block_n=128, num_warps=8),
-                                   False, (64, 128), None),
+    "wide swap AB bn128 8 warps": (dataclasses.replace(_D, wide_tiles=((fp8_matmul.MAX_ROWS, 128, 8),)), False,
+                                   (64, 128), None),
     "wide dynamic": (dataclasses.replace(_D, dynamic_max_rows=fp8_matmul.MAX_ROWS), True, (32, 64, 128), None),
     "wide dynamic bn32": (dataclasses.replace(_D, dynamic_max_rows=fp8_matmul.MAX_ROWS, dynamic_block_n=32), True,
                           (32, 64, 128), None),

@@ -29,10 +29,11 @@ def _weight(seed=0, k=K, n=N):
     return jnp.asarray(values), jnp.asarray(scales), exact
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40], ids=lambda r: f"{r}rows")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 40], ids=lambda r: f"{r}rows")
 def test_weight_only_kernels_match_float64_reference(rows):
-    """1 row takes the CUDA-core kernel, 2-16 the swap-AB tensor-core one (40: its 64-row tile); both equal x @ W in
-    float64 to float32 accumulation error (W's FP8 values are exact in float32, times their own block's scale)."""
+    """1 row takes the CUDA-core kernel, 2-16 the swap-AB tensor-core one (24 and 40: its wide tiles, 64 and 128 W
+    rows a program); both equal x @ W in float64 to float32 accumulation error (W's FP8 values are exact in float32,
+    times their own block's scale)."""
     values, scales, exact = _weight(rows)
     x = np.random.default_rng(10 + rows).standard_normal((rows, K)).astype(np.float32)
     got = np.asarray(fp8_matmul.fp8_matmul(jnp.asarray(x), values, scales, config=WIDE, interpret=INTERPRET),
@@ -85,6 +86,16 @@ def test_refuses_shapes_outside_whole_blocks_and_too_many_rows():
         fp8_matmul.Fp8Config(dynamic_max_rows=129)
     with pytest.raises(ValueError, match="cuda_core_max_rows <= max_rows"):
         fp8_matmul.Fp8Config(cuda_core_max_rows=8, dynamic_max_rows=4)
+    with pytest.raises(ValueError, match="wide_tiles must rise in rows"):
+        fp8_matmul.Fp8Config(wide_tiles=((128, 128, 8), (32, 64, 4)))
+
+
+def test_wider_weight_only_rounds_take_wider_tiles():
+    """(block_n, warps) by rows: 32 W rows a program to 16 rows, 64 to 32 rows, 128 on 8 warps to 128 rows (the
+    H200 sweep's fastest); FP8 x FP8 keeps its own tile at every width."""
+    cfg = fp8_matmul.DEFAULT_CONFIG
+    assert [cfg.tile(m, False) for m in (2, 16, 17, 32, 33, 128)] == [(32, 4)] * 2 + [(64, 4)] * 2 + [(128, 8)] * 2
+    assert {cfg.tile(m, True) for m in (2, 32, 128)} == {(64, 4)}
 
 
 @pytest.mark.parametrize("rows", [2, 40, 130], ids=["decode-kernel", "wide-decode-kernel", "prefill-dequantized"])
