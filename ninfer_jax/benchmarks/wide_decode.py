@@ -55,6 +55,16 @@ class RoundRoofline:
         return self.lanes / self.seconds
 
 
+def round_weight_bytes(cfg, rows: int, fp8: bool = False) -> float:
+    """The weight bytes a round of `rows` rows reads: the non-expert weights once, the experts its rows touch
+    (`expected_experts`: uniform routing, as random weights route), the lm_head and the rows' embeddings; fp8 as
+    `round_roofline`'s."""
+    w = weight_parts(cfg)
+    experts = expected_experts(w.num_experts, w.experts_per_token, rows) if w.num_experts else 0.0
+    linears = w.mixers + w.layers * (w.ffn + experts * w.expert)
+    return BF16_BYTES * (linears + w.vocab_rows + rows * w.hidden) - (linears - gdn_ab_params(cfg) if fp8 else 0)
+
+
 def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, fp8: bool = False) -> RoundRoofline:
     """The roofline of a decode round of `lanes` rows, each reading `context` tokens of KV, at `tflops` TFLOP/s
     and `tbps` TB/s (`models.measure_ceilings`); fp8: the linears the FP8 packs quantize at one byte (their block
@@ -62,8 +72,7 @@ def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, 
     heads x context per row and attention layer (scores and values)."""
     w = weight_parts(cfg)
     experts = expected_experts(w.num_experts, w.experts_per_token, lanes) if w.num_experts else 0.0
-    linears = w.mixers + w.layers * (w.ffn + experts * w.expert)
-    weights = BF16_BYTES * (linears + w.vocab_rows + lanes * w.hidden) - (linears - gdn_ab_params(cfg) if fp8 else 0)
+    weights = round_weight_bytes(cfg, lanes, fp8)
     kv = lanes * context * page_bytes(cfg, jnp.bfloat16) / PAGE
     state = 2 * lanes * slot_bytes(cfg, jnp.bfloat16)
     attention = len(cfg.attn_layers) * 4 * cfg.head_dim * cfg.num_attention_heads * context * lanes

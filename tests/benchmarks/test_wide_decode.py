@@ -10,6 +10,7 @@ from ninfer_jax.benchmarks.wide_decode import (
     expected_experts,
     full_width_window,
     round_roofline,
+    round_weight_bytes,
 )
 from ninfer_jax.config import QuantizationConfig
 
@@ -55,6 +56,14 @@ def test_an_fp8_round_reads_its_quantized_linears_at_one_byte_and_the_rest_in_bf
     assert roof.weight_bytes == 5408 - 1792 == 3616
     assert param_counts(cfg, fp8=True)[2] == 2 * 2496 - (2496 - 800 - 96)  # one lane's bytes: the same rule
     assert roof.flops == 10624  # the same work
+
+
+def test_a_verify_rounds_bytes_floor_is_the_experts_its_extra_rows_touch(cfg):
+    # one row: 2 experts a layer, 5408 - 2 x (4 x 48 + 8) = 5008 B; two rows: the roofline's 3 experts, 5408 B
+    assert round_weight_bytes(cfg, 1) == 2 * (1120 + 4 * (48 + 2 * 48) + 800 + 8) == 5008
+    assert round_weight_bytes(cfg, 2) == round_roofline(cfg, 2, 10, 1e-9, 1e-9).weight_bytes == 5408
+    dense = model_config("27b")  # a dense round reads every weight once, whatever its rows (but their embeddings)
+    assert round_weight_bytes(dense, 4) - round_weight_bytes(dense, 1) == 2 * 3 * dense.hidden_size
 
 
 def test_an_fp8_pack_of_the_27b_holds_55_percent_of_its_bf16_bytes_and_unknown_formats_are_refused():
