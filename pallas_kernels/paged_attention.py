@@ -127,15 +127,16 @@ def _load_kv_block(k_refs, v_refs, pools, page_of, first_page, n_valid_pages, kv
     return k, v, pos, valid
 
 
-def _softmax_update(m, l, s, valid):
-    """The running max and denominator after scores s [R, BK] (already masked), with the factor alpha [R] that
-    rescales what was accumulated and the probabilities p [R, BK]; valid: [R, BK] or None."""
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+def _softmax_update(m, l, s, valid, keys: int = 1):
+    """The running max and denominator after scores s [R, BK] (already masked; [BK, R] with keys=0), with the factor
+    alpha [R] that rescales what was accumulated and the probabilities p (s's shape); valid: broadcasts to s, or
+    None."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=keys))
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
+    p = jnp.exp(s - jnp.expand_dims(m_new, keys))
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
-    return m_new, l * alpha + jnp.sum(p, axis=1), alpha, p
+    return m_new, l * alpha + jnp.sum(p, axis=keys), alpha, p
 
 
 def _online_softmax_step(carry, s, v, valid):
@@ -209,14 +210,17 @@ def _int8_to_f16(codes, asm: bool):
     return out
 
 
-def _fetch(refs, fmt, groups, page, row, kvh, valid):
+def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False):
     """The raw planes of rows (page[i], row[i], kvh) for `_decode`, as stored (a flat tuple: it may be carried
     over a loop iteration): each group's values and, for INT8 and FP8, its scales [BK]; an NVFP4 row's bytes
-    [BK, D/2] once for both halves, then each half's scales [BK, D/2 / 16]."""
+    [BK, D/2] once for both halves, then each half's scales [BK, D/2 / 16]. transposed: values [width, BK]."""
     values = refs[0]
 
     def load(ref, first, width):
         cols = first + jnp.arange(width, dtype=jnp.int32)
+        if transposed:
+            return _compat.load(ref.at[page[None, :], row[None, :], kvh, cols[:, None]], mask=valid[None, :],
+                                other=_zero(ref))
         return _compat.load(ref.at[page[:, None], row[:, None], kvh, cols[None, :]], mask=valid[:, None],
                             other=_zero(ref))
 
@@ -271,6 +275,7 @@ def _decode_kernel(
     prefetch: bool,
     f16_keys: bool,
     f16_values: bool,
+    swap_ab: bool,
     asm: bool,
     scale: float,
 ):
@@ -278,7 +283,9 @@ def _decode_kernel(
     keys' scales, and each group of output columns takes the probabilities scaled by the values' scales. No
     dequantized [keys, D] f32 block exists: at 2 pages a block, dequantizing every element ran INT8 at 1% and FP8 at
     8% of the copy rate, the group reads at 43% and 51%. An NVFP4 row's bytes are decoded once into its two halves
-    by bit operations, 10x faster than e2m1 arithmetic in f32 (docs/kernels_notes.md)."""
+    by bit operations, 10x faster than e2m1 arithmetic in f32 (docs/kernels_notes.md). swap_ab: the products
+    transposed, keys and values their left operand (scores [BK, R], outputs [width, R]), the query group their right.
+    """
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
@@ -291,10 +298,19 @@ def _decode_kernel(
     head_ok = r < group
     heads = kvh * group + jnp.minimum(r, group - 1)
     k_groups, v_groups = _column_groups(pools.k_fmt, d), _column_groups(pools.v_fmt, d)
+    keys = 0 if swap_ab else 1  # the keys' axis of the scores and probabilities; the query rows' is the other
+
+    def by_row(x):  # a [R] vector against scores or outputs
+        return jnp.expand_dims(x, keys)
+
+    def by_key(x):  # a [BK] vector against scores
+        return jnp.expand_dims(x, 1 - keys)
+
     qs = []
     for first_col, width in k_groups:
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
-        q = _compat.load(q_ref.at[b, heads[:, None], cols[None, :]], mask=head_ok[:, None], other=0)
+        idx = (b, heads[None, :], cols[:, None]) if swap_ab else (b, heads[:, None], cols[None, :])
+        q = _compat.load(q_ref.at[idx], mask=by_row(head_ok), other=0)  # [R, width], or [width, R]
         qs.append((q.astype(_F32) * scale).astype(k_dtype))
 
     n_pages = (length + PAGE - 1) // PAGE
@@ -311,7 +327,7 @@ def _decode_kernel(
     def fetch(i):
         page, row, _, valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)
         return (_fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid),
-                _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid))
+                _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid, transposed=swap_ab))
 
     def body(i, carry):
         m, l, accs, raw = carry
@@ -322,25 +338,28 @@ def _decode_kernel(
         valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)[3]
         s = None
         for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm)):
-            part = _dot_nt(q, k) if k_scale is None else _dot_nt(q, k) * k_scale[None, :]
+            part = dot(k, q) if swap_ab else _dot_nt(q, k)
+            part = part if k_scale is None else part * by_key(k_scale)
             s = part if s is None else s + part
-        m, l, alpha, p = _softmax_update(m, l, jnp.where(valid[None, :], s, _NEG), valid[None, :])
+        m, l, alpha, p = _softmax_update(m, l, jnp.where(by_key(valid), s, _NEG), by_key(valid), keys)
         new = []
         for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype, asm)):
             if v_shift:
                 v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
-            w = p if v_scale is None else p * v_scale[None, :]
-            new.append(acc * alpha[:, None] + dot(w.astype(v_dtype), v))
+            w = (p if v_scale is None else p * by_key(v_scale)).astype(v_dtype)
+            new.append(acc * by_row(alpha) + (dot(v, w) if swap_ab else dot(w, v)))
         return m, l, tuple(new), nxt
 
     init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
-            tuple(jnp.zeros((rows, width), _F32) for _, width in v_groups), fetch(0) if prefetch else None)
+            tuple(jnp.zeros((width, rows) if swap_ab else (rows, width), _F32) for _, width in v_groups),
+            fetch(0) if prefetch else None)
     m, l, accs, _ = lax.fori_loop(0, n_blocks, body, init)
     # G real rows, then (when padded) one spare row that every padding row lands in (the combine never reads it)
     g = r if rows == o_ref.shape[3] else jnp.minimum(r, group)
     for (first_col, width), acc in zip(v_groups, accs):
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
-        o_ref[b, sp, kvh, g[:, None], cols[None, :]] = acc * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc
+        idx = (b, sp, kvh, g[None, :], cols[:, None]) if swap_ab else (b, sp, kvh, g[:, None], cols[None, :])
+        o_ref[idx] = acc * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc
     m_ref[b, sp, kvh, g] = m
     l_ref[b, sp, kvh, g] = l
 
@@ -359,6 +378,10 @@ class DecodeConfig:
     # INT8 keys as float16 (codes by byte permutes), and INT8 / FP8 values as float16 (`_operand_dtype`)
     f16_keys: bool = False
     f16_values: bool = False
+    # keys and values as the products' left operand and the query group as their right (plain, INT8 and FP8 pools),
+    # as fp8_matmul's swap AB: the 16-row minimum of a product falls on the group's 6 or 8 queries instead of the
+    # keys, and the converted codes are the operand that may stay in registers. Not yet timed on a GPU
+    swap_ab: bool = False
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
@@ -413,6 +436,8 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
     lanes, hq, d = q.shape
     hkv = k_pages.shape[2]
     pools = _Pools.of(k_pages, v_pages)
+    if config.swap_ab and any(f is not None and f.packed for f in (pools.k_fmt, pools.v_fmt)):
+        raise ValueError("DecodeConfig.swap_ab reads plain, INT8 and FP8 pools, not NVFP4's packed rows")
     group = hq // hkv
     rows = max(_MIN_ROWS, pl.next_power_of_2(group))
     stored = group if rows == group else group + 1  # the partials' rows: the group's, and a spare for the padding
@@ -431,6 +456,7 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
             prefetch=config.prefetch and (pools.k_fmt is not None or pools.v_fmt is not None),
             f16_keys=config.f16_keys,
             f16_values=config.f16_values,
+            swap_ab=config.swap_ab,
             asm=not interpret,
             scale=d**-0.5,
         ),

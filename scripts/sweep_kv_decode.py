@@ -3,7 +3,7 @@ of the sweep that chose `QUANT_DECODE_CONFIG`, beside the bf16 pool and a plain 
 attention shape (8 lanes, 24 query and 4 KV heads, D 256). Each variant's bytes read per second (values and scales)
 and its share of the copy rate, and its relative error against the XLA reference over the dequantized pools.
 
-    python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 4 minutes
+    python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 5 minutes
     python scripts/sweep_kv_decode.py --smoke               # a small shape in interpret mode (a CPU check)
 """
 
@@ -23,8 +23,13 @@ def variants():
     from pallas_kernels.paged_attention import DecodeConfig as DC
 
     f16 = dict(f16_keys=True, f16_values=True)
+    quant = dict(pages_per_block=1, num_stages=3, **f16)  # QUANT_DECODE_CONFIG
+    # the transposed products (keys and values the left operand): at 1 and 2 pages a block
+    swapped = [("1 page, f16, 3 stages, swap AB", DC(swap_ab=True, **quant)),
+               ("2 pages, f16, 3 stages, swap AB", DC(**{**quant, "pages_per_block": 2}, swap_ab=True))]
     return {
-        "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1))],
+        "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1)),
+                     ("2 pages, swap AB", DC(swap_ab=True)), ("1 page, swap AB", DC(pages_per_block=1, swap_ab=True))],
         "int8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                  ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                  ("1 page, f16 keys", DC(pages_per_block=1, f16_keys=True)),
@@ -33,13 +38,13 @@ def variants():
                  ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
-                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))],
+                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + swapped,
         "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
-                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))],
+                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + swapped,
     }
 
 
@@ -65,7 +70,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32768,131072")
     p.add_argument("--out", default=None, help="report folder (default: a temporary one)")
-    p.add_argument("--smoke", action="store_true", help="256 keys, two variants a pool, interpret mode")
+    p.add_argument("--smoke", action="store_true", help="256 keys, a pool's first and last variants, interpret mode")
     args = p.parse_args()
 
     import jax
@@ -99,7 +104,7 @@ def main() -> int:
         for pool, configs in variants().items():
             k, v = pools[pool]
             want = reference.paged_decode_attention_ref(q, k, v, tables, lengths)
-            for label, config in configs[:2] if args.smoke else configs:
+            for label, config in configs[:1] + configs[-1:] if args.smoke else configs:
                 fn = jax.jit(lambda q, k, v, t, n, c=config: paged_attention.paged_decode_attention(
                     q, k, v, t, n, config=c, interpret=interpret))
                 out = fn(q, k, v, tables, lengths)

@@ -6,6 +6,8 @@ outputs with NaN before the kernel runs, so unwritten rows fail the finiteness c
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -142,7 +144,7 @@ def test_one_lanes_splits_keep_a_minimum_of_pages():
         paged_attention.DecodeConfig(min_pages_per_split=0)
 
 
-@pytest.mark.parametrize("profile", ["bfloat16", "int8", "k8v4"])  # plain; int8 planes; fp8 rows and e2m1 nibbles
+@pytest.mark.parametrize("profile", ["bfloat16", "int8", "fp8", "k8v4"])  # plain; int8 planes; fp8 rows; e2m1 nibbles
 def test_lowers_to_triton_at_real_shapes(profile):
     lower_for_h200()
     sd = jax.ShapeDtypeStruct
@@ -159,6 +161,17 @@ def test_lowers_to_triton_at_real_shapes(profile):
         sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+    if profile != "k8v4":  # the transposed products (NVFP4's packed rows are refused)
+        swapped = dataclasses.replace(paged_attention.default_decode_config(k, v), swap_ab=True)
+        text = paged_attention.paged_decode_attention.trace(
+            sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32), config=swapped
+        ).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text
+    else:
+        with pytest.raises(ValueError, match="not NVFP4's packed rows"):
+            paged_attention.paged_decode_attention.trace(
+                sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32),
+                config=paged_attention.DecodeConfig(swap_ab=True))
     k_35b, v_35b = pools(2)  # 8 queries per KV head: a spare row for the padding
     text = paged_attention.paged_decode_attention.trace(
         sd((1, 16, 256), bf), k_35b, v_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)

@@ -61,9 +61,10 @@ def pools(r, profile, n_pages, hkv, d, v_mag=3.0):
 
 
 # Between them the cases read every format as K and as V: INT8 groups, FP8 rows, NVFP4 nibbles; at D 128 an INT8
-# row has 2 groups, each read and scaled on its own.
-@pytest.mark.parametrize("profile,d", [("int8", 128), ("k8v4", 128), ("nvfp4", 32)])
-def test_decode_over_quantized_pages_matches_float64(profile, d):
+# row has 2 groups, each read and scaled on its own. swap: the transposed products (`DecodeConfig.swap_ab`).
+@pytest.mark.parametrize("profile,d,swap", [("int8", 128, False), ("k8v4", 128, False), ("nvfp4", 32, False),
+                                            ("int8", 128, True), ("fp8", 64, True)])
+def test_decode_over_quantized_pages_matches_float64(profile, d, swap):
     r = np.random.default_rng(1)
     hq, hkv, lengths, max_pages = 4, 2, [1, 130, 200], 4
     n_pages = len(lengths) * max_pages + 3
@@ -73,7 +74,7 @@ def test_decode_over_quantized_pages_matches_float64(profile, d):
     out = np.asarray(paged_attention.paged_decode_attention(
         jnp.asarray(q), poison(k, tables, lengths), poison(v, tables, lengths), jnp.asarray(tables),
         jnp.asarray(lengths, jnp.int32), interpret=INTERPRET,
-        config=paged_attention.DecodeConfig(num_splits=2, prefetch=profile != "int8")))
+        config=paged_attention.DecodeConfig(num_splits=2, prefetch=profile != "int8", swap_ab=swap)))
     k64, v64 = dequantize64(k), dequantize64(v)
     for b, n in enumerate(lengths):
         kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
@@ -85,9 +86,11 @@ def test_decode_over_quantized_pages_matches_float64(profile, d):
 # probabilities times the values' scales in float16 x 2^8; NVFP4 rows as bf16), and bf16 INT8 / FP8 operands
 # (f16=False): within the rounding of p to 16 bits. Values of magnitude 1e-3 (FP8 scales near 2e-6) check that the
 # f16 probabilities times scales keep their precision. D 256, the real head dim, scales the queries by 1/16, exactly
-@pytest.mark.parametrize("profile,f16,v_mag", [("fp8", True, 3.0), ("fp8", True, 1e-3), ("int8", True, 3.0),
-                                               ("int8", False, 3.0), ("k8v4", True, 3.0)])
-def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag):
+@pytest.mark.parametrize("profile,f16,v_mag,swap", [("fp8", True, 3.0, False), ("fp8", True, 1e-3, False),
+                                                    ("int8", True, 3.0, False), ("int8", False, 3.0, False),
+                                                    ("k8v4", True, 3.0, False), ("fp8", True, 1e-3, True),
+                                                    ("int8", True, 3.0, True)])
+def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, swap):
     r = np.random.default_rng(3)
     hq, hkv, d, lengths, max_pages = 4, 2, 256, [70, 200], 4
     n_pages = len(lengths) * max_pages + 1
@@ -96,7 +99,7 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag):
     q = jnp.asarray(r.standard_normal((len(lengths), hq, d)), jnp.bfloat16)
     config = paged_attention.default_decode_config(k, v)
     config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
-                                 f16_values=config.f16_values and f16)
+                                 f16_values=config.f16_values and f16, swap_ab=swap)
     out = np.asarray(paged_attention.paged_decode_attention(
         q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=INTERPRET, config=config))
     k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
