@@ -151,12 +151,12 @@ def _online_softmax_step(carry, s, v, valid):
 # --------------------------------------------------------------------------------------------------
 
 
-def _column_groups(fmt: kv_quant.Format | None, d: int) -> list[tuple[int, int]]:
+def _column_groups(fmt: kv_quant.Format | None, d: int, whole: bool = False) -> list[tuple[int, int]]:
     """How decode reads a pool's rows: (first column, width) of each scale group of an INT8 or FP8 pool, the two
-    halves of an NVFP4 row (the low and the high nibbles of the same bytes), the whole row of a plain pool
-    (static). NVFP4's groups of 16 columns, each a dot of its own, measured 5x slower than dequantizing whole
-    rows (docs/kernels_notes.md)."""
-    if fmt is None:
+    halves of an NVFP4 row (the low and the high nibbles of the same bytes), the whole row of a plain pool or, with
+    `whole` (`DecodeConfig.dequantize_rows`), of an INT8 or FP8 pool (static). NVFP4's groups of 16 columns, each a
+    dot of its own, measured 5x slower than dequantizing whole rows (docs/kernels_notes.md)."""
+    if fmt is None or whole and not fmt.packed:
         return [(0, d)]
     if fmt.packed:
         return [(0, d // 2), (d // 2, d // 2)]
@@ -164,15 +164,16 @@ def _column_groups(fmt: kv_quant.Format | None, d: int) -> list[tuple[int, int]]
     return [(c, g) for c in range(0, d, g)]
 
 
-def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str, f16_keys=False, f16_values=False):
+def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str, f16_keys=False, f16_values=False,
+                   whole=False):
     """The dtype of a pool's products: a plain pool's own; float16 for FP8 keys when the queries are 16-bit (e4m3
     -> f16 is one packed conversion a pair, -> bf16 three), and for INT8 keys (`f16_keys`) or INT8 / FP8 values
     (`f16_values`); else the queries' (a float32 query keeps every product exact, as the interpret tests need).
     Codes are exact in f16 either way; f16 values carry the probabilities times scales in 11 bits instead of bf16's
-    8, their range kept by `_F16_VALUE_SHIFT`. NVFP4 rows stay in the queries' dtype."""
+    8, their range kept by `_F16_VALUE_SHIFT`. NVFP4 rows and `whole` rows stay in the queries' dtype."""
     if fmt is None:
         return pool_dtype
-    if fmt.packed or jnp.dtype(q_dtype).itemsize != 2:
+    if fmt.packed or whole or jnp.dtype(q_dtype).itemsize != 2:
         return q_dtype
     if side == "k" and (fmt is kv_quant.FP8_ROW256 or f16_keys) or side == "v" and f16_values:
         return jnp.float16
@@ -210,10 +211,11 @@ def _int8_to_f16(codes, asm: bool):
     return out
 
 
-def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False):
+def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False, whole=False):
     """The raw planes of rows (page[i], row[i], kvh) for `_decode`, as stored (a flat tuple: it may be carried
     over a loop iteration): each group's values and, for INT8 and FP8, its scales [BK]; an NVFP4 row's bytes
-    [BK, D/2] once for both halves, then each half's scales [BK, D/2 / 16]. transposed: values [width, BK]."""
+    [BK, D/2] once for both halves, then each half's scales [BK, D/2 / 16]; with `whole`, an INT8 or FP8 row's
+    values [BK, D] and scales [BK, D / group]. transposed: values [width, BK] (not with `whole`)."""
     values = refs[0]
 
     def load(ref, first, width):
@@ -230,6 +232,9 @@ def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False):
     if fmt.packed:
         g = fmt.group_of(2 * groups[0][1])
         return (load(values, 0, groups[0][1]),) + tuple(load(scales, c // g, w // g) for c, w in groups)
+    if whole:
+        d = groups[0][1]
+        return load(values, 0, d), load(scales, 0, d // fmt.group_of(d))
     # the scales' 16-bit loads first, then the values' (the order measured on the H200, docs/kernels_notes.md)
     picks = [_compat.load(scales.at[page, row, kvh, j], mask=valid, other=_zero(scales)) for j in range(len(groups))]
     out = ()
@@ -238,21 +243,28 @@ def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False):
     return out
 
 
-def _decode(fmt, groups, raw, dtype, asm=False):
+def _per_column(s, width: int):
+    """Scales [BK, n] -> [BK, width], each over its width / n columns."""
+    return jnp.broadcast_to(s[:, :, None], (*s.shape, width // s.shape[1])).reshape(s.shape[0], width)
+
+
+def _decode(fmt, groups, raw, dtype, asm=False, whole=False):
     """`_fetch`'s planes -> (values [BK, width] in `dtype`, scales [BK] f32 or None) of each group. An INT8 or FP8
     group's values are its codes unscaled (exact: int8 and e4m3 fit bf16 and f16), so the scale multiplies a score
     or a probability instead of every element. An NVFP4 row comes dequantized, exactly: e2m1 times e4m3 is 6
-    significant bits, within bf16's 8."""
+    significant bits, within bf16's 8. With `whole` an INT8 or FP8 row comes dequantized too, its codes times their
+    group's scale rounded to `dtype`."""
     if fmt is None:
         return [(x, None) for x in raw]
     if fmt.packed:
         out = []
         for h, (s, (_, width)) in enumerate(zip(raw[1:], groups)):
-            s = s.astype(jnp.bfloat16)  # [BK, width / g] -> each scale over its g columns
-            s = jnp.broadcast_to(s[:, :, None], (*s.shape, width // s.shape[1])).reshape(s.shape[0], width)
             codes = raw[0] >> 4 if h else raw[0] & 15  # byte j holds columns j and j + D/2
-            out.append(((kv_quant.e2m1_bf16(codes) * s).astype(dtype), None))
+            out.append(((kv_quant.e2m1_bf16(codes) * _per_column(s.astype(jnp.bfloat16), width)).astype(dtype), None))
         return out
+    if whole:
+        values, s = raw
+        return [(values.astype(dtype) * _per_column(s.astype(dtype), groups[0][1]), None)]
     if fmt is kv_quant.INT8_G64 and dtype == jnp.float16:
         return [(_int8_to_f16(raw[2 * j], asm), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
     return [(raw[2 * j].astype(dtype), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
@@ -276,6 +288,7 @@ def _decode_kernel(
     f16_keys: bool,
     f16_values: bool,
     swap_ab: bool,
+    dequantize_rows: bool,
     asm: bool,
     scale: float,
 ):
@@ -289,15 +302,16 @@ def _decode_kernel(
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", f16_keys, f16_values)
-    v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", f16_keys, f16_values)
+    whole = dequantize_rows
+    k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", f16_keys, f16_values, whole)
+    v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", f16_keys, f16_values, whole)
     # f16 values of a quantized pool: probabilities x scales x 2^8 (`_F16_VALUE_SHIFT`), undone at the end
-    v_shift = pools.v_fmt is not None and not pools.v_fmt.packed and v_dtype == jnp.float16
+    v_shift = pools.v_fmt is not None and not pools.v_fmt.packed and not whole and v_dtype == jnp.float16
     length = lengths_ref[b]
     r = jnp.arange(rows, dtype=jnp.int32)
     head_ok = r < group
     heads = kvh * group + jnp.minimum(r, group - 1)
-    k_groups, v_groups = _column_groups(pools.k_fmt, d), _column_groups(pools.v_fmt, d)
+    k_groups, v_groups = _column_groups(pools.k_fmt, d, whole), _column_groups(pools.v_fmt, d, whole)
     keys = 0 if swap_ab else 1  # the keys' axis of the scores and probabilities; the query rows' is the other
 
     def by_row(x):  # a [R] vector against scores or outputs
@@ -326,8 +340,8 @@ def _decode_kernel(
 
     def fetch(i):
         page, row, _, valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)
-        return (_fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid),
-                _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid, transposed=swap_ab))
+        return (_fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid, whole=whole),
+                _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid, transposed=swap_ab, whole=whole))
 
     def body(i, carry):
         m, l, accs, raw = carry
@@ -337,13 +351,13 @@ def _decode_kernel(
             raw, nxt = fetch(i), None
         valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)[3]
         s = None
-        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm)):
+        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm, whole)):
             part = dot(k, q) if swap_ab else _dot_nt(q, k)
             part = part if k_scale is None else part * by_key(k_scale)
             s = part if s is None else s + part
         m, l, alpha, p = _softmax_update(m, l, jnp.where(by_key(valid), s, _NEG), by_key(valid), keys)
         new = []
-        for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype, asm)):
+        for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype, asm, whole)):
             if v_shift:
                 v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
             w = (p if v_scale is None else p * by_key(v_scale)).astype(v_dtype)
@@ -382,6 +396,10 @@ class DecodeConfig:
     # as fp8_matmul's swap AB: the 16-row minimum of a product falls on the group's 6 or 8 queries instead of the
     # keys, and the converted codes are the operand that may stay in registers. Not yet timed on a GPU
     swap_ab: bool = False
+    # INT8 and FP8 rows dequantized whole into the queries' dtype (codes times their group's scale), one product a
+    # block as NVFP4's rows, against a product a scale group with the scales on scores and probabilities (INT8's 4
+    # groups read at 49% of the copy rate, FP8's one row at 60%). Not with swap_ab; not yet timed on a GPU
+    dequantize_rows: bool = False
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
@@ -397,6 +415,8 @@ class DecodeConfig:
             raise ValueError("DecodeConfig.num_splits must be >= 1")
         if self.num_stages < 1 or self.target_programs < 1 or self.min_pages_per_split < 1:
             raise ValueError("DecodeConfig.num_stages, target_programs and min_pages_per_split must be >= 1")
+        if self.swap_ab and self.dequantize_rows:
+            raise ValueError("DecodeConfig.swap_ab and dequantize_rows do not combine")
 
     def splits(self, lanes: int, kv_heads: int, max_pages: int) -> int:
         if self.num_splits is not None:
@@ -457,6 +477,7 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
             f16_keys=config.f16_keys,
             f16_values=config.f16_values,
             swap_ab=config.swap_ab,
+            dequantize_rows=config.dequantize_rows,
             asm=not interpret,
             scale=d**-0.5,
         ),

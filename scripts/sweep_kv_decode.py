@@ -24,9 +24,13 @@ def variants():
 
     f16 = dict(f16_keys=True, f16_values=True)
     quant = dict(pages_per_block=1, num_stages=3, **f16)  # QUANT_DECODE_CONFIG
-    # the transposed products (keys and values the left operand): at 1 and 2 pages a block
-    swapped = [("1 page, f16, 3 stages, swap AB", DC(swap_ab=True, **quant)),
-               ("2 pages, f16, 3 stages, swap AB", DC(**{**quant, "pages_per_block": 2}, swap_ab=True))]
+    # the transposed products (keys and values the left operand), and the rows dequantized whole (one product a
+    # block): at 1 and 2 pages a block
+    two = {**quant, "pages_per_block": 2}
+    untimed = [("1 page, f16, 3 stages, swap AB", DC(swap_ab=True, **quant)),
+               ("2 pages, f16, 3 stages, swap AB", DC(swap_ab=True, **two)),
+               ("1 page, 3 stages, rows dequantized", DC(pages_per_block=1, num_stages=3, dequantize_rows=True)),
+               ("2 pages, 3 stages, rows dequantized", DC(num_stages=3, dequantize_rows=True))]
     return {
         "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1)),
                      ("2 pages, swap AB", DC(swap_ab=True)), ("1 page, swap AB", DC(pages_per_block=1, swap_ab=True))],
@@ -38,13 +42,13 @@ def variants():
                  ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
-                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + swapped,
+                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + untimed,
         "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
-                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + swapped,
+                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed,
     }
 
 

@@ -161,13 +161,14 @@ def test_lowers_to_triton_at_real_shapes(profile):
         sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    if profile != "k8v4":  # the transposed products (NVFP4's packed rows are refused)
-        swapped = dataclasses.replace(paged_attention.default_decode_config(k, v), swap_ab=True)
+    variants = ["swap_ab", "dequantize_rows"] if profile != "k8v4" else ["dequantize_rows"]
+    for variant in variants:  # the transposed products (NVFP4's packed rows are refused), the rows dequantized whole
+        config = dataclasses.replace(paged_attention.default_decode_config(k, v), **{variant: True})
         text = paged_attention.paged_decode_attention.trace(
-            sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32), config=swapped
+            sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32), config=config
         ).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text
-    else:
+    if profile == "k8v4":
         with pytest.raises(ValueError, match="not NVFP4's packed rows"):
             paged_attention.paged_decode_attention.trace(
                 sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32),
