@@ -191,12 +191,15 @@ def _operands(w) -> tuple:
 # Kernels: grouped matmul over row tiles of one expert each.
 
 
-def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, top_k: int, num_rows: int,
-                    block_m: int, block_n: int, block_k: int):
+def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
+                    num_rows: int, block_m: int, block_n: int, block_k: int):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
-    # x_ref: [T, H]                       refs: the gate_up weight [E, H, 2I] (see _Weight), then act_ref
-    # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n)
-    gate_up, (act_ref,) = _Weight.take(refs, fp8)
+    # x_ref: [T, H]                       refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
+    #   weight [E, H, 2I] (see _Weight); then act_ref, and with fp8_rows act_scale_ref
+    # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
+    #   row's BN columns over its scale act_scale_ref[P, I / BN] (largest magnitude at 448)
+    x_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
+    gate_up, (act_ref, *act_scale_ref) = _Weight.take(refs, fp8)
     n, m = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[m]
     hidden, inter = x_ref.shape[1], act_ref.shape[1]
@@ -209,39 +212,57 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, t
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of(i * block_k, block_k)
-            xt = x_ref[tokens, pl.ds(k0, block_k)].astype(act_ref.dtype)  # [BM, BK]
-            return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n),
-                    acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n))
+            xt = x_ref[tokens, pl.ds(k0, block_k)]  # [BM, BK]
+            xt = xt if fp8_rows else xt.astype(act_ref.dtype)
+            g = gate_up.dot(xt, e, k0, n * block_n, block_k, block_n)
+            u = gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n)
+            if fp8_rows:  # BK lies in one 128-group of x's row
+                x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
+                g, u = g * x_scale, u * x_scale
+            return acc_g + g, acc_u + u
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
         act = g * jax.nn.sigmoid(g) * u
-        act_ref[pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n)] = act.astype(act_ref.dtype)
+        tile = (pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n))
+        if fp8_rows:
+            scale = jnp.maximum(jnp.max(jnp.abs(act), axis=1), 1e-12) / fp8_matmul.FP8_MAX
+            act_ref[tile] = (act / scale[:, None]).astype(act_ref.dtype)
+            act_scale_ref[0][pl.ds(m * block_m, block_m), n] = scale
+        else:
+            act_ref[tile] = act.astype(act_ref.dtype)
 
 
 def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
-                 block_k, num_warps, num_stages, interpret):
+                 block_k, num_warps, num_stages, interpret, x_scales=None):
+    """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
+    (act FP8 [P, I], its scales [P, I / block_n])."""
     num_tiles = tile_expert.shape[0]
-    kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), top_k=top_k,
-                               num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
+    fp8_rows = x_scales is not None
+    kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
+                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
+    act = jax.ShapeDtypeStruct((num_tiles * block_m, inter), jnp.float8_e4m3fn if fp8_rows else act_dtype)
+    scales = [jax.ShapeDtypeStruct((num_tiles * block_m, inter // block_n), jnp.float32)] if fp8_rows else []
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
     # run together, and neighbouring row tiles of one expert re-read its weights from L2.
     # No BlockSpecs: every ref is the whole array; the kernel indexes it with the ids it loads.
     return pl.pallas_call(
         kernel,
         grid=(inter // block_n, num_tiles),
-        out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, inter), act_dtype),
+        out_shape=[act, *scales] if fp8_rows else act,
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
-        name="moe_gate_up",
-    )(tile_expert, sorted_rows, x, *_operands(gate_up))
+        name="moe_gate_up_fp8_rows" if fp8_rows else "moe_gate_up",
+    )(tile_expert, sorted_rows, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
 
 
-def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *refs, fp8: bool, num_rows: int,
-                 block_m: int, block_n: int, block_k: int):
+def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *refs, fp8: bool, fp8_rows: bool,
+                 num_rows: int, block_m: int, block_n: int, block_k: int):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32     row_weight_ref: [R + 1] f32 (0 at R)
-    # act_ref: [P, I]                     refs: the down weight [E, I, H] (see _Weight), then y_ref
+    # act_ref: [P, I] (FP8 with fp8_rows) refs: with fp8_rows act's scales [P, I / G] first (G a multiple of BK);
+    #   the down weight [E, I, H] (see _Weight), then y_ref
     # y_ref (out): [R + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
+    act_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
     down, (y_ref,) = _Weight.take(refs, fp8)
     n, m = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[m]
@@ -254,7 +275,11 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *ref
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
-            return acc + down.dot(at, e, k0, n * block_n, block_k, block_n)
+            d = down.dot(at, e, k0, n * block_n, block_k, block_n)
+            if fp8_rows:  # BK lies in one scale group of act's row
+                group = act_ref.shape[1] // act_scale_ref.shape[1]
+                d = d * act_scale_ref[pl.ds(m * block_m, block_m), k0 // group][:, None]
+            return acc + d
 
         acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         weight = row_weight_ref[rows]  # [BM]
@@ -263,21 +288,23 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *ref
 
 
 def down_call(tile_expert, sorted_rows, row_weight, act, down, *, hidden, block_m, block_n, block_k,
-              num_warps, num_stages, interpret):
+              num_warps, num_stages, interpret, act_scales=None, out_dtype=None):
+    """y [R + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G])."""
     num_tiles = tile_expert.shape[0]
     num_rows = row_weight.shape[0] - 1
-    kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), num_rows=num_rows,
-                               block_m=block_m, block_n=block_n, block_k=block_k)
+    fp8_rows = act_scales is not None
+    kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
+                               num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
     # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
         kernel,
         grid=(hidden // block_n, num_tiles),
-        out_shape=jax.ShapeDtypeStruct((num_rows + 1, hidden), act.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_rows + 1, hidden), out_dtype if fp8_rows else act.dtype),
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
-        name="moe_down",
-    )(tile_expert, sorted_rows, row_weight, act, *_operands(down))
+        name="moe_down_fp8_rows" if fp8_rows else "moe_down",
+    )(tile_expert, sorted_rows, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down))
 
 
 def _gemv_gate_up_kernel(expert_ids_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
@@ -441,10 +468,10 @@ def _shape(w) -> tuple[int, ...]:
     return w.shape
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "quantize_activations", "interpret"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up, down,
                 shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
-                interpret: bool = False) -> jax.Array:
+                quantize_activations: bool = False, interpret: bool = False) -> jax.Array:
     """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
@@ -459,6 +486,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         reads its weights in the same kernels as the routed experts'; Is must equal I); the other paths add it as
         two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E)`.
+      quantize_activations: FP8 experts in the prefill layout (R > decode_max_rows) multiply FP8 x FP8: x quantized
+        per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
+        activation scheme), each tile's product times both scales; decode stays weight-only.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
       [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
@@ -481,6 +511,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         raise ValueError("moe_experts: gate_up and down must both be block-FP8, or share dtype bf16 or f32")
     if fp8 and (h % fp8_matmul.BLOCK or inter % fp8_matmul.BLOCK):
         raise ValueError(f"moe_experts: FP8 experts need H={h} and I={inter} to be multiples of {fp8_matmul.BLOCK}")
+    if quantize_activations and not fp8:
+        raise ValueError("moe_experts: quantize_activations multiplies FP8 x FP8 and needs block-FP8 experts")
     if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"moe_experts: expert_ids must be integers, got {expert_ids.dtype}")
     if h % 16 or inter % 16:
@@ -500,7 +532,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
     dtype = x.dtype if fp8 else gate_up.dtype  # what the products multiply in, and act's
 
-    if fp8 and rows >= num_experts * cfg.fp8_dequantize_rows_per_expert:
+    fp8_rows = quantize_activations and rows > cfg.decode_max_rows
+    if fp8 and not fp8_rows and rows >= num_experts * cfg.fp8_dequantize_rows_per_expert:
         # A long prefill: every expert's bf16 tiles beat converting FP8 tiles in the kernels (a 35B-A3B layer at 8192
         # tokens: 0.57x of bf16 weights converting in-kernel; docs/kernels_notes.md, "FP8 weights"), and the one
         # pass that dequantizes the experts is small beside the pass's matmuls. The barrier ties the weights to x:
@@ -513,7 +546,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)
     out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter, dtype=dtype,
-                     cfg=cfg, interpret=interpret)
+                     cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
     return out if shared is None else out + _shared_dense(x, shared, dtype)
 
 
@@ -522,8 +555,10 @@ def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
     return tuple(min(b, fp8_matmul.BLOCK) if fp8 else b for b in sides)
 
 
-def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype, cfg, interpret):
-    """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles."""
+def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype, cfg, interpret,
+               fp8_rows=False):
+    """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles;
+    fp8_rows (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
     h = x.shape[1]
     rows = t * k
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
@@ -538,15 +573,23 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
         sorted_rows, tile_expert = align_rows(flat_ids, num_experts, block_m)
         bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
+    bn = _block(bn, inter, "I")
+    x_scales = act_scales = None
+    if fp8_rows:
+        x, x_scales = fp8_matmul.quantize_rows(x)
+        x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
+        dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
     act = gate_up_call(
         tile_expert, sorted_rows, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
-        block_m=block_m, block_n=_block(bn, inter, "I"), block_k=_block(bk, h, "H"), num_warps=warps,
-        num_stages=stages, interpret=interpret)
+        block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
+        num_stages=stages, interpret=interpret, x_scales=x_scales)
+    if fp8_rows:
+        act, act_scales = act
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
     y = down_call(
         tile_expert, sorted_rows, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
-        interpret=interpret)
+        interpret=interpret, act_scales=act_scales, out_dtype=dtype)
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 

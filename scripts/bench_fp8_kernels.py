@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -113,8 +114,9 @@ def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
         ids, w = ref.moe_route_ref(x.astype(jnp.float32), router, k)
         gate = jnp.full((t,), 0.5, jnp.float32)
 
-        def run(a, i_, w_, g, d, sg, sd):
-            return moe.moe_experts(a, i_, w_, g, d, ref.SharedExpert(sg, sd, gate))
+        def run(a, i_, w_, g, d, sg, sd, quantize_activations=False):
+            return moe.moe_experts(a, i_, w_, g, d, ref.SharedExpert(sg, sd, gate),
+                                   quantize_activations=quantize_activations)
 
         row = {"shape": "35b-a3b moe layer", "M": t}
         row["bf16_us"] = time_pure(run, (x, ids, w, *bf16), unroll=10 if t <= 8 else 1) * 1e6
@@ -125,6 +127,11 @@ def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
         got = np.asarray(run(x, ids, w, *fp8), np.float64)
         want = np.asarray(run(x, ids, w, *bf16), np.float64)
         row["rel_err"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))  # bf16 rounding of W, act
+        if t * k > moe.DEFAULT_CONFIG.decode_max_rows:  # the prefill layout: FP8 x FP8 tiles
+            dynamic = functools.partial(run, quantize_activations=True)
+            row["dynamic_us"] = time_pure(dynamic, (x, ids, w, *fp8), unroll=1) * 1e6
+            row["dynamic_vs_engine"] = row["engine_us"] / row["dynamic_us"]
+            row["dynamic_rel_err"] = _rel(dynamic(x, ids, w, *fp8), want)
         print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
         out.append(row)
     return out
@@ -487,7 +494,8 @@ def main() -> None:
                           "matmul; for the MoE layer, the expert kernels reading FP8 tiles); torch_rowwise: "
                           "cuBLASLt FP8 with one scale per row and column (coarser than the packs' 128-blocks); "
                           "dynamic: --fp8-activations dynamic, the rows quantized per token and 128-group for an FP8 "
-                          "x FP8 product (its error against the bf16 rows in dynamic_rel_err)")
+                          "x FP8 product (its error against the bf16 rows in dynamic_rel_err); for the MoE layer's "
+                          "prefill rows, moe_experts' quantize_activations (FP8 x FP8 tiles, not yet the engine's)")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
     report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 

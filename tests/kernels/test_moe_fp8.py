@@ -1,6 +1,7 @@
 """The MoE expert kernels on block-FP8 experts (Qwen's FP8 packs quantize each expert per 128 x 128 block) against
 the float32 reference on the same weights dequantized, on every path: the split-K matrix-vector pair (shared expert
-riding along), the tiled decode, the prefill tiles reading FP8, and a long prefill's experts dequantized first.
+riding along), the tiled decode, the prefill tiles reading FP8, and a long prefill's experts dequantized first; and
+the prefill tiles multiplying FP8 x FP8 (quantize_activations) against a float64 reference of the quantized rows.
 Shapes are the smallest with whole 128-blocks: E=4, K=2, H=256, I=128 (two contraction blocks in gate_up, block
 scales that differ by orders of magnitude)."""
 
@@ -61,8 +62,8 @@ def test_fp8_experts_off_the_block_grid_are_refused():
         moe.moe_experts(x, ids, w, gate_up, fp8_matmul.dequantize(down), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 512])
-def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens):
+@pytest.mark.parametrize("tokens,fp8_rows", [(1, False), (8, False), (512, False), (512, True)])
+def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows):
     lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
@@ -74,6 +75,46 @@ def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens):
     shared = ref.SharedExpert(fp8(2 * i, h), fp8(h, i), spec((tokens,), jnp.float32))
     args = (spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.int32), spec((tokens, k), jnp.float32),
             fp8(e, 2 * i, h), fp8(e, h, i), shared)
-    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = moe.moe_experts.trace(*args, quantize_activations=fp8_rows).lower(lowering_platforms=("cuda",)).as_text()
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     assert text.count(target) == 2
+    assert ("moe_gate_up_fp8_rows" in text) == fp8_rows
+
+
+def _fp8_rows64(a, group: int):
+    """a [R, N] rounded as the kernels quantize rows: each `group` columns over their largest magnitude / 448, to
+    e4m3 and back, in float64."""
+    r, n = a.shape
+    g = np.asarray(a, np.float64).reshape(r, n // group, group)
+    scale = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-12) / fp8_matmul.FP8_MAX
+    codes = jnp.asarray(g / scale, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (np.asarray(codes, np.float64) * scale).reshape(r, n)
+
+
+def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows():
+    """quantize_activations in the prefill layout (80 routed rows): x quantized per token and 128-group, act per row
+    and 128 columns in the gate_up kernel, every product FP8 x FP8. Against float64 with the same two quantizations
+    it differs only where act's float32 and float64 values round to neighbouring e4m3 codes (one code: 2^-4 of an
+    element, rare); against the unquantized activations by the two quantizations' error (about 2^-5 relative)."""
+    x, ids, w, gate_up, down, _ = _case(40, seed=5)
+    got = np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, interpret=INTERPRET),
+                     np.float64)
+    wg, wd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (gate_up, down))
+    ids, w = np.asarray(ids), np.asarray(w, np.float64)
+
+    def experts(x_rows, quantize):
+        out = np.zeros((x_rows.shape[0], H))
+        for t in range(x_rows.shape[0]):
+            for j in range(K):
+                gu = x_rows[t] @ wg[ids[t, j]]
+                act = (gu[:I] / (1 + np.exp(-gu[:I])) * gu[I:])[None]
+                out[t] += w[t, j] * ((_fp8_rows64(act, I) if quantize else act) @ wd[ids[t, j]])[0]
+        return out
+
+    quantized = experts(_fp8_rows64(np.asarray(x), 128), True)
+    plain = experts(np.asarray(x, np.float64), False)
+    assert np.linalg.norm(got - quantized) / np.linalg.norm(quantized) < 2e-3
+    assert 1e-3 < np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2**-4
+    with pytest.raises(ValueError, match="needs block-FP8 experts"):
+        moe.moe_experts(x, jnp.asarray(ids), jnp.asarray(w, jnp.float32), fp8_matmul.dequantize(gate_up),
+                        fp8_matmul.dequantize(down), quantize_activations=True, interpret=INTERPRET)
