@@ -302,7 +302,7 @@ def _decode_kernel(
     k_refs, v_refs, (o_ref, m_ref, l_ref) = pools.split(refs)
     b, kvh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    whole = dequantize_rows
+    whole = dequantize_rows  # the helpers' name for it
     k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", f16_keys, f16_values, whole)
     v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", f16_keys, f16_values, whole)
     # f16 values of a quantized pool: probabilities x scales x 2^8 (`_F16_VALUE_SHIFT`), undone at the end
