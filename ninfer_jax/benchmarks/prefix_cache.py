@@ -672,7 +672,8 @@ def _markdown(results: dict, meta: dict, args, plotted: bool) -> list[str]:
            "The cache's cost in throughput is the Device-tier report's (no throughput probes here)."]
           if args.host_heavy else []),
         *([f"- {', '.join(a for a in ran if not results[a]['records'])}: the deadline cut the trace before its "
-           "first request; this run measured the throughput probes (Targets, Per arm)"]
+           "first request" + ("; this run measured the throughput probes (Targets, Per arm)" if any(
+               results[a]["throughput"] for a in ran if not results[a]["records"]) else ", and no probe ran")]
           if any(not results[a]["records"] for a in ran) else []), "",
         "## Targets (each ratio over the requests both of its arms completed)", "", "| target | measured | status |",
         "|---|---|---|",
@@ -992,7 +993,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.perf_counter() - t0:.0f} s)")
     if args.smoke:
         return smoke_check(results, args.host_heavy)
-    return 0
+    empty = [a for a in arms if a in results and results[a].get("records") == []]
+    for arm in empty:  # a report of no requests is not a measurement: say so, and fail the run
+        r = results[arm]
+        print(f"FAILED {arm}: no request ran; its engine was ready after {r['init_s'] + r['compile_s']:.0f} s "
+              "(build and warm-up) of the arm's budget: give a longer --deadline", flush=True)
+    return 1 if empty else 0
 
 
 def _met_label(met: bool | None) -> str:

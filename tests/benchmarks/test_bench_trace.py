@@ -292,3 +292,14 @@ def test_the_smoke_claim_judges_only_the_arms_that_were_asked_for():
     assert prefix_cache.smoke_check({"hpc": arm(80), "no_reuse": arm(5)}) == 1  # no reuse served cached tokens
     assert prefix_cache.smoke_check({"hpc": arm(80), "no_reuse": {"error": "crashed"}}) == 1  # asked for, no records
     assert prefix_cache.smoke_check({"hpc": arm(10)}) == 1
+
+
+def test_an_arm_that_ran_no_request_fails_the_run_and_says_why(tmp_path, monkeypatch, capsys):
+    """A deadline that ends inside the engine's warm-up leaves an arm with no request: the page says that no probe
+    ran either, and the run exits 1 naming the seconds the engine took to be ready."""
+    empty = {**_arm(0.1, 0), "records": [], "truncated": True, "init_s": 12.0, "compile_s": 248.0}
+    monkeypatch.setattr(prefix_cache, "run_child", lambda *a, **k: dict(empty))
+    assert prefix_cache.main(["--arms", "hpc", "--probe-reps", "0", "--out", str(tmp_path)]) == 1
+    assert "FAILED hpc: no request ran; its engine was ready after 260 s" in capsys.readouterr().out
+    text = (tmp_path / "prefix_cache.md").read_text()
+    assert "hpc: the deadline cut the trace before its first request, and no probe ran" in text
