@@ -88,6 +88,7 @@ class WeightParts:
     active bytes) are left out."""
 
     mixers: int  # every layer's attention or GDN projections
+    attention: int  # one full-attention layer's projections
     ffn: int  # per layer: the dense MLP, or the shared expert of a layer with routed experts
     expert: int  # one routed expert (0 for a dense model)
     num_experts: int
@@ -111,7 +112,7 @@ def weight_parts(cfg) -> WeightParts:
     gdn = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
     moe = cfg.is_moe
     return WeightParts(
-        mixers=len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn,
+        mixers=len(cfg.attn_layers) * attn + len(cfg.gdn_layers) * gdn, attention=attn,
         ffn=3 * h * (cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size),
         expert=3 * h * cfg.moe_intermediate_size if moe else 0, num_experts=cfg.num_experts if moe else 0,
         experts_per_token=cfg.num_experts_per_tok if moe else 0, layers=cfg.num_layers,

@@ -65,6 +65,15 @@ def round_weight_bytes(cfg, rows: int, fp8: bool = False) -> float:
     return BF16_BYTES * (linears + w.vocab_rows + rows * w.hidden) - (linears - gdn_ab_params(cfg) if fp8 else 0)
 
 
+def mtp_draft_bytes(cfg, rows: int) -> float:
+    """The bf16 weight bytes one chained MTP draft step of `rows` rows reads at least: the MTP layer's fc [2H, H],
+    its attention projections and FFN (a MoE's shared expert and the experts its rows touch), and the shared
+    lm_head for the draft's logits."""
+    w = weight_parts(cfg)
+    experts = expected_experts(w.num_experts, w.experts_per_token, rows) if w.num_experts else 0.0
+    return BF16_BYTES * (2 * w.hidden * w.hidden + w.attention + w.ffn + experts * w.expert + w.vocab_rows)
+
+
 def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, fp8: bool = False) -> RoundRoofline:
     """The roofline of a decode round of `lanes` rows, each reading `context` tokens of KV, at `tflops` TFLOP/s
     and `tbps` TB/s (`models.measure_ceilings`); fp8: the linears the FP8 packs quantize at one byte (their block
