@@ -103,13 +103,13 @@ class Fp8Config:
                      "num_warps", "cuda_core_warps"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"Fp8Config.{name} must be a power of two, got {getattr(self, name)}")
-        wide_n = [n for _, n, _ in self.wide_tiles]
-        if not all(16 <= b <= BLOCK and is_pow2(b)
-                   for b in (self.block_n, self.cuda_core_block_n, self.dynamic_block_n, *wide_n)):
-            raise ValueError(f"Fp8Config block_n must be a power of two in 16..{BLOCK}")
+        if not all(16 <= b <= BLOCK for b in (self.block_n, self.cuda_core_block_n, self.dynamic_block_n)):
+            raise ValueError(f"Fp8Config block_n must be in 16..{BLOCK}")
         rows = [r for r, _, _ in self.wide_tiles]
-        if rows != sorted(set(rows)) or not all(is_pow2(w) for _, _, w in self.wide_tiles):
-            raise ValueError(f"Fp8Config.wide_tiles must rise in rows, warps powers of two: {self.wide_tiles}")
+        if rows != sorted(set(rows)) or not all(16 <= n <= BLOCK and is_pow2(n) and is_pow2(w)
+                                                for _, n, w in self.wide_tiles):
+            raise ValueError(f"Fp8Config.wide_tiles must rise in rows, block_n powers of two in 16..{BLOCK}, warps "
+                             f"powers of two: {self.wide_tiles}")
         if self.block_k < BLOCK or self.cuda_core_block_k < BLOCK:
             raise ValueError(f"Fp8Config block_k must be a multiple of {BLOCK}")
         if self.tc_mode not in ("f16", "bf16"):

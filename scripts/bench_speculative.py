@@ -8,7 +8,7 @@ is dispatched: as MTP's rounds run). The projected speedup at an accept length L
 round) is L x plain / chained; the issue's published lengths are 1.9 at k = 1 and 3.2 at k = 3. The bytes floor is
 the weight bytes a verify round must read over a plain round's: the target's over k + 1 rows per lane
 (`wide_decode.round_weight_bytes`: a MoE's rows route to experts of their own, uniformly with random weights) and k
-chained MTP drafts, each reading the MTP layer and the shared lm_head (`wide_decode.mtp_draft_bytes`). Where both
+chained MTP drafts, each reading the MTP layer and the shared lm_head (`wide_decode.verify_bytes_floor`). Where both
 rounds run at their bytes roofline their cost ratio cannot go under it; a plain round off its roofline leaves room
 under it. Compile time is reported apart from the rounds.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, model_config, random_engine
 from ninfer_jax.benchmarks.profiling import decode_inputs, distinct_tokens, time_rounds
-from ninfer_jax.benchmarks.wide_decode import mtp_draft_bytes, round_weight_bytes
+from ninfer_jax.benchmarks.wide_decode import verify_bytes_floor
 
 PUBLISHED_ACCEPT_LENGTH = {1: 1.9, 2: 2.6, 3: 3.2, 4: 3.6}  # peers' MTP on the large Qwen models (issue 30)
 
@@ -206,8 +206,7 @@ def bench_model(name: str, args) -> dict:
                 compile_s, verify = time_verify(engine, lanes, k, args.rounds, args.context)
                 chained = time_chained(engine, lanes, k, args.rounds, args.context)
                 length = PUBLISHED_ACCEPT_LENGTH[k]
-                floor = (round_weight_bytes(cfg, lanes * (k + 1)) + k * mtp_draft_bytes(cfg, lanes)) \
-                    / round_weight_bytes(cfg, lanes)
+                floor = verify_bytes_floor(cfg, lanes, k)
                 entry = {"lanes": lanes, "k": k, "plain_ms": pipelined * 1e3, "plain_read_each_ms": read_each * 1e3,
                          "verify_ms": verify * 1e3, "chained_ms": chained * 1e3, "cost": chained / pipelined,
                          "cost_read_each": verify / pipelined, "bytes_floor": floor, "accept_length": length,

@@ -10,6 +10,7 @@ and its share of the copy rate, and its relative error against the XLA reference
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -20,17 +21,20 @@ LANES, HQ, HKV, D = 8, 24, 4, 256
 
 
 def variants():
+    from pallas_kernels.paged_attention import QUANT_DECODE_CONFIG
     from pallas_kernels.paged_attention import DecodeConfig as DC
 
     f16 = dict(f16_keys=True, f16_values=True)
-    quant = dict(pages_per_block=1, num_stages=3, **f16)  # QUANT_DECODE_CONFIG
+
+    def quant(**changes):  # QUANT_DECODE_CONFIG (1 page, f16, 3 stages) with `changes`
+        return dataclasses.replace(QUANT_DECODE_CONFIG, **changes)
+
     # the transposed products (keys and values the left operand), and the rows dequantized whole (one product a
-    # block): at 1 and 2 pages a block
-    two = {**quant, "pages_per_block": 2}
-    untimed = [("1 page, f16, 3 stages, swap AB", DC(swap_ab=True, **quant)),
-               ("2 pages, f16, 3 stages, swap AB", DC(swap_ab=True, **two)),
-               ("1 page, 3 stages, rows dequantized", DC(pages_per_block=1, num_stages=3, dequantize_rows=True)),
-               ("2 pages, 3 stages, rows dequantized", DC(num_stages=3, dequantize_rows=True))]
+    # block; the f16 operands do not apply to them): at 1 and 2 pages a block
+    untimed = [("1 page, f16, 3 stages, swap AB", quant(swap_ab=True)),
+               ("2 pages, f16, 3 stages, swap AB", quant(swap_ab=True, pages_per_block=2)),
+               ("1 page, 3 stages, rows dequantized", quant(dequantize_rows=True)),
+               ("2 pages, 3 stages, rows dequantized", quant(dequantize_rows=True, pages_per_block=2))]
     return {
         "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1)),
                      ("2 pages, swap AB", DC(swap_ab=True)), ("1 page, swap AB", DC(pages_per_block=1, swap_ab=True))],

@@ -55,12 +55,17 @@ class RoundRoofline:
         return self.lanes / self.seconds
 
 
+def _touched_experts(w, rows: int) -> float:
+    """Distinct routed experts `rows` rows touch in a layer of WeightParts `w` (0 for a dense model)."""
+    return expected_experts(w.num_experts, w.experts_per_token, rows) if w.num_experts else 0.0
+
+
 def round_weight_bytes(cfg, rows: int, fp8: bool = False) -> float:
     """The weight bytes a round of `rows` rows reads: the non-expert weights once, the experts its rows touch
     (`expected_experts`: uniform routing, as random weights route), the lm_head and the rows' embeddings; fp8 as
     `round_roofline`'s."""
     w = weight_parts(cfg)
-    experts = expected_experts(w.num_experts, w.experts_per_token, rows) if w.num_experts else 0.0
+    experts = _touched_experts(w, rows)
     linears = w.mixers + w.layers * (w.ffn + experts * w.expert)
     return BF16_BYTES * (linears + w.vocab_rows + rows * w.hidden) - (linears - gdn_ab_params(cfg) if fp8 else 0)
 
@@ -70,8 +75,14 @@ def mtp_draft_bytes(cfg, rows: int) -> float:
     its attention projections and FFN (a MoE's shared expert and the experts its rows touch), and the shared
     lm_head for the draft's logits."""
     w = weight_parts(cfg)
-    experts = expected_experts(w.num_experts, w.experts_per_token, rows) if w.num_experts else 0.0
+    experts = _touched_experts(w, rows)
     return BF16_BYTES * (2 * w.hidden * w.hidden + w.attention + w.ffn + experts * w.expert + w.vocab_rows)
+
+
+def verify_bytes_floor(cfg, lanes: int, k: int) -> float:
+    """The weight bytes a chained verify round of k + 1 rows per lane and k MTP drafts reads over a plain round's:
+    where both run at their bytes roofline, their cost ratio cannot go under it."""
+    return (round_weight_bytes(cfg, lanes * (k + 1)) + k * mtp_draft_bytes(cfg, lanes)) / round_weight_bytes(cfg, lanes)
 
 
 def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, fp8: bool = False) -> RoundRoofline:
@@ -80,7 +91,7 @@ def round_roofline(cfg, lanes: int, context: float, tflops: float, tbps: float, 
     scales add 1/4096 and are left out), the rest bf16. FLOPs: 2 x active params per row, plus 4 x head_dim x
     heads x context per row and attention layer (scores and values)."""
     w = weight_parts(cfg)
-    experts = expected_experts(w.num_experts, w.experts_per_token, lanes) if w.num_experts else 0.0
+    experts = _touched_experts(w, lanes)
     weights = round_weight_bytes(cfg, lanes, fp8)
     kv = lanes * context * page_bytes(cfg, jnp.bfloat16) / PAGE
     state = 2 * lanes * slot_bytes(cfg, jnp.bfloat16)

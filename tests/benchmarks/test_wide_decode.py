@@ -12,6 +12,7 @@ from ninfer_jax.benchmarks.wide_decode import (
     round_roofline,
     mtp_draft_bytes,
     round_weight_bytes,
+    verify_bytes_floor,
 )
 from ninfer_jax.config import QuantizationConfig
 
@@ -67,6 +68,7 @@ def test_a_verify_rounds_bytes_floor_is_the_experts_its_extra_rows_touch(cfg):
     assert round_weight_bytes(dense, 4) - round_weight_bytes(dense, 1) == 2 * 3 * dense.hidden_size
     # a draft: fc 2 x 8 x 8, one attention layer 256, the shared expert 48 and 2 experts, the lm_head 800
     assert mtp_draft_bytes(cfg, 1) == 2 * (128 + 256 + 48 + 2 * 48 + 800) == 2656
+    assert verify_bytes_floor(cfg, 1, 1) == (5408 + 2656) / 5008  # two rows and one draft over one row
 
 
 def test_an_fp8_pack_of_the_27b_holds_55_percent_of_its_bf16_bytes_and_unknown_formats_are_refused():
