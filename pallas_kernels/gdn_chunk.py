@@ -22,7 +22,8 @@ Pallas (Triton) kernels, the WY/UT form fla and HF use (per chunk of 64, per val
       stores S into its slot. Fused variant (default, measured faster): o = (q e^gc) S + P v_new in the
       same loop. Split variant: stores S per chunk and v_new, and `_output_kernel` computes o in parallel.
 Matrix products take operands in `mm_dtype` (v's dtype unless configured; bf16 in serving) and accumulate
-in float32; the state stays float32 in registers for the whole call.
+in float32; the state stays float32 in registers for the whole call. The output is stored in v's dtype: the model
+rounds it to the activations' dtype before its gated norm anyway, and fla's output is bf16 too.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def _recurrent_kernel(
     mm_dtype,
     fuse_output: bool,
 ):
-    # fused:  rest = p_ref [Hv, NP, 64], pool_ref [S, Hv, Dk, Dv], | o_ref [T (+1), Hv, Dv] f32, pool_out_ref
+    # fused:  rest = p_ref [Hv, NP, 64], pool_ref [S, Hv, Dk, Dv], | o_ref [T (+1), Hv, Dv] v's dtype, pool_out_ref
     # split:  rest = pool_ref, | h_ref [Hv, N, Dk, Dv] mm_dtype (state before each chunk),
     #                            vn_ref [Hv, NP, Dv] mm_dtype (v_new), pool_out_ref
     if fuse_output:
@@ -262,7 +263,8 @@ def _recurrent_kernel(
             q = _load_rows(q_ref, tok, valid, hk)
             o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), s_mm) + dot(p_ref[h, rows, :], v_mm)
             trash = jnp.where(valid, t, t_len)  # masked lanes never store; interpret mode has a trash row
-            _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o, mask=valid[:, None])
+            _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o.astype(o_ref.dtype),
+                          mask=valid[:, None])
         else:
             h_ref[h, c, :, vcols] = s_mm
             vn_ref[h, rows, vcols] = v_mm
@@ -296,7 +298,7 @@ def _output_kernel(
     gc_ref,  # [64] f32 (this chunk and head)
     h_ref,  # [Dk, block_v] mm_dtype: state before this chunk
     vn_ref,  # [64, block_v] mm_dtype: v_new of this chunk
-    o_ref,  # out [T (+1 trash row in interpret mode), Hv, Dv] f32 (whole array)
+    o_ref,  # out [T (+1 trash row in interpret mode), Hv, Dv] v's dtype (whole array)
     *,
     t_len: int,
     group: int,
@@ -316,7 +318,7 @@ def _output_kernel(
         o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), h_ref[...]) + dot(p, vn_ref[...])
         out_cols = vb * block_v + jnp.arange(block_v, dtype=jnp.int32)
         trash = jnp.where(valid, t, t_len)
-        _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o, mask=valid[:, None])
+        _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o.astype(o_ref.dtype), mask=valid[:, None])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,11 +333,11 @@ class GdnChunkConfig:
     # The fused output beats the split variant's per-chunk state traffic, and the w/u kernel is fastest on 8 warps
     # at the 35B-A3B's heads (docs/kernels_notes.md, docs/benchmarks/kernels.md).
     fuse_output: bool = True  # output inside the recurrence (no per-chunk states in HBM) or a 4th kernel
-    block_v: int = 32  # Dv columns per recurrent program (grid Hv x Dv / block_v; 32 fills the GPU at Hv32)
+    # Dv columns per recurrent program (grid Hv x Dv / block_v) and its load pipelining; None: by the call's shapes
+    # (`recurrent_tiles`)
+    block_v: int | None = None
     num_warps: int = 4  # recurrent kernel
-    # Recurrent kernel's load pipelining. 3 stages are faster with bf16 q and k, but the engine's q and k are float32
-    # (the conv kernel's output) and then 3 stages need more shared memory than the H200 has (docs/kernels_notes.md).
-    num_stages: int = 2
+    num_stages: int | None = None
     solve_num_warps: int = 1  # (I + A)^-1 kernel: row reductions stay inside one warp
     wu_num_warps: int = 8
     out_block_v: int = 64  # output kernel (split variant)
@@ -345,14 +347,23 @@ class GdnChunkConfig:
     def __post_init__(self):
         for name in ("block_v", "num_warps", "solve_num_warps", "wu_num_warps", "out_block_v", "out_num_warps"):
             x = getattr(self, name)
-            if not is_pow2(x):
+            if x is not None and not is_pow2(x):
                 raise ValueError(f"GdnChunkConfig.{name} must be a power of 2, got {x}")
-        if self.block_v < 16 or self.out_block_v < 16:
+        if (self.block_v is not None and self.block_v < 16) or self.out_block_v < 16:
             raise ValueError("GdnChunkConfig block_v and out_block_v must be >= 16 (Triton dots)")
-        if self.num_stages < 1:
+        if self.num_stages is not None and self.num_stages < 1:
             raise ValueError("GdnChunkConfig.num_stages must be >= 1")
         if self.mm_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"GdnChunkConfig.mm_dtype must be None or a float dtype name, got {self.mm_dtype}")
+
+    def recurrent_tiles(self, hv: int, dv: int, qk_dtype) -> tuple[int, int]:
+        """(block_v, num_stages) of the recurrent kernel. With 2-byte q and k each step's loads fit 3 stages in the
+        H200's shared memory (4-byte ones do not: 234,504 of 232,448 bytes at block_v 32), and the fastest block_v
+        is the widest that still gives 96+ programs for its 132 SMs: 64 at the 27B's 48 value heads, 32 at the
+        35B-A3B's 32 (docs/kernels_notes.md, "Tuning at the engine's shapes")."""
+        narrow = jnp.dtype(qk_dtype).itemsize <= 2
+        block_v = self.block_v or (64 if narrow and hv * dv // 64 >= 96 else 32)
+        return min(block_v, dv), self.num_stages or (3 if narrow else 2)
 
 
 def _tap_meta(base, phase, t_len, tap_positions, tap_slots):
@@ -415,14 +426,14 @@ def _wu_call(meta, q, k, v, beta, tinv, gc, *, config, interpret):
 def _recurrent_call(meta, q, k, v, wu, gc, state_pool, *, n_taps, config, interpret):
     """Fused: (o, pool). Split: (per-chunk states, v_new, pool)."""
     t_len, _, hv, dk, dv, group, max_chunks, npad, mm_dtype = _dims(q, v, config)
-    block_v = min(config.block_v, dv)
+    block_v, num_stages = config.recurrent_tiles(hv, dv, q.dtype)
     full = _compat.full_spec()
     kernel = functools.partial(
         _recurrent_kernel, t_len=t_len, group=group, block_v=block_v, n_taps=n_taps, mm_dtype=mm_dtype,
         fuse_output=config.fuse_output,
     )
     pool_shape = jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)
-    params = _compat.triton_params(config.num_warps, config.num_stages)
+    params = _compat.triton_params(config.num_warps, num_stages)
     # All operands whole arrays: each program walks its head's chunks in order, reads/writes its
     # [Dk, block_v] column block of the state slots, and scatters output rows (fused) or writes the
     # per-chunk states and v_new (split).
@@ -430,7 +441,7 @@ def _recurrent_call(meta, q, k, v, wu, gc, state_pool, *, n_taps, config, interp
         o_rows = t_len + 1 if interpret else t_len  # interpret mode's masked scatter needs a trash row
         return pl.pallas_call(
             kernel, grid=(hv, dv // block_v), in_specs=[full] * 8, out_specs=[full, full],
-            out_shape=[jax.ShapeDtypeStruct((o_rows, hv, dv), _F32), pool_shape],
+            out_shape=[jax.ShapeDtypeStruct((o_rows, hv, dv), v.dtype), pool_shape],
             input_output_aliases={7: 1}, compiler_params=params, interpret=interpret,
             name="gdn_chunk_recurrent_fused",
         )(meta, q, k, wu[0], wu[1], gc, wu[2], state_pool)
@@ -458,7 +469,7 @@ def _output_call(meta, q, k, v, gc, h_states, v_new, *, config, interpret):
             pl.BlockSpec((None, CHUNK, ob), lambda c, h, j: (h, c, j)),  # v_new of chunk c
         ],
         out_specs=full,  # rows scattered, masked to [0, T)
-        out_shape=jax.ShapeDtypeStruct((o_rows, hv, dv), _F32),
+        out_shape=jax.ShapeDtypeStruct((o_rows, hv, dv), v.dtype),
         compiler_params=_compat.triton_params(config.out_num_warps, 1),
         interpret=interpret,
         name="gdn_chunk_output",
@@ -524,7 +535,7 @@ def chunk_gated_delta_rule(
       interpret: run the Pallas interpreter (CPU tests).
       config: `GdnChunkConfig` (None: defaults).
     Returns:
-      (o [T, Hv, Dv] float32, updated state_pool).
+      (o [T, Hv, Dv] in v's dtype, updated state_pool).
     """
     config = config or GdnChunkConfig()
     check_gdn_inputs(q, k, v, g, beta, state_pool)

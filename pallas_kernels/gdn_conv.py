@@ -6,8 +6,10 @@ value head's v channels: the in-projection's first C columns) and K conv taps:
 
     window = [conv history (K-1 rows) ; qkv]                                        [T + K - 1, C]
     c_t    = silu(sum_j window[t + j] conv_w[j]) in float32, rounded to the activations' dtype
-    q, k   = each key head's channels of c, L2-normalised in float32 (q times Dk^-0.5)  -> [T, Hk, Dk] float32
-    v      = each value head's channels of c                                          -> [T, Hv, Dv] activations' dtype
+    q, k   = each key head's channels of c, L2-normalised in float32 (q times Dk^-0.5)  -> [T, Hk, Dk]
+    v      = each value head's channels of c                                          -> [T, Hv, Dv]
+    (all three in the activations' dtype: the delta rule's products take bf16 operands, and 2-byte q and k let its
+    recurrence pipeline 3 loads deep in shared memory; docs/kernels_notes.md)
     rows t >= n_valid are zero (bucket padding: identity tokens for the delta rule)
 
 which `ninfer_jax.model.qwen3_5._gdn_prefill` otherwise composes from XLA fusions that each recompute the conv from
@@ -40,8 +42,8 @@ def _kernel(
     proj_ref,  # [T, >= C] the in-projection's output (its first C columns are the pre-conv channels)
     hist_ref,  # [K-1, C] the conv history: the K-1 pre-conv rows before the chunk
     conv_w_ref,  # [K, C]
-    q_ref,  # out [T', Hk, Dk] float32 (T' = T rounded up to block_t; the caller drops rows past T)
-    k_ref,  # out [T', Hk, Dk] float32
+    q_ref,  # out [T', Hk, Dk] activations' dtype (T' = T rounded up to block_t; the caller drops rows past T)
+    k_ref,  # out [T', Hk, Dk] activations' dtype
     v_ref,  # out [T', Hv, Dv] activations' dtype
     *,
     taps: int,
@@ -122,8 +124,8 @@ def gdn_conv_prefill(proj, history, conv_w, n_valid, *, num_key_heads: int, key_
       conv_w: [K, C] the depthwise conv's weights.
       n_valid: int32 scalar, the chunk's real tokens (the rest is bucket padding).
     Returns:
-      q [T, Hk, Dk] float32 (normalised, times Dk^-0.5), k [T, Hk, Dk] float32 (normalised), v [T, Hv, Dv] in proj's
-      dtype; rows at or past n_valid are zero.
+      q [T, Hk, Dk] (normalised, times Dk^-0.5), k [T, Hk, Dk] (normalised), v [T, Hv, Dv], all in proj's dtype;
+      rows at or past n_valid are zero.
     """
     t_len = proj.shape[0]
     hk, dk, hv, dv = num_key_heads, key_head_dim, num_value_heads, value_head_dim
@@ -142,8 +144,8 @@ def gdn_conv_prefill(proj, history, conv_w, n_valid, *, num_key_heads: int, key_
     q, k, v = pl.pallas_call(
         kernel,
         grid=(rows // block_t, 2 * hk + hv),
-        out_shape=(jax.ShapeDtypeStruct((rows, hk, dk), _F32), jax.ShapeDtypeStruct((rows, hk, dk), _F32),
-                   jax.ShapeDtypeStruct((rows, hv, dv), proj.dtype)),
+        out_shape=[jax.ShapeDtypeStruct((rows, hk, dk), proj.dtype)] * 2
+        + [jax.ShapeDtypeStruct((rows, hv, dv), proj.dtype)],
         in_specs=[_compat.full_spec()] * 4,
         out_specs=[_compat.full_spec()] * 3,
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),

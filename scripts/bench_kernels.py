@@ -238,6 +238,10 @@ def run_ceilings():
         del ta, tb
 
 
+# The recurrent tiles before q and k came from the conv in bf16: 32 value columns a program, 2 load stages.
+PREV_TILES = gdn_chunk.GdnChunkConfig(block_v=32, num_stages=2)
+
+
 def _gdn_ours_step(cfg, interpret, slot=0):
     def step(pool, q, k, v, g, beta, taps, tslots, base):
         o, pool = gdn_chunk.chunk_gated_delta_rule(
@@ -258,7 +262,7 @@ def _gdn_ref_step(pool, q, k, v, g, beta, taps, tslots, base):
 def _gdn_flops_bytes(t, hk, hv, d):
     n = -(-t // 64)
     flops = n * hv * (2 * 64 * 64 * d * 2 + 2 * 64 * 64 * d * 2 + 2 * 64 * d * d * 3)  # kkt,qk,w,u; wS,qS,kv
-    bytes_ = t * (2 * hk * d * 2 + hv * d * 2 + hv * d * 4 + hv * 8) + 2 * hv * d * d * 4
+    bytes_ = t * (2 * hk * d * 2 + hv * d * 2 + hv * d * 2 + hv * 8) + 2 * hv * d * d * 4  # q, k, v, o bf16
     return flops, bytes_
 
 
@@ -300,19 +304,20 @@ def run_gdn():
     if ARGS.smoke:
         shapes, ts, d = [("tiny", 1, 2)], [256, 64], 16
     elif ARGS.quick:
-        ts = [16384]
+        ts = [16384, 65536]  # the sizes the target names
     slots = 10
     no_taps = jnp.full((0,), -1, jnp.int32)
     name, hk, hv = shapes[0]
     t_sweep = ts[0]
 
-    # Variant sweep at the target size on the 27B shape; the best serves every row below.
-    configs = [gdn_chunk.GdnChunkConfig(), gdn_chunk.GdnChunkConfig(fuse_output=False)]
+    # Variant sweep at the target size on the 27B shape. Every row below times the default (its recurrent tiles by
+    # the call's shapes) beside PREV_TILES, the tiles it took before q and k reached it in bf16.
+    configs = [gdn_chunk.GdnChunkConfig(), PREV_TILES, gdn_chunk.GdnChunkConfig(fuse_output=False)]
     if not ARGS.smoke and not ARGS.quick:
         # Candidates from docs/kernels_notes.md ("what to try next"); knobs only, same code paths.
-        configs += [gdn_chunk.GdnChunkConfig(num_warps=2), gdn_chunk.GdnChunkConfig(num_stages=3),
+        configs += [gdn_chunk.GdnChunkConfig(num_warps=2), gdn_chunk.GdnChunkConfig(block_v=32, num_stages=3),
                     gdn_chunk.GdnChunkConfig(block_v=16), gdn_chunk.GdnChunkConfig(solve_num_warps=2),
-                    gdn_chunk.GdnChunkConfig(block_v=64)]
+                    gdn_chunk.GdnChunkConfig(block_v=64, num_stages=2)]
     q, k, v, g, beta = gdn_inputs(jax.random.key(12), t_sweep, hk, hv, d)
     best, best_t = configs[0], None
     # The first config timed in a process read 0.4 ms (25%) slow on the H200 (commit 8cb2927), against the sum of its
@@ -332,7 +337,7 @@ def run_gdn():
                 best, best_t = cfg, r
     log(f"  best config: {best}")
     RESULTS["gdn_best_config"] = str(best)
-    for cfg in configs[:2]:
+    for cfg in configs[:3]:
         parts = guarded(f"gdn parts {cfg}", lambda: _gdn_parts(cfg, q, k, v, g, beta, hv, d, slots))
         if parts:
             log(f"  parts fuse_output={cfg.fuse_output}: "
@@ -349,7 +354,8 @@ def run_gdn():
     tap_pos = [64, 128, -1] if ARGS.smoke else [256, 512, 1024, -1]
     taps = jnp.array(tap_pos + [-1] * (8 - len(tap_pos)), jnp.int32)
     tslots = jnp.arange(1, 9, dtype=jnp.int32)
-    pool_ours, o = _gdn_ours_step(best, interp)(pool, q, k, v, g, beta, taps, tslots, jnp.int32(base))
+    default = configs[0]
+    pool_ours, o = _gdn_ours_step(default, interp)(pool, q, k, v, g, beta, taps, tslots, jnp.int32(base))
     pool_ref, o_ref = _gdn_ref_step(pool, q, k, v, g, beta, taps, tslots, jnp.int32(base))
     check(f"gdn {name} T={t} phase 37 o rel err vs XLA ref (bf16 operands)", rel_err(o, o_ref), 2e-2)
     check(f"gdn {name} T={t} final state rel err", rel_err(pool_ours[0], pool_ref[0]), 2e-2)
@@ -358,7 +364,7 @@ def run_gdn():
             check(f"gdn {name} tap@{p} rel err", rel_err(pool_ours[j + 1], pool_ref[j + 1]), 2e-2)
     p = tap_pos[1]
     tt = p - base
-    pool_tr, _ = _gdn_ours_step(best, interp)(
+    pool_tr, _ = _gdn_ours_step(default, interp)(
         pool, q[:tt], k[:tt], v[:tt], g[:tt], beta[:tt], taps, tslots, jnp.int32(base))
     diff = float(jnp.max(jnp.abs(pool_tr[0] - pool_ours[2])))
     check(f"gdn {name} tap@{p} bitwise == final state of truncated call (max abs diff)", diff, 0, exact=True)
@@ -373,14 +379,16 @@ def run_gdn():
             flops, bytes_ = _gdn_flops_bytes(t, hk, hv, d)
             args = (q, k, v, g, beta, no_taps, no_taps, jnp.int32(0))
             ours = guarded(f"gdn ours {name} {t}", lambda: time_jax(
-                _gdn_ours_step(best, interp), gdn_pool(jax.random.key(1), slots, hv, d), args)[0])
+                _gdn_ours_step(default, interp), gdn_pool(jax.random.key(1), slots, hv, d), args)[0])
+            prev = guarded(f"gdn ours, previous tiles {name} {t}", lambda: time_jax(
+                _gdn_ours_step(PREV_TILES, interp), gdn_pool(jax.random.key(1), slots, hv, d), args)[0])
             taps8 = None
             if t == t_sweep:
                 step = t // 8 // 64 * 64
                 tp = jnp.array([step * (i + 1) for i in range(8)], jnp.int32)
                 args8 = (q, k, v, g, beta, tp, jnp.arange(1, 9, dtype=jnp.int32), jnp.int32(0))
                 taps8 = guarded(f"gdn ours 8 taps {name} {t}", lambda: time_jax(
-                    _gdn_ours_step(best, interp), gdn_pool(jax.random.key(1), slots, hv, d), args8)[0])
+                    _gdn_ours_step(default, interp), gdn_pool(jax.random.key(1), slots, hv, d), args8)[0])
             xla = None
             if not ARGS.skip_ref and t <= 4096:
                 xla = guarded(f"gdn ref {name} {t}", lambda: time_jax(
@@ -392,6 +400,8 @@ def run_gdn():
             if ours:
                 r.update(ours_ms=ours * 1e3, ours_tok_s=t / ours, ours_tflops=flops / ours / 1e12,
                          ours_tbps=bytes_ / ours / 1e12)
+            if prev:
+                r.update(prev_tiles_ms=prev * 1e3, vs_prev_tiles=prev / ours if ours else None)
             if taps8:
                 r.update(ours_8taps_ms=taps8 * 1e3, taps8_overhead=taps8 / ours - 1 if ours else None)
             if xla:
@@ -694,9 +704,9 @@ def write_report(out_dir, command, quiet=False):
         f"ceilings measured in the same run: bf16 matmul {_fmt(c.get('jax_bf16_matmul_tflops'))} TFLOP/s (jax), "
         f"{_fmt(c.get('torch_bf16_matmul_tflops'))} (torch); device copy {_fmt(c.get('copy_tbps'))} TB/s")
     groups = [
-        ("Chunked GDN prefill (bf16 in, f32 state and output)", "gdn_prefill",
-         ["shape", "T", "ours_ms", "ours_8taps_ms", "taps8_overhead", "xla_ms", "fla_ms", "ratio_vs_fla",
-          "ours_tok_s", "ours_tflops", "ours_tbps"]),
+        ("Chunked GDN prefill (bf16 in and out, f32 state; prev_tiles: block_v 32 on 2 load stages)", "gdn_prefill",
+         ["shape", "T", "ours_ms", "ours_8taps_ms", "taps8_overhead", "prev_tiles_ms", "vs_prev_tiles", "xla_ms",
+          "fla_ms", "ratio_vs_fla", "ours_tok_s", "ours_tflops", "ours_tbps"]),
         ("GDN decode (one token per lane)", "gdn_decode",
          ["shape", "lanes", "ours_us", "xla_us", "fla_us", "time_vs_fla", "ours_tbps", "fla_tbps"]),
         ("Paged decode attention (24/4 heads, D256; ours_tbps: the profile's bytes read, values and scales)",

@@ -92,7 +92,7 @@ def gdn_prefill(kc: KernelConfig, q, k, v, g, beta, state_pool, slot, base, tap_
       tap_positions: [M] int32 absolute 64-aligned positions in (base, base + T], or -1 for none;
         tap_slots: [M] int32 snapshot slots receiving the state after each tap position.
     Returns:
-      (o [T, Hv, Dv] float32, updated state_pool).
+      (o [T, Hv, Dv] in v's dtype, updated state_pool).
     """
     if kc.backend == "pallas":
         from pallas_kernels import gdn_chunk
@@ -118,7 +118,7 @@ def gdn_prefill_reference(q, k, v, g, beta, state_pool, slot, base, tap_position
     o, final, chunk_states = ref.gdn_chunked_ref(
         *(place(x) for x in (q, k, v, g, beta)), state_pool[slot], return_chunk_states=True
     )
-    o = jax.lax.dynamic_slice_in_dim(o, phase, t, axis=0)
+    o = jax.lax.dynamic_slice_in_dim(o, phase, t, axis=0).astype(v.dtype)
     state_pool = state_pool.at[slot].set(final)
     # Chunk i of the grid ends after absolute position base - phase + 64 (i + 1) (exclusive).
     chunk_end = base - phase + PAGE * (jnp.arange(chunk_states.shape[0]) + 1)
@@ -193,8 +193,8 @@ def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions,
 
 def gdn_conv_prefill(kc: KernelConfig, proj, history, conv_w, n_valid, cfg):
     """The fused GDN prefill step up to the delta rule (kc.fuse_gdn_conv): the in-projection's output [T, P] and the
-    conv history [K-1, C] -> (q, k [T, Hk, Dk] float32 normalised, v [T, Hv, Dv]), rows at or past n_valid zero; None
-    when off or the kernel does not take the head shapes."""
+    conv history [K-1, C] -> (q, k [T, Hk, Dk] normalised, v [T, Hv, Dv], in proj's dtype), rows at or past n_valid
+    zero; None when off or the kernel does not take the head shapes."""
     if not kc.fuse_gdn_conv:
         return None
     from pallas_kernels import gdn_conv as kernel

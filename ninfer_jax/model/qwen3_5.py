@@ -193,9 +193,10 @@ def _gdn_qkvgb(p: GDNParams, conv_out, a, b, cfg: ModelConfig):
 
 def gdn_conv_qkv(window, conv_w, m, cfg: ModelConfig):
     """What `ops.gdn_conv_prefill` computes as one kernel: the window [T + K - 1, C] of pre-conv rows -> the delta
-    rule's q, k, v (as `_gdn_qkv`), zero in the rows whose m [T, 1] is False (bucket padding)."""
+    rule's q, k, v (as `_gdn_qkv`, q and k rounded to the activations' dtype after their norms, as fla's l2norm
+    writes them), zero in the rows whose m [T, 1] is False (bucket padding)."""
     q, k, v = _gdn_qkv(_conv(window, conv_w), cfg)
-    return q * m[..., None], k * m[..., None], v * m[..., None].astype(v.dtype)
+    return (q * m[..., None]).astype(v.dtype), (k * m[..., None]).astype(v.dtype), v * m[..., None].astype(v.dtype)
 
 
 def _gdn_normed(p: GDNParams, core, z, cfg: ModelConfig, dtype):

@@ -165,9 +165,31 @@ def test_gqa_and_bf16(rng):
     taps = taps_for(base, t)[0]
     xb = tuple(np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in x[:3]) + x[3:]
     o, pool_out = run(xb, pool, base, taps, dtype=jnp.bfloat16)
-    check_against_oracle(xb, pool, base, o, pool_out, 2e-2, f"seed={seed} bf16 gqa")
+    assert o.dtype == jnp.bfloat16  # the output takes v's dtype
+    check_against_oracle(xb, pool, base, o.astype(np.float32), pool_out, 2e-2, f"seed={seed} bf16 gqa")
     o32, pool32 = run(xb, pool, base, taps)
     check_against_oracle(xb, pool, base, o32, pool32, 2e-5, f"seed={seed} f32 gqa")
+
+
+def test_the_recurrence_takes_wider_tiles_and_deeper_pipelining_with_two_byte_q_and_k():
+    """3 load stages only with 2-byte q and k (4-byte ones overflow the H200's shared memory); block_v 64 where it
+    still gives 96 programs (the 27B's 48 value heads), else 32; explicit knobs win; never wider than Dv."""
+    auto = gdn_chunk.GdnChunkConfig()
+    assert auto.recurrent_tiles(48, 128, jnp.bfloat16) == (64, 3)
+    assert auto.recurrent_tiles(32, 128, jnp.bfloat16) == (32, 3)
+    assert auto.recurrent_tiles(48, 128, jnp.float32) == (32, 2)
+    assert auto.recurrent_tiles(2, 16, jnp.bfloat16) == (16, 3)
+    assert gdn_chunk.GdnChunkConfig(block_v=16, num_stages=1).recurrent_tiles(48, 128, jnp.bfloat16) == (16, 1)
+
+
+def test_wider_recurrent_tiles_compute_the_same_function(rng):
+    """block_v 64 over Dv 64 (one program a head) against the float64 recurrence, the taps too."""
+    r, seed = rng
+    hk, hv, d, t, base = 1, 2, 64, 130, 29
+    x = make_inputs(r, t, hk, hv, d)
+    pool = make_pool(r, hv, d)
+    o, pool_out = run(x, pool, base, taps_for(base, t)[0], config=gdn_chunk.GdnChunkConfig(block_v=64))
+    check_against_oracle(x, pool, base, o, pool_out, 2e-5, f"seed={seed} block_v 64")
 
 
 def test_ops_dispatch_matches_reference(rng):
@@ -222,13 +244,13 @@ def test_rejects_bad_inputs():
         gdn_chunk.GdnChunkConfig(block_v=8)
 
 
-@pytest.mark.parametrize("config", [FUSED, SPLIT], ids=["fused", "split"])
-def test_lowers_to_triton_at_real_shapes(config):
-    """The GPU path (Triton IR) builds at the 27B shapes with 8 taps: unsupported primitives or shapes
-    fail here, in CI, without a GPU."""
+@pytest.mark.parametrize("config, hv", [(FUSED, 48), (FUSED, 32), (SPLIT, 48)], ids=["fused-27b", "fused-35b", "split"])
+def test_lowers_to_triton_at_real_shapes(config, hv):
+    """The GPU path (Triton IR) builds at the 27B's and 35B-A3B's heads with 8 taps (block_v 64 and 32, 3 stages):
+    unsupported primitives or shapes fail here, in CI, without a GPU."""
     lower_for_h200()
     sd = jax.ShapeDtypeStruct
-    t, hk, hv, d = 4096, 16, 48, 128
+    t, hk, d = 4096, 16, 128
     args = (sd((t, hk, d), jnp.bfloat16), sd((t, hk, d), jnp.bfloat16), sd((t, hv, d), jnp.bfloat16),
             sd((t, hv), jnp.float32), sd((t, hv), jnp.float32), sd((4, hv, d, d), jnp.float32),
             sd((), jnp.int32), sd((), jnp.int32), sd((8,), jnp.int32), sd((8,), jnp.int32))
