@@ -168,12 +168,14 @@ def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str, 
                    whole=False):
     """The dtype of a pool's products: a plain pool's own; float16 for FP8 keys when the queries are 16-bit (e4m3
     -> f16 is one packed conversion a pair, -> bf16 three), and for INT8 keys (`f16_keys`) or INT8 / FP8 values
-    (`f16_values`); else the queries' (a float32 query keeps every product exact, as the interpret tests need).
-    Codes are exact in f16 either way; f16 values carry the probabilities times scales in 11 bits instead of bf16's
-    8, their range kept by `_F16_VALUE_SHIFT`. NVFP4 rows and `whole` rows stay in the queries' dtype."""
+    (`f16_values`), NVFP4 keys or values likewise (their rows dequantized in f16 by `_E2M1_TO_F16_ASM`); else the
+    queries' (a float32 query keeps every product exact, as the interpret tests need). Codes are exact in f16 either
+    way, and so are NVFP4's values times their e4m3 scales (6 significant bits, 2^-10 to 2688); f16 values carry the
+    probabilities times scales in 11 bits instead of bf16's 8, their range kept by `_F16_VALUE_SHIFT`. `whole` rows
+    stay in the queries' dtype."""
     if fmt is None:
         return pool_dtype
-    if fmt.packed or whole or jnp.dtype(q_dtype).itemsize != 2:
+    if whole or jnp.dtype(q_dtype).itemsize != 2:
         return q_dtype
     if side == "k" and (fmt is kv_quant.FP8_ROW256 or f16_keys) or side == "v" and f16_values:
         return jnp.float16
@@ -194,6 +196,27 @@ sub.f16x2 $0, $0, m;
 sub.f16x2 $1, $1, m;
 }"""
 
+def _e2m1_to_f16_asm(nibble: int) -> str:
+    """Inline PTX: four bytes of NVFP4 codes (a byte holds columns j and j + D/2 in its low and high nibbles) -> the
+    four values of their low (nibble 0) or high (1) nibbles in float16, exactly, two a register. The bytes are first
+    spread into 16-bit halves; then a code's magnitude bits (e1 e0 m) go to f16 bits 9-11 and its sign to bit 15,
+    which reads as the e2m1 value times 2^-14 (subnormal for codes 0 and 1, as e2m1's own), and one packed multiply
+    by 2^14 (0x7400) makes it the value. About 3 instructions a code, against about 11 for `kv_quant.e2m1_bf16`'s
+    integer ops, which take one code at a time. (One program a nibble: jax's Pallas-Triton lowering of an asm with
+    two results fails.)"""
+    shift = 4 * nibble
+    mag, sign = 0x7 << shift, 0x8 << shift
+    lines = ["mov.b32 z, 0;", "mov.b32 k, 0x74007400;"]
+    for out, selector in ((0, "0x4140"), (1, "0x4342")):  # bytes 0-1, then 2-3, into the halves' low bytes
+        lines += [f"prmt.b32 a, $2, z, {selector};",
+                  f"and.b32 t, a, {mag | mag << 16:#010x};", f"shl.b32 t, t, {9 - shift};",
+                  f"and.b32 u, a, {sign | sign << 16:#010x};", f"shl.b32 u, u, {12 - shift};",
+                  "or.b32 t, t, u;", f"mul.f16x2 ${out}, t, k;"]
+    return "{\n.reg .b32 z, k, a, t, u;\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
+
 # f16 values: the probabilities (<= 1) times the values' scales are taken times 2^8 before rounding to f16, and the
 # output times 2^-8 (exact), so that small scales stay in f16's normal range: p x s underflows only below
 # s = 2.4e-7 (a group whose largest magnitude is under 3e-5 for INT8, 1e-4 for FP8). s x 2^8 is clamped to f16's
@@ -209,6 +232,16 @@ def _int8_to_f16(codes, asm: bool):
         _S8_TO_F16_ASM, args=[codes], constraints="=r,=r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])
     return out
+
+
+def _e2m1_halves(codes, dtype, asm: bool):
+    """NVFP4 bytes [BK, D/2] -> the values of their low and high nibbles (a row's two halves), exact, in `dtype`: f16
+    by `_E2M1_TO_F16_ASM` on the GPU, else by `kv_quant.e2m1_bf16`'s integer ops (a cast to f16 or f32 is exact)."""
+    if asm and dtype == jnp.float16:
+        return tuple(pltriton.elementwise_inline_asm(
+            text, args=[codes], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])[0] for text in _E2M1_TO_F16_ASM)
+    return tuple(kv_quant.e2m1_bf16(c).astype(dtype) for c in (codes & 15, codes >> 4))
 
 
 def _fetch(refs, fmt, groups, page, row, kvh, valid, transposed=False, whole=False):
@@ -256,12 +289,11 @@ def _decode(fmt, groups, raw, dtype, asm=False, whole=False):
     group's scale rounded to `dtype`."""
     if fmt is None:
         return [(x, None) for x in raw]
-    if fmt.packed:
-        out = []
-        for h, (s, (_, width)) in enumerate(zip(raw[1:], groups)):
-            codes = raw[0] >> 4 if h else raw[0] & 15  # byte j holds columns j and j + D/2
-            out.append(((kv_quant.e2m1_bf16(codes) * _per_column(s.astype(jnp.bfloat16), width)).astype(dtype), None))
-        return out
+    if fmt.packed:  # byte j holds columns j and j + D/2; bf16 or f16 products of codes and scales are exact
+        prod = dtype if jnp.dtype(dtype).itemsize == 2 else jnp.bfloat16
+        halves = _e2m1_halves(raw[0], prod, asm)
+        return [((x * _per_column(s.astype(prod), width)).astype(dtype), None)
+                for x, s, (_, width) in zip(halves, raw[1:], groups)]
     if whole:
         values, s = raw
         return [(values.astype(dtype) * _per_column(s.astype(dtype), groups[0][1]), None)]
@@ -389,7 +421,8 @@ class DecodeConfig:
     # quantized pools: load the next key block's planes into registers while this one is computed. Slower than
     # Triton's own pipelining on the H200 (INT8 322 against 286 us, FP8 380 against 252; docs/kernels_notes.md)
     prefetch: bool = False
-    # INT8 keys as float16 (codes by byte permutes), and INT8 / FP8 values as float16 (`_operand_dtype`)
+    # INT8 keys as float16 (codes by byte permutes), and INT8 / FP8 values as float16; NVFP4 keys or values as float16
+    # (two codes a register, `_E2M1_TO_F16_ASM`; not yet timed on a GPU) (`_operand_dtype`)
     f16_keys: bool = False
     f16_values: bool = False
     # keys and values as the products' left operand and the query group as their right (plain, INT8 and FP8 pools),

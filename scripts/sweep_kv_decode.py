@@ -1,5 +1,6 @@
 """Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant
-of the sweep that chose `QUANT_DECODE_CONFIG`, beside the bf16 pool and a plain copy in one process, at the 27B's
+of the sweep that chose `QUANT_DECODE_CONFIG`, and NVFP4-G16 and K8V4 pools' rows decoded to bf16 (the default) and
+to f16 (the inline PTX), beside the bf16 pool and a plain copy in one process, at the 27B's
 attention shape (8 lanes, 24 query and 4 KV heads, D 256). Each variant's bytes read per second (values and scales)
 and its share of the copy rate, and its relative error against the XLA reference over the dequantized pools.
 
@@ -21,7 +22,7 @@ LANES, HQ, HKV, D = 8, 24, 4, 256
 
 
 def variants():
-    from pallas_kernels.paged_attention import QUANT_DECODE_CONFIG
+    from pallas_kernels.paged_attention import PACKED_DECODE_CONFIG, QUANT_DECODE_CONFIG
     from pallas_kernels.paged_attention import DecodeConfig as DC
 
     f16 = dict(f16_keys=True, f16_values=True)
@@ -53,6 +54,11 @@ def variants():
                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                 ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed,
+        # NVFP4 rows by integer ops per code to bf16 (the default), or two codes a register to f16 by inline PTX
+        **{pool: [("1 page, bf16 rows (default)", PACKED_DECODE_CONFIG),
+                  ("1 page, f16 rows", dataclasses.replace(PACKED_DECODE_CONFIG, **f16)),
+                  ("1 page, f16 rows, 3 stages", dataclasses.replace(PACKED_DECODE_CONFIG, num_stages=3, **f16))]
+           for pool in ("nvfp4", "k8v4")},
     }
 
 
@@ -95,7 +101,7 @@ def main() -> int:
     k_bf, v_bf = (jax.random.normal(k, (n_pool, 64, hkv, D), jnp.bfloat16) for k in (k1, k2))
     quantize = jax.jit(kv_quant.quantize, static_argnums=0)
     pools = {"bfloat16": (k_bf, v_bf)}
-    for name in ("int8", "fp8"):
+    for name in ("int8", "fp8", "nvfp4", "k8v4"):
         pools[name] = tuple(kv_quant.QuantPages(*quantize(f, x), f.name)
                             for f, x in zip(kv_quant.PROFILES[name], (k_bf, v_bf)))
     order = jax.random.permutation(k3, n_pool)[:lanes * pages].reshape(lanes, pages).astype(jnp.int32)

@@ -144,7 +144,7 @@ def test_one_lanes_splits_keep_a_minimum_of_pages():
         paged_attention.DecodeConfig(min_pages_per_split=0)
 
 
-@pytest.mark.parametrize("profile", ["bfloat16", "int8", "fp8", "k8v4"])  # plain; int8 planes; fp8 rows; e2m1 nibbles
+@pytest.mark.parametrize("profile", ["bfloat16", "int8", "fp8", "k8v4", "nvfp4"])  # plain; int8; fp8 rows; e2m1
 def test_lowers_to_triton_at_real_shapes(profile):
     lower_for_h200()
     sd = jax.ShapeDtypeStruct
@@ -161,14 +161,18 @@ def test_lowers_to_triton_at_real_shapes(profile):
         sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    variants = ["swap_ab", "dequantize_rows"] if profile != "k8v4" else ["dequantize_rows"]
-    for variant in variants:  # the transposed products (NVFP4's packed rows are refused), the rows dequantized whole
-        config = dataclasses.replace(paged_attention.default_decode_config(k, v), **{variant: True})
+    # the transposed products (NVFP4's packed rows are refused), the rows dequantized whole; NVFP4 rows in f16 (the
+    # inline asm)
+    packed = profile in ("k8v4", "nvfp4")
+    variants = [dict(dequantize_rows=True)] + ([dict(f16_keys=True, f16_values=True)] if packed else
+                                               [dict(swap_ab=True)])
+    for variant in variants:
+        config = dataclasses.replace(paged_attention.default_decode_config(k, v), **variant)
         text = paged_attention.paged_decode_attention.trace(
             sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32), config=config
         ).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text
-    if profile == "k8v4":
+    if packed:
         with pytest.raises(ValueError, match="not NVFP4's packed rows"):
             paged_attention.paged_decode_attention.trace(
                 sd((8, 24, 256), bf), k, v, sd((8, 512), jnp.int32), sd((8,), jnp.int32),

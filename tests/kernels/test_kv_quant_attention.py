@@ -6,6 +6,7 @@ Rows a lane may not read hold NaN scales, so a read of them shows."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -89,11 +90,13 @@ def test_decode_over_quantized_pages_matches_float64(profile, d, variant):
 # probabilities times the values' scales in float16 x 2^8; NVFP4 rows as bf16), and bf16 INT8 / FP8 operands
 # (f16=False): within the rounding of p to 16 bits. Values of magnitude 1e-3 (FP8 scales near 2e-6) check that the
 # f16 probabilities times scales keep their precision. D 256, the real head dim, scales the queries by 1/16, exactly.
-# Rows dequantized whole (`dequantize_rows`) round each key and value to bf16 as well as p: three such roundings
+# Rows dequantized whole (`dequantize_rows`) round each key and value to bf16 as well as p: three such roundings.
+# NVFP4 rows in f16 (`f16_nvfp4`: f16_keys and f16_values on the packed pools' config) are exact, as in bf16.
 @pytest.mark.parametrize("profile,f16,v_mag,variant", [
     ("fp8", True, 3.0, None), ("fp8", True, 1e-3, None), ("int8", True, 3.0, None), ("int8", False, 3.0, None),
     ("k8v4", True, 3.0, None), ("fp8", True, 1e-3, "swap_ab"), ("int8", True, 3.0, "swap_ab"),
-    ("fp8", True, 1e-3, "dequantize_rows"), ("int8", True, 3.0, "dequantize_rows")])
+    ("fp8", True, 1e-3, "dequantize_rows"), ("int8", True, 3.0, "dequantize_rows"),
+    ("nvfp4", True, 3.0, "f16_nvfp4"), ("k8v4", True, 1e-3, "f16_nvfp4")])
 def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     r = np.random.default_rng(3)
     hq, hkv, d, lengths, max_pages = 4, 2, 256, [70, 200], 4
@@ -102,8 +105,12 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     k, v = pools(r, profile, n_pages, hkv, d, v_mag)
     q = jnp.asarray(r.standard_normal((len(lengths), hq, d)), jnp.bfloat16)
     config = paged_attention.default_decode_config(k, v)
-    config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
-                                 f16_values=config.f16_values and f16, **{variant: True} if variant else {})
+    if variant == "f16_nvfp4":
+        assert k.format.packed or v.format.packed
+        config = dataclasses.replace(config, num_splits=2, f16_keys=True, f16_values=True)
+    else:
+        config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
+                                     f16_values=config.f16_values and f16, **{variant: True} if variant else {})
     out = np.asarray(paged_attention.paged_decode_attention(
         q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=INTERPRET, config=config))
     k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
@@ -131,3 +138,55 @@ def test_prefill_over_quantized_pages_matches_float64(profile, config):
     want = attention64(q.astype(np.float64), kb, vb, base + np.arange(t), base + t)
     np.testing.assert_allclose(out, want, rtol=F32_TOL, atol=F32_TOL * np.abs(want).max())
 
+
+
+def run_ptx(asm: str, word: int) -> list[int]:
+    """An emulator of the few PTX instructions the kernels' inline conversions use, one instruction at a time: the
+    32-bit input word in the last operand, the output registers' words in order."""
+    outs = sorted({int(n) for n in re.findall(r"\$(\d+)", asm)})
+    regs = {f"${outs[-1]}": word}
+
+    def val(x):
+        return int(x, 16) if x.startswith("0x") else int(x) if x.isdigit() else regs[x]
+
+    def halves(w):
+        return np.array([w & 0xFFFF, w >> 16], np.uint16).view(np.float16).astype(np.float32)
+
+    def pack(h):
+        lo, hi = np.asarray(h, np.float32).astype(np.float16).view(np.uint16)
+        return int(lo) | int(hi) << 16
+
+    for line in asm.strip("{}\n").split(";"):
+        op, _, rest = line.strip().partition(" ")
+        if not op or op.startswith(".reg"):
+            continue
+        d, *a = [x.strip() for x in rest.split(",")]
+        a = [val(x) for x in a]
+        if op == "prmt.b32":  # default mode: byte i of d is byte (selector nibble i) of {a, b}
+            src = a[0] | a[1] << 32
+            regs[d] = sum(((src >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        else:
+            regs[d] = {"mov.b32": lambda: a[0], "and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1],
+                       "xor.b32": lambda: a[0] ^ a[1], "shl.b32": lambda: (a[0] << a[1]) & 0xFFFFFFFF,
+                       "mul.f16x2": lambda: pack(halves(a[0]) * halves(a[1])),
+                       "sub.f16x2": lambda: pack(halves(a[0]) - halves(a[1]))}[op]()
+    return [regs[f"${i}"] for i in outs[:-1]]
+
+
+def test_the_inline_ptx_conversions_give_every_codes_exact_value():
+    """`_S8_TO_F16_ASM` (INT8 codes) and `_E2M1_TO_F16_ASM` (NVFP4 bytes, low and high nibbles), run by an emulator
+    of their instructions over words that put each of the 256 byte values in each of the four bytes: every output
+    element equals the code's value (E2M1 from the e2m1 table of this file), in the order the inline asm packs
+    them."""
+    def f16s(words):
+        return np.array(words, np.uint32).view(np.uint16).view(np.float16).astype(np.float64)
+
+    for b in range(256):
+        codes = [(b + i * 67) % 256 for i in range(4)]
+        word = sum(c << 8 * i for i, c in enumerate(codes))
+        got = f16s(run_ptx(paged_attention._S8_TO_F16_ASM, word))
+        np.testing.assert_array_equal(got, np.array(codes, np.uint8).view(np.int8), err_msg=f"int8 {codes}")
+        got = f16s([w for text in paged_attention._E2M1_TO_F16_ASM for w in run_ptx(text, word)])
+        want = [E2M1[c & 15] for c in codes] + [E2M1[c >> 4] for c in codes]
+        np.testing.assert_array_equal(got, want, err_msg=f"e2m1 {codes}")
+        assert np.signbit(got).tolist() == np.signbit(want).tolist(), f"e2m1 {codes}: the sign of zero"
