@@ -66,9 +66,9 @@ def prefill_activation_bytes(cfg: ModelConfig, tokens: int, act_dtype) -> int:
     longest compiled pass."""
     act = jnp.dtype(act_dtype).itemsize
     gdn = ((2 * cfg.key_dim + 2 * cfg.value_dim + 2 * cfg.linear_num_value_heads) * act  # in-projection
-           + 2 * cfg.key_dim * 4 + cfg.value_dim * act  # the conv's q, k (f32) and v
+           + 2 * cfg.key_dim * 4 + cfg.value_dim * act  # the conv's q, k (counted at 4 bytes) and v
            + cfg.linear_num_value_heads * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 64) * act  # w, u, P
-           + cfg.value_dim * 4)  # the output (f32)
+           + cfg.value_dim * 4)  # the output (counted at 4 bytes)
     attn = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads + cfg.num_attention_heads) * cfg.head_dim * act
     if cfg.is_moe:  # routed rows' act and f32 outputs, router logits, the shared expert
         ffn = (cfg.num_experts_per_tok * (cfg.moe_intermediate_size * act + cfg.hidden_size * 4)
