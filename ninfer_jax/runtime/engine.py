@@ -362,16 +362,17 @@ class Engine:
 
     @staticmethod
     def _collect(rid, prepared, events) -> RequestOutput:
-        tokens, text, logprobs = [], [], []
+        tokens, text, logprobs, prompt_logprobs = [], [], [], None
         while True:
             ev: StreamEvent = events.get()
             tokens += ev.token_ids
             text.append(ev.text)
             logprobs += ev.logprobs or ()
+            prompt_logprobs = ev.prompt_logprobs or prompt_logprobs
             if ev.finish_reason is not None:
                 return RequestOutput(
                     rid, tuple(int(t) for t in prepared.token_ids), tuple(tokens), "".join(text), ev.finish_reason,
-                    ev.usage, ev.metrics, tuple(logprobs) or None, ev.error,
+                    ev.usage, ev.metrics, tuple(logprobs) or None, ev.error, prompt_logprobs,
                 )
 
     def cancel(self, request_id: str) -> bool:

@@ -55,6 +55,20 @@ class OutputProcessor:
         elif len(req.output) >= sp.max_tokens or req.computed + 1 >= self.max_model_len:
             req.finish_reason = "length"
 
+    def prompt_scored(self, req: Request, parts) -> None:
+        """The prompt logprobs' event: `parts` are each prefill pass's (first position, the runner's scores), in
+        order, whose row i predicted the prompt token at position + i + 1; the first token has no entry (None)."""
+        n, top = req.num_prompt, req.sampling.prompt_logprobs
+        entries: list[dict | None] = [None]
+        for base, scores in parts:
+            chosen, ids, lps = (np.asarray(x) for x in scores)
+            for row in range(min(len(chosen), n - 1 - base)):
+                entries.append({"token_id": int(req.prompt_ids[base + row + 1]), "logprob": float(chosen[row]),
+                                "top": [(int(i), float(lp)) for i, lp in zip(ids[row, :top], lps[row, :top])]})
+        if len(entries) != n:
+            raise RuntimeError(f"request {req.id}: {len(entries)} prompt logprobs for {n} prompt tokens")
+        self.deliver(req, StreamEvent(req.id, (), "", None, None, None, prompt_logprobs=tuple(entries)))
+
     def admitted(self, req: Request) -> None:
         """The first event: no tokens yet, the usage with cached_tokens fixed at admission (spec §8.3)."""
         self.deliver(req, StreamEvent(req.id, (), "", None, req.usage(), req.metrics()))

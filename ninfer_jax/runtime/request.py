@@ -86,6 +86,9 @@ class StreamEvent:
     metrics: Metrics | None
     logprobs: tuple[dict, ...] | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, on one event before the first token's: an entry per prompt token as
+    # `logprobs`' (None for the first, which nothing predicts)
+    prompt_logprobs: tuple[dict | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,7 @@ class RequestOutput:
     metrics: Metrics
     logprobs: tuple[dict, ...] | None = None
     error: str | None = None
+    prompt_logprobs: tuple[dict | None, ...] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,6 +125,9 @@ class Request:
     cached_tokens: int = 0  # reused from the prefix cache (fixed at admission)
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] | None = None
+    # With prompt logprobs: each prefill pass's first position and its scores on the device (the runner's
+    # `prefill`), read once the last pass ends
+    prompt_scores: list[tuple[int, tuple]] = dataclasses.field(default_factory=list)
     text: str = ""
     emitted_text: int = 0  # characters of `text` already sent
     emitted_tokens: int = 0

@@ -43,6 +43,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
+    # number of top logprobs per prompt token (0: only the prompt's own); such a request computes its whole prompt
+    prompt_logprobs: int | None = None
     prefix_cache: bool = True  # not vLLM's: False = a disabled request, which neither reads nor adds to the cache
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
@@ -66,8 +68,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_processing()
@@ -94,6 +98,12 @@ class SamplingParams:
                     raise ValueError("response_format.json_schema must be an object whose schema is a JSON schema")
             if fmt["type"] == "text":
                 object.__setattr__(self, "response_format", None)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether the request reads and adds to the prefix cache: not when disabled, nor with prompt logprobs, which
+        need every prompt position's logits (a disabled request then: vLLM skips the cache for them too)."""
+        return self.prefix_cache and self.prompt_logprobs is None
 
     @property
     def greedy(self) -> bool:

@@ -154,9 +154,11 @@ class Scheduler:
         clock.lap("admit")
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
         head = min(prefilling, key=lambda r: r.arrival) if prefilling else None
-        # While lanes decode, the head's pass rides in the round's step (runner.mixed) when the engine mixes
+        # While lanes decode, the head's pass rides in the round's step (runner.mixed) when the engine mixes, unless
+        # it scores its prompt (only a pass of its own returns every row)
         mixed = head is not None and self.mix and bool(self.runner.ready.mixed) and any(
-            r is not None and not r.prefilling and r.output for r in self.lanes)
+            r is not None and not r.prefilling and r.output for r in self.lanes) and \
+            head.sampling.prompt_logprobs is None
         prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
@@ -252,7 +254,11 @@ class Scheduler:
         )
         round_out = None
         if decode_round is None:
-            tokens_out, chosen, top = self.runner.prefill(**chunk)
+            # with prompt logprobs each row is scored on the prompt token after it (the last row's is the output's)
+            targets = req.prompt_ids[base + 1:end + 1] if req.sampling.prompt_logprobs is not None else None
+            tokens_out, chosen, top, scores = self.runner.prefill(**chunk, score_targets=targets)
+            if scores is not None:
+                req.prompt_scores.append((base, scores))
         else:
             (tokens_out, chosen, top), round_out = self.runner.mixed(chunk, decode_round)
             self.counters["mixed_steps"] += 1
@@ -286,6 +292,9 @@ class Scheduler:
         return end
 
     def _first_token(self, req: Request, tokens_out, chosen, top) -> None:
+        if req.prompt_scores:
+            self.outputs.prompt_scored(req, req.prompt_scores)
+            req.prompt_scores = []
         self.outputs.accept(req, int(np.asarray(tokens_out)[0]), chosen, top, 0)
         self._report(req)
 

@@ -84,6 +84,7 @@ class EngineRun:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict] = []  # the engine's entries, when the request asked for logprobs
+        self.prompt_logprobs: tuple | None = None  # the engine's prompt entries, when it asked for them
         self.last: Any = None  # the final StreamEvent, once it came
         # `events`: a request already submitted (one of a group, `sample_runs`); otherwise submitted here.
         self._events = events if events is not None else engine.astream(prompt, sampling, request_id=request_id)
@@ -114,6 +115,7 @@ class EngineRun:
         self.token_ids += event.token_ids
         self.text += event.text
         self.logprobs += event.logprobs or ()
+        self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
         if event.finish_reason is not None:
             self.last = event
             outcome = self.outcome()

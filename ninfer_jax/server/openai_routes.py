@@ -30,7 +30,7 @@ from .generation import (
     sampling_params, until_disconnect,
 )
 from .limits import check_context
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, echoed_prompt, vllm_prompt_logprobs
 from .openai_messages import chat_input
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .output_parser import OutputParser, Piece
@@ -75,9 +75,11 @@ async def chat_completions(request: Request):
         logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
         choices.append({"index": index, "message": message, "logprobs": logprobs,
                         "finish_reason": _finish(outcome.finish_reason, calls)})
+    scored = {} if body.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
+        engine.tokenizer, _top(runs[0].prompt_logprobs, body.prompt_logprobs))}  # one prompt: vLLM's top level
     return JSONResponse({
         "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
-        "choices": choices, "usage": _usage(outcomes, body.n),
+        "choices": choices, "usage": _usage(outcomes, body.n), **scored,
     })
 
 
@@ -103,13 +105,21 @@ async def completions(request: Request):
     except ApiError:
         await close_runs(runs)
         raise
+    # with echo, each choice's text (and its logprobs) start with its prompt's
+    echoes = [_Echo(engine.tokenizer, prompt, one.token_ids) if body.echo else None
+              for prompt, one in zip(prompts, prepared) for _ in range(body.n)]
     if body.stream:
         first = await _first_event(request, runs)
-        return EventStream(_completion_stream(ctx, body, request_id, runs, first))
+        return EventStream(_completion_stream(ctx, body, request_id, runs, first, echoes))
     outcomes = await _collect(request, runs)
-    choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                "logprobs": _completion_logprobs(engine, body, run.logprobs)}
-               for i, (o, run) in enumerate(zip(outcomes, runs))]
+    choices = []
+    for i, (o, run, echo) in enumerate(zip(outcomes, runs, echoes)):
+        entries = (echo.entries(run.prompt_logprobs, body.logprobs) if echo else []) + run.logprobs
+        choices.append({"index": i, "text": (echo.text if echo else "") + o.text, "finish_reason": o.finish_reason,
+                        "logprobs": _completion_logprobs(engine, body, entries)})
+        if body.prompt_logprobs is not None:
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
+                engine.tokenizer, _top(run.prompt_logprobs, body.prompt_logprobs))
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": engine.model_name,
         "choices": choices, "usage": _usage(outcomes, body.n),
@@ -164,7 +174,7 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
 
 
 async def _completion_stream(ctx: ServerContext, body: CompletionRequest, request_id: str, runs: list[EngineRun],
-                             first: Any) -> AsyncIterator[str]:
+                             first: Any, echoes: list[_Echo | None]) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.engine.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
@@ -177,6 +187,13 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
     events = interleave(runs, first)
     try:
         async for index, event in events:
+            echo = echoes[index]
+            if echo is not None and (event.token_ids or event.finish_reason is not None):
+                # its prompt first, once: with logprobs, after the prompt's event (which precedes the first token)
+                echoes[index] = None
+                entries = echo.entries(runs[index].prompt_logprobs, body.logprobs)
+                yield chunk(index, echo.text, logprobs=_completion_logprobs(ctx.engine, body, entries))
+                shown[index] += len(echo.text)
             if event.text or (event.logprobs and body.logprobs is not None):
                 logprobs = _completion_logprobs(ctx.engine, body, event.logprobs, shown[index])
                 yield chunk(index, event.text, logprobs=logprobs)
@@ -200,7 +217,8 @@ def _sampling(body, max_tokens: int | None):
     return sampling_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        logprobs=body.num_logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
         response_format=body.response_format,
     )
@@ -210,6 +228,23 @@ def _completion_logprobs(engine, body: CompletionRequest, entries, offset: int =
     if body.logprobs is None or not entries:
         return None
     return completion_logprobs(engine.tokenizer, entries, offset)
+
+
+def _top(entries, k: int) -> list:
+    """The engine's prompt entries with their top alternatives cut to k (None stays None)."""
+    return [None if e is None else {**e, "top": e["top"][:k]} for e in entries or ()]
+
+
+class _Echo:
+    """A completions prompt echoed before its choice's text: the prompt as sent (token ids decoded) and, with
+    logprobs, its tokens' entries (the first with null ones)."""
+
+    def __init__(self, tokenizer, prompt, token_ids):
+        self.text = prompt if isinstance(prompt, str) else tokenizer.decode(token_ids) if tokenizer else ""
+        self.token_ids = token_ids
+
+    def entries(self, prompt_logprobs, k: int | None) -> list[dict]:
+        return [] if k is None or not prompt_logprobs else echoed_prompt(self.token_ids, _top(prompt_logprobs, k))
 
 
 def _message(pieces: list[Piece]) -> tuple[dict[str, Any], int]:

@@ -84,10 +84,23 @@ class _Sampling(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _Sampling:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream")
+        return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs."""
+        return self.prompt_logprobs
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -145,8 +158,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
@@ -158,6 +169,14 @@ class CompletionRequest(_Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: prompt_logprobs' own, else with echo the logprobs' (the prompt's tokens
+        are echoed with theirs, as OpenAI's legacy completions did)."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt (a string or a list of token ids)."""

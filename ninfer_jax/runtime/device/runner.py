@@ -131,9 +131,11 @@ def _sample_last(params, hidden, n_valid, sampler, full):
 
 
 def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=None):
-    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state), and with MTP
-    (carry: the lanes' last target hidden [C, H]) the chunk's MTP rows and the new carry. media [R, H]: the image
-    encoder's output rows (`ModelRunner.enable_vision`), read where a token names one."""
+    """One prefill chunk of one lane -> ((its next token [1], the last row's logits [1, V]), state, with MTP (carry:
+    the lanes' last target hidden [C, H]) the new carry, and the chunk's final-normed hidden rows [T, H] (for
+    `_scores_step`; dropped unless asked for: the buffer exists at the step's end anyway). MTP also writes the
+    chunk's MTP rows. media [R, H]: the image encoder's output rows (`ModelRunner.enable_vision`), read where a token
+    names one."""
     tokens, embeds, ctx, sampler, scalars = _unpack_prefill_inputs(params, layout, packed, media)
     n_valid, base, page_table, rope_positions = ctx["n_valid"], ctx["base"], ctx["page_table"], ctx["rope_positions"]
     hidden, state = qwen3_5.prefill(params, cfg, kc, tokens, n_valid, base, page_table, ctx["slot"], state,
@@ -141,11 +143,34 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=Non
                                     inputs_embeds=embeds)
     out, last = _sample_last(params, hidden, n_valid, sampler, full)
     if carry is None:
-        return out, state
+        return out, state, hidden
     lane, resumed = scalars[8], scalars[9] != 0
     pages = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane], resumed,
                                  *state.mtp_pages, rope_positions)
-    return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype))
+    return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype)), hidden
+
+
+# Rows of a pass scored at a time (`_scores_step`): their float32 logits are SCORE_ROWS x vocabulary (254 MB at 256
+# rows of Qwen3.5's 248k), where a 32k-token pass's at once would be 32 GB.
+SCORE_ROWS = 256
+
+
+def _scores_step(params, hidden, targets, top_k_groups):
+    """A pass's final-normed hidden rows [T, H] and each row's next prompt token targets [T] -> each row's logprob of
+    its target [T] and its top MAX_LOGPROBS (ids [T, n], logprobs [T, n]): prompt logprobs, SCORE_ROWS rows at a
+    time."""
+    t = hidden.shape[0]
+    rows = min(t, SCORE_ROWS)
+    pad = -t % rows
+    blocks = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, hidden.shape[1])
+
+    def score(xs):
+        x, y = xs
+        chosen, (ids, lps) = token_logprobs(qwen3_5.logits(params, x), y, top_k_groups=top_k_groups)
+        return chosen, ids, lps
+
+    chosen, ids, lps = jax.lax.map(score, (blocks, jnp.pad(targets, (0, pad)).reshape(-1, rows)))
+    return chosen.reshape(-1)[:t], ids.reshape(t + pad, -1)[:t], lps.reshape(t + pad, -1)[:t]
 
 
 # tokens, positions, slots, active, use_prev, lane, then the five sampler columns, then the rope shift
@@ -521,6 +546,7 @@ class ModelRunner:
             "verify": jax.jit(_own(_verify_step), static_argnames=("cfg", "kc", "full", "layout"),
                               donate_argnames=("state", "carry")),
             "logprobs": jax.jit(_own(_logprobs_step), static_argnames=("top_k_groups",)),
+            "scores": jax.jit(_own(_scores_step), static_argnames=("top_k_groups",)),
             "encode": jit_encode_step(),
             "copy_slot": jax.jit(_own(_copy_slot), donate_argnames=("ssm", "conv")),
             "copy_page": jax.jit(_own(_copy_page), donate_argnames=("k_pages", "v_pages")),
@@ -661,9 +687,10 @@ class ModelRunner:
     def prefill(self, tokens: np.ndarray, base: int, page_table: np.ndarray, slot: int, sampler,
                 tap_positions=None, tap_slots=None, *, full: bool = False, logprobs: bool = False,
                 lane: int | None = None, allowed: np.ndarray | None = None, resumed: bool = False,
-                rope_positions=None, media_rows=None):
+                rope_positions=None, media_rows=None, score_targets: np.ndarray | None = None):
         """Prefill len(tokens) <= largest bucket tokens of one lane; returns (next token [1], chosen logprob [1],
-        (top ids [1, 20], top logprobs [1, 20])), the last two None unless `logprobs`.
+        (top ids [1, 20], top logprobs [1, 20]), scores), the middle two None unless `logprobs`, scores None unless
+        `score_targets` (int32 [len(tokens)]: each token's next one) asks for `_scores_step`'s (on the device).
 
         page_table is the lane's [max_pages] row; tap_positions/tap_slots (<= max_taps each) name the
         64-aligned positions whose state is also written to snapshot slots (in-kernel taps). With `allowed` (the
@@ -675,7 +702,11 @@ class ModelRunner:
         size = self.bucket(len(tokens))
         packed, extras = self._pass_inputs(size, tokens, base, page_table, slot, sampler, tap_positions, tap_slots,
                                            lane, allowed, resumed, rope_positions, media_rows)
-        return self._prefill_packed(packed, size, full, logprobs, extras)
+        targets = None
+        if score_targets is not None:
+            targets = np.zeros(size, np.int32)
+            targets[:len(score_targets)] = score_targets
+        return self._prefill_packed(packed, size, full, logprobs, extras, targets)
 
     def _pass_inputs(self, size: int, tokens, base, page_table, slot, sampler, tap_positions=None, tap_slots=None,
                      lane=None, allowed=None, resumed=False, rope_positions=None, media_rows=None):
@@ -693,16 +724,22 @@ class ModelRunner:
     # The packed arrays go to the steps as numpy: jit's own transfer of them is cheaper than an eager
     # jnp.asarray (docs/kernels_notes.md, the decode round's host side). Each is new and never written again, so
     # the step may read it later (on CPU jax can alias a numpy buffer).
-    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool, extras=None):
-        """extras: the processing row [PROCESS_COLUMNS + W] of `_process_step`, or None."""
+    def _prefill_packed(self, packed: np.ndarray, size: int, full: bool, logprobs: bool, extras=None, targets=None):
+        """extras: the processing row [PROCESS_COLUMNS + W] of `_process_step`, or None; targets: int32 [size], the
+        tokens `_scores_step` scores the pass's rows on, or None."""
         full = self._sampler(full and extras is None)  # the step's own token is replaced: its cheapest will do
-        (tokens, logits), state, *carry = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
-                                                                 (size, self.max_taps), self.state, packed,
-                                                                 self.media, self.mtp_carry)
+        (tokens, logits), state, *carry, hidden = self._steps["prefill"](self.params, self.cfg, self.kernels, full,
+                                                                         (size, self.max_taps), self.state, packed,
+                                                                         self.media, self.mtp_carry)
         self._swap(state, ("prefill", size, full))
         if carry and not self._recording:  # as `_swap`
             self.mtp_carry = carry[0]
-        return self._pass_outputs((tokens, logits), logprobs, extras)
+        scores = None
+        if targets is not None:
+            scores = self._steps["scores"](self.params, hidden, self._placed(jnp.asarray(targets)), self.top_k_groups)
+            for x in scores:
+                x.copy_to_host_async()
+        return (*self._pass_outputs((tokens, logits), logprobs, extras), scores)
 
     def _pass_outputs(self, out, logprobs: bool, extras):
         """A pass's (token, logits) -> `prefill`'s outputs: sampled again from processed logits with `extras`."""
@@ -981,9 +1018,11 @@ class ModelRunner:
             for size in sizes.prefill + (() if full else sizes.idle):
                 if not new("idle" if size in sizes.idle else "prefill", size, full):
                     continue
-                # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged.
+                # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged. The pass's
+                # prompt logprobs too (one program a size for both samplers).
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
-                ready(self._prefill_packed(packed, size, full, logprobs=True), f"prefill {size} tokens {sampler}")
+                ready(self._prefill_packed(packed, size, full, logprobs=True, targets=np.zeros(size, np.int32)),
+                      f"prefill {size} tokens {sampler}")
             for size in (s for s in sizes.decode if new("decode", s, full)):  # padding rows only: nothing written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
                                             np.zeros(c), np.zeros(c), lanes)

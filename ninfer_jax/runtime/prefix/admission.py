@@ -54,7 +54,7 @@ class Admitter:
               running: Sequence[tuple[Request, LaneRecord]] = ()) -> Admission:
         """Admits `req` into `lane` with `entitlement` pages. `running` are the lanes' requests and records: a head
         that shares more with a prefilling one than the cache serves waits for it (when coalescing is on)."""
-        record = LaneRecord(self.enabled and req.sampling.prefix_cache, [int(h) for h in req.prompt.block_hashes])
+        record = LaneRecord(self.enabled and req.sampling.uses_prefix_cache, [int(h) for h in req.prompt.block_hashes])
         if not record.enabled:  # pages only: nothing is read, inserted, tapped or published (§7.7)
             record.source_kind = "disabled" if self.enabled else "root"
             grant = self.index.allocate_pages(entitlement)
@@ -110,7 +110,7 @@ class Admitter:
         """§6.6: the waiting FIFO head's Host-only source path blocks into spare Device pages; returns how many
         were copied. Retried for the same head only while the last attempt copied blocks or the spare room grew,
         since each attempt matches the whole prompt. A failed copy fails the Host link."""
-        if not (self.enabled and req.sampling.prefix_cache) or self.host is None or self.write_back.failed:
+        if not (self.enabled and req.sampling.uses_prefix_cache) or self.host is None or self.write_back.failed:
             return 0
         room = self.index.prefetch_room()
         last = self._last_prefetch
