@@ -30,9 +30,9 @@ from .generation import (
     sampling_params, until_disconnect,
 )
 from .limits import check_context
-from .logprobs import chat_logprobs, completion_logprobs, echoed_prompt, vllm_prompt_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, echoed_prompt, token_text, vllm_prompt_logprobs
 from .openai_messages import chat_input
-from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .output_parser import OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
@@ -124,6 +124,45 @@ async def completions(request: Request):
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": engine.model_name,
         "choices": choices, "usage": _usage(outcomes, body.n),
     })
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    """vLLM's: a prompt's token ids, or chat messages' as the chat endpoint renders them (images as their
+    placeholder tokens)."""
+    ctx, body = await read_request(request, TokenizeRequest)
+    engine = ctx.engine
+    if engine.tokenizer is None:
+        raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files")
+    if body.messages is not None:
+        chat_body = body.as_chat(engine.model_name)
+        ctx.limits.check_counts(tools=len(chat_body.tools or ()))
+        chat = chat_input(chat_body)
+        prepared = await until_disconnect(request, prepare_prompt(
+            ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=chat_body.thinking(ctx.default_thinking),
+            template_kwargs=chat_body.chat_template_kwargs))
+        ids = [int(t) for t in prepared.token_ids]
+    else:
+        text = body.prompt
+        ids = await until_disconnect(request, ctx.frontend.run(lambda: engine.tokenizer.encode(text)))
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = [token_text(engine.tokenizer, i) for i in ids]
+    return JSONResponse(out)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    """vLLM's: token ids back to text."""
+    ctx, body = await read_request(request, DetokenizeRequest)
+    engine = ctx.engine
+    if engine.tokenizer is None:
+        raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files")
+    vocab = engine.config.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise ApiError("invalid_request", f"token ids must be in [0, {vocab})", param="tokens")
+    tokens = body.tokens
+    return JSONResponse({"prompt": await ctx.frontend.run(lambda: engine.tokenizer.decode(tokens))})
 
 
 # --- streams ------------------------------------------------------------------------------------------

@@ -185,3 +185,35 @@ class CompletionRequest(_Sampling):
         if all(isinstance(item, int) for item in self.prompt):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a completions prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True  # vLLM's; Qwen's tokenizer adds none either way
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    def as_chat(self, model: str) -> ChatCompletionRequest:
+        """The chat request these messages would be (for its rendering)."""
+        return ChatCompletionRequest(model=model, messages=self.messages or [], tools=self.tools,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

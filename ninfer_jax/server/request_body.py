@@ -34,7 +34,7 @@ async def read_request(request: Request, model: type[Model]) -> tuple[ServerCont
     body = await parse_body(request, model, ctx)
     served = engine.model_name
     name = getattr(body, "model", served)
-    if name != served:
+    if name is not None and name != served:  # /tokenize and /detokenize may leave it out, as vLLM's
         if is_anthropic(request.url.path):
             raise ApiError("not_found", f"model: {name}")
         raise ApiError("not_found", f"The model `{name}` does not exist. This server serves `{served}`.",
