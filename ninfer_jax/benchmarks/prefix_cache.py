@@ -82,8 +82,9 @@ def build_engine(arm: str, args):
     if args.idle_prefill_chunk:
         overrides["idle_prefill_chunk"] = args.idle_prefill_chunk
     start = time.perf_counter()
+    # The trace asks for no prompt logprobs: their programs would only lengthen the warm-up each arm waits for
     options = dict(max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk,
-                   max_model_len=args.max_model_len, **overrides)
+                   max_model_len=args.max_model_len, prompt_logprobs=False, **overrides)
     engine = random_engine(args.model, args, options, load_tokenizer(tokenizer_dir(args)) if not args.smoke else None)
     return engine, engine.tokenizer, time.perf_counter() - start
 

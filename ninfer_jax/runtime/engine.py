@@ -310,7 +310,7 @@ class Engine:
             raise EngineStoppedError(self._failed or "engine is stopped")
         sampling = sampling or SamplingParams()
         prepared = self._prepare(prompt)
-        grammar = self.grammars.prepare(sampling)
+        grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
@@ -320,7 +320,13 @@ class Engine:
         """Checks `sampling` against the model and compiles its response_format ahead of `submit`, which then
         finds the grammar compiled (blocking: an event loop calls it from a worker thread). Raises
         InvalidRequestError."""
-        self.grammars.prepare(sampling)
+        self._checked(sampling)
+
+    def _checked(self, sampling: SamplingParams):
+        """`sampling`'s grammar (None without a response_format), once it is checked against this engine."""
+        if sampling.prompt_logprobs is not None and not self.options.prompt_logprobs:
+            raise InvalidRequestError("prompt_logprobs: this engine was started without them (--no-prompt-logprobs)")
+        return self.grammars.prepare(sampling)
 
     def stream(self, prompt, sampling: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamEvent]:

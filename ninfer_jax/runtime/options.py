@@ -252,6 +252,10 @@ class EngineOptions:
         f"{FIRST_PASS_TOKENS} tokens, rounds of {FIRST_LANES} lanes, no mixed steps) and compile the rest on "
         "background threads, which the steps use once all of it is compiled", flag="--background-compile",
         choices=("auto", "on", "off"), rule="auto: on with one GPU (its full warm-up takes minutes), off elsewhere")
+    prompt_logprobs: bool = _option(
+        bool, True, "compile the programs that give prompt logprobs (SamplingParams.prompt_logprobs, the server's "
+        "prompt_logprobs and echo: one a prefill pass size); off: requests asking for them are refused",
+        flag="--prompt-logprobs")
     # A decode round otherwise runs its active lanes padded to a power of two, and the kernels' reduction order
     # depends on that row count.
     batch_invariant: bool = _option(

@@ -286,7 +286,7 @@ def build(config: ModelConfig, params: Params, options: EngineOptions, *, stop_i
                          batch_invariant=o.batch_invariant, idle_prefill_chunk=o.idle_prefill_chunk,
                          kv_profile=o.kv_dtype, speculative_tokens=o.num_speculative_tokens or 0,
                          stop_ids=stop_ids, mtp=o.speculative == "mtp", mixed_tokens=o.mixed_prefill_tokens,
-                         layout=parallel_layout(o))
+                         layout=parallel_layout(o), prompt_logprobs=o.prompt_logprobs)
     if vision is not None:
         vcfg, vparams, patches = vision
         runner.enable_vision(vparams, vcfg, o.vision_cache_tokens, patches)

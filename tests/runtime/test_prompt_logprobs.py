@@ -81,3 +81,12 @@ def test_short_prompts_have_an_entry_per_token(engine, checkpoint):
     logp = _log_softmax(checkpoint, [5, 9, 11])
     assert [e["top"] for e in out.prompt_logprobs[1:]] == [[], []]
     assert [e["logprob"] for e in out.prompt_logprobs[1:]] == pytest.approx([logp[0, 9], logp[1, 11]], abs=1e-4)
+
+
+def test_an_engine_without_prompt_logprobs_compiles_none_and_refuses_them(checkpoint):
+    with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=64, max_model_len=256,
+                                kv_capacity=8 * 64, prompt_logprobs=False) as engine:
+        assert engine.runner.compile_counts()["scores"] == 0
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        assert engine.generate([1, 2, 3], SamplingParams(max_tokens=1)).token_ids

@@ -477,9 +477,11 @@ class ModelRunner:
                  num_slots: int, max_model_len: int, prefill_chunk: int, max_lanes: int, max_taps: int,
                  kv_dtype, conv_dtype, batch_invariant: bool = False, idle_prefill_chunk: int | None = None,
                  kv_profile: str = "auto", speculative_tokens: int = 0, stop_ids=(), mtp: bool = False,
-                 mixed_tokens: int = 0, layout: ParallelLayout | None = None):
-        """layout: the mesh the params and pools are laid out on (tensor parallel); None: the first device."""
+                 mixed_tokens: int = 0, layout: ParallelLayout | None = None, prompt_logprobs: bool = True):
+        """layout: the mesh the params and pools are laid out on (tensor parallel); None: the first device.
+        prompt_logprobs: whether each pass size's `_scores_step` is compiled (and `prefill` takes score_targets)."""
         self.layout = layout
+        self.prompt_logprobs = prompt_logprobs
         if layout is not None:
             params = layout.place_params(params, cfg)
             kernels = dataclasses.replace(kernels, spmd=layout.spmd)
@@ -704,6 +706,8 @@ class ModelRunner:
                                            lane, allowed, resumed, rope_positions, media_rows)
         targets = None
         if score_targets is not None:
+            if not self.prompt_logprobs:
+                raise ValueError("prompt logprobs are off in this runner: their programs were not compiled")
             targets = np.zeros(size, np.int32)
             targets[:len(score_targets)] = score_targets
         return self._prefill_packed(packed, size, full, logprobs, extras, targets)
@@ -1021,7 +1025,8 @@ class ModelRunner:
                 # n_valid = 0 at a non-zero base: no KV write, identity GDN tokens, history unchanged. The pass's
                 # prompt logprobs too (one program a size for both samplers).
                 packed = pack_prefill_inputs((), size, PAGE, 0, one, (), (), table, self.max_taps)
-                ready(self._prefill_packed(packed, size, full, logprobs=True, targets=np.zeros(size, np.int32)),
+                targets = np.zeros(size, np.int32) if self.prompt_logprobs else None
+                ready(self._prefill_packed(packed, size, full, logprobs=True, targets=targets),
                       f"prefill {size} tokens {sampler}")
             for size in (s for s in sizes.decode if new("decode", s, full)):  # padding rows only: nothing written
                 packed = pack_decode_inputs((), size, np.zeros(c), np.zeros(c), table[None].repeat(c, 0),
