@@ -10,6 +10,7 @@ them with `|items`). The result carries the character offsets that tap hints nee
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import functools
 import json
@@ -63,6 +64,7 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         enable_thinking: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> RenderedChat:
         """Renders `messages` (OpenAI chat format) and locates their turns in the text.
@@ -73,8 +75,16 @@ class ChatTemplate:
             tools: OpenAI-style function tool definitions, or None.
             add_generation_prompt: append the assistant opener the model continues from.
             enable_thinking: Qwen3.5: False pre-closes an empty think block in the opener.
+            continue_final_message: the last message is the assistant's start of its answer (Anthropic's prefill,
+                vLLM's continue_final_message): the text ends with its content, its turn left open, and no
+                opener follows (add_generation_prompt must be False).
             template_kwargs: further template variables (e.g. `add_vision_id`).
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ChatTemplateError("continue_final_message needs the last message to be the assistant's")
         normalised = tuple(_normalise_message(m) for m in messages)
         try:
             text = self._template.render(
@@ -89,7 +99,23 @@ class ChatTemplate:
         layout = locate_chat_layout(
             text, normalised, has_tools=bool(tools), add_generation_prompt=add_generation_prompt
         )
+        if continue_final_message:
+            text, layout = _open_final_turn(text, layout)
         return RenderedChat(text=text, messages=normalised, layout=layout)
+
+
+def _open_final_turn(text: str, layout: ChatLayout) -> tuple[str, ChatLayout]:
+    """The rendered conversation cut right after its last message's content, which the model then continues: that
+    content must be found and end the turn (only `<|im_end|>` follows it), else the template wrote something after
+    it the model would have to follow, and the conversation is refused."""
+    ends = layout.part_ends[-1] if layout.located else ()
+    cut = ends[-1] if ends else None
+    if cut is None or cut <= layout.message_starts[-1] or not text[cut:].startswith("<|im_end|>") \
+            or text[cut:].rstrip() != "<|im_end|>":
+        raise ChatTemplateError("continue_final_message needs the last message to end with text content that "
+                                "ends its turn (no tool calls after it)")
+    ends_at = layout.message_ends[:-1] + (cut,)
+    return text[:cut], dataclasses.replace(layout, message_ends=ends_at)
 
 
 def load_chat_template(checkpoint_dir: str | Path) -> ChatTemplate:

@@ -104,6 +104,7 @@ def prepare_chat(
     breakpoints: Iterable[Breakpoint] = (),
     template: ChatTemplate | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     vision: VisionFrontend | None = None,
     **template_kwargs: Any,
 ) -> PreparedPrompt:
@@ -118,6 +119,8 @@ def prepare_chat(
             the end of its message or content part.
         template: the checkpoint's template (load_chat_template); None means the built-in Qwen3.5 one.
         add_generation_prompt: append the assistant opener.
+        continue_final_message: end the prompt inside the last (assistant) message, for the model to continue it
+            (`ChatTemplate.render`).
         vision: the model's image expansion (None: a model without a vision tower). Image content parts are
             `{"type": "image", "image": <encoded bytes, or an RGB uint8 array>}`.
         template_kwargs: further template variables.
@@ -128,7 +131,8 @@ def prepare_chat(
         ImageError: an image part cannot be used (the message names the part).
     """
     rendered = (template or ChatTemplate.qwen35()).render(
-        messages, tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **template_kwargs
+        messages, tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+        continue_final_message=continue_final_message, **template_kwargs
     )
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     hinted = _structural_offsets(rendered.layout) + _breakpoint_offsets(rendered.layout, breakpoints, len(messages))

@@ -43,13 +43,16 @@ async def create_message(request: Request):
     engine = ctx.engine
     ctx.limits.check_counts(stops=body.stop_sequences or (), tools=len(body.tools or ()))
     given = messages_input(body)
+    # A last message of the assistant's is the start of its answer, which the model continues (Anthropic's prefill)
+    prefilled = body.messages[-1].role == "assistant"
     prepared = await until_disconnect(request, prepare_prompt(ctx, given.messages, given.tools, given.breakpoints,
-                                                              enable_thinking=body.enable_thinking))
+                                                              enable_thinking=body.enable_thinking,
+                                                              continue_final_message=prefilled))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_tokens)
     sampling = sampling_params(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
-    parser = OutputParser(thinking=body.enable_thinking, tools=given.tools)
+    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools)
     if body.stream:
         first = await first_event(request, run)
         return EventStream(_stream(ctx, body, given, prepared, run, first, parser))
@@ -70,8 +73,9 @@ async def count_tokens(request: Request) -> JSONResponse:
     ctx, body = await read_request(request, CountTokensRequest)
     ctx.limits.check_counts(tools=len(body.tools or ()))
     given = messages_input(body)
-    prepared = await until_disconnect(request, prepare_prompt(ctx, given.messages, given.tools, given.breakpoints,
-                                                              enable_thinking=body.enable_thinking))
+    prepared = await until_disconnect(request, prepare_prompt(
+        ctx, given.messages, given.tools, given.breakpoints, enable_thinking=body.enable_thinking,
+        continue_final_message=bool(body.messages) and body.messages[-1].role == "assistant"))
     return JSONResponse({"input_tokens": prepared.num_tokens})
 
 

@@ -17,16 +17,19 @@ from .images import load_images
 
 async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None, breakpoints: Iterable[Breakpoint],
-                         *, enable_thinking: bool, template_kwargs: Mapping[str, Any] | None = None
-                         ) -> PreparedPrompt:
+                         *, enable_thinking: bool, template_kwargs: Mapping[str, Any] | None = None,
+                         continue_final_message: bool = False) -> PreparedPrompt:
     """prepare_chat with the engine's tokenizer, template and vision tower, in ctx's tokenizing threads, once the
-    messages' image sources are read (`load_images`). Raises ApiError (400) when the model has no tokenizer, an
-    image part cannot be used (named by its place in the request), or the template rejects the conversation."""
+    messages' image sources are read (`load_images`); continue_final_message: the prompt ends inside the last
+    (assistant) message, which the model continues. Raises ApiError (400) when the model has no tokenizer, an image
+    part cannot be used (named by its place in the request), or the template rejects the conversation."""
     engine = ctx.engine
     if engine.tokenizer is None:
         raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files; chat needs text "
                        "(send token ids to /v1/completions)")
     kwargs = {key: value for key, value in (template_kwargs or {}).items() if key != "enable_thinking"}
+    if continue_final_message:
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
     messages, image_places = await load_images(ctx.images, engine, messages)
     try:
         return await ctx.frontend.run(

@@ -58,13 +58,14 @@ async def chat_completions(request: Request):
     thinking = body.thinking(ctx.default_thinking)
     prepared = await until_disconnect(request, prepare_prompt(
         ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
-        template_kwargs=body.chat_template_kwargs))
+        template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message))
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
-    parsers = [OutputParser(thinking=thinking, tools=chat.tools) for _ in runs]
+    # a continued answer is past the template's think block: the model writes content from its first token
+    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools) for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
         return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers))
@@ -140,7 +141,7 @@ async def tokenize(request: Request) -> JSONResponse:
         chat = chat_input(chat_body)
         prepared = await until_disconnect(request, prepare_prompt(
             ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=chat_body.thinking(ctx.default_thinking),
-            template_kwargs=chat_body.chat_template_kwargs))
+            template_kwargs=chat_body.template_kwargs(), continue_final_message=chat_body.continue_final_message))
         ids = [int(t) for t in prepared.token_ids]
     else:
         text = body.prompt

@@ -116,6 +116,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last (assistant) message is the start of the answer, which the model continues
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     # Prompt caching: accepted; the cache is content-addressed, so the key routes nothing here.
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
@@ -124,9 +127,12 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
     @property
@@ -137,6 +143,12 @@ class ChatCompletionRequest(_Sampling):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with add_generation_prompt where the request turned it off."""
+        if self.add_generation_prompt or self.continue_final_message:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": False}
 
     def thinking(self, default: bool) -> bool:
         """Whether the model thinks first (chat_prompt.thinking_mode); `default`: the server's --default-thinking."""
@@ -195,6 +207,8 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     add_special_tokens: bool = True  # vLLM's; Qwen's tokenizer adds none either way
     return_token_strs: bool = False
 
@@ -209,7 +223,9 @@ class TokenizeRequest(_Lenient):
     def as_chat(self, model: str) -> ChatCompletionRequest:
         """The chat request these messages would be (for its rendering)."""
         return ChatCompletionRequest(model=model, messages=self.messages or [], tools=self.tools,
-                                     chat_template_kwargs=self.chat_template_kwargs)
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     continue_final_message=self.continue_final_message,
+                                     **({} if self.add_generation_prompt else {"add_generation_prompt": False}))
 
 
 class DetokenizeRequest(_Lenient):

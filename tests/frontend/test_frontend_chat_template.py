@@ -89,6 +89,28 @@ def test_no_generation_prompt_ends_after_the_last_turn():
     assert text == "<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_a_continued_final_message_leaves_its_turn_open_after_its_content():
+    messages = [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"a":'}]
+    rendered = QWEN35.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.text == ('<|im_start|>user\nGive JSON<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n'
+                             '{"a":')
+    layout = rendered.layout
+    assert layout.message_ends[-1] == layout.part_ends[-1][-1] == len(rendered.text)
+    assert layout.generation_opener == layout.message_starts[-1]  # the turn the model continues
+
+
+@pytest.mark.parametrize("messages, add_generation_prompt, error", [
+    ([{"role": "user", "content": "x"}], False, "the assistant's"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}], False, "text content"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "a", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}], False, "no tool calls"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}], True, "both"),
+])
+def test_a_final_message_that_cannot_be_continued_is_refused(messages, add_generation_prompt, error):
+    with pytest.raises(ChatTemplateError, match=error):
+        QWEN35.render(messages, add_generation_prompt=add_generation_prompt, continue_final_message=True)
+
+
 def test_reasoning_is_stripped_from_turns_before_the_last_user_query():
     messages = [
         {"role": "user", "content": "2+2?"},

@@ -34,6 +34,10 @@ def test_chat_messages_count_what_the_chat_endpoint_feeds_the_engine(server, eng
         "model": engine.model_name, "messages": messages, "max_tokens": 1}).json()["usage"]
     assert got["count"] == len(got["tokens"]) == usage["prompt_tokens"]
     assert "<|im_start|>user" in _post(server, "/detokenize", {"tokens": got["tokens"]}).json()["prompt"]
+    continued = _post(server, "/tokenize", {"messages": [*messages, {"role": "assistant", "content": "Four"}],
+                                            "continue_final_message": True, "add_generation_prompt": False}).json()
+    text = _post(server, "/detokenize", {"tokens": continued["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nFour")
 
 
 @pytest.mark.parametrize("path, body, status", [

@@ -155,3 +155,32 @@ def test_openai_completion_logprobs_give_tokens_and_text_offsets(oai, engine):
                 if c.choices[0].logprobs]
     assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens
     assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset
+
+
+def test_a_final_assistant_message_is_continued_in_both_protocols(oai, claude, engine):
+    """Anthropic's prefill and vLLM's continue_final_message: the prompt ends inside the assistant's turn, after its
+    text, and the reply is the rest of the answer, read as content (the turn is past its think block)."""
+    question = {"role": "user", "content": "Give JSON"}
+    engine.say(' 1}')
+    message = claude.messages.create(model=MODEL, max_tokens=16, messages=[
+        question, {"role": "assistant", "content": '{"a":'}])
+    assert engine.rendered().endswith('<|im_start|>assistant\n<think>\n\n</think>\n\n{"a":')
+    assert [(b.type, b.text) for b in message.content] == [("text", " 1}")]
+    engine.say(" 1}")
+    reply = oai.chat.completions.create(model=MODEL, messages=[question, {"role": "assistant", "content": '{"a":'}],
+                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert engine.rendered().endswith('</think>\n\n{"a":') and reply.choices[0].message.content == " 1}"
+    counted = claude.messages.count_tokens(model=MODEL, messages=[question, {"role": "assistant", "content": '{"a":'}])
+    assert counted.input_tokens == len(engine.prompts[-1].token_ids)
+
+
+def test_continuing_a_message_that_is_not_the_assistants_is_refused(oai):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="assistant"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                    extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="both"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, {
+            "role": "assistant", "content": "y"}], extra_body={"continue_final_message": True,
+                                                             "add_generation_prompt": True})
