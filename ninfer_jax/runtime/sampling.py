@@ -27,7 +27,9 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2]
 BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# OpenAI's three, then vLLM's structured outputs (guided_regex, guided_choice, guided_grammar) in the same shape:
+# {"type": "regex", "regex": "..."}, {"type": "choice", "choice": ["...", ...]}, {"type": "grammar", "grammar": Lark}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +98,13 @@ class SamplingParams:
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
                     raise ValueError("response_format.json_schema must be an object whose schema is a JSON schema")
-            if fmt["type"] == "text":
+            kind = fmt["type"]
+            if kind in ("regex", "grammar") and (not isinstance(fmt.get(kind), str) or not fmt[kind]):
+                raise ValueError(f"response_format.{kind} must be a non-empty string")
+            if kind == "choice" and (not isinstance(fmt.get("choice"), list) or not fmt["choice"]
+                                     or not all(isinstance(c, str) and c for c in fmt["choice"])):
+                raise ValueError("response_format.choice must be a non-empty list of non-empty strings")
+            if kind == "text":
                 object.__setattr__(self, "response_format", None)
 
     @property

@@ -89,17 +89,25 @@ class GrammarCompiler:
     def _compile(self, response_format: dict):
         import llguidance
 
-        if response_format["type"] == "json_object":
-            schema = {"type": "object"}
-        else:
-            schema = response_format["json_schema"].get("schema", {})
+        kind = response_format["type"]
+        field = "json_schema" if kind == "json_object" else kind
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            if kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(response_format["regex"])
+            elif kind == "grammar":
+                grammar = llguidance.LLMatcher.grammar_from_lark(response_format["grammar"])
+            elif kind == "choice":  # one Lark rule of the choices as quoted literals
+                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(
+                    json.dumps(c, ensure_ascii=False) for c in response_format["choice"]))
+            else:
+                schema = {"type": "object"} if kind == "json_object" else response_format["json_schema"].get(
+                    "schema", {})
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"response_format.json_schema: {e}") from None
+            raise InvalidRequestError(f"response_format.{field}: {e}") from None
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"response_format.json_schema is not supported: {matcher.get_error()}")
+            raise InvalidRequestError(f"response_format.{field} is not supported: {matcher.get_error()}")
         return matcher
 
     def _llg_tokenizer(self):

@@ -59,14 +59,15 @@ def thinking_mode(default: bool, *, template_kwargs: Mapping[str, Any] | None = 
                   reasoning_effort: str | None = None, response_format: Mapping[str, Any] | None = None) -> bool:
     """Whether an OpenAI-protocol request thinks before it answers.
 
-    `chat_template_kwargs.enable_thinking` decides when given. Otherwise a JSON `response_format` runs without
-    thinking: its grammar constrains every generated token, so thinking text could only be JSON and would be
-    taken for reasoning. Then `reasoning_effort` "none" or "minimal" turns thinking off and any other level on;
-    without one, the server's default (--default-thinking) holds.
+    `chat_template_kwargs.enable_thinking` decides when given. Otherwise a constrained output (a JSON, regex,
+    choice or grammar `response_format`) runs without thinking: its grammar constrains every generated token, so
+    thinking text could only be that output and would be taken for reasoning. Then `reasoning_effort` "none" or
+    "minimal" turns thinking off and any other level on; without one, the server's default (--default-thinking)
+    holds.
     """
     if template_kwargs and "enable_thinking" in template_kwargs:
         return bool(template_kwargs["enable_thinking"])
-    if response_format and response_format.get("type") in ("json_object", "json_schema"):
+    if response_format and response_format.get("type") != "text":
         return False
     if reasoning_effort is not None:
         return reasoning_effort not in NO_THINKING_EFFORTS

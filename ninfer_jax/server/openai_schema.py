@@ -9,6 +9,7 @@ turns thinking off (chat_prompt.thinking_mode).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -62,6 +63,12 @@ class PromptCacheOptions(_Lenient):
     ttl: Literal["30m"] = "30m"
 
 
+# vLLM's structured_outputs keys that tune a constraint rather than give one: accepted, without effect (this server's
+# JSON never allows free whitespace)
+_STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                                 "whitespace_pattern"))
+
+
 class _Sampling(_Lenient):
     """Fields both endpoints share."""
 
@@ -86,12 +93,51 @@ class _Sampling(_Lenient):
     stop_token_ids: list[int] | None = None
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's structured outputs beside response_format: the `structured_outputs` object (json, regex, choice,
+    # grammar) and the older guided_* fields; at most one of them all
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self) -> _Sampling:
+    def _sampling_fields(self) -> _Sampling:
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not supported with stream")
+        self.structured_format()  # raises for two constraints at once
         return self
+
+    def structured_format(self) -> dict[str, Any] | None:
+        """SamplingParams.response_format from whichever of response_format, structured_outputs and guided_* the
+        request gave (one at most; SamplingParams checks the value)."""
+        given = []
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            given.append(("response_format", self.response_format))
+        for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar),
+                            *((f"structured_outputs.{k}", v) for k, v in (self.structured_outputs or {}).items()
+                              if v is not None and v is not False and k not in _STRUCTURED_OPTIONS)):
+            if value is None:
+                continue
+            kind = name.rpartition("_")[2] if name.startswith("guided_") else name.partition(".")[2]
+            if kind == "json":
+                if isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except ValueError:
+                        raise ValueError(f"{name} must be a JSON schema") from None
+                given.append((name, {"type": "json_schema", "json_schema": {"schema": value}}))
+            elif kind == "json_object":
+                given.append((name, {"type": "json_object"}))
+            elif kind in ("regex", "choice", "grammar"):
+                given.append((name, {"type": kind, kind: value}))
+            else:
+                raise ValueError(f"{name} is not a structured output this server takes (json, json_object, regex, "
+                                 "choice, grammar)")
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(n for n, _ in given)}")
+        return given[0][1] if given else None
 
     @property
     def include_usage(self) -> bool:
@@ -153,7 +199,7 @@ class ChatCompletionRequest(_Sampling):
     def thinking(self, default: bool) -> bool:
         """Whether the model thinks first (chat_prompt.thinking_mode); `default`: the server's --default-thinking."""
         return thinking_mode(default, template_kwargs=self.chat_template_kwargs,
-                             reasoning_effort=self.reasoning_effort, response_format=self.response_format)
+                             reasoning_effort=self.reasoning_effort, response_format=self.structured_format())
 
     @property
     def tools_enabled(self) -> bool:

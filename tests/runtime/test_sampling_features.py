@@ -159,6 +159,26 @@ def test_json_object_output_starts_an_object(engine):
     assert out.text.startswith("{")
 
 
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, id="greedy"), pytest.param(1.0, id="sampled")])
+def test_regex_choice_and_grammar_outputs_match_their_constraint(engine, temperature):
+    """vLLM's guided_regex, guided_choice and guided_grammar (Lark) as response_format types: the whole output
+    matches and the request ends when its constraint is complete."""
+    import re
+
+    def ask(fmt, max_tokens=40):
+        return engine.generate(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=2,
+                                                      response_format=fmt))
+
+    out = ask({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", out.text) and out.finish_reason == "stop"
+    choices = ["yes", "no", 'maybe "so"']
+    out = ask({"type": "choice", "choice": choices})
+    assert out.text in choices and out.finish_reason == "stop"
+    out = ask({"type": "grammar", "grammar": 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'}, 80)
+    assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", out.text) or (
+        out.finish_reason == "length" and re.fullmatch(r"\([0-9,]*", out.text)), out.text
+
+
 def test_requests_without_the_features_keep_their_tokens_and_nothing_compiles(engine):
     before = engine.generate(PROMPT, _greedy(12))
     sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
@@ -183,6 +203,9 @@ def test_requests_without_the_features_keep_their_tokens_and_nothing_compiles(en
     pytest.param({"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", id="bias-entries"),
     pytest.param({"min_tokens": 20}, "min_tokens", id="min-tokens"),
     pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format"),
+    pytest.param({"response_format": {"type": "regex", "regex": ""}}, "response_format.regex", id="regex"),
+    pytest.param({"response_format": {"type": "choice", "choice": []}}, "response_format.choice", id="choice"),
+    pytest.param({"response_format": {"type": "grammar"}}, "response_format.grammar", id="grammar"),
 ])
 def test_bad_values_are_refused_naming_the_field(fields, words):
     with pytest.raises(ValueError, match=words):
@@ -195,4 +218,8 @@ def test_the_engine_refuses_out_of_vocabulary_bias_and_bad_schemas_before_any_wo
     with pytest.raises(InvalidRequestError, match="response_format"):
         engine.generate(PROMPT, SamplingParams(response_format={
             "type": "json_schema", "json_schema": {"schema": {"type": "object", "$ref": "#/nowhere"}}}))
+    with pytest.raises(InvalidRequestError, match="response_format.regex"):
+        engine.generate(PROMPT, SamplingParams(response_format={"type": "regex", "regex": "("}))
+    with pytest.raises(InvalidRequestError, match="response_format.grammar"):
+        engine.generate(PROMPT, SamplingParams(response_format={"type": "grammar", "grammar": "start: nope"}))
     assert engine.generate(PROMPT, _greedy(2)).finish_reason == "length"

@@ -59,6 +59,33 @@ def test_json_mode_answer_starts_an_object(oai, engine):
     assert response.choices[0].message.content.startswith("{")
 
 
+@pytest.mark.parametrize("fields", [
+    pytest.param({"guided_choice": ["red", "green"]}, id="guided_choice"),
+    pytest.param({"structured_outputs": {"choice": ["red", "green"], "disable_any_whitespace": True}},
+                 id="structured_outputs"),
+])
+def test_vllms_structured_outputs_constrain_the_answer(oai, engine, fields):
+    response = oai.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "A colour?"}], max_tokens=10, temperature=0,
+        extra_body=fields)  # thinking is off for a constrained answer, as for JSON
+    assert response.choices[0].message.content in ("red", "green")
+    text = oai.completions.create(model=engine.model_name, prompt="Code:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]"}).choices[0].text
+    assert len(text) == 3 and text[:2].isupper() and text[2].isdigit()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "one output constraint"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "one output constraint"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_conflicting_or_unknown_constraints_are_400(server, engine, fields, words):
+    response = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": engine.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+
+
 @pytest.mark.parametrize("fields, param", [
     pytest.param({"presence_penalty": 2.5}, "presence_penalty", id="presence"),
     pytest.param({"frequency_penalty": -3}, "frequency_penalty", id="frequency"),
