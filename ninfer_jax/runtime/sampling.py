@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            if n is not None and (not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
