@@ -68,16 +68,19 @@ async def chat_completions(request: Request):
     parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools) for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
-        return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers))
+        return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers, prepared.token_ids))
     outcomes = await _collect(request, runs)
     choices = []
     for index, (outcome, run, parser) in enumerate(zip(outcomes, runs, parsers)):
         message, calls = _message(parser.push(outcome.text) + parser.finish())
         logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
         choices.append({"index": index, "message": message, "logprobs": logprobs,
-                        "finish_reason": _finish(outcome.finish_reason, calls)})
+                        "finish_reason": _finish(outcome.finish_reason, calls),
+                        **({"token_ids": outcome.token_ids} if body.return_token_ids else {})})
     scored = {} if body.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
         engine.tokenizer, _top(runs[0].prompt_logprobs, body.prompt_logprobs))}  # one prompt: vLLM's top level
+    if body.return_token_ids:
+        scored["prompt_token_ids"] = [int(t) for t in prepared.token_ids]
     return JSONResponse({
         "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
         "choices": choices, "usage": _usage(outcomes, body.n), **scored,
@@ -111,13 +114,17 @@ async def completions(request: Request):
               for prompt, one in zip(prompts, prepared) for _ in range(body.n)]
     if body.stream:
         first = await _first_event(request, runs)
-        return EventStream(_completion_stream(ctx, body, request_id, runs, first, echoes))
+        return EventStream(_completion_stream(ctx, body, request_id, runs, first, echoes,
+                                              [prepared[i // body.n].token_ids for i in range(len(runs))]))
     outcomes = await _collect(request, runs)
     choices = []
     for i, (o, run, echo) in enumerate(zip(outcomes, runs, echoes)):
         entries = (echo.entries(run.prompt_logprobs, body.logprobs) if echo else []) + run.logprobs
         choices.append({"index": i, "text": (echo.text if echo else "") + o.text, "finish_reason": o.finish_reason,
                         "logprobs": _completion_logprobs(engine, body, entries)})
+        if body.return_token_ids:
+            choices[-1].update(prompt_token_ids=[int(t) for t in prepared[i // body.n].token_ids],
+                               token_ids=o.token_ids)
         if body.prompt_logprobs is not None:
             choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
                 engine.tokenizer, _top(run.prompt_logprobs, body.prompt_logprobs))
@@ -169,37 +176,42 @@ async def detokenize(request: Request) -> JSONResponse:
 # --- streams ------------------------------------------------------------------------------------------
 
 async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response_id: str, runs: list[EngineRun],
-                       first: Any, parsers: list[OutputParser]) -> AsyncIterator[str]:
+                       first: Any, parsers: list[OutputParser], prompt_ids) -> AsyncIterator[str]:
     """Chunks of every choice as they come (each names its index, as OpenAI interleaves them)."""
     head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.engine.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None,
+              token_ids: list | None = None, extra: dict | None = None) -> str:
         scores = chat_logprobs(ctx.engine.tokenizer, logprobs) if logprobs else None
+        ids = {"token_ids": token_ids or []} if body.return_token_ids else {}
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": scores,
-                                          "finish_reason": finish_reason}], **usage_field})
+                                          "finish_reason": finish_reason, **ids}], **usage_field, **(extra or {})})
 
     calls = [0] * len(runs)
     events = interleave(runs, first)
+    prompt_field = {"prompt_token_ids": [int(t) for t in prompt_ids]} if body.return_token_ids else {}
     try:
         for index in range(len(runs)):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            yield chunk(index, {"role": "assistant", "content": ""}, extra=prompt_field)
         async for index, event in events:
             parser = parsers[index]
             pieces = parser.push(event.text) + (parser.finish() if event.finish_reason else [])
-            # An event's logprobs ride on its first chunk (held-back text may leave it none of its own).
+            # An event's logprobs and token ids ride on its first chunk (held-back text may leave it none of its own).
             scores = list(event.logprobs or ()) if body.logprobs else []
+            ids = list(event.token_ids) if body.return_token_ids else []
             for piece in pieces:
                 if piece.kind == "tool_call":
-                    yield chunk(index, {"tool_calls": [{"index": calls[index], **_tool_call(piece)}]}, logprobs=scores)
+                    yield chunk(index, {"tool_calls": [{"index": calls[index], **_tool_call(piece)}]}, logprobs=scores,
+                                token_ids=ids)
                     calls[index] += 1
                 else:
                     key = "reasoning_content" if piece.kind == "reasoning" else "content"
-                    yield chunk(index, {key: piece.text}, logprobs=scores)
-                scores = []
-            if scores:
-                yield chunk(index, {}, logprobs=scores)
+                    yield chunk(index, {key: piece.text}, logprobs=scores, token_ids=ids)
+                scores, ids = [], []
+            if scores or ids:
+                yield chunk(index, {}, logprobs=scores, token_ids=ids)
             if event.finish_reason is not None:
                 outcome = runs[index].outcome()
                 if outcome.finish_reason not in ANSWERED:
@@ -214,14 +226,22 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
 
 
 async def _completion_stream(ctx: ServerContext, body: CompletionRequest, request_id: str, runs: list[EngineRun],
-                             first: Any, echoes: list[_Echo | None]) -> AsyncIterator[str]:
+                             first: Any, echoes: list[_Echo | None], prompt_ids: list) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.engine.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
+    # with return_token_ids each choice's first chunk names its prompt's ids, and every chunk its own new ids
+    unsent_prompt = [body.return_token_ids] * len(runs)
 
-    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None,
+              token_ids=()) -> str:
+        ids = {}
+        if body.return_token_ids:
+            ids = {"token_ids": [int(t) for t in token_ids]}
+            if unsent_prompt[index]:
+                ids["prompt_token_ids"], unsent_prompt[index] = [int(t) for t in prompt_ids[index]], False
         return sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                          "finish_reason": finish_reason}], **usage_field})
+                                          "finish_reason": finish_reason, **ids}], **usage_field})
 
     shown = [0] * len(runs)  # characters sent per choice: the text offset of its next event's tokens
     events = interleave(runs, first)
@@ -234,9 +254,10 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
                 entries = echo.entries(runs[index].prompt_logprobs, body.logprobs)
                 yield chunk(index, echo.text, logprobs=_completion_logprobs(ctx.engine, body, entries))
                 shown[index] += len(echo.text)
-            if event.text or (event.logprobs and body.logprobs is not None):
+            if event.text or (event.logprobs and body.logprobs is not None) or (
+                    event.token_ids and body.return_token_ids):
                 logprobs = _completion_logprobs(ctx.engine, body, event.logprobs, shown[index])
-                yield chunk(index, event.text, logprobs=logprobs)
+                yield chunk(index, event.text, logprobs=logprobs, token_ids=event.token_ids)
                 shown[index] += len(event.text)
             if event.finish_reason is not None:
                 outcome = runs[index].outcome()

@@ -93,6 +93,8 @@ class _Sampling(_Lenient):
     stop_token_ids: list[int] | None = None
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the prompt's and each choice's token ids in the response (RL rollouts train on exactly these)
+    return_token_ids: bool = False
     # vLLM's structured outputs beside response_format: the `structured_outputs` object (json, regex, choice,
     # grammar) and the older guided_* fields; at most one of them all
     structured_outputs: dict[str, Any] | None = None
