@@ -42,11 +42,22 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(context(request).ready_engine())]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    """OpenAI's models.retrieve: the served model's card, 404 for any other name."""
     engine = context(request).ready_engine()
-    return JSONResponse({"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
-        "max_model_len": engine.max_model_len,
-    }]})
+    if model != engine.model_name:
+        raise ApiError("not_found", f"The model `{model}` does not exist. This server serves `{engine.model_name}`.",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(engine))
+
+
+def _model_card(engine) -> dict[str, Any]:
+    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
+            "max_model_len": engine.max_model_len}
 
 
 @router.post("/v1/chat/completions")

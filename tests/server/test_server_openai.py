@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import openai
 import pytest
 
 from ninfer_jax import SamplingParams
@@ -24,6 +25,9 @@ def _finished(engine, reason):
 
 def test_models_lists_the_served_checkpoint(oai, engine):
     assert [m.id for m in oai.models.list().data] == [engine.model_name]
+    assert oai.models.retrieve(engine.model_name).id == engine.model_name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.models.retrieve("another-model")
 
 
 def test_chat_completion_reports_usage_with_cached_tokens(oai, engine):
