@@ -110,8 +110,7 @@ def _open_final_turn(text: str, layout: ChatLayout) -> tuple[str, ChatLayout]:
     it the model would have to follow, and the conversation is refused."""
     ends = layout.part_ends[-1] if layout.located else ()
     cut = ends[-1] if ends else None
-    if cut is None or cut <= layout.message_starts[-1] or not text[cut:].startswith("<|im_end|>") \
-            or text[cut:].rstrip() != "<|im_end|>":
+    if cut is None or cut <= layout.message_starts[-1] or text[cut:].rstrip() != "<|im_end|>":
         raise ChatTemplateError("continue_final_message needs the last message to end with text content that "
                                 "ends its turn (no tool calls after it)")
     ends_at = layout.message_ends[:-1] + (cut,)
