@@ -196,6 +196,7 @@ sub.f16x2 $0, $0, m;
 sub.f16x2 $1, $1, m;
 }"""
 
+
 def _e2m1_to_f16_asm(nibble: int) -> str:
     """Inline PTX: four bytes of NVFP4 codes (a byte holds columns j and j + D/2 in its low and high nibbles) -> the
     four values of their low (nibble 0) or high (1) nibbles in float16, exactly, two a register. The bytes are first
@@ -217,6 +218,7 @@ def _e2m1_to_f16_asm(nibble: int) -> str:
 
 _E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
 
+
 # f16 values: the probabilities (<= 1) times the values' scales are taken times 2^8 before rounding to f16, and the
 # output times 2^-8 (exact), so that small scales stay in f16's normal range: p x s underflows only below
 # s = 2.4e-7 (a group whose largest magnitude is under 3e-5 for INT8, 1e-4 for FP8). s x 2^8 is clamped to f16's
@@ -224,23 +226,25 @@ _E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
 _F16_VALUE_SHIFT = 256.0
 
 
-def _int8_to_f16(codes, asm: bool):
-    """INT8 codes -> float16 (exact): by `_S8_TO_F16_ASM` on the GPU (asm), by a cast in interpret mode."""
-    if not asm:
-        return codes.astype(jnp.float16)
+def _bytes_to_f16(asm_text: str, codes):
+    """One inline PTX conversion of byte codes to float16 values, an output per code: four codes (one 32-bit
+    register) in, their four values (two registers) out."""
     (out,) = pltriton.elementwise_inline_asm(
-        _S8_TO_F16_ASM, args=[codes], constraints="=r,=r,r", pack=4,
+        asm_text, args=[codes], constraints="=r,=r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])
     return out
+
+
+def _int8_to_f16(codes, asm: bool):
+    """INT8 codes -> float16 (exact): by `_S8_TO_F16_ASM` on the GPU (asm), by a cast in interpret mode."""
+    return _bytes_to_f16(_S8_TO_F16_ASM, codes) if asm else codes.astype(jnp.float16)
 
 
 def _e2m1_halves(codes, dtype, asm: bool):
     """NVFP4 bytes [BK, D/2] -> the values of their low and high nibbles (a row's two halves), exact, in `dtype`: f16
     by `_E2M1_TO_F16_ASM` on the GPU, else by `kv_quant.e2m1_bf16`'s integer ops (a cast to f16 or f32 is exact)."""
     if asm and dtype == jnp.float16:
-        return tuple(pltriton.elementwise_inline_asm(
-            text, args=[codes], constraints="=r,=r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.float16)])[0] for text in _E2M1_TO_F16_ASM)
+        return tuple(_bytes_to_f16(text, codes) for text in _E2M1_TO_F16_ASM)
     return tuple(kv_quant.e2m1_bf16(c).astype(dtype) for c in (codes & 15, codes >> 4))
 
 

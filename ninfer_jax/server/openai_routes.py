@@ -151,8 +151,7 @@ async def tokenize(request: Request) -> JSONResponse:
     placeholder tokens)."""
     ctx, body = await read_request(request, TokenizeRequest)
     engine = ctx.engine
-    if engine.tokenizer is None:
-        raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files")
+    _require_tokenizer(engine)
     if body.messages is not None:
         chat_body = body.as_chat(engine.model_name)
         ctx.limits.check_counts(tools=len(chat_body.tools or ()))
@@ -175,8 +174,7 @@ async def detokenize(request: Request) -> JSONResponse:
     """vLLM's: token ids back to text."""
     ctx, body = await read_request(request, DetokenizeRequest)
     engine = ctx.engine
-    if engine.tokenizer is None:
-        raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files")
+    _require_tokenizer(engine)
     vocab = engine.config.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise ApiError("invalid_request", f"token ids must be in [0, {vocab})", param="tokens")
@@ -300,6 +298,12 @@ def _completion_logprobs(engine, body: CompletionRequest, entries, offset: int =
     if body.logprobs is None or not entries:
         return None
     return completion_logprobs(engine.tokenizer, entries, offset)
+
+
+def _require_tokenizer(engine) -> None:
+    """/tokenize and /detokenize need the checkpoint's tokenizer files: a 400 without them."""
+    if engine.tokenizer is None:
+        raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files")
 
 
 def _top(entries, k: int) -> list:

@@ -28,7 +28,8 @@ def test_every_engine_option_is_declared_once_on_its_field():
         "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
         "num_speculative_tokens", "adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
         "vision_cache_tokens", "interpret", "output_window", "memory_fraction", "compile_threads",
-        "background_compile", "prompt_logprobs", "batch_invariant", "tensor_parallel_size", "enable_expert_parallel", "no_prefix_reuse",
+        "background_compile", "prompt_logprobs", "batch_invariant", "tensor_parallel_size", "enable_expert_parallel",
+        "no_prefix_reuse",
         "host_cache_mib", "device_snapshot_slots", "max_new_taps",
         "tap_ladder_tokens", "tap_min_gap_tokens",
         "prefix_cache_file", "concurrent_prefill", "cache_policy"]
