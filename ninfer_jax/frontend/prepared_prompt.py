@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+
+from ninfer_jax.prefix_cache.hashing import BLOCK_TOKENS, salt_key, salted_extra
 
 from .block_hash import chain_block_hashes
 from .chat_layout import ChatLayout
@@ -59,6 +61,7 @@ class PreparedPrompt:
     block_hashes: np.ndarray  # [n // 64] uint64 chained lookup hashes (block_hash.py), read-only
     tap_hints: tuple[TapHint, ...] = ()  # sorted by (position, kind); no duplicates
     media: PromptMedia | None = None  # the images' spans, pixels, media keys and MRoPE positions
+    salt: int = 0  # the cache salt's key (hashing.salt_key), folded into block 0's extra; 0: unsalted
 
     @property
     def num_tokens(self) -> int:
@@ -70,21 +73,23 @@ class PreparedPrompt:
         return self.media.spans if self.media is not None else ()
 
     def block_extra(self, block: int) -> int:
-        """Block `block`'s media key (spec §5.1): 0 where no image overlaps it."""
-        return self.media.extra(block) if self.media is not None else 0
+        """Block `block`'s extra key (spec §5.1): its media key (0 where no image overlaps it), salted in block 0."""
+        extra = self.media.extra(block) if self.media is not None else 0
+        return salted_extra(extra, self.salt) if block == 0 else extra
 
     def block_extras(self) -> list[int] | None:
-        """The full blocks' media keys, or None for a prompt without images."""
-        if self.media is None:
+        """Every block's extra key, the partial last block's included (a tail's key); None when all are 0."""
+        if self.media is None and not self.salt:
             return None
-        return [int(e) for e in self.media.block_extras[: self.num_tokens // 64]]
+        return [self.block_extra(b) for b in range(-(-self.num_tokens // BLOCK_TOKENS))]
 
 
 def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHint] = (), *, images: Sequence = (),
-                   vision: VisionFrontend | None = None) -> PreparedPrompt:
+                   vision: VisionFrontend | None = None, cache_salt: str | None = None) -> PreparedPrompt:
     """A prompt given as token ids: its block hashes, and the caller's tap hints (token ids carry no structure to
     read hints from). With `images` (encoded bytes or RGB uint8 arrays), each `vision.image_pad_id` in the ids, in
-    order, expands to its image's span; hint positions count the ids as given."""
+    order, expands to its image's span; hint positions count the ids as given. `cache_salt` (vLLM's): the prompt
+    shares cached blocks only with prompts of the same salt (one tenant's cache kept from another's)."""
     tokens = np.array(token_ids, dtype=np.int32)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
@@ -92,7 +97,7 @@ def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHin
     if len(images):
         tokens, media, shifted = expand_images(vision, tokens, [(f"images[{i}]", im) for i, im in enumerate(images)])
         hints = [TapHint(int(shifted[h.position]), h.kind) for h in hints]
-    return _prepared(tokens, tuple(sorted(hints)), media)
+    return _prepared(tokens, tuple(sorted(hints)), media, cache_salt)
 
 
 def prepare_chat(
@@ -106,6 +111,7 @@ def prepare_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     vision: VisionFrontend | None = None,
+    cache_salt: str | None = None,
     **template_kwargs: Any,
 ) -> PreparedPrompt:
     """Renders a conversation, tokenizes it, and maps its structure and breakpoints to tap hints.
@@ -123,6 +129,7 @@ def prepare_chat(
             (`ChatTemplate.render`).
         vision: the model's image expansion (None: a model without a vision tower). Image content parts are
             `{"type": "image", "image": <encoded bytes, or an RGB uint8 array>}`.
+        cache_salt: as `prepare_tokens`'.
         template_kwargs: further template variables.
 
     Raises:
@@ -145,7 +152,7 @@ def prepare_chat(
         tokens, media, shifted = expand_images(vision, tokens, parts)
         positions = shifted[positions]
     hints = {TapHint(int(p), kind) for p, (_, kind) in zip(positions, hinted) if 0 < p < len(tokens)}
-    return _prepared(tokens, tuple(sorted(hints)), media)
+    return _prepared(tokens, tuple(sorted(hints)), media, cache_salt)
 
 
 def _structural_offsets(layout: ChatLayout) -> list[tuple[int, TapHintKind]]:
@@ -183,9 +190,14 @@ def _breakpoint_offsets(
     return offsets
 
 
-def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None = None) -> PreparedPrompt:
-    extras = None if media is None else media.block_extras[: len(tokens) // 64]
-    hashes = chain_block_hashes(tokens, extras)
+def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None = None,
+              cache_salt: str | None = None) -> PreparedPrompt:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt must be a non-empty string")
     tokens.setflags(write=False)
+    prompt = PreparedPrompt(token_ids=tokens, block_hashes=np.zeros(0, np.uint64), tap_hints=hints, media=media,
+                            salt=salt_key(cache_salt) if cache_salt is not None else 0)
+    extras = prompt.block_extras()
+    hashes = chain_block_hashes(tokens, None if extras is None else extras[: len(tokens) // BLOCK_TOKENS])
     hashes.setflags(write=False)
-    return PreparedPrompt(token_ids=tokens, block_hashes=hashes, tap_hints=hints, media=media)
+    return replace(prompt, block_hashes=hashes)

@@ -2,8 +2,9 @@
 
 Block ``b`` of a prompt covers absolute positions ``[64b, 64b + 64)``. Its key is
 ``(parent node, tokens[64b .. 64b+63], extra)`` where ``extra`` is the media key of the
-Vision items that overlap the block (0 when none does). The lookup hash chains over the
-prompt::
+Vision items that overlap the block (0 when none does); a request's cache salt is folded into
+block 0's extra (:func:`salted_extra`), so salted prompts share blocks, and everything below
+them, only with prompts of the same salt. The lookup hash chains over the prompt::
 
     lookup_hash(b) = xxh3_64(lookup_hash(b - 1) || tokens[64b .. 64b+63] || extra)
     lookup_hash(-1) = LOOKUP_HASH_SEED
@@ -90,6 +91,18 @@ def block_hashes(tokens, extras: Sequence[int] | None = None, *, hash_fn: HashFn
         previous = block_lookup_hash(previous, data[start:start + BLOCK_TOKEN_BYTES], extra, hash_fn)
         out.append(previous)
     return out
+
+
+def salt_key(salt: str) -> int:
+    """A cache salt's 64-bit key (vLLM's ``cache_salt``); never 0, which means "no salt"."""
+    return default_hash_fn(b"cache_salt\0" + salt.encode("utf-8")) or 1
+
+
+def salted_extra(extra: int, salt: int) -> int:
+    """Block 0's extra key under a salt key: ``extra`` unchanged when ``salt`` is 0."""
+    if not salt:
+        return extra
+    return default_hash_fn(salt.to_bytes(8, "little") + extra.to_bytes(8, "little")) or 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -24,15 +25,31 @@ class EngineStoppedError(RuntimeError):
     """The engine is stopping or stopped and takes no new requests."""
 
 
+_PROMPT_KEYS = frozenset(("prompt", "prompt_token_ids", "cache_salt"))
+
+
 def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_tokens: int) -> PreparedPrompt:
-    """A request's prompt (text, token ids or a PreparedPrompt) checked before any work: non-empty ids in the
-    vocabulary, room for one output token in the context, and a fit in a KV pool of `pool_tokens`."""
+    """A request's prompt checked before any work: non-empty ids in the vocabulary, room for one output token in
+    the context, and a fit in a KV pool of `pool_tokens`. A prompt is text, token ids, a PreparedPrompt, or vLLM's
+    prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"."""
+    salt = None
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise InvalidRequestError(f"a prompt dict has prompt or prompt_token_ids, and may have cache_salt; got "
+                                      f"{sorted(prompt)}")
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string")
+        prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+        if isinstance(prompt, PreparedPrompt):
+            raise InvalidRequestError("a prompt dict holds text or token ids; salt a PreparedPrompt as it is made")
     if isinstance(prompt, PreparedPrompt):
         prepared = prompt
     elif isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer files; send token ids")
-        prepared = prepare_tokens(tokenizer.encode(prompt))
+        prepared = prepare_tokens(tokenizer.encode(prompt), cache_salt=salt)
     else:
         try:
             ids = np.asarray(prompt)
@@ -40,7 +57,7 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
             raise InvalidRequestError("prompt must be text, a list of token ids or a PreparedPrompt") from None
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise InvalidRequestError("prompt token ids must be a flat list of integers")
-        prepared = prepare_tokens(ids)
+        prepared = prepare_tokens(ids, cache_salt=salt)
     ids = prepared.token_ids
     n = len(ids)
     if n == 0:

@@ -18,10 +18,11 @@ from .images import load_images
 async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None, breakpoints: Iterable[Breakpoint],
                          *, enable_thinking: bool, template_kwargs: Mapping[str, Any] | None = None,
-                         continue_final_message: bool = False) -> PreparedPrompt:
+                         continue_final_message: bool = False,
+                         cache_salt: str | None = None) -> PreparedPrompt:
     """prepare_chat with the engine's tokenizer, template and vision tower, in ctx's tokenizing threads, once the
     messages' image sources are read (`load_images`); continue_final_message: the prompt ends inside the last
-    (assistant) message, which the model continues. Raises ApiError (400) when the model has no tokenizer, an image
+    (assistant) message, which the model continues; cache_salt: vLLM's (`prepare_tokens`). Raises ApiError (400) when the model has no tokenizer, an image
     part cannot be used (named by its place in the request), or the template rejects the conversation."""
     engine = ctx.engine
     if engine.tokenizer is None:
@@ -35,7 +36,7 @@ async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any
         return await ctx.frontend.run(
             prepare_chat, engine.tokenizer, messages, tools, enable_thinking=enable_thinking,
             breakpoints=tuple(breakpoints), template=engine.chat_template, vision=getattr(engine, "vision", None),
-            **kwargs,
+            cache_salt=cache_salt, **kwargs,
         )
     except ImageError as error:
         raise _image_error(str(error), image_places) from None
@@ -74,18 +75,20 @@ def thinking_mode(default: bool, *, template_kwargs: Mapping[str, Any] | None = 
     return default
 
 
-async def prepare_completion_prompt(ctx: ServerContext, prompt: str | Sequence[int]) -> PreparedPrompt:
-    """A completions prompt (text, or token ids) tokenized in ctx's tokenizing threads. Raises ApiError (400)
-    for text to a model without a tokenizer, or token ids that are not 32-bit integers."""
+async def prepare_completion_prompt(ctx: ServerContext, prompt: str | Sequence[int],
+                                    cache_salt: str | None = None) -> PreparedPrompt:
+    """A completions prompt (text, or token ids) tokenized in ctx's tokenizing threads, salted with `cache_salt`
+    (`prepare_tokens`). Raises ApiError (400) for text to a model without a tokenizer, or token ids that are not
+    32-bit integers."""
     tokenizer = ctx.engine.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError("invalid_request", f"model {ctx.engine.model_name} has no tokenizer files; send token "
                            "ids", param="prompt")
-        prepared = await ctx.frontend.run(lambda: prepare_tokens(tokenizer.encode(prompt)))
+        prepared = await ctx.frontend.run(lambda: prepare_tokens(tokenizer.encode(prompt), cache_salt=cache_salt))
     else:
         try:
-            prepared = await ctx.frontend.run(prepare_tokens, prompt)
+            prepared = await ctx.frontend.run(lambda: prepare_tokens(prompt, cache_salt=cache_salt))
         except (OverflowError, ValueError, TypeError):
             raise ApiError("invalid_request", "prompt token ids must be integers of the vocabulary",
                            param="prompt") from None

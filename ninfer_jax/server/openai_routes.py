@@ -69,7 +69,8 @@ async def chat_completions(request: Request):
     thinking = body.thinking(ctx.default_thinking)
     prepared = await until_disconnect(request, prepare_prompt(
         ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
-        template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message))
+        template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message,
+        cache_salt=body.cache_salt))
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
@@ -106,7 +107,8 @@ async def completions(request: Request):
     ctx.limits.check_counts(prompts=len(prompts), stops=body.stop_strings(), n=body.n)
     if body.stream and len(prompts) > 1:
         raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
-    prepared = await until_disconnect(request, asyncio.gather(*(prepare_completion_prompt(ctx, p) for p in prompts)))
+    prepared = await until_disconnect(request, asyncio.gather(*(prepare_completion_prompt(ctx, p, body.cache_salt)
+                                                                   for p in prompts)))
     for one in prepared:
         check_context(engine.max_model_len, one.num_tokens, body.max_tokens)
     sampling = _sampling(body, body.max_tokens)

@@ -102,6 +102,8 @@ class _Sampling(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prompt shares cached blocks only with requests of the same salt (one tenant's from another's)
+    cache_salt: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _sampling_fields(self) -> _Sampling:

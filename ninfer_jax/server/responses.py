@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's, as on chat completions
 
 
 @router.post("/v1/responses")
@@ -76,7 +77,8 @@ async def create_response(request: Request):
     thinking = thinking_mode(ctx.default_thinking, reasoning_effort=(body.reasoning or {}).get("effort"),
                              response_format=response_format)
     prepared = await until_disconnect(request, prepare_prompt(
-        ctx, messages, tools, (Breakpoint(len(messages) - 1, None, explicit=False),), enable_thinking=thinking))
+        ctx, messages, tools, (Breakpoint(len(messages) - 1, None, explicit=False),), enable_thinking=thinking,
+        cache_salt=body.cache_salt))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_output_tokens)
     sampling = sampling_params(
         max_tokens=body.max_output_tokens or max(1, engine.max_model_len - prepared.num_tokens),

@@ -322,3 +322,35 @@ def test_n_samples_of_one_prompt_compute_it_once(hpc, root):
     reference = root.generate(prompt, GREEDY).token_ids
     assert outs[0][0] == outs[1][0] == reference
     assert outs[2][0] != outs[3][0]  # other seeds, other samples
+
+
+def test_salted_prompts_share_the_cache_only_with_their_own_salt(hpc, root):
+    # vLLM's cache_salt: one tenant's requests never resume from another's blocks, taps or endpoints, and a
+    # resume under a salt equals no reuse. A prompt shorter than a block puts the salt on the block its
+    # generated tokens complete.
+    def salted(ids, salt):
+        return {"prompt_token_ids": ids, "cache_salt": salt} if salt else ids
+
+    for prompt in (tokens(300, 190), tokens(40, 191)):
+        turn1 = hpc.generate(salted(prompt, "tenant-a"), SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
+        assert turn1.usage.cached_tokens == 0
+        turn2 = prompt + list(turn1.token_ids) + tokens(10, 192)
+        reference = root.generate(turn2, GREEDY)
+        for salt in ("tenant-b", None):
+            other = hpc.generate(salted(turn2, salt), GREEDY)
+            assert other.usage.cached_tokens == 0
+            assert_same_output(other, reference)
+        resumed = hpc.generate(salted(turn2, "tenant-a"), GREEDY)
+        assert resumed.usage.cached_tokens == len(prompt) + 69  # turn 1's endpoint
+        assert_same_output(resumed, reference)
+
+
+def test_identical_prompts_of_two_salts_do_not_coalesce(special, root):
+    hpc = special(concurrent_prefill=True, max_concurrency=2)
+    prompt = tokens(1200, 193)
+    outs = hpc.generate_many([{"prompt_token_ids": prompt, "cache_salt": salt} for salt in ("a", "b")], GREEDY)
+    assert [out.usage.cached_tokens for out in outs] == [0, 0]
+    assert hpc.stats()["prefix_cache"]["coalesce_waits"] == 0
+    reference = root.generate(prompt, GREEDY)
+    for out in outs:
+        assert_same_output(out, reference)

@@ -118,3 +118,22 @@ def test_resumes_through_an_image_equal_no_reuse_and_another_image_misses_from_i
         settle_host(restarted, warmed=False)
     finally:
         restarted.stop()
+
+
+def test_an_endpoint_whose_tail_holds_an_image_resumes_a_prompt_ending_in_that_block(checkpoint, root):
+    # The image spans 200..264, so no tap lies at 256; turn 1's endpoint tail (256..281) holds the image's last
+    # tokens and its media key, which a next turn still inside that block must match.
+    engine = Engine.from_pretrained(checkpoint, **{**CACHE, "warmup": False})
+    try:
+        image = png(12, 256, 256)
+        turn1 = prompt(engine, tokens(200, 30), image, tokens(10, 31))
+        assert turn1.vision_spans == ((200, 64),)
+        out = engine.generate(turn1, GREEDY)
+        turn2 = prompt(engine, tokens(200, 30), image, tokens(10, 31) + list(out.token_ids) + tokens(20, 32))
+        assert turn2.num_tokens < 320  # its last block is the endpoint's
+        resumed = engine.generate(turn2, GREEDY)
+        assert resumed.usage.cached_tokens == turn1.num_tokens + len(out.token_ids) - 1
+        assert resumed.token_ids == root.generate(turn2, GREEDY).token_ids
+        settle_host(engine, warmed=False)
+    finally:
+        engine.stop()

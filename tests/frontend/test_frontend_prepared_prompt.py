@@ -161,6 +161,23 @@ def test_extra_keys_and_seed_change_the_chain():
     assert all(chain_block_hashes(tokens, seed=1) != base)
 
 
+def test_a_cache_salt_keys_block_zero_and_so_every_block_after_it():
+    tokens = np.arange(2 * BLOCK_TOKENS + 10)
+    plain = prepare_tokens(tokens)
+    assert plain.block_extras() is None and plain.block_extra(0) == 0
+    a, again, b = (prepare_tokens(tokens, cache_salt=s) for s in ("tenant-a", "tenant-a", "tenant-b"))
+    np.testing.assert_array_equal(a.block_hashes, again.block_hashes)
+    assert all(a.block_hashes != plain.block_hashes) and all(a.block_hashes != b.block_hashes)
+    # the salt is block 0's extra key only; the tail block's key is there for a tail's lookup
+    assert a.block_extras() == [a.block_extra(0), 0, 0] and a.block_extra(0) not in (0, b.block_extra(0))
+    np.testing.assert_array_equal(a.block_hashes, chain_block_hashes(tokens, extra_keys=a.block_extras()[:2]))
+    # a prompt shorter than a block keys the block its generated tokens complete
+    assert prepare_tokens(tokens[:10], cache_salt="tenant-a").block_extra(0) == a.block_extra(0)
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            prepare_tokens(tokens, cache_salt=bad)
+
+
 @pytest.mark.parametrize(
     "tokens,extra,error",
     [([-1] * 64, None, "must lie in"), ([[1, 2]], None, "1-D"), (list(range(128)), [0], "one key per full block")],

@@ -361,6 +361,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine8):
         engine8.generate([], GREEDY)
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         engine8.generate("text needs a tokenizer", GREEDY)
+    for bad in ({"prompt_token_ids": [1, 2], "salt": "a"}, {"prompt": "x", "prompt_token_ids": [1]}, {},
+                {"prompt_token_ids": [1, 2], "cache_salt": ""}):
+        with pytest.raises(InvalidRequestError, match="prompt dict|cache_salt"):
+            engine8.generate(bad, GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert engine8.generate([1, 2, 3], GREEDY).usage.completion_tokens == 12

@@ -58,6 +58,21 @@ def test_completion_takes_token_ids_and_batches(oai, engine):
     assert response.usage.prompt_tokens == 5
 
 
+def test_a_cache_salt_shares_the_cache_only_with_requests_of_the_same_salt(oai, engine):
+    ids = [(7 * i) % 500 + 3 for i in range(200)]
+
+    def cached(**salt):
+        response = oai.completions.create(model=engine.model_name, prompt=ids, max_tokens=2, temperature=0,
+                                          extra_body=salt)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == cached() == 0
+    assert cached(cache_salt="tenant-a") >= 128
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached(cache_salt="")
+
+
 def test_chat_stream_ends_with_finish_reason_usage_chunk_and_done(oai, engine, server):
     stream = oai.chat.completions.create(
         model=engine.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,

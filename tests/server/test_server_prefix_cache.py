@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from ninfer_jax.frontend import Breakpoint, TapHintKind, prepare_chat
+from ninfer_jax.prefix_cache.hashing import salt_key
 from server_support import ScriptedEngine, claude, oai, server, sse_events  # noqa: F401 (fixtures)
 
 MODEL = ScriptedEngine.model_name
@@ -41,6 +42,15 @@ def test_openai_second_turn_reports_the_engines_reuse_as_cached_tokens(oai, engi
                                          stream_options={"include_usage": True})
     usage = list(second)[-1].usage
     assert usage.prompt_tokens_details.cached_tokens == engine.cached[-1] >= 128
+
+
+def test_chat_and_responses_salt_the_prompt_with_cache_salt(oai, engine):
+    engine.say("</think>\n\nSalted.", "</think>\n\nSalted.")
+    turn = [{"role": "user", "content": "Question?"}]
+    oai.chat.completions.create(model=MODEL, messages=turn, extra_body={"cache_salt": "tenant-a"})
+    assert engine.prompts[-1].salt == salt_key("tenant-a")
+    oai.responses.create(model=MODEL, input="Question?", extra_body={"cache_salt": "tenant-b"})
+    assert engine.prompts[-1].salt == salt_key("tenant-b")
 
 
 def test_openai_automatic_caching_marks_the_last_message_and_explicit_breakpoints_are_priority_one(oai, engine):

@@ -143,7 +143,8 @@ class Admitter:
         """
         n = req.num_prompt
         for other, record in running:
-            if not other.prefilling or not record.enabled or not (self.coalesce or other.group == req.group):
+            if (not other.prefilling or not record.enabled or not (self.coalesce or other.group == req.group)
+                    or other.prompt.salt != req.prompt.salt):  # another salt's blocks are not this prompt's
                 continue
             a, b = req.prompt_ids, other.prompt_ids
             m = min(len(a), len(b))
