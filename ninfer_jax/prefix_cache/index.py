@@ -372,6 +372,13 @@ class PrefixIndex:
         self._epoch += 1
         return out
 
+    def clear(self) -> Reclaimed:
+        """Deletes every cache entry nothing holds, with its copies on both tiers (an operator's reset, vLLM's
+        reset_prefix_cache): what running lanes, admissions and copies in flight hold stays."""
+        out = self.reclaimer.clear()
+        self._epoch += 1
+        return out
+
     # ---- persistence (§5.5) --------------------------------------------------------------
 
     def saved(self) -> SavedCache:

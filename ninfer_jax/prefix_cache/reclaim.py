@@ -264,3 +264,19 @@ class Reclaimer:
                 self.drop_snapshot_image_device(s, out)  # list membership does not depend on it
         return out
 
+    def clear(self) -> Reclaimed:
+        """PrefixIndex.clear: every unpinned snapshot, then every subtree no lane or copy holds, on both tiers."""
+        out = Reclaimed()
+        for s in list(self.tree.snapshots.values()):
+            if s.pins == 0:
+                self.delete_snapshot(s, out)
+        # Holds are closed upward, so below an unheld node nothing is held.
+        held = [self.tree.root]
+        while held:
+            node = held.pop()
+            for child in list(node.child_nodes()):
+                if child.active_refs == 0 and child.pins == 0:
+                    self.delete_subtree(child, out)
+                else:
+                    held.append(child)
+        return out

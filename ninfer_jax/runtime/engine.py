@@ -474,6 +474,14 @@ class Engine:
         a running request, or with no Host copy, stay."""
         return self._call(self.cache_manager.demote_device)
 
+    def reset_prefix_cache(self) -> dict:
+        """Deletes every prefix-cache entry no running request holds, on the Device and the Host (vLLM's
+        reset_prefix_cache, SGLang's flush_cache); returns how many {"blocks", "snapshots", "pages", "slots",
+        "slabs"} went. Running requests keep what they hold and their output; later prompts start cold."""
+        out = self._call(self.cache_manager.clear)
+        log.info("prefix cache reset: %d blocks, %d snapshots deleted", out["blocks"], out["snapshots"])
+        return out
+
     def inject_host_fault(self, kind: str, times: int = 1) -> None:
         """Fault injection (tests): the next `times` Host transfers of `kind` ("write" or "restore") raise.
         A failed transfer fails the engine: every request ends with finish_reason "error"."""

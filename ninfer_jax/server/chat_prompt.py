@@ -22,8 +22,9 @@ async def prepare_prompt(ctx: ServerContext, messages: Sequence[Mapping[str, Any
                          cache_salt: str | None = None) -> PreparedPrompt:
     """prepare_chat with the engine's tokenizer, template and vision tower, in ctx's tokenizing threads, once the
     messages' image sources are read (`load_images`); continue_final_message: the prompt ends inside the last
-    (assistant) message, which the model continues; cache_salt: vLLM's (`prepare_tokens`). Raises ApiError (400) when the model has no tokenizer, an image
-    part cannot be used (named by its place in the request), or the template rejects the conversation."""
+    (assistant) message, which the model continues; cache_salt: vLLM's (`prepare_tokens`). Raises ApiError (400)
+    when the model has no tokenizer, an image part cannot be used (named by its place in the request), or the
+    template rejects the conversation."""
     engine = ctx.engine
     if engine.tokenizer is None:
         raise ApiError("invalid_request", f"model {engine.model_name} has no tokenizer files; chat needs text "

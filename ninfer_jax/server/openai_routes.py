@@ -1,4 +1,5 @@
-"""OpenAI endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""OpenAI endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, and vLLM's /tokenize,
+/detokenize and /reset_prefix_cache.
 
 Usage reports the engine's reuse as `prompt_tokens_details.cached_tokens` (spec §8.3). A stream sends
 the role first, then reasoning (`reasoning_content`), text and tool calls as they are parsed, a last
@@ -169,6 +170,16 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.return_token_strs:
         out["token_strs"] = [token_text(engine.tokenizer, i) for i in ids]
     return JSONResponse(out)
+
+
+@router.post("/reset_prefix_cache")
+@router.post("/flush_cache")
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """vLLM's /reset_prefix_cache (SGLang's /flush_cache): deletes every cached prefix no running request holds,
+    on both tiers; answers what went."""
+    engine = context(request).ready_engine()
+    freed = await asyncio.to_thread(engine.reset_prefix_cache)
+    return JSONResponse({"status": "ok", **freed})
 
 
 @router.post("/detokenize")

@@ -354,3 +354,21 @@ def test_identical_prompts_of_two_salts_do_not_coalesce(special, root):
     reference = root.generate(prompt, GREEDY)
     for out in outs:
         assert_same_output(out, reference)
+
+
+def test_a_reset_deletes_what_no_running_request_holds_and_the_running_one_ends_exactly(hpc, root):
+    idle = tokens(300, 194)
+    hpc.generate(idle, GREEDY)
+    running, long = tokens(400, 195), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    box = queue.SimpleQueue()
+    hpc.submit(running, long, sink=box.put)
+    events = [box.get(timeout=60)]  # its first token: the lane holds its blocks
+    freed = hpc.reset_prefix_cache()
+    assert freed["blocks"] >= 4 and freed["snapshots"] >= 1 and freed["pages"] >= 4
+    while events[-1].finish_reason is None:
+        events.append(box.get(timeout=60))
+    assert sum((ev.token_ids for ev in events), ()) == root.generate(running, long).token_ids
+    cold = hpc.generate(idle, GREEDY)
+    assert cold.usage.cached_tokens == 0
+    assert_same_output(cold, root.generate(idle, GREEDY))
+    assert hpc.generate(running, GREEDY).usage.cached_tokens >= 384  # its blocks and endpoint are cached

@@ -73,6 +73,22 @@ def test_a_cache_salt_shares_the_cache_only_with_requests_of_the_same_salt(oai, 
         cached(cache_salt="")
 
 
+def test_reset_prefix_cache_empties_the_cache(oai, engine, server):
+    ids = [(11 * i) % 500 + 3 for i in range(200)]
+
+    def cached():
+        response = oai.completions.create(model=engine.model_name, prompt=ids, max_tokens=2, temperature=0)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() >= 128
+    for path in ("/reset_prefix_cache", "/flush_cache"):  # vLLM's, SGLang's
+        reset = httpx.post(f"{server.url}{path}", timeout=60)
+        assert reset.status_code == 200 and reset.json()["status"] == "ok"
+        assert cached() == 0
+    assert reset.json()["blocks"] >= 3
+
+
 def test_chat_stream_ends_with_finish_reason_usage_chunk_and_done(oai, engine, server):
     stream = oai.chat.completions.create(
         model=engine.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,

@@ -197,6 +197,16 @@ class PrefixCacheManager:
         out = self.index.demote_device()
         return {"pages": len(out.freed_pages), "slots": len(out.freed_slots)}
 
+    def clear(self) -> dict:
+        """Deletes every cache entry no running request holds, on both tiers (PrefixIndex.clear); counts what
+        went. Host writes in flight land first, so the entries they pin go too."""
+        if not self.enabled:
+            return {"blocks": 0, "snapshots": 0, "pages": 0, "slots": 0, "slabs": 0}
+        self.write_back.poll(wait=True)
+        out = self.index.clear()
+        return {"blocks": len(out.lost_nodes), "snapshots": len(out.deleted_snapshots),
+                "pages": len(out.freed_pages), "slots": len(out.freed_slots), "slabs": len(out.freed_slabs)}
+
     def record(self, request_id: str) -> dict | None:
         """The cache record of a recent finished request (cached_tokens, source, restored_host_bytes, ...)."""
         return self.finished.get(request_id)
