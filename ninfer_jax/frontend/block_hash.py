@@ -38,5 +38,6 @@ def chain_block_hashes(
     n_blocks = tokens.size // BLOCK_TOKENS
     if extra_keys is not None and np.shape(extra_keys) != (n_blocks,):
         raise ValueError(f"extra_keys must hold one key per full block ({n_blocks}), got shape {np.shape(extra_keys)}")
-    extras = None if extra_keys is None else [int(e) for e in np.asarray(extra_keys).astype(np.uint64)]
+    # dtype given: numpy would take a list mixing keys past 2**63 with small ones as float64, rounding the keys
+    extras = None if extra_keys is None else [int(e) for e in np.asarray(extra_keys, dtype=np.uint64)]
     return np.asarray(block_hashes(tokens.astype(np.int32), extras, seed=int(seed)), dtype=np.uint64)

@@ -26,6 +26,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from .hashing import LOOKUP_HASH_SEED, block_lookup_hash
 from .host_slabs import SlabState
 from .pools import OwnerState
 from .tree import ABSENT, FILLING, RESIDENT, SnapshotKind
@@ -61,6 +62,9 @@ def _check_structure(index) -> list:
                 assert child.parent is node, f"{child}.parent is not {node}"
                 assert child.depth == node.depth + 1, f"{child} depth {child.depth} under depth {node.depth}"
                 assert len(child.tokens) == 256, f"{child} holds {len(child.tokens)} token bytes"
+                chained = block_lookup_hash(node.lookup_hash if node is not root else LOOKUP_HASH_SEED, child.tokens,
+                                            child.extra, index.hash_fn)
+                assert child.lookup_hash == chained, f"{child}: its lookup hash is not its chain's ({chained})"
                 key = (child.tokens, child.extra)
                 assert key not in keys, f"{child}: two siblings with identical tokens and extra"
                 keys.add(key)
