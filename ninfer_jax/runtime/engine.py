@@ -38,7 +38,7 @@ from ninfer_jax.runtime.request import (
     EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent, Usage,
     prepare_prompt,
 )
-from ninfer_jax.runtime.sampling import SamplingParams
+from ninfer_jax.runtime.sampling import SamplingParams, generation_defaults
 from ninfer_jax.runtime.scheduler import Scheduler
 from ninfer_jax.runtime.structured import GrammarCompiler
 
@@ -85,8 +85,12 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, options: EngineOptions, *, tokenizer=None,
                  chat_template=None, model_name: str = "model", warmup: bool = True,
-                 weights_identity: dict | None = None, progress=None, vision=None):
+                 weights_identity: dict | None = None, progress=None, vision=None, sampling_defaults=None):
         """Start an engine on loaded params (options.dtype must be the params' dtype).
+
+        sampling_defaults: SamplingParams fields for requests submitted without SamplingParams (from_pretrained:
+        the checkpoint's generation_config.json, `generation_defaults`); the server fills a request's unset
+        fields from them too.
 
         vision: None, or (VisionConfig, VisionParams, VisionFrontend): the vision tower and the frontend's image
         expansion (`self.vision`, which `prepare_chat(..., vision=engine.vision)` takes).
@@ -99,6 +103,7 @@ class Engine:
         share = startup.device_share(config, params, options)  # what one device of the mesh holds
         self.options = o = startup.resolve_options(options, config, share)
         self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = o.max_model_len
         eos = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -172,10 +177,12 @@ class Engine:
             config_file = directory / "config.json"
             tower = load_vision_checkpoint(directory, dtype=dtype) if has_vision_tower(config_file) else None
             identity, name = checkpoint_identity(directory), directory.name
+        defaults = _sampling_defaults(options.generation_config, directory)
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
         engine = cls(config, params, options, tokenizer=tokenizer, chat_template=load_chat_template(directory),
-                     model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision)
+                     model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision,
+                     sampling_defaults=defaults)
         if progress is not None:
             progress("ready", 1, 1)
         return engine
@@ -308,7 +315,7 @@ class Engine:
     def _request(self, prompt, sampling: SamplingParams | None, request_id: str | None, sink) -> Request:
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")
-        sampling = sampling or SamplingParams()
+        sampling = sampling or SamplingParams(**self.sampling_defaults)
         prepared = self._prepare(prompt)
         grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -493,3 +500,17 @@ class Engine:
 
 __all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
            "RequestOutput", "StreamEvent", "Usage"]
+
+
+def _sampling_defaults(generation_config: str, checkpoint: Path) -> dict:
+    """The sampling defaults option generation_config names: the checkpoint's generation_config.json (auto), none,
+    or a file (or the folder holding one); logged when there are any."""
+    if generation_config == "none":
+        return {}
+    path = checkpoint if generation_config == "auto" else Path(generation_config)
+    if path.is_dir():
+        path = path / "generation_config.json"
+    defaults = generation_defaults(path)
+    if defaults:
+        log.info("sampling defaults from %s | %s", path, " ".join(f"{k} {v}" for k, v in defaults.items()))
+    return defaults

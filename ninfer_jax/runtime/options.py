@@ -185,6 +185,11 @@ class EngineOptions:
         str, "auto", "KV cache storage (spec §3.1): the activations' dtype (auto), bfloat16, or quantized: int8 "
         "(INT8, a scale per 64 values), fp8 (FP8-E4M3, a scale per 256), k8v4 (FP8 keys, NVFP4 values), nvfp4 "
         "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES)
+    generation_config: str = _option(
+        str, "auto", "default sampling of requests that leave it unset: auto (the checkpoint's generation_config.json: "
+        "its temperature, top_p, top_k, repetition_penalty and max_new_tokens, as vLLM takes them), none (vLLM's "
+        "own defaults), or a generation_config.json file or its folder", flag="--generation-config",
+        metavar="auto|none|PATH")
     load_format: str = _option(
         str, "auto", "how the weights load: auto (the checkpoint's safetensors) or dummy (random weights at the shapes "
         "of the checkpoint's config.json, or of a config .json file given as the checkpoint: benchmarks at real "
@@ -390,6 +395,9 @@ class EngineOptions:
             if not path.resolve().parent.is_dir():
                 raise OptionsError(f"prefix_cache_file {path}: the directory {path.resolve().parent} does not "
                                    f"exist")
+        if self.generation_config not in ("auto", "none") and not Path(self.generation_config).exists():
+            raise OptionsError(f"generation_config {self.generation_config}: no such file or folder (auto, none or "
+                               f"a path)")
         self._check_speculative()
         self._check_parallel(self.kernels)
         if self.fp8_activations == "dynamic" and self.kernels == "reference":

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import logging
 import math
 import numbers
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger("ninfer_jax.sampling")
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
@@ -31,6 +36,34 @@ BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
 # OpenAI's three, then vLLM's structured outputs (guided_regex, guided_choice, guided_grammar) in the same shape:
 # {"type": "regex", "regex": "..."}, {"type": "choice", "choice": ["...", ...]}, {"type": "grammar", "grammar": Lark}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+
+
+# generation_config.json fields that become SamplingParams defaults (vLLM's --generation-config auto takes these)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: str | Path) -> dict:
+    """The SamplingParams defaults a Hugging Face generation_config.json sets (GENERATION_CONFIG_FIELDS), as vLLM
+    applies them to requests that leave those fields unset; {} when the file does not exist. Raises ValueError
+    naming the file for malformed JSON or a value SamplingParams refuses."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if raw.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    if raw.get("min_p"):
+        log.warning("%s: min_p %s is not applied (this engine has no min-p sampling)", path, raw["min_p"])
+    return defaults
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ async def create_message(request: Request):
                                                               enable_thinking=body.enable_thinking,
                                                               continue_final_message=prefilled))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_tokens)
-    sampling = sampling_params(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+    sampling = sampling_params(engine, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
     parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools)

@@ -41,13 +41,23 @@ class Outcome:
     error: str | None
 
 
-def sampling_params(**fields: Any) -> SamplingParams:
-    """SamplingParams from the fields a request set (None = the engine default); invalid values are a 400."""
+def sampling_params(engine: Any, **fields: Any) -> SamplingParams:
+    """SamplingParams from the fields a request set; one it left unset (None) takes the engine's default (the
+    checkpoint's generation_config.json, `engine.sampling_defaults`), else SamplingParams'. Invalid values are a
+    400."""
+    given = {key: value for key, value in fields.items() if value is not None}
     try:
-        return SamplingParams(**{key: value for key, value in fields.items() if value is not None})
+        return SamplingParams(**{**engine.sampling_defaults, **given})
     except (ValueError, TypeError) as error:
         field = next((key for key in fields if str(error).startswith(key)), None)  # messages start with the field
         raise ApiError("invalid_request", str(error), param=field) from None
+
+
+def default_max_tokens(engine: Any, prompt_tokens: int) -> int:
+    """max_tokens of a chat request that sets none: the context the prompt leaves, at most the checkpoint's
+    max_new_tokens (vLLM's rule)."""
+    room = max(1, engine.max_model_len - prompt_tokens)
+    return min(room, engine.sampling_defaults.get("max_tokens", room))
 
 
 async def prepare_sampling(ctx: Any, sampling: SamplingParams) -> None:

@@ -27,8 +27,8 @@ from .chat_prompt import prepare_completion_prompt, prepare_prompt
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
 from .generation import (
-    ANSWERED, EngineRun, Outcome, close_runs, failure, first_event, interleave, prepare_sampling, sample_runs,
-    sampling_params, until_disconnect,
+    ANSWERED, EngineRun, Outcome, close_runs, default_max_tokens, failure, first_event, interleave, prepare_sampling,
+    sample_runs, sampling_params, until_disconnect,
 )
 from .limits import check_context
 from .logprobs import chat_logprobs, completion_logprobs, echoed_prompt, token_text, vllm_prompt_logprobs
@@ -73,7 +73,7 @@ async def chat_completions(request: Request):
         template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message,
         cache_salt=body.cache_salt))
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
-    sampling = _sampling(body, body.output_limit or max(1, engine.max_model_len - prepared.num_tokens))
+    sampling = _sampling(engine, body, body.output_limit or default_max_tokens(engine, prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
@@ -112,7 +112,7 @@ async def completions(request: Request):
                                                                    for p in prompts)))
     for one in prepared:
         check_context(engine.max_model_len, one.num_tokens, body.max_tokens)
-    sampling = _sampling(body, body.max_tokens)
+    sampling = _sampling(engine, body, body.max_tokens)
     await prepare_sampling(ctx, sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     # Choice p * n + i is sample i of prompt p (vLLM's order); the batch runs concurrently in the engine.
@@ -296,9 +296,9 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
 
 # --- helpers ------------------------------------------------------------------------------------------
 
-def _sampling(body, max_tokens: int | None):
+def _sampling(engine, body, max_tokens: int | None):
     return sampling_params(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

@@ -28,8 +28,8 @@ from ninfer_jax.frontend import Breakpoint
 
 from .chat_prompt import prepare_prompt, thinking_mode
 from .errors import ApiError, openai_error
-from .generation import ANSWERED, EngineRun, Outcome, failure, first_event, prepare_sampling, sampling_params
-from .generation import until_disconnect
+from .generation import (ANSWERED, EngineRun, Outcome, default_max_tokens, failure, first_event, prepare_sampling,
+                         sampling_params, until_disconnect)
 from .images import image_part, url_source
 from .limits import check_context
 from .output_parser import THINK_CLOSE, OutputParser, Piece
@@ -81,7 +81,7 @@ async def create_response(request: Request):
         cache_salt=body.cache_salt))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_output_tokens)
     sampling = sampling_params(
-        max_tokens=body.max_output_tokens or max(1, engine.max_model_len - prepared.num_tokens),
+        engine, max_tokens=body.max_output_tokens or default_max_tokens(engine, prepared.num_tokens),
         temperature=body.temperature, top_p=body.top_p, response_format=response_format)
     await prepare_sampling(ctx, sampling)
     response_id = f"resp_{uuid.uuid4().hex}"

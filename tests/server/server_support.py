@@ -155,6 +155,7 @@ class ScriptedEngine:
         self.cached: list[int] = []  # the reuse each admitted prompt was given
         self.sampling: list[SamplingParams] = []
         self.counters: collections.Counter[str] = collections.Counter()
+        self.sampling_defaults: dict = {}  # a checkpoint's generation_config.json defaults (Engine's)
         self.running = 0
         self._cancelled: set[str] = set()
         self._stopping = False
