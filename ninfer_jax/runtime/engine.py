@@ -26,6 +26,7 @@ import jax
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
                                  load_tokenizer)
+from ninfer_jax.hub import resolve_checkpoint
 from ninfer_jax.model import load_checkpoint
 from ninfer_jax.model.loader import has_vision_tower, load_dummy, load_vision_checkpoint
 from ninfer_jax.model.params import Params
@@ -143,15 +144,15 @@ class Engine:
                         prefill_chunk: int | None = None, kv_capacity: int | str = "auto",
                         no_prefix_reuse: bool = False, warmup: bool = True, progress=None,
                         **other_options) -> "Engine":
-        """Load a checkpoint directory (None: the built-in tiny default) and start the engine. With
-        load_format="dummy" the weights are random at the shapes of its config.json (or of `path`, a config .json
-        file), with its tokenizer files or else the Qwen3.5 tokenizer.
+        """Load a checkpoint (a folder, a Hugging Face repo id in the local cache or downloaded into it, `hub.py`;
+        None: the built-in tiny default) and start the engine. With load_format="dummy" the weights are random at
+        the shapes of its config.json (or of `path`, a config .json file), with its tokenizer files or else the
+        Qwen3.5 tokenizer.
 
         other_options are EngineOptions fields (max_model_len, kernels, host_cache_mib, ...); progress(stage, done,
         total) hears of the startup's steps: "loading" (layers), "compiling" (programs), "restoring" (the prefix
         cache file), then ("ready", 1, 1).
         """
-        directory = Path(path) if path is not None else default_checkpoint()
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         try:
@@ -161,6 +162,8 @@ class Engine:
             raise ValueError(f"unknown engine option: {e}") from None
         # refuse bad options before reading any weights
         options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
+        directory, name = (default_checkpoint(), default_checkpoint().name) if path is None \
+            else resolve_checkpoint(path)
         if options.load_format == "dummy":
             config_file = directory if directory.is_file() else directory / "config.json"
             config, params, tower = load_dummy(config_file, dtype, init=startup.parallel_init(options))
@@ -168,7 +171,6 @@ class Engine:
             tokenizer = load_tokenizer(directory) or load_tokenizer(qwen35_tokenizer_dir())
             # Seed 0 weights are a function of the config: a saved prefix cache serves the next dummy load
             identity = {"load_format": "dummy", "config": hashlib.sha256(config_file.read_bytes()).hexdigest()}
-            name = config_file.stem if config_file.name != "config.json" else directory.name
         else:
             # A tensor-parallel engine places each shard on its own device from host memory
             config, params = load_checkpoint(directory, dtype=dtype, progress=progress,
@@ -176,7 +178,7 @@ class Engine:
             tokenizer = load_tokenizer(directory)
             config_file = directory / "config.json"
             tower = load_vision_checkpoint(directory, dtype=dtype) if has_vision_tower(config_file) else None
-            identity, name = checkpoint_identity(directory), directory.name
+            identity = checkpoint_identity(directory)
         defaults = _sampling_defaults(options.generation_config, directory)
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known

@@ -61,7 +61,7 @@ async def create_message(request: Request):
     blocks = _blocks(parser.push(run.text) + parser.finish())
     stop_reason, stop_sequence = _stop(ctx, body, run, blocks)
     return JSONResponse({
-        "id": run.request_id, "type": "message", "role": "assistant", "model": engine.model_name,
+        "id": run.request_id, "type": "message", "role": "assistant", "model": ctx.model_name,
         "content": blocks or [{"type": "text", "text": ""}], "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": {**_input_usage(given, prepared, run), "output_tokens": run.outcome().completion_tokens},
@@ -86,7 +86,7 @@ async def _stream(ctx: ServerContext, body: MessagesRequest, given: MessagesInpu
     blocks = _BlockStream()
     try:
         yield sse({"type": "message_start", "message": {
-            "id": run.request_id, "type": "message", "role": "assistant", "model": ctx.engine.model_name,
+            "id": run.request_id, "type": "message", "role": "assistant", "model": ctx.model_name,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {**_input_usage(given, prepared, run), "output_tokens": 0},
         }}, "message_start")

@@ -34,14 +34,15 @@ _HTTP_KINDS = {401: "authentication", 404: "not_found", 503: "unavailable"}
 
 def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits | None = None,
                images: ImageOptions | None = None, allowed_origins: Sequence[str] = (),
-               default_thinking: bool = True) -> FastAPI:
+               default_thinking: bool = True, served_model_names: Sequence[str] = ()) -> FastAPI:
     """The server for `engine` (an ninfer_jax.Engine; None: attached later, `ServerContext.attach`, and until
     then generation answers 503). `api_key`: required on the API routes when set. `limits`: the request
     bounds. `images`: the bounds on image parts and whether image URLs are fetched. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default).
-    `default_thinking`: whether OpenAI-protocol requests think when they do not say."""
+    `default_thinking`: whether OpenAI-protocol requests think when they do not say. `served_model_names`: the
+    names requests may give, the first reported (none: the checkpoint's name)."""
     app = FastAPI(title="ninfer-jax", docs_url=None, redoc_url=None, openapi_url=None)
     ctx = ServerContext(engine, api_key, limits or Limits(), images or ImageOptions(),
-                        default_thinking=default_thinking)
+                        default_thinking=default_thinking, served_model_names=tuple(served_model_names))
     ctx.metrics.watch_engine(lambda: ctx.engine.published_stats() if ctx.engine is not None else None,
                              lambda: ctx.queue.in_flight)
     app.state.context = ctx
@@ -115,7 +116,7 @@ def _probe(ctx: ServerContext, readiness: bool) -> JSONResponse:
         if not readiness:
             return JSONResponse({"status": "loading", "stage": ctx.startup.stage})
         return JSONResponse(ctx.startup.describe(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-    return JSONResponse({"status": "ready" if readiness else "ok", "model": ctx.engine.model_name})
+    return JSONResponse({"status": "ready" if readiness else "ok", "model": ctx.model_name})
 
 
 class _AnswerUnhandled:

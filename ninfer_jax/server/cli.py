@@ -47,14 +47,19 @@ class ServeOptions:
     images: ImageOptions = dataclasses.field(default_factory=ImageOptions)
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins that may call the API (none: browsers may not)
     default_thinking: bool = True  # whether OpenAI-protocol requests think when they do not say
+    served_model_names: tuple[str, ...] = ()  # the names requests may give (none: the checkpoint's)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ninfer-serve", description="OpenAI- and Anthropic-compatible server for Qwen3.5 hybrid models.")
-    parser.add_argument("model", nargs="?", help="checkpoint directory, or with --load-format dummy a config .json "
-                        "(default: the built-in tiny checkpoint)")
+    parser.add_argument("model", nargs="?", help="checkpoint directory, or a Hugging Face repo id (ORG/NAME) in the "
+                        "local Hugging Face cache (downloaded into it when huggingface_hub is installed), or with "
+                        "--load-format dummy a config .json (default: the built-in tiny checkpoint)")
     parser.add_argument("--model", dest="model_flag", metavar="PATH", help="the same as the positional MODEL")
+    parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                        help="the model names requests may give; responses report the first (default: the "
+                             "checkpoint's repo id, or its folder's name)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     server.add_argument("--port", type=int, default=8000, help="TCP port; default 8000")
@@ -113,6 +118,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     if args.model and args.model_flag and args.model != args.model_flag:
         raise UsageError(f"two models given: {args.model} and --model {args.model_flag}")
     model = args.model or args.model_flag
+    if args.served_model_name and model is None:  # `--served-model-name NAME PATH` takes PATH for a name
+        raise UsageError("--served-model-name without a model: give the checkpoint before it, or with --model")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     limits = Limits(**{field: getattr(args, field) for field in Limits.__dataclass_fields__})
@@ -131,7 +138,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         raise UsageError(str(error)) from None
     return ServeOptions(args.host, args.port, args.api_key, {"path": model, **engine, "warmup": args.warmup},
                         args.compile_cache_dir, limits, images, tuple(args.allowed_origins),
-                        args.default_thinking == "on")
+                        args.default_thinking == "on", tuple(args.served_model_name))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     from .serving import OrderlyServer, server_config
 
     app = create_app(api_key=options.api_key, limits=options.limits, images=options.images,
-                     allowed_origins=options.allowed_origins, default_thinking=options.default_thinking)
+                     allowed_origins=options.allowed_origins, default_thinking=options.default_thinking,
+                     served_model_names=options.served_model_names)
     ctx = app.state.context
     server = OrderlyServer(server_config(app, options.host, options.port), ctx)
 
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.attach(engine)
         pages = engine.published_stats().get("pages", {}).get("capacity", "?")
         log.info("serving | http://%s:%d | model %s | max_model_len %d | kv pages %s | api key %s",
-                 options.host, options.port, engine.model_name, engine.max_model_len, pages,
+                 options.host, options.port, ctx.model_name, engine.max_model_len, pages,
                  "required" if options.api_key else "off")
         if ctx.stopping:  # the orderly stop began while it was built
             engine.stop()

@@ -30,12 +30,22 @@ class ServerContext:
     frontend: FrontendPool = dataclasses.field(default_factory=FrontendPool)
     stopping: bool = False  # set when the orderly stop begins; /health reports it
     default_thinking: bool = True  # --default-thinking: OpenAI-protocol requests think unless they say otherwise
+    served_model_names: tuple[str, ...] = ()  # --served-model-name; none: the checkpoint's name
     queue: RequestQueue = dataclasses.field(init=False)  # engine requests in flight, bounded (--max-waiting-requests)
 
     def __post_init__(self) -> None:
         self.queue = RequestQueue(self.limits.max_waiting_requests)
         if self.engine is not None:
             self._size_frontend()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may give (the first is the one responses report), vLLM's --served-model-name."""
+        return self.served_model_names or (self.engine.model_name,)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     def enter_queue(self, count: int) -> None:
         """Takes `count` places in the request queue for the engine's lanes (raises ApiError when it is full)."""

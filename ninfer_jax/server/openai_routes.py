@@ -35,7 +35,7 @@ from .logprobs import chat_logprobs, completion_logprobs, echoed_prompt, token_t
 from .openai_messages import chat_input
 from .openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .output_parser import OutputParser, Piece
-from .request_body import read_request
+from .request_body import read_request, unknown_model
 from .sse import EventStream, sse
 
 router = APIRouter()
@@ -43,21 +43,24 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(context(request).ready_engine())]})
+    """A card for each name the model is served under (vLLM's --served-model-name)."""
+    ctx = context(request)
+    engine = ctx.ready_engine()
+    return JSONResponse({"object": "list", "data": [_model_card(engine, name) for name in ctx.model_names]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     """OpenAI's models.retrieve: the served model's card, 404 for any other name."""
-    engine = context(request).ready_engine()
-    if model != engine.model_name:
-        raise ApiError("not_found", f"The model `{model}` does not exist. This server serves `{engine.model_name}`.",
-                       param="model", code="model_not_found")
-    return JSONResponse(_model_card(engine))
+    ctx = context(request)
+    engine = ctx.ready_engine()
+    if model not in ctx.model_names:
+        raise unknown_model(ctx, model)
+    return JSONResponse(_model_card(engine, model))
 
 
-def _model_card(engine) -> dict[str, Any]:
-    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
+def _model_card(engine, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ninfer-jax",
             "max_model_len": engine.max_model_len}
 
 
@@ -95,7 +98,7 @@ async def chat_completions(request: Request):
     if body.return_token_ids:
         scored["prompt_token_ids"] = [int(t) for t in prepared.token_ids]
     return JSONResponse({
-        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": engine.model_name,
+        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
         "choices": choices, "usage": _usage(outcomes, body.n), **scored,
     })
 
@@ -143,7 +146,7 @@ async def completions(request: Request):
             choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
                 engine.tokenizer, _top(run.prompt_logprobs, body.prompt_logprobs))
     return JSONResponse({
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": engine.model_name,
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name,
         "choices": choices, "usage": _usage(outcomes, body.n),
     })
 
@@ -156,7 +159,7 @@ async def tokenize(request: Request) -> JSONResponse:
     engine = ctx.engine
     _require_tokenizer(engine)
     if body.messages is not None:
-        chat_body = body.as_chat(engine.model_name)
+        chat_body = body.as_chat(ctx.model_name)
         ctx.limits.check_counts(tools=len(chat_body.tools or ()))
         chat = chat_input(chat_body)
         prepared = await until_disconnect(request, prepare_prompt(
@@ -201,7 +204,7 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
                        first: Any, parsers: list[OutputParser], prompt_ids) -> AsyncIterator[str]:
     """Chunks of every choice as they come (each names its index, as OpenAI interleaves them)."""
     head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": ctx.engine.model_name}
+            "model": ctx.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None,
@@ -250,7 +253,7 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
 async def _completion_stream(ctx: ServerContext, body: CompletionRequest, request_id: str, runs: list[EngineRun],
                              first: Any, echoes: list[_Echo | None], prompt_ids: list) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": ctx.engine.model_name}
+            "model": ctx.model_name}
     usage_field = {"usage": None} if body.include_usage else {}
     # with return_token_ids each choice's first chunk names its prompt's ids, and every chunk its own new ids
     unsent_prompt = [body.return_token_ids] * len(runs)

@@ -30,16 +30,21 @@ _IMAGE_DATA_KEYS = frozenset(("url", "image_url", "data"))
 
 async def read_request(request: Request, model: type[Model]) -> tuple[ServerContext, Model]:
     ctx = context(request)
-    engine = ctx.ready_engine()
+    ctx.ready_engine()
     body = await parse_body(request, model, ctx)
-    served = engine.model_name
-    name = getattr(body, "model", served)
-    if name is not None and name != served:  # /tokenize and /detokenize may leave it out, as vLLM's
+    name = getattr(body, "model", None)
+    if name is not None and name not in ctx.model_names:  # /tokenize and /detokenize may leave it out, as vLLM's
         if is_anthropic(request.url.path):
             raise ApiError("not_found", f"model: {name}")
-        raise ApiError("not_found", f"The model `{name}` does not exist. This server serves `{served}`.",
-                       param="model", code="model_not_found")
+        raise unknown_model(ctx, name)
     return ctx, body
+
+
+def unknown_model(ctx: ServerContext, name: str) -> ApiError:
+    """OpenAI's 404 for a model this server does not serve."""
+    served = ", ".join(f"`{n}`" for n in ctx.model_names)
+    return ApiError("not_found", f"The model `{name}` does not exist. This server serves {served}.", param="model",
+                    code="model_not_found")
 
 
 async def parse_body(request: Request, model: type[Model], ctx: ServerContext) -> Model:

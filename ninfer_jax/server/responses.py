@@ -87,7 +87,7 @@ async def create_response(request: Request):
     response_id = f"resp_{uuid.uuid4().hex}"
     run = EngineRun(engine, prepared, sampling, response_id, ctx)
     output = _Output(OutputParser(thinking=thinking, tools=tools), _think_close_id(engine.tokenizer))
-    shell = _response(body, response_id, engine.model_name)
+    shell = _response(body, response_id, ctx.model_name)
     if body.stream:
         first = await first_event(request, run)
         return EventStream(_stream(run, first, output, shell))
