@@ -25,7 +25,7 @@ import jax
 
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
-                                 load_tokenizer)
+                                 load_tokenizer, prepare_chat)
 from ninfer_jax.hub import resolve_checkpoint
 from ninfer_jax.model import load_checkpoint
 from ninfer_jax.model.loader import has_vision_tower, load_dummy, load_vision_checkpoint
@@ -362,6 +362,18 @@ class Engine:
 
     def generate(self, prompt, sampling: SamplingParams | None = None) -> RequestOutput:
         return self.generate_many([prompt], sampling)[0]
+
+    def chat(self, messages: Sequence[dict], sampling: SamplingParams | None = None, *, tools=None,
+             enable_thinking: bool = True, cache_salt: str | None = None, **template_kwargs) -> RequestOutput:
+        """A conversation (OpenAI-format messages, image parts as `prepare_chat` takes them) rendered with the
+        checkpoint's chat template and generated, as vLLM's LLM.chat; the text is the raw model output (thinking
+        and tool-call markup included)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer files; chat needs one")
+        prompt = prepare_chat(self.tokenizer, messages, tools, enable_thinking=enable_thinking,
+                              template=self.chat_template, vision=self.vision, cache_salt=cache_salt,
+                              **template_kwargs)
+        return self.generate(prompt, sampling)
 
     def generate_many(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None
                       ) -> list[RequestOutput]:

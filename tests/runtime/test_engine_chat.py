@@ -1,0 +1,27 @@
+"""Engine.chat (vLLM's LLM.chat): a conversation rendered with the checkpoint's own template, salted when asked,
+generated as that prompt is."""
+
+import pytest
+
+from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.frontend import prepare_chat
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+MESSAGES = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "Add two numbers."}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine.from_pretrained(None, max_concurrency=2, prefill_chunk=64, max_model_len=512, kv_capacity=2048,
+                                    warmup=False)
+    yield engine
+    engine.stop()
+
+
+def test_chat_generates_the_checkpoints_rendering_of_the_conversation(engine):
+    out = engine.chat(MESSAGES, GREEDY, enable_thinking=False)
+    prompt = prepare_chat(engine.tokenizer, MESSAGES, enable_thinking=False, template=engine.chat_template,
+                          vision=engine.vision)
+    assert out.prompt_token_ids == tuple(prompt.token_ids)
+    assert out.token_ids == engine.generate(prompt, GREEDY).token_ids
+    assert engine.chat(MESSAGES, GREEDY, enable_thinking=False, cache_salt="x").usage.cached_tokens == 0
