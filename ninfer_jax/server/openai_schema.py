@@ -69,8 +69,27 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
                                  "whitespace_pattern"))
 
 
+# vLLM's request fields that change the output and that this server does not implement, with their neutral values:
+# a request may send them only at those (as best_of=1), so none is silently ignored.
+_UNSUPPORTED = {"min_p": 0, "typical_p": 1, "use_beam_search": False, "length_penalty": 1,
+                "include_stop_str_in_output": False, "skip_special_tokens": True,
+                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+                "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+                "chat_template": None, "documents": None}
+
+
 class _Sampling(_Lenient):
     """Fields both endpoints share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in _UNSUPPORTED.items():
+                if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], "")):
+                    raise ValueError(f"{name} is not supported by this server (send it as {json.dumps(neutral)} "
+                                     f"or leave it out)")
+        return data
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
