@@ -39,7 +39,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice", "gr
 
 
 # generation_config.json fields that become SamplingParams defaults (vLLM's --generation-config auto takes these)
-GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
@@ -61,8 +61,6 @@ def generation_defaults(path: str | Path) -> dict:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None
-    if raw.get("min_p"):
-        log.warning("%s: min_p %s is not applied (this engine has no min-p sampling)", path, raw["min_p"])
     return defaults
 
 
@@ -74,6 +72,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # tokens less likely than min_p times the likeliest are cut (0: off)
     seed: int | None = None
     stop: tuple[str, ...] | list[str] | str = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
@@ -104,6 +103,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_LOGPROBS):
@@ -191,6 +192,7 @@ class SamplerInputs:
     top_p: np.ndarray
     seed: np.ndarray  # uint32 per lane
     step: np.ndarray  # int32: tokens generated so far, folded into the key
+    min_p: np.ndarray
 
     @classmethod
     def empty(cls, lanes: int) -> "SamplerInputs":
@@ -200,6 +202,7 @@ class SamplerInputs:
             top_p=np.ones(lanes, np.float32),
             seed=np.zeros(lanes, np.uint32),
             step=np.zeros(lanes, np.int32),
+            min_p=np.zeros(lanes, np.float32),
         )
 
     def set_lane(self, lane: int, sp: SamplingParams, seed: int, step: int) -> None:
@@ -208,10 +211,11 @@ class SamplerInputs:
         self.top_p[lane] = sp.top_p
         self.seed[lane] = seed & 0xFFFFFFFF
         self.step[lane] = step
+        self.min_p[lane] = sp.min_p
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The five arrays in step order, not copied: the runner copies what it hands to a step."""
-        return self.temperature, self.top_k, self.top_p, self.seed, self.step
+        """The arrays in step order (the step fifth), not copied: the runner copies what it hands to a step."""
+        return self.temperature, self.top_k, self.top_p, self.seed, self.step, self.min_p
 
 
 # Groups of the two-stage top-k on the GPU, where lax.top_k over the whole vocabulary sorts; on CPU lax.top_k is the
@@ -241,16 +245,16 @@ def sample(logits, inputs, *, full: bool):
     """Pick one token per row.
 
     Args:
-      logits: [B, V] float32. inputs: (temperature, top_k, top_p, seed, step), each [B].
+      logits: [B, V] float32. inputs: (temperature, top_k, top_p, seed, step, min_p), each [B].
       full: static; False compiles greedy argmax only (every lane must be greedy).
     Returns:
       tokens [B] int32.
     """
-    temperature, top_k, top_p, seed, step = inputs
+    temperature, top_k, top_p, seed, step, min_p = inputs
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not full:
         return greedy
-    order, masked = filtered_sorted(logits, temperature, top_k, top_p)
+    order, masked = filtered_sorted(logits, temperature, top_k, top_p, min_p)
     picked = jax.vmap(lambda row, s, n: jax.random.categorical(sampling_key(s, n), row))(masked, seed, step)
     sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
@@ -261,15 +265,18 @@ def sampling_key(seed, step):
     return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
-def filtered_sorted(logits, temperature, top_k, top_p):
+def filtered_sorted(logits, temperature, top_k, top_p, min_p):
     """The distribution `sample` draws from, as (order [B, V]: token ids by falling logit, masked [B, V]: their
-    scaled logits, -inf where top-k or top-p cut them). A temperature of 0 scales by 1 (greedy rows take argmax)."""
+    scaled logits, -inf where min-p, top-k or top-p cut them; vLLM's order: min-p, then top-k, then top-p over what
+    is left). A temperature of 0 scales by 1 (greedy rows take argmax)."""
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(logits.shape[-1])[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    # p >= min_p * p_max, in scaled logits: no normalisation needed, and the likeliest token always survives
+    keep = keep & (sorted_logits >= sorted_logits[:, :1] + jnp.log(min_p)[:, None])
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
     keep = keep & (before < top_p[:, None])  # the top token always survives

@@ -61,7 +61,7 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops,
     Args:
       logits: [B, T, V] float32; row t of lane b was fed tokens[b, t] (row 0 the last token, rows 1.. the drafts).
       tokens: [B, T] int32. counts: [B] rows fed (1 + drafts; 0: inactive).
-      sampler: (temperature, top_k, top_p, seed, step), each [B]; step is the index of the token row 0 emits.
+      sampler: (temperature, top_k, top_p, seed, step, min_p), each [B]; step is the index of the token row 0 emits.
       stop_mask: [V] bool, the engine's stop tokens; stops: [B] bool, lanes those end (not ignore_eos);
         lane_stops: [B, S] int32, each lane's own stop ids (-1: none), which end it always.
       full: static; False: every lane greedy.
@@ -77,10 +77,11 @@ def accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops,
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     ok, token = following == greedy, greedy
     if full:
-        temperature, top_k, top_p, seed, step = sampler
+        temperature, top_k, top_p, seed, step, min_p = sampler
         each = lambda x: jnp.repeat(x, t)  # noqa: E731  (per lane -> per row)
         flat_draft = following.reshape(-1)
-        order, masked = filtered_sorted(logits.reshape(b * t, v), each(temperature), each(top_k), each(top_p))
+        order, masked = filtered_sorted(logits.reshape(b * t, v), each(temperature), each(top_k), each(top_p),
+                                        each(min_p))
         p_draft = jnp.sum(jnp.where(order == flat_draft[:, None], jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
         keys = jax.vmap(sampling_key)(each(seed), (step[:, None] + rows).reshape(-1))
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)

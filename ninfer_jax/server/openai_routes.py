@@ -301,7 +301,8 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
 
 def _sampling(engine, body, max_tokens: int | None):
     return sampling_params(
-        engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, seed=body.seed,
         stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

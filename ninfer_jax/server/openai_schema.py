@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
 neutral values (best_of=1); anything else is a 400 that says so, rather than a silent change of meaning.
-vLLM's extensions `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
+vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
 `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted; `reasoning_effort` "none" or "minimal"
 turns thinking off (chat_prompt.thinking_mode).
 """
@@ -71,7 +71,7 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 
 # vLLM's request fields that change the output and that this server does not implement, with their neutral values:
 # a request may send them only at those (as best_of=1), so none is silently ignored.
-_UNSUPPORTED = {"min_p": 0, "typical_p": 1, "use_beam_search": False, "length_penalty": 1,
+_UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
                 "include_stop_str_in_output": False, "skip_special_tokens": True,
                 "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
                 "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
@@ -96,6 +96,7 @@ class _Sampling(_Lenient):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     n: int = Field(1, ge=1)  # samples of the prompt, which is computed once; the bound is --max-n
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -25,12 +25,15 @@ def test_a_round_packs_its_active_lanes_then_padding_rows_marked_past_every_lane
     use_prev[5] = True
     sampler = SamplerInputs.empty(c)
     sampler.step[:] = np.arange(c) + 10
+    sampler.min_p[:] = 0.5
     shift = -np.arange(c) * 3  # each lane's MRoPE delta
     packed = pack_decode_inputs([2, 5], 4, tokens, positions, tables, slots, use_prev, sampler.arrays(), shift)
     assert packed.shape == (4, DECODE_COLUMNS + pages) and packed.dtype == np.int32
-    # tokens, positions, slots, active, use_prev, lane, then the sampler (step last), then the rope shift
-    assert packed[0, :6].tolist() == [102, 202, 5, 1, 0, 2] and packed[0, 10:12].tolist() == [12, -6]
-    assert packed[1, :6].tolist() == [105, 205, 2, 1, 1, 5] and packed[1, 10:12].tolist() == [15, -15]
+    # tokens, positions, slots, active, use_prev, lane, then the sampler (step fifth, min_p sixth as float32 bits),
+    # then the rope shift
+    half = int(np.float32(0.5).view(np.int32))
+    assert packed[0, :6].tolist() == [102, 202, 5, 1, 0, 2] and packed[0, 10:13].tolist() == [12, half, -6]
+    assert packed[1, :6].tolist() == [105, 205, 2, 1, 1, 5] and packed[1, 10:13].tolist() == [15, half, -15]
     assert (packed[0, DECODE_COLUMNS:] == tables[2]).all() and (packed[1, DECODE_COLUMNS:] == tables[5]).all()
     padding = packed[2:]
     assert (padding[:, 5] == c).all() and (padding[:, 3] == 0).all() and (padding[:, 4] == 0).all()

@@ -113,6 +113,15 @@ def test_repetition_penalty_covers_prompt_and_output_tokens(engine):
     assert engine.generate(PROMPT + [X], _greedy(logit_bias={X: 30})).token_ids[0] == X
 
 
+def test_min_p_of_one_leaves_only_the_likeliest_token(engine):
+    greedy = engine.generate(PROMPT, _greedy(12)).token_ids
+    sampled = [SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True, min_p=m)
+               for s in (1, 2) for m in (1.0, 0.0)]
+    outs = [o.token_ids for o in engine.generate_many([PROMPT] * 4, sampled)]
+    assert outs[0] == outs[2] == greedy  # min_p 1: the argmax alone survives, whatever the seed
+    assert outs[1] != greedy or outs[3] != greedy  # without it the draw strays at this temperature
+
+
 def test_min_tokens_holds_back_stop_tokens(engine):
     stop_at_x = dict(max_tokens=8, temperature=0.0, logit_bias={X: 30}, stop_token_ids=[X])
     assert engine.generate(PROMPT, SamplingParams(**stop_at_x)).token_ids == (X,)

@@ -51,7 +51,8 @@ def _logits_preferring(choices, vocab=8):
 
 def _greedy_sampler(b):
     zeros = jnp.zeros(b, jnp.int32)
-    return jnp.zeros(b, jnp.float32), zeros, jnp.ones(b, jnp.float32), zeros.astype(jnp.uint32), zeros
+    return (jnp.zeros(b, jnp.float32), zeros, jnp.ones(b, jnp.float32), zeros.astype(jnp.uint32), zeros,
+            jnp.zeros(b, jnp.float32))
 
 
 def test_greedy_verify_keeps_the_longest_matching_prefix_and_ends_at_a_stop():
@@ -80,13 +81,16 @@ def test_greedy_verify_keeps_the_longest_matching_prefix_and_ends_at_a_stop():
     assert kept.tolist() == [1, 1, 1, 2] and ended.tolist() == [True, False, False, True]
 
 
-def _filtered(logits, temperature, top_k, top_p):
-    """The sampler's distribution in float64: temperature, then top-k, then top-p (mass strictly above < top_p)."""
+def _filtered(logits, temperature, top_k, top_p, min_p=0.0):
+    """The sampler's distribution in float64: temperature, then min-p (probability at least min_p times the
+    largest), top-k, then top-p over what is left (mass strictly above < top_p)."""
     scaled = np.asarray(logits, np.float64) / temperature
     order = np.argsort(-scaled, kind="stable")
     keep = np.zeros(len(scaled), bool)
     keep[order[:top_k]] = True
-    p = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    p = np.exp(scaled - scaled.max())
+    keep &= p >= min_p * p.max()
+    p = np.where(keep, p, 0.0)
     p /= p.sum()
     above = np.cumsum(p[order]) - p[order]
     keep[order[above >= top_p]] = False
@@ -102,13 +106,13 @@ def test_rejection_sampling_keeps_the_target_distribution():
     n, v = 40000, 8
     rng = np.random.default_rng(0)
     rows = rng.normal(0, 1.2, (3, v)).astype(np.float32)
-    temperature, top_k, top_p = 0.8, 6, 0.97
-    targets = [_filtered(r, temperature, top_k, top_p) for r in rows]
+    temperature, top_k, top_p, min_p = 0.8, 6, 0.97, 0.2  # min-p cuts one or two tokens of each row
+    targets = [_filtered(r, temperature, top_k, top_p, min_p) for r in rows]
     d1, d2 = int(np.argsort(-targets[0])[1]), int(np.argsort(-targets[1])[0])  # a likely and the likeliest guess
     logits = jnp.asarray(np.broadcast_to(rows, (n, 3, v)))
     tokens = jnp.asarray(np.broadcast_to(np.array([0, d1, d2], np.int32), (n, 3)))
     sampler = (jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p),
-               jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))
+               jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.full(n, min_p))
     emitted, kept, _ = accept_drafts(logits, tokens, jnp.full(n, 3, jnp.int32), sampler, jnp.zeros(v, bool),
                                   jnp.zeros(n, bool), jnp.full((n, 1), -1, jnp.int32), full=True)
     emitted, kept = np.asarray(emitted), np.asarray(kept)

@@ -8,7 +8,7 @@ import pytest
 from server_support import ScriptedEngine, claude, oai, server  # noqa: F401 (fixtures)
 
 MODEL = ScriptedEngine.model_name
-DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 100}
+DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "max_tokens": 100}
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -27,8 +27,8 @@ def _last(engine):
 def test_unset_fields_take_the_checkpoints_defaults_and_set_ones_win(oai, claude, engine):
     oai.chat.completions.create(model=MODEL, messages=HI)
     assert _last(engine) == DEFAULTS  # max_tokens: max_new_tokens, under the context's room
-    oai.chat.completions.create(model=MODEL, messages=HI, temperature=0.0, max_tokens=7)
-    assert _last(engine) == {**DEFAULTS, "temperature": 0.0, "max_tokens": 7}
+    oai.chat.completions.create(model=MODEL, messages=HI, temperature=0.0, max_tokens=7, extra_body={"min_p": 0.3})
+    assert _last(engine) == {**DEFAULTS, "temperature": 0.0, "max_tokens": 7, "min_p": 0.3}
     oai.completions.create(model=MODEL, prompt="Hi")
     assert _last(engine) == {**DEFAULTS, "max_tokens": 16}  # the completions API's own default length
     oai.responses.create(model=MODEL, input="Hi", top_p=0.5)

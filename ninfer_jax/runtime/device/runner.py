@@ -58,21 +58,26 @@ SPECULATIVE_MAX_LANES = 16
 # only a few milliseconds.
 
 
+SAMPLER_COLUMNS = 6  # the SamplerInputs arrays; the fifth (index 4) is the step
+
+
 def _sampler_columns(sampler) -> list[np.ndarray]:
-    """The five SamplerInputs arrays ([B] each) as int32 columns."""
-    temperature, top_k, top_p, seed, step = sampler
+    """The SamplerInputs arrays ([B] each) as int32 columns."""
+    temperature, top_k, top_p, seed, step, min_p = sampler
     return [np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
             np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
-            np.asarray(step, np.int32)]
+            np.asarray(step, np.int32), np.asarray(min_p, np.float32).view(np.int32)]
 
 
 def _sampler_from_columns(col):
     """The inverse of _sampler_columns, inside a step."""
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    return as_f32(col[0]), col[1], as_f32(col[2]), jax.lax.bitcast_convert_type(col[3], jnp.uint32), col[4]
+    return (as_f32(col[0]), col[1], as_f32(col[2]), jax.lax.bitcast_convert_type(col[3], jnp.uint32), col[4],
+            as_f32(col[5]))
 
 
-PREFILL_SCALARS = 3 + 5 + 2  # n_valid, base, slot, the lane's five sampler values, its lane, resumed (MTP rows)
+# n_valid, base, slot, the lane's sampler values, its lane, resumed (MTP rows)
+PREFILL_SCALARS = 3 + SAMPLER_COLUMNS + 2
 PREFILL_ROWS = 5  # per token: its id, its three MRoPE positions, its media row (-1: the token's own embedding)
 
 
@@ -113,7 +118,7 @@ def _unpack_prefill_inputs(params, layout, packed, media):
     tokens, rope_positions, media_rows = rows[0], rows[1:4], rows[4]
     at = PREFILL_ROWS * size
     scalars = packed[at:at + PREFILL_SCALARS]
-    sampler = _sampler_from_columns([scalars[3 + i][None] for i in range(5)])
+    sampler = _sampler_from_columns([scalars[3 + i][None] for i in range(SAMPLER_COLUMNS)])
     embeds = jnp.where((media_rows >= 0)[:, None], media[jnp.clip(media_rows, 0)].astype(params.embed.dtype),
                        params.embed[tokens])
     ctx = dict(n_valid=scalars[0], base=scalars[1], slot=scalars[2], rope_positions=rope_positions,
@@ -144,7 +149,7 @@ def _prefill_step(params, cfg, kc, full, layout, state, packed, media, carry=Non
     out, last = _sample_last(params, hidden, n_valid, sampler, full)
     if carry is None:
         return out, state, hidden
-    lane, resumed = scalars[8], scalars[9] != 0
+    lane, resumed = scalars[3 + SAMPLER_COLUMNS], scalars[4 + SAMPLER_COLUMNS] != 0
     pages = mtp.mtp_prefill_rows(params, cfg, kc, hidden, tokens, n_valid, base, page_table, carry[lane], resumed,
                                  *state.mtp_pages, rope_positions)
     return out, state.with_mtp_pages(*pages), carry.at[lane].set(last[0].astype(carry.dtype)), hidden
@@ -173,8 +178,8 @@ def _scores_step(params, hidden, targets, top_k_groups):
     return chosen.reshape(-1)[:t], ids.reshape(t + pad, -1)[:t], lps.reshape(t + pad, -1)[:t]
 
 
-# tokens, positions, slots, active, use_prev, lane, then the five sampler columns, then the rope shift
-DECODE_COLUMNS = 12
+# tokens, positions, slots, active, use_prev, lane, then the sampler columns, then the rope shift
+DECODE_COLUMNS = 6 + SAMPLER_COLUMNS + 1
 
 
 def pack_decode_inputs(lanes, size: int, tokens, positions, page_tables, slots, use_prev, sampler,
@@ -205,8 +210,8 @@ def _round_inputs(packed, prev_tokens):
     tokens, use_prev, lanes = col[0], col[4] != 0, col[5]
     tokens = jnp.where(use_prev, prev_tokens.at[lanes].get(mode="fill", fill_value=0), tokens)
     ctx = dict(positions=col[1], slots=col[2], active=col[3] != 0, page_tables=packed[:, DECODE_COLUMNS:],
-               rope_shift=col[11])
-    return tokens, ctx, lanes, _sampler_from_columns(col[6:11])
+               rope_shift=col[DECODE_COLUMNS - 1])
+    return tokens, ctx, lanes, _sampler_from_columns(col[6:6 + SAMPLER_COLUMNS])
 
 
 def _round_out(params, hidden, sampler, lanes, full, width: int):
@@ -243,12 +248,14 @@ def _decode_step(params, cfg, kc, full, state, packed, prev_tokens):
     return _round_out(params, hidden, sampler, lanes, full, prev_tokens.shape[0]), state
 
 
-# position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the five sampler columns;
-# then the positions the lane may feed below (its pages, and the context: MTP drafts write no key past them); then
-# the rope shift; then whether the lane continues the previous round's frontier on the device, the tokens it may
-# still emit, and its phase; then the request's own stop ids (-1: none)
+# position, slot, count (rows fed), stops (the engine's stop tokens end it), lane; then the sampler columns; then
+# (from _V_LIMITS) the positions the lane may feed below (its pages, and the context: MTP drafts write no key past
+# them); then the rope shift; then whether the lane continues the previous round's frontier on the device, the
+# tokens it may still emit, and its phase; then the request's own stop ids (-1: none)
 LANE_STOPS = 4
-VERIFY_COLUMNS = 15 + LANE_STOPS
+_V_LIMITS = 5 + SAMPLER_COLUMNS
+_V_ROPE, _V_CHAINED, _V_LEFT, _V_PHASE, _V_STOPS = range(_V_LIMITS + 1, _V_LIMITS + 6)
+VERIFY_COLUMNS = _V_STOPS + LANE_STOPS
 # A lane's phase in verify rounds: it decodes (LIVE); it stopped on an engine stop token it has not fed, which its
 # next round feeds alone, as a plain round in flight does (CLOSING); or it runs no more rounds (DONE).
 LIVE, CLOSING, DONE = 0, 1, 2
@@ -288,16 +295,16 @@ def _verify_rows(packed, t: int, frontier):
     chained row's from `frontier`, its count from its phase, tokens left and limit: LIVE feeds up to T rows,
     CLOSING its last token alone, DONE nothing."""
     col = [packed[:, t + i] for i in range(VERIFY_COLUMNS)]
-    chained, lanes, limits = col[12] != 0, col[4], col[10]
+    chained, lanes, limits = col[_V_CHAINED] != 0, col[4], col[_V_LIMITS]
     front = frontier.at[lanes].get(mode="fill", fill_value=0)
     pick = lambda own, j: jnp.where(chained, front[:, t + j], own)  # noqa: E731
     tokens = jnp.where(chained[:, None], front[:, :t], packed[:, :t])
-    positions, step, left, phase = pick(col[0], 0), pick(col[9], 1), pick(col[13], 2), pick(col[14], 3)
+    positions, step, left, phase = pick(col[0], 0), pick(col[9], 1), pick(col[_V_LEFT], 2), pick(col[_V_PHASE], 3)
     room = limits - positions
     count = jnp.where(phase == LIVE, jnp.clip(jnp.minimum(jnp.minimum(left, room), t), 0),
                       jnp.where(phase == CLOSING, (room > 0).astype(jnp.int32), 0))
     counts = jnp.where(chained, count, col[2])
-    sampler = _sampler_from_columns(col[5:9] + [step])
+    sampler = _sampler_from_columns(col[5:9] + [step] + col[10:_V_LIMITS])  # column 9 is the step
     return tokens, positions, counts, sampler, limits, phase, left
 
 
@@ -326,11 +333,11 @@ def _verify_step(params, cfg, kc, full, layout, state, packed, stop_mask, fronti
     t, width = layout
     slots, stops, lanes = packed[:, t + 1], packed[:, t + 3] != 0, packed[:, t + 4]
     tokens, positions, counts, sampler, limits, phase, left = _verify_rows(packed, t, frontier)
-    page_tables, rope_shift = packed[:, t + VERIFY_COLUMNS:], packed[:, t + 11]
+    page_tables, rope_shift = packed[:, t + VERIFY_COLUMNS:], packed[:, t + _V_ROPE]
     hidden, state, replay = qwen3_5.verify(params, cfg, kc, tokens, positions, page_tables, slots, counts, state,
                                            rope_shift)
     logits = qwen3_5.logits(params, hidden).reshape(tokens.shape[0], t, -1)
-    lane_stops = packed[:, t + 15:t + VERIFY_COLUMNS]
+    lane_stops = packed[:, t + _V_STOPS:t + VERIFY_COLUMNS]
     emitted, kept, ends = accept_drafts(logits, tokens, counts, sampler, stop_mask, stops, lane_stops, full=full)
     state = qwen3_5.commit_verified(params, cfg, kc, state, replay, slots, kept, counts > 0)
     fed_lanes = jnp.where(counts > 0, lanes, width)  # a row that fed nothing writes no lane's carry
@@ -391,18 +398,18 @@ def jit_decode_step():
     return jax.jit(_own(_decode_step), static_argnames=("cfg", "kc", "full"), donate_argnames=("state",))
 
 
-# The row's lane, its five sampler columns, then the lane whose SamplerState row it uses (C: none, neutral);
-# then the allowed-token mask's words.
-PROCESS_COLUMNS = 7
+# The row's lane, its sampler columns, then the lane whose SamplerState row it uses (C: none, neutral); then the
+# allowed-token mask's words.
+PROCESS_COLUMNS = 2 + SAMPLER_COLUMNS
 
 
 def _process_step(logits, sampler_state, extras, width):
     """Samples a step's rows again from their processed logits (`process_logits`) with the full sampler, and counts
     the tokens in the SamplerState. extras [R, PROCESS_COLUMNS + W] int32: each row's lane (C or past: padding),
-    its five sampler columns, its SamplerState lane, its allowed tokens. Returns (tokens by lane [width], or by row
+    its sampler columns, its SamplerState lane, its allowed tokens. Returns (tokens by lane [width], or by row
     [R] when width is 0; the SamplerState)."""
-    lanes, sampler = extras[:, 0], _sampler_from_columns([extras[:, 1 + i] for i in range(5)])
-    state_lanes = extras[:, 6]
+    lanes, sampler = extras[:, 0], _sampler_from_columns([extras[:, 1 + i] for i in range(SAMPLER_COLUMNS)])
+    state_lanes = extras[:, PROCESS_COLUMNS - 1]
     processed = process_logits(logits, sampler_state, state_lanes, sampler[4], extras[:, PROCESS_COLUMNS:])
     tokens = sample(processed, sampler, full=True)
     sampler_state = count_tokens(sampler_state, state_lanes, tokens)
@@ -775,7 +782,7 @@ class ModelRunner:
 
     def decode(self, tokens, positions, page_tables, slots, active, sampler, *, full=False, prev_tokens=None,
                use_prev=None, logprobs=False, allowed=None, processed=None, rope_shift=None):
-        """One decode round over the active lanes ([C] host arrays, `sampler` the five SamplerInputs arrays;
+        """One decode round over the active lanes ([C] host arrays, `sampler` the SamplerInputs arrays;
         inactive lanes untouched), run as a batch of the next compiled size: one active lane computes one row,
         not C (at 35B-A3B every padding row also routed to experts whose weights the round then read). A lane
         with use_prev set feeds prev_tokens[lane] (the previous round's token output, still on the device)
@@ -801,15 +808,15 @@ class ModelRunner:
 
     def _decode_extras(self, packed: np.ndarray, allowed, processed) -> np.ndarray:
         """`_process_step`'s rows [R, PROCESS_COLUMNS + mask_words] of a round: each row's lane and sampler columns
-        (packed's columns 5 to 10), its SamplerState lane (C unless `processed`), its allowed tokens (all, for
-        padding rows)."""
+        (packed's columns from 5), its SamplerState lane (C unless `processed`), its allowed tokens (all, for padding
+        rows)."""
         rows = packed[:, 5]  # each row's lane, C for padding
         c = self.max_lanes
         extras = np.full((len(rows), PROCESS_COLUMNS + self.mask_words), -1, np.int32)
-        extras[:, :6] = packed[:, 5:11]  # the lane and its five sampler columns
+        extras[:, :PROCESS_COLUMNS - 1] = packed[:, 5:6 + SAMPLER_COLUMNS]  # the lane and its sampler columns
         real = rows < c
-        extras[:, 6] = c
-        extras[real, 6] = np.where(np.asarray(processed, bool)[rows[real]], rows[real], c)
+        extras[:, PROCESS_COLUMNS - 1] = c
+        extras[real, PROCESS_COLUMNS - 1] = np.where(np.asarray(processed, bool)[rows[real]], rows[real], c)
         extras[real, PROCESS_COLUMNS:] = np.asarray(allowed, np.int32)[rows[real]]
         return extras
 
@@ -1054,7 +1061,7 @@ class ModelRunner:
                 ready(self.media, f"vision encoder {bucket} patches")
         # Rows of lane C (past every lane): the SamplerState's row write and token counts are dropped.
         self.set_sampler_lane(c, np.zeros(2 * self.mask_words + 2 * MAX_LOGIT_BIAS + 4, np.int32))
-        row = np.concatenate([[c], np.zeros(5), [c], np.full(self.mask_words, -1)]).astype(np.int32)
+        row = np.concatenate([[c], np.zeros(SAMPLER_COLUMNS), [c], np.full(self.mask_words, -1)]).astype(np.int32)
         for size, width in [(1, 0)] * (done is None) + [(size, c) for size in sizes.decode if new("decode", size)]:
             logits = jnp.zeros((size, self.cfg.vocab_size), jnp.float32)
             ready(self._process(logits, row[None].repeat(size, 0), width), f"logit processing {size} rows")
