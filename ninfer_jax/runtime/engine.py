@@ -321,7 +321,8 @@ class Engine:
         prepared = self._prepare(prompt)
         grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens) \
+            if self.tokenizer else None
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
         return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar)
 

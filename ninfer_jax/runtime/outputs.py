@@ -22,7 +22,8 @@ class OutputProcessor:
 
     def accept(self, req: Request, token: int, chosen, top, row: int) -> None:
         """Appends a sampled token (row `row` of its step's logprobs) and sets finish_reason if it ends the
-        request: a stop token, a stop string (the text is cut before it), a complete grammar, max_tokens or the
+        request: a stop token, a stop string (the text is cut before it, or after it with
+        include_stop_str_in_output), a complete grammar, max_tokens or the
         context. A grammar advances by every token but a stop token."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
@@ -46,7 +47,7 @@ class OutputProcessor:
             for s in sp.stop:
                 at = req.text.find(s, max(0, req.emitted_text - len(s) + 1))
                 if at >= 0:
-                    req.text = req.text[:at]
+                    req.text = req.text[:at + len(s)] if sp.include_stop_str_in_output else req.text[:at]
                     req.finish_reason = "stop"
                     req.detokenizer = None  # the text ends here: nothing buffered may follow it
                     return

@@ -76,6 +76,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] | list[str] | str = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # the text leaves out special tokens (the token ids keep them)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
     # number of top logprobs per prompt token (0: only the prompt's own); such a request computes its whole prompt

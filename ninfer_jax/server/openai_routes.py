@@ -304,6 +304,7 @@ def _sampling(engine, body, max_tokens: int | None):
         engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, seed=body.seed,
         stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
         logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,

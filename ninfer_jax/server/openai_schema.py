@@ -72,7 +72,6 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 # vLLM's request fields that change the output and that this server does not implement, with their neutral values:
 # a request may send them only at those (as best_of=1), so none is silently ignored.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
-                "include_stop_str_in_output": False, "skip_special_tokens": True,
                 "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
                 "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
                 "chat_template": None, "documents": None}
@@ -111,6 +110,8 @@ class _Sampling(_Lenient):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's, as skip_special_tokens
+    skip_special_tokens: bool = True
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: the prompt's and each choice's token ids in the response (RL rollouts train on exactly these)

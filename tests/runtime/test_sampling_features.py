@@ -122,6 +122,23 @@ def test_min_p_of_one_leaves_only_the_likeliest_token(engine):
     assert outs[1] != greedy or outs[3] != greedy  # without it the draw strays at this temperature
 
 
+def test_a_stop_string_stays_in_the_text_when_asked(engine):
+    text = engine.generate(PROMPT, _greedy(16)).text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop) == 3 and stop in text
+    cut = text[:text.index(stop)]
+    assert engine.generate(PROMPT, _greedy(16, stop=stop)).text == cut
+    assert engine.generate(PROMPT, _greedy(16, stop=stop, include_stop_str_in_output=True)).text == cut + stop
+
+
+def test_special_tokens_reach_the_text_unless_skipped(engine):
+    start = engine.tokenizer.encode("<|im_start|>")
+    assert len(start) == 1 and start[0] in engine.tokenizer.special_token_ids
+    forced = dict(logit_bias={start[0]: 100.0})
+    assert engine.generate(PROMPT, _greedy(3, **forced)).text == ""
+    assert engine.generate(PROMPT, _greedy(3, skip_special_tokens=False, **forced)).text == "<|im_start|>" * 3
+
+
 def test_min_tokens_holds_back_stop_tokens(engine):
     stop_at_x = dict(max_tokens=8, temperature=0.0, logit_bias={X: 30}, stop_token_ids=[X])
     assert engine.generate(PROMPT, SamplingParams(**stop_at_x)).token_ids == (X,)
