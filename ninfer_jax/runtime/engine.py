@@ -513,10 +513,6 @@ class Engine:
         self._call(lambda: host.inject_fault(kind, times))
 
 
-__all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
-           "RequestOutput", "StreamEvent", "Usage"]
-
-
 def _sampling_defaults(generation_config: str, checkpoint: Path) -> dict:
     """The sampling defaults option generation_config names: the checkpoint's generation_config.json (auto), none,
     or a file (or the folder holding one); logged when there are any."""
@@ -529,3 +525,7 @@ def _sampling_defaults(generation_config: str, checkpoint: Path) -> dict:
     if defaults:
         log.info("sampling defaults from %s | %s", path, " ".join(f"{k} {v}" for k, v in defaults.items()))
     return defaults
+
+
+__all__ = ["Engine", "EngineStoppedError", "InvalidRequestError", "Metrics", "PromptTooLongError",
+           "RequestOutput", "StreamEvent", "Usage"]
