@@ -463,21 +463,17 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
-# INT8 and FP8 pools: one page a block, three stages, f16 operands: the fastest of the H200 sweep (int8 272 us, fp8
-# 217 us at 32k against 485 and 555 at 2 pages, 2 stages, bf16 values; docs/kernels_notes.md)
+# Quantized pools: one page a block, three stages, f16 operands, the fastest of the H200 sweep at 32k x 8 lanes
+# (int8 268 us, fp8 212 us against 482 and 566 at 2 pages, 2 stages, bf16 values; NVFP4 rows to f16 by inline PTX,
+# two codes a register: nvfp4 310 us, k8v4 249 us against 581 and 428 as bf16 rows decoded code by code;
+# docs/benchmarks/kv_decode_sweep.md)
 QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=3, f16_keys=True, f16_values=True)
-# An NVFP4 pool's rows come dequantized: one page a block keeps it in registers; 4 warps beat 8 once its bytes are
-# decoded by bit operations (nvfp4 at 32k: 500 us against 614, k8v4 321 against 476; docs/kernels_notes.md)
-PACKED_DECODE_CONFIG = DecodeConfig(pages_per_block=1)
 
 
 def default_decode_config(k_pages, v_pages) -> DecodeConfig:
-    """The decode config for these pools: PACKED_DECODE_CONFIG when either is NVFP4, QUANT_DECODE_CONFIG when either
-    is INT8 or FP8, else DEFAULT_DECODE_CONFIG."""
-    fmts = [f for f in (kv_quant.format_of(k_pages), kv_quant.format_of(v_pages)) if f is not None]
-    if any(f.packed for f in fmts):
-        return PACKED_DECODE_CONFIG
-    return QUANT_DECODE_CONFIG if fmts else DEFAULT_DECODE_CONFIG
+    """The decode config for these pools: QUANT_DECODE_CONFIG when either is quantized, else DEFAULT_DECODE_CONFIG."""
+    quantized = any(kv_quant.format_of(pages) is not None for pages in (k_pages, v_pages))
+    return QUANT_DECODE_CONFIG if quantized else DEFAULT_DECODE_CONFIG
 
 
 def _combine_splits(o, m, l):

@@ -91,12 +91,12 @@ def test_decode_over_quantized_pages_matches_float64(profile, d, variant):
 # (f16=False): within the rounding of p to 16 bits. Values of magnitude 1e-3 (FP8 scales near 2e-6) check that the
 # f16 probabilities times scales keep their precision. D 256, the real head dim, scales the queries by 1/16, exactly.
 # Rows dequantized whole (`dequantize_rows`) round each key and value to bf16 as well as p: three such roundings.
-# NVFP4 rows in f16 (`f16_nvfp4`: f16_keys and f16_values on the packed pools' config) are exact, as in bf16.
+# NVFP4 rows in f16 (the quantized pools' default) and in bf16 (`bf16_nvfp4`) are exact.
 @pytest.mark.parametrize("profile,f16,v_mag,variant", [
     ("fp8", True, 3.0, None), ("fp8", True, 1e-3, None), ("int8", True, 3.0, None), ("int8", False, 3.0, None),
     ("k8v4", True, 3.0, None), ("fp8", True, 1e-3, "swap_ab"), ("int8", True, 3.0, "swap_ab"),
     ("fp8", True, 1e-3, "dequantize_rows"), ("int8", True, 3.0, "dequantize_rows"),
-    ("nvfp4", True, 3.0, "f16_nvfp4"), ("k8v4", True, 1e-3, "f16_nvfp4")])
+    ("nvfp4", True, 3.0, None), ("nvfp4", False, 3.0, "bf16_nvfp4"), ("k8v4", False, 1e-3, "bf16_nvfp4")])
 def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     r = np.random.default_rng(3)
     hq, hkv, d, lengths, max_pages = 4, 2, 256, [70, 200], 4
@@ -105,9 +105,9 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     k, v = pools(r, profile, n_pages, hkv, d, v_mag)
     q = jnp.asarray(r.standard_normal((len(lengths), hq, d)), jnp.bfloat16)
     config = paged_attention.default_decode_config(k, v)
-    if variant == "f16_nvfp4":
+    if variant == "bf16_nvfp4":
         assert k.format.packed or v.format.packed
-        config = dataclasses.replace(config, num_splits=2, f16_keys=True, f16_values=True)
+        config = dataclasses.replace(config, num_splits=2, f16_keys=False, f16_values=False)
     else:
         config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
                                      f16_values=config.f16_values and f16, **{variant: True} if variant else {})
