@@ -10,6 +10,8 @@ cProfile while the engine decodes one lane, on the wall clock and on the thread'
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/profile_decode.py --models 35b-a3b --engine --out /tmp/decode
     python scripts/profile_decode.py --models 27b --weights fp8 --out docs/benchmarks/fp8   # an FP8 pack's round
+    python scripts/profile_decode.py --models 35b-a3b --kv-dtype bfloat16,int8,nvfp4 --position 30720 \
+        --max-model-len 32768 --out /tmp/kv   # each KV profile's round at a long context
     python scripts/profile_decode.py --smoke          # the tiny shape on CPU, a temporary folder
 """
 
@@ -79,14 +81,14 @@ def round_profile(engine, name: str, args) -> dict:
     result = {}
     for lanes in (1, engine.runner.max_lanes):
         for sync in (True, False):
-            s = time_rounds(engine, lanes, args.rounds, sync)
+            s = time_rounds(engine, lanes, args.rounds, sync, args.position)
             result[f"{lanes}lane_{'sync' if sync else 'async'}_ms"] = s * 1e3
             print(f"[{name}] decode {lanes} lanes, {'synchronous' if sync else 'back to back'}: "
                   f"{s * 1e3:.3f} ms/round", flush=True)
-        result[f"{lanes}lane_dispatch_ms"] = dispatch_ms(engine, lanes)
+        result[f"{lanes}lane_dispatch_ms"] = dispatch_ms(engine, lanes, position=args.position)
         print(f"[{name}] decode {lanes} lanes: {result[f'{lanes}lane_dispatch_ms']:.3f} ms to dispatch", flush=True)
     trace_dir = Path(args.trace_dir) / name
-    inputs = decode_inputs(engine, 1, 1024)
+    inputs = decode_inputs(engine, 1, args.position)
     jax.block_until_ready(engine.runner.decode(*inputs))
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(args.trace_rounds):
@@ -98,17 +100,20 @@ def round_profile(engine, name: str, args) -> dict:
     return result
 
 
-def profile(name: str, args) -> dict:
+def profile(name: str, kv_dtype: str, args) -> dict:
     from ninfer_jax import SamplingParams
+    from ninfer_jax.model.state import PAGE
 
+    # Every lane's pages at --position, disjoint (decode_inputs), and room for the warm-up request.
+    pages = args.lanes * -(-(args.position + 1) // PAGE) + 2 * -(-args.max_model_len // PAGE)
     engine, _ = random_engine(name, kernels=args.kernels, weights=args.weights, max_concurrency=args.lanes,
-                              prefill_chunk=2048, max_model_len=args.max_model_len, kv_capacity=65536,
-                              no_prefix_reuse=True)
+                              prefill_chunk=2048, max_model_len=args.max_model_len,
+                              kv_capacity=max(65536, pages * PAGE), kv_dtype=kv_dtype, no_prefix_reuse=True)
     try:
         engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         mode = engine_profile if args.engine else round_profile
-        return {"model": name, "weights": args.weights, "max_model_len": args.max_model_len,
-                **mode(engine, name, args)}
+        return {"model": name, "weights": args.weights, "kv_dtype": kv_dtype, "position": args.position,
+                "max_model_len": args.max_model_len, **mode(engine, f"{name}-{kv_dtype}", args)}
     finally:
         engine.stop()
 
@@ -116,11 +121,11 @@ def profile(name: str, args) -> dict:
 def write_report(rows: list[dict], args, out: Path) -> None:
     meta = report.run_meta()
     lines = report.header("Decode profile", meta, f"random {args.weights} weights, kernels {args.kernels}, "
-                          f"{args.lanes} lanes, max_model_len {args.max_model_len}, rounds at position 1024")
+                          f"{args.lanes} lanes, max_model_len {args.max_model_len}, rounds at position {args.position}")
     for r in rows:
         if "kernels_1lane" in r:
             lanes = args.lanes
-            lines += [f"## {r['model']}", "", *report.table(
+            lines += [f"## {r['model']}, KV {r['kv_dtype']}", "", *report.table(
                 ["lanes", "synchronous ms/round", "back to back ms/round", "dispatch ms"],
                 [[n, *(f"{r[f'{n}lane_{k}_ms']:.3f}" for k in ("sync", "async", "dispatch"))] for n in (1, lanes)]),
                 "", f"One-lane round, device kernels per round (top {args.top}):", "",
@@ -144,6 +149,8 @@ def main() -> int:
     p.add_argument("--lanes", type=int, default=8, help="the engine's max_concurrency: the all-lanes round")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="the engine's; it sets the page tables' width, so paged decode attention's splits")
+    p.add_argument("--kv-dtype", default="auto", help="KV profiles, comma-separated: one engine each")
+    p.add_argument("--position", type=int, default=1024, help="every lane's context in the timed rounds")
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--trace-rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128, help="--engine: decode tokens per request")
@@ -157,7 +164,7 @@ def main() -> int:
         args.models, args.kernels, args.lanes, args.max_model_len = "tiny-dense", "reference", 2, 2048
         args.rounds, args.trace_rounds, args.tokens, args.top = 2, 2, 8, 10
     out = Path(args.out or (tempfile.mkdtemp(prefix="decode_smoke-") if args.smoke else report.DOCS))
-    rows = [profile(m, args) for m in args.models.split(",")]
+    rows = [profile(m, kv, args) for m in args.models.split(",") for kv in args.kv_dtype.split(",")]
     write_report(rows, args, out)
     print(f"report: {out / 'decode_profile.md'}")
     return 0
