@@ -114,19 +114,6 @@ def _key_block(page_of, first_page, n_valid_pages, kv_len, pages_per_block):
     return page_of(logical), r % PAGE, pos, (logical < n_valid_pages) & (pos < kv_len)
 
 
-def _load_kv_block(k_refs, v_refs, pools, page_of, first_page, n_valid_pages, kv_len, kvh, pages_per_block,
-                   mask_keys, d, dtype):
-    """Gather keys/values of pages [first_page, first_page + pages_per_block) of one lane (`_key_block`).
-
-    Returns (K [BK, D], V [BK, D], key positions [BK], key valid [BK]); with mask_keys, rows past the
-    lane's pages or length are zero and never read.
-    """
-    page, row, pos, valid = _key_block(page_of, first_page, n_valid_pages, kv_len, pages_per_block)
-    k = _load_rows(k_refs, pools.k_fmt, page, row, kvh, d, valid, mask_keys, dtype)
-    v = _load_rows(v_refs, pools.v_fmt, page, row, kvh, d, valid, mask_keys, dtype)
-    return k, v, pos, valid
-
-
 def _softmax_update(m, l, s, valid, keys: int = 1):
     """The running max and denominator after scores s [R, BK] (already masked; [BK, R] with keys=0), with the factor
     alpha [R] that rescales what was accumulated and the probabilities p (s's shape); valid: broadcasts to s, or
@@ -137,13 +124,6 @@ def _softmax_update(m, l, s, valid, keys: int = 1):
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
     return m_new, l * alpha + jnp.sum(p, axis=keys), alpha, p
-
-
-def _online_softmax_step(carry, s, v, valid):
-    """One flash-attention update. s: [R, BK] scores (already masked), v: [BK, D], valid: [R, BK] or None."""
-    m, l, acc = carry
-    m, l, alpha, p = _softmax_update(m, l, s, valid)
-    return m, l, acc * alpha[:, None] + dot(p.astype(v.dtype), v)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -585,20 +565,23 @@ def _prefill_kernel(
     group: int,
     block_q: int,
     pages_per_block: int,
+    by_groups: bool,
+    asm: bool,
     scale: float,
 ):
+    """by_groups: a quantized pool read as decode reads it (`_fetch`, `_decode`): an INT8 or FP8 pool's codes a scale
+    group at a time, their scales on the scores and probabilities, NVFP4 rows as two halves in f16 (inline PTX on
+    the GPU), the products in f16 (`_operand_dtype` with f16 keys and values). Else every key and value block is
+    dequantized whole into the queries' dtype (`_load_rows`)."""
     k_refs, v_refs, (o_ref,) = pools.split(refs)
     qb, h = pl.program_id(0), pl.program_id(1)
     kvh = h // group
     d = q_ref.shape[-1]
-    dtype = pools.compute_dtype(k_refs, q_ref.dtype)
     base = base_ref[0]
     bk = pages_per_block * PAGE
     qi = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
     q_ok = qi < t_len
-    cols = jnp.arange(d, dtype=jnp.int32)
-    q = _compat.load(q_ref.at[jnp.minimum(qi, t_len - 1)[:, None], h, cols[None, :]], mask=q_ok[:, None], other=0)
-    q = (q.astype(_F32) * scale).astype(dtype)
+    q_rows = jnp.minimum(qi, t_len - 1)
     q_pos = base + qi
     kv_len = base + t_len
     n_pages = (kv_len + PAGE - 1) // PAGE
@@ -610,25 +593,70 @@ def _prefill_kernel(
 
     n_full = (base + qb * block_q + 1) // bk
     n_total = (base + jnp.minimum(qb * block_q + block_q, t_len) + bk - 1) // bk
+    if by_groups:
+        k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", True, True)
+        v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", True, True)
+        v_shift = pools.v_fmt is not None and not pools.v_fmt.packed and v_dtype == jnp.float16
+        k_groups, v_groups = _column_groups(pools.k_fmt, d), _column_groups(pools.v_fmt, d)
+    else:
+        k_dtype = v_dtype = pools.compute_dtype(k_refs, q_ref.dtype)
+        v_shift = False
+        k_groups = v_groups = [(0, d)]
+    qs = []
+    for first_col, width in k_groups:
+        cols = first_col + jnp.arange(width, dtype=jnp.int32)
+        q = _compat.load(q_ref.at[q_rows[:, None], h, cols[None, :]], mask=q_ok[:, None], other=0)
+        qs.append((q.astype(_F32) * scale).astype(k_dtype))
+
+    def blocks(j, mask_keys):
+        """Key block j as [(K values, K scales or None)] and [(V values, V scales or None)] by column group, with
+        its key positions and validity."""
+        page, row, pos, valid = _key_block(page_of, j * pages_per_block, n_pages, kv_len, pages_per_block)
+        if not by_groups:
+            k = _load_rows(k_refs, pools.k_fmt, page, row, kvh, d, valid, mask_keys, k_dtype)
+            v = _load_rows(v_refs, pools.v_fmt, page, row, kvh, d, valid, mask_keys, v_dtype)
+            return [(k, None)], [(v, None)], pos, valid
+        raw_k = _fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid)
+        raw_v = _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid)
+        return (_decode(pools.k_fmt, k_groups, raw_k, k_dtype, asm),
+                _decode(pools.v_fmt, v_groups, raw_v, v_dtype, asm), pos, valid)
+
+    def step(carry, ks, vs, visible):
+        m, l, accs = carry
+        s = None
+        for q, (k, k_scale) in zip(qs, ks):
+            part = _dot_nt(q, k)
+            part = part if k_scale is None else part * k_scale[None, :]
+            s = part if s is None else s + part
+        if visible is not None:
+            s = jnp.where(visible, s, _NEG)
+        m, l, alpha, p = _softmax_update(m, l, s, visible)
+        new = []
+        for acc, (v, v_scale) in zip(accs, vs):
+            if v_shift:
+                v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
+            w = (p if v_scale is None else p * v_scale[None, :]).astype(v_dtype)
+            new.append(acc * alpha[:, None] + dot(w, v))
+        return m, l, tuple(new)
 
     def unmasked(j, carry):
-        k, v, _, _ = _load_kv_block(k_refs, v_refs, pools, page_of, j * pages_per_block, n_pages, kv_len, kvh,
-                                    pages_per_block, False, d, dtype)
-        return _online_softmax_step(carry, _dot_nt(q, k), v, None)
+        ks, vs, _, _ = blocks(j, False)
+        return step(carry, ks, vs, None)
 
     def masked(j, carry):
-        k, v, pos, valid = _load_kv_block(k_refs, v_refs, pools, page_of, j * pages_per_block, n_pages, kv_len,
-                                          kvh, pages_per_block, True, d, dtype)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = jnp.where(visible, _dot_nt(q, k), _NEG)
-        return _online_softmax_step(carry, s, v, visible)
+        ks, vs, pos, valid = blocks(j, True)
+        return step(carry, ks, vs, valid[None, :] & (pos[None, :] <= q_pos[:, None]))
 
-    carry = (jnp.full((block_q,), _NEG, _F32), jnp.zeros((block_q,), _F32), jnp.zeros((block_q, d), _F32))
+    carry = (jnp.full((block_q,), _NEG, _F32), jnp.zeros((block_q,), _F32),
+             tuple(jnp.zeros((block_q, width), _F32) for _, width in v_groups))
     carry = lax.fori_loop(0, n_full, unmasked, carry)
-    _, l, acc = lax.fori_loop(n_full, n_total, masked, carry)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    _, l, accs = lax.fori_loop(n_full, n_total, masked, carry)
+    denom = jnp.where(l > 0, l, 1.0)[:, None]
     rows = jnp.where(q_ok, qi, t_len)  # masked lanes never store; interpret mode has a trash row
-    _compat.store(o_ref.at[rows[:, None], h, cols[None, :]], out, mask=q_ok[:, None])
+    for (first_col, width), acc in zip(v_groups, accs):
+        cols = first_col + jnp.arange(width, dtype=jnp.int32)
+        out = acc / denom * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc / denom
+        _compat.store(o_ref.at[rows[:, None], h, cols[None, :]], out, mask=q_ok[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,6 +672,9 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     cudnn_segment_pages: int = 128  # impl "cudnn": prefix keys gathered per cuDNN call (8192 keys)
+    # quantized pools read as decode reads them (`_prefill_kernel`): on the agent trace an NVFP4 prefix read by
+    # whole dequantized blocks took prefill to 2.6x bf16's time (docs/benchmarks/kv_profiles.md). Not yet timed
+    by_groups: bool = False
 
     def __post_init__(self):
         if self.impl not in ("pallas", "cudnn"):
@@ -672,6 +703,8 @@ def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interp
             group=hq // hkv,
             block_q=block_q,
             pages_per_block=config.pages_per_block,
+            by_groups=config.by_groups and (pools.k_fmt is not None or pools.v_fmt is not None),
+            asm=not interpret,
             scale=d**-0.5,
         ),
         grid=(pl.cdiv(t_len, block_q), hq),

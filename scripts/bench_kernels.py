@@ -14,7 +14,8 @@ Sections (real model shapes, bf16 inputs, f32 state):
              profile (--kv-dtype bfloat16,int8,...): the bytes the kernel reads (values and scales) per
              second, and that rate over the device copy's.
   prefill    paged prefill attention, 2k and 8k chunks over prefixes 0/32k/128k: ours (Pallas),
-             gather + cuDNN, the XLA reference where it fits.
+             gather + cuDNN, the XLA reference where it fits; per KV profile (--kv-dtype), a quantized pool
+             read by scale group (PrefillConfig.by_groups) beside its rows dequantized whole.
 Timing: median of 5 repeats; small ops run `unroll` times inside one jit (no host gaps); torch anchors
 through triton.testing.do_bench_cudagraph.
 """
@@ -22,6 +23,7 @@ through triton.testing.do_bench_cudagraph.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -615,6 +617,13 @@ def _causal_flops(t, prefix, hq, d):
 
 
 def run_prefill():
+    for profile in ARGS.kv_dtype.split(","):
+        run_prefill_profile(profile)
+
+
+def run_prefill_profile(profile):
+    """A chunk over a prefix stored in `profile`: the Pallas kernel's best config and cuDNN on gathered rows; a
+    quantized pool also read by scale group (`PrefillConfig.by_groups`), beside its rows dequantized whole."""
     interp = ARGS.smoke
     hq, hkv, d = 24, 4, 256
     cases = [(8192, 32768), (2048, 0), (2048, 32768), (8192, 0), (8192, 131072), (2048, 131072)]
@@ -623,7 +632,8 @@ def run_prefill():
     elif ARGS.quick:
         cases = [(8192, 32768)]
     max_pages = max(-(-(t + p) // 64) for t, p in cases)
-    k_pages, v_pages = _kv_pool(jax.random.key(30), max_pages + 16, hkv, d)
+    k_pages, v_pages = _profile_pools(profile, *_kv_pool(jax.random.key(30), max_pages + 16, hkv, d))
+    quantized = any(kv_quant.PROFILES[profile])
     perm = jax.random.permutation(jax.random.key(31), max_pages + 16)[:max_pages].astype(jnp.int32)
     configs = [paged_attention.PrefillConfig(), paged_attention.PrefillConfig(num_warps=8)]
     if not ARGS.smoke and not ARGS.quick:
@@ -643,34 +653,48 @@ def run_prefill():
             from ninfer_jax.model import ops
 
             ref_o = ops.attention_prefill(ops.REFERENCE, q, k_pages, v_pages, table, base)
-            check(f"prefill T={t} prefix={prefix} rel err vs XLA ref", rel_err(ours_o, ref_o), 1e-2)
+            check(f"prefill {profile} T={t} prefix={prefix} rel err vs XLA ref", rel_err(ours_o, ref_o), 1e-2)
         cudnn = None
         if not ARGS.smoke:
             cfg_c = paged_attention.PrefillConfig(impl="cudnn")
             c_o = guarded("cudnn prefill", lambda: paged_attention.paged_prefill_attention(
                 q, k_pages, v_pages, table, base, config=cfg_c))
             if c_o is not None:
-                check(f"prefill T={t} prefix={prefix} ours vs gather+cuDNN rel err", rel_err(ours_o, c_o), 2e-2)
+                check(f"prefill {profile} T={t} prefix={prefix} ours vs gather+cuDNN rel err", rel_err(ours_o, c_o),
+                      2e-2)
                 cudnn = guarded("cudnn time", lambda: time_pure(
                     lambda *a: paged_attention.paged_prefill_attention(*a, config=cfg_c),
                     (q, k_pages, v_pages, table, base)))
         cands = configs if best_cfg is None else [best_cfg]
         best = best_of(
-            f"prefill T={t} prefix={prefix}", cands,
+            f"prefill {profile} T={t} prefix={prefix}", cands,
             lambda *a, config: paged_attention.paged_prefill_attention(*a, interpret=interp, config=config),
             (q, k_pages, v_pages, table, base), lambda tm: f"{tm * 1e3:.3f} ms {flops / tm / 1e12:.0f} TFLOP/s")
         if best_cfg is None and best is not None:
             best_cfg = best[1]
+        grouped = None
+        if quantized and best is not None:
+            cfg_g = dataclasses.replace(best[1], by_groups=True)
+            g_o = paged_attention.paged_prefill_attention(q, k_pages, v_pages, table, base, interpret=interp,
+                                                          config=cfg_g)
+            check(f"prefill {profile} T={t} prefix={prefix} by groups vs whole rows rel err", rel_err(g_o, ours_o),
+                  1e-2)
+            grouped = guarded("prefill by groups", lambda: time_pure(
+                lambda *a: paged_attention.paged_prefill_attention(*a, interpret=interp, config=cfg_g),
+                (q, k_pages, v_pages, table, base)))
         xla = None
         if t * (t + prefix) <= 2048 * 2048 and not ARGS.skip_ref:
             from ninfer_jax.model import ops
 
             xla = guarded("prefill ref", lambda: time_pure(
                 lambda *a: ops.attention_prefill(ops.REFERENCE, *a), (q, k_pages, v_pages, table, base), reps=3))
-        r = dict(kernel="paged_prefill", T=t, prefix=prefix)
+        r = dict(kernel="paged_prefill", kv_dtype=profile, T=t, prefix=prefix)
         if best:
             r.update(ours_ms=best[0] * 1e3, ours_tflops=flops / best[0] / 1e12, ours_tok_s=t / best[0],
                      ours_config=str(best[1]), frac_of_matmul=(flops / best[0] / 1e12) / mm if mm else None)
+        if grouped:
+            r.update(by_groups_ms=grouped * 1e3, by_groups_tflops=flops / grouped / 1e12,
+                     by_groups_speedup=best[0] / grouped)
         if cudnn:
             r.update(cudnn_ms=cudnn * 1e3, cudnn_tflops=flops / cudnn / 1e12,
                      ratio_vs_cudnn=cudnn / best[0] if best else None)
@@ -714,8 +738,8 @@ def write_report(out_dir, command, quiet=False):
          ["kv_dtype", "ctx", "lanes", "ours_us", "ours_tbps", "frac_of_copy", "jax_pallas_us", "jax_pallas_tbps",
           "ratio_vs_jax", "xla_us", "ours_config"]),
         ("Paged prefill attention (24/4 heads, D256, causal)", "paged_prefill",
-         ["T", "prefix", "ours_ms", "ours_tflops", "frac_of_matmul", "cudnn_ms", "cudnn_tflops", "ratio_vs_cudnn",
-          "xla_ms", "ours_config"]),
+         ["kv_dtype", "T", "prefix", "ours_ms", "ours_tflops", "frac_of_matmul", "by_groups_ms", "by_groups_speedup",
+          "cudnn_ms", "cudnn_tflops", "ratio_vs_cudnn", "xla_ms", "ours_config"]),
     ]
     for title, kind, cols in groups:
         rows = [r for r in RESULTS["rows"] if r.get("kernel") == kind]
@@ -749,7 +773,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="one size per kernel, fewer configs")
     p.add_argument("--deadline", type=float, default=0, help="skip measurements after this many seconds")
     p.add_argument("--kv-dtype", default="bfloat16",
-                   help=f"decode: KV profiles, comma-separated, of {', '.join(kv_quant.PROFILES)}")
+                   help=f"decode and prefill: KV profiles, comma-separated, of {', '.join(kv_quant.PROFILES)}")
     p.add_argument("--decode-contexts", default="",
                    help="decode: contexts, comma-separated (default 32768,4096,131072)")
     ARGS = p.parse_args()

@@ -182,7 +182,8 @@ def test_lowers_to_triton_at_real_shapes(profile):
         sd((1, 16, 256), bf), k_35b, v_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    text = paged_attention.paged_prefill_attention.trace(
-        sd((2048, 24, 256), bf), k, v, sd((600,), jnp.int32), sd((), jnp.int32)
-    ).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    for config in (None, paged_attention.PrefillConfig(by_groups=True)):  # a quantized pool read by scale group
+        text = paged_attention.paged_prefill_attention.trace(
+            sd((2048, 24, 256), bf), k, v, sd((600,), jnp.int32), sd((), jnp.int32), config=config
+        ).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text

@@ -121,9 +121,13 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
         np.testing.assert_allclose(out[b], want, rtol=0, atol=bound * np.abs(want).max())
 
 
+# Rows dequantized whole (the default), read by scale group as decode reads them (`by_groups`: INT8's two groups a
+# row at D 32, FP8 rows, NVFP4 halves), and gathered for cuDNN's path.
 @pytest.mark.parametrize("profile,config", [
     (p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2)) for p in ("fp8", "nvfp4")
-] + [("k8v4", paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1))])  # the gathered path
+] + [(p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2, by_groups=True)) for p in ("int8", "k8v4")]
+  + [("nvfp4", paged_attention.PrefillConfig(block_q=32, by_groups=True))]
+  + [("k8v4", paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1))])  # the gathered path
 def test_prefill_over_quantized_pages_matches_float64(profile, config):
     r = np.random.default_rng(2)
     hq, hkv, d, t, base = 4, 2, 32, 40, 100
@@ -138,6 +142,25 @@ def test_prefill_over_quantized_pages_matches_float64(profile, config):
     want = attention64(q.astype(np.float64), kb, vb, base + np.arange(t), base + t)
     np.testing.assert_allclose(out, want, rtol=F32_TOL, atol=F32_TOL * np.abs(want).max())
 
+
+
+# bf16 queries read by scale group take decode's f16 operands: INT8 and FP8 codes and NVFP4 rows in f16 (exact), the
+# probabilities times the values' scales in f16 x 2^8 (values of magnitude 1e-3 check its range), the queries rounded
+# to f16: within 16-bit rounding of q and p, decode's bound.
+@pytest.mark.parametrize("profile,v_mag", [("int8", 3.0), ("fp8", 1e-3), ("nvfp4", 3.0), ("k8v4", 3.0)])
+def test_prefill_by_groups_with_bf16_queries_matches_float64(profile, v_mag):
+    r = np.random.default_rng(4)
+    hq, hkv, d, t, base = 4, 2, 256, 40, 100
+    max_pages = (base + t + PAGE - 1) // PAGE + 1
+    table = r.permutation(max_pages + 3)[:max_pages].astype(np.int32)
+    k, v = pools(r, profile, max_pages + 3, hkv, d, v_mag)
+    q = jnp.asarray(r.standard_normal((t, hq, d)), jnp.bfloat16)
+    out = np.asarray(paged_attention.paged_prefill_attention(
+        q, poison(k, [table], [base + t]), poison(v, [table], [base + t]), jnp.asarray(table), jnp.int32(base),
+        interpret=INTERPRET, config=paged_attention.PrefillConfig(block_q=16, by_groups=True)))
+    kb, vb = dequantize64(k)[table].reshape(-1, hkv, d), dequantize64(v)[table].reshape(-1, hkv, d)
+    want = attention64(np.asarray(q.astype(jnp.float32), np.float64), kb, vb, base + np.arange(t), base + t)
+    np.testing.assert_allclose(out, want, rtol=0, atol=4e-3 * np.abs(want).max())
 
 
 def run_ptx(asm: str, word: int) -> list[int]:
