@@ -39,7 +39,7 @@ from ninfer_jax.runtime.request import (
     EngineStoppedError, InvalidRequestError, Metrics, PromptTooLongError, Request, RequestOutput, StreamEvent, Usage,
     prepare_prompt,
 )
-from ninfer_jax.runtime.sampling import SamplingParams, generation_defaults
+from ninfer_jax.runtime.sampling import SamplingParams, generation_defaults, pack_token_bits
 from ninfer_jax.runtime.scheduler import Scheduler
 from ninfer_jax.runtime.structured import GrammarCompiler
 
@@ -324,7 +324,10 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens) \
             if self.tokenizer else None
         seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(32)
-        return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar)
+        allowed = None if sampling.allowed_token_ids is None else \
+            pack_token_bits(sampling.allowed_token_ids, self.config.vocab_size)
+        return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar,
+                       allowed=allowed)
 
     def prepare_sampling(self, sampling: SamplingParams) -> None:
         """Checks `sampling` against the model and compiles its response_format ahead of `submit`, which then

@@ -187,8 +187,8 @@ class EngineOptions:
         "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES)
     generation_config: str = _option(
         str, "auto", "default sampling of requests that leave it unset: auto (the checkpoint's generation_config.json: "
-        "its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens, as vLLM takes them), none (vLLM's "
-        "own defaults), or a generation_config.json file or its folder", flag="--generation-config",
+        "its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens, as vLLM takes them), none "
+        "(vLLM's own defaults), or a generation_config.json file or its folder", flag="--generation-config",
         metavar="auto|none|PATH")
     load_format: str = _option(
         str, "auto", "how the weights load: auto (the checkpoint's safetensors) or dummy (random weights at the shapes "

@@ -153,6 +153,7 @@ class Request:
     first_token_at: float | None = None
     finish_reason: str | None = None
     grammar: Any | None = None  # structured.Grammar of a response_format; advanced by the OutputProcessor
+    allowed: np.ndarray | None = None  # allowed_token_ids as packed bits (sampling.pack_token_bits), constant
     # A verify round fed drafts past a stop the host found (a stop string): the lane's state is past `computed`, so
     # its release takes no endpoint snapshot (its KV pages up to `computed` are exact).
     state_ahead: bool = False

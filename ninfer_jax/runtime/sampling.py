@@ -88,6 +88,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None  # vLLM's: only these tokens may be sampled
     # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
     # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
     response_format: dict | None = None
@@ -127,6 +128,14 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias) or None)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__")
+                    or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {ids!r}")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
         fmt = self.response_format
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
@@ -156,9 +165,10 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits need `process_logits` (penalties, bias, min_tokens or a grammar)."""
+        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens or a grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.response_format is not None)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or self.response_format is not None)
 
 
 def _real(x) -> bool:

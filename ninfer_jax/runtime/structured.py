@@ -63,12 +63,13 @@ class GrammarCompiler:
         self._compiled: collections.OrderedDict[str, object] = collections.OrderedDict()
 
     def prepare(self, sp: SamplingParams) -> Grammar | None:
-        """Raises InvalidRequestError for logit_bias ids outside the vocabulary or a response_format the grammar
-        library refuses; returns the request's Grammar, None without a response_format."""
-        bad = [t for t in (sp.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): "
-                                      f"{bad[:5]}")
+        """Raises InvalidRequestError for logit_bias or allowed_token_ids ids outside the vocabulary or a
+        response_format the grammar library refuses; returns the request's Grammar, None without a response_format."""
+        for name, ids in (("logit_bias", sp.logit_bias or {}), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                          f"{bad[:5]}")
         if sp.response_format is None:
             return None
         if self._tokenizer is None:
@@ -122,8 +123,8 @@ class GrammarCompiler:
 
 def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The logit processing of a step whose requests `reqs` each hold a lane: (allowed-token masks int32
-    [lanes, words], all bits set but for lanes with a grammar; bool [lanes], the lanes that process their logits),
-    or None when none of them does (the plain samplers run)."""
+    [lanes, words], all bits set but for lanes with a grammar or allowed_token_ids, which take both; bool [lanes],
+    the lanes that process their logits), or None when none of them does (the plain samplers run)."""
     if not any(r.sampling.processed for r in reqs):
         return None
     allowed = np.full((lanes, words), -1, np.int32)
@@ -132,4 +133,6 @@ def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray
         processed[r.lane] = r.sampling.processed
         if r.grammar is not None:
             r.grammar.fill_mask(allowed[r.lane])
+        if r.allowed is not None:
+            allowed[r.lane] &= r.allowed
     return allowed, processed

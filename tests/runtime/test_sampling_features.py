@@ -89,6 +89,22 @@ def test_logit_bias_of_100_makes_greedy_emit_that_token(engine):
     assert X not in engine.generate(PROMPT, _greedy(logit_bias={X: -100})).token_ids
 
 
+def test_allowed_token_ids_confine_tokens_and_keep_greedy_choices_inside_the_set(engine):
+    plain = engine.generate(PROMPT, _greedy(12)).token_ids
+    # Each greedy token is its step's argmax, so a set holding them all changes nothing; one without them forces
+    # other tokens, greedy and sampled, for every lane of a step that mixes the kinds.
+    others = [t for t in range(2000, 2064) if t not in plain]
+    assert engine.generate(PROMPT, _greedy(12, allowed_token_ids=[*plain, *others])).token_ids == plain
+    outs = engine.generate_many([PROMPT, PROMPT, PROMPT], [
+        _greedy(12, allowed_token_ids=others),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=others[:5]),
+        _greedy(12)])
+    assert set(outs[0].token_ids) <= set(others) and set(outs[1].token_ids) <= set(others[:5])
+    assert outs[2].token_ids == plain
+    assert engine.generate(PROMPT, _greedy(3, allowed_token_ids=[X])).token_ids == (X,) * 3
+    engine.check_ledger()
+
+
 def test_presence_and_frequency_penalties_break_greedy_repeats(engine, least_bias):
     def repeats(bias, **penalty):
         return engine.generate(PROMPT, _greedy(logit_bias={X: bias}, **penalty)).token_ids.count(X)
@@ -228,6 +244,9 @@ def test_requests_without_the_features_keep_their_tokens_and_nothing_compiles(en
     pytest.param({"logit_bias": {"x": 1}}, "logit_bias", id="bias-key"),
     pytest.param({"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", id="bias-entries"),
     pytest.param({"min_tokens": 20}, "min_tokens", id="min-tokens"),
+    pytest.param({"allowed_token_ids": []}, "allowed_token_ids", id="allowed-empty"),
+    pytest.param({"allowed_token_ids": [3, -1]}, "allowed_token_ids", id="allowed-negative"),
+    pytest.param({"allowed_token_ids": "12"}, "allowed_token_ids", id="allowed-string"),
     pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format"),
     pytest.param({"response_format": {"type": "regex", "regex": ""}}, "response_format.regex", id="regex"),
     pytest.param({"response_format": {"type": "choice", "choice": []}}, "response_format.choice", id="choice"),
@@ -241,6 +260,8 @@ def test_bad_values_are_refused_naming_the_field(fields, words):
 def test_the_engine_refuses_out_of_vocabulary_bias_and_bad_schemas_before_any_work(engine):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         engine.generate(PROMPT, _greedy(logit_bias={engine.config.vocab_size: 1.0}))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        engine.generate(PROMPT, _greedy(allowed_token_ids=[5, engine.config.vocab_size]))
     with pytest.raises(InvalidRequestError, match="response_format"):
         engine.generate(PROMPT, SamplingParams(response_format={
             "type": "json_schema", "json_schema": {"schema": {"type": "object", "$ref": "#/nowhere"}}}))

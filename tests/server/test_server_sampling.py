@@ -31,6 +31,12 @@ def test_logit_bias_with_string_keys_forces_the_token(oai, engine):
     assert out.choices[0].text == engine.tokenizer.decode([X] * 4)
 
 
+def test_allowed_token_ids_confine_the_completion(oai, engine):
+    out = oai.completions.create(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=4, temperature=0,
+                                 extra_body={"allowed_token_ids": [X]})
+    assert out.choices[0].text == engine.tokenizer.decode([X] * 4)
+
+
 def test_penalties_and_min_tokens_reach_the_engine(oai, engine):
     fields = dict(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=8, temperature=0,
                   logit_bias={str(X): 20})
@@ -93,6 +99,7 @@ def test_conflicting_or_unknown_constraints_are_400(server, engine, fields, word
     pytest.param({"min_tokens": -1}, "min_tokens", id="min-tokens"),
     pytest.param({"logit_bias": {"7": 101}}, "logit_bias", id="bias-value"),
     pytest.param({"logit_bias": {"seven": 1}}, "logit_bias", id="bias-key"),
+    pytest.param({"allowed_token_ids": []}, "allowed_token_ids", id="allowed-empty"),
     pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format-type"),
     pytest.param({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}},
                  "response_format", id="bad-schema"),
