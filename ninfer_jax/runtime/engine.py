@@ -33,6 +33,7 @@ from ninfer_jax.model.params import Params
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.model.tiny import default_checkpoint, qwen35_tokenizer_dir
 from ninfer_jax.runtime import startup
+from ninfer_jax.runtime.bad_words import BadWords, token_sequences
 from ninfer_jax.runtime.device.cache_file import checkpoint_identity
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.request import (
@@ -327,7 +328,14 @@ class Engine:
         allowed = None if sampling.allowed_token_ids is None else \
             pack_token_bits(sampling.allowed_token_ids, self.config.vocab_size)
         return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar,
-                       allowed=allowed)
+                       allowed=allowed, bad_words=self._bad_words(sampling))
+
+    def _bad_words(self, sampling: SamplingParams) -> BadWords | None:
+        if sampling.bad_words is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the checkpoint's tokenizer files")
+        return BadWords(token_sequences(sampling.bad_words, self.tokenizer), self.config.vocab_size)
 
     def prepare_sampling(self, sampling: SamplingParams) -> None:
         """Checks `sampling` against the model and compiles its response_format ahead of `submit`, which then

@@ -89,6 +89,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: tuple[str, ...] | list[str] | None = None  # vLLM's: words the output may not complete (bad_words.py)
     # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
     # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
     response_format: dict | None = None
@@ -136,6 +137,11 @@ class SamplingParams:
             if not ids:
                 raise ValueError("allowed_token_ids must not be empty")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, (str, bytes)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+            object.__setattr__(self, "bad_words", tuple(words) or None)
         fmt = self.response_format
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
@@ -165,10 +171,11 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens or a grammar)."""
+        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens, bad words or a
+        grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or self.response_format is not None)
+                or self.bad_words is not None or self.response_format is not None)
 
 
 def _real(x) -> bool:

@@ -332,7 +332,7 @@ class Scheduler:
                     active[lane], tokens[lane], positions[lane] = True, req.output[-1], req.computed
                 continue  # else ended, waiting for its last round
             k = int(ahead[lane])
-            if k and req.grammar is not None:
+            if k and req.mask_follows_output:
                 continue  # its mask needs the token in flight: it decodes again once that token is read
             if len(req.output) + k >= req.sampling.max_tokens or req.computed + k + 1 >= self.options.max_model_len:
                 continue  # the token in flight is its last: no round past it

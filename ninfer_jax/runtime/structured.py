@@ -123,7 +123,8 @@ class GrammarCompiler:
 
 def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The logit processing of a step whose requests `reqs` each hold a lane: (allowed-token masks int32
-    [lanes, words], all bits set but for lanes with a grammar or allowed_token_ids, which take both; bool [lanes],
+    [lanes, words], all bits set but for lanes with a grammar, allowed_token_ids or bad_words, which take each; bool
+    [lanes],
     the lanes that process their logits), or None when none of them does (the plain samplers run)."""
     if not any(r.sampling.processed for r in reqs):
         return None
@@ -135,4 +136,6 @@ def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray
             r.grammar.fill_mask(allowed[r.lane])
         if r.allowed is not None:
             allowed[r.lane] &= r.allowed
+        if r.bad_words is not None:
+            r.bad_words.apply(allowed[r.lane], r.output)
     return allowed, processed

@@ -308,7 +308,7 @@ def _sampling(engine, body, max_tokens: int | None):
         logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
-        allowed_token_ids=body.allowed_token_ids, response_format=body.structured_format(),
+        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, response_format=body.structured_format(),
     )
 
 

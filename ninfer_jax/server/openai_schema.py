@@ -3,7 +3,7 @@
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
 neutral values (best_of=1); anything else is a 400 that says so, rather than a silent change of meaning.
 vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`allowed_token_ids` and
+`allowed_token_ids`, `bad_words` and
 `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted; `reasoning_effort` "none" or "minimal"
 turns thinking off (chat_prompt.thinking_mode).
 """
@@ -74,7 +74,7 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 # a request may send them only at those (as best_of=1), so none is silently ignored.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
                 "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-                "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+                "logits_processors": None, "return_tokens_as_token_ids": False,
                 "chat_template": None, "documents": None}
 
 
@@ -112,6 +112,7 @@ class _Sampling(_Lenient):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled; SamplingParams checks it
+    bad_words: list[str] | None = None  # vLLM's: words the output may not complete
     include_stop_str_in_output: bool = False  # vLLM's, as skip_special_tokens
     skip_special_tokens: bool = True
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)

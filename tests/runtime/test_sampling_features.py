@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ninfer_jax import Engine, InvalidRequestError, SamplingParams
+from ninfer_jax.runtime.bad_words import BadWords, token_sequences
 from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, SamplerState, lane_row, mask_words, pack_token_bits, process_logits, set_lane_row,
 )
@@ -102,6 +103,67 @@ def test_allowed_token_ids_confine_tokens_and_keep_greedy_choices_inside_the_set
     assert set(outs[0].token_ids) <= set(others) and set(outs[1].token_ids) <= set(others[:5])
     assert outs[2].token_ids == plain
     assert engine.generate(PROMPT, _greedy(3, allowed_token_ids=[X])).token_ids == (X,) * 3
+    engine.check_ledger()
+
+
+class _Words:
+    """A tokenizer of fixed spellings (vLLM's bad-word rule cares only about the ids each spelling gives)."""
+
+    IDS = {"hello": [10], " hello": [20], "big cat": [1, 2], " big cat": [3, 2], "x": [5], " x": [6, 7],
+           "same": [8], " same": [8]}
+
+    def encode(self, text):
+        return self.IDS[text]
+
+
+def test_bad_words_take_the_spaced_spelling_only_as_another_word_of_the_same_length():
+    assert token_sequences(["hello", " big cat", "x", "same"], _Words()) == [(10,), (20,), (1, 2), (3, 2), (5,), (8,)]
+
+
+def test_a_bad_sequence_bars_its_last_token_only_after_the_rest_of_it():
+    words = BadWords([(10,), (1, 2), (3, 4, 40)], vocab=64)
+    assert words.follows_output
+
+    def barred(output):
+        row = np.full(mask_words(64), -1, np.int32)
+        words.apply(row, output)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:64]
+        return set(np.flatnonzero(bits == 0).tolist())
+
+    assert barred([]) == {10}
+    assert barred([7, 1]) == {10, 2}
+    assert barred([1, 7]) == {10}
+    assert barred([3, 4]) == {10, 40} and barred([4]) == {10}
+    assert not BadWords([(10,), (33,)], vocab=64).follows_output
+
+
+def _word_of(engine, ids):
+    """A text whose bad-word sequences include exactly `ids`, or None."""
+    word = engine.tokenizer.decode(list(ids))
+    if not word.strip():
+        return None
+    return word if tuple(ids) in token_sequences([word], engine.tokenizer) else None
+
+
+def test_bad_words_bar_single_tokens_always_and_a_pairs_last_token_after_its_first(engine):
+    plain = engine.generate(PROMPT, _greedy(12)).token_ids
+    single = next((t for t in plain if _word_of(engine, [t])), None)
+    assert single is not None
+    word = _word_of(engine, [single])
+    barred = {s[0] for s in token_sequences([word], engine.tokenizer) if len(s) == 1}
+    out = engine.generate(PROMPT, _greedy(12, bad_words=[word])).token_ids
+    rest = [i for i in range(engine.config.vocab_size) if i not in barred]
+    assert single not in out and out == engine.generate(PROMPT, _greedy(12, allowed_token_ids=rest)).token_ids
+    # A two-token word barred where plain decoding would complete it, past the first token (the prefill's, read
+    # before any round): tokens agree up to its first token, then the second is refused there and the pair appears
+    # nowhere, which needs the lane to decode only once the host has read each token.
+    i = next(i for i in range(1, len(plain) - 1) if _word_of(engine, plain[i:i + 2]))
+    word = _word_of(engine, plain[i:i + 2])
+    first_tokens = {s[0] for s in token_sequences([word], engine.tokenizer) if len(s) == 1}
+    assert not first_tokens & set(plain[:i + 2])  # no one-token spelling bars an earlier token
+    out = engine.generate(PROMPT, _greedy(12, bad_words=[word])).token_ids
+    assert out[:i + 1] == plain[:i + 1] and out[i + 1] != plain[i + 1]
+    assert all(tuple(out[j:j + 2]) != tuple(plain[i:i + 2]) for j in range(len(out) - 1))
     engine.check_ledger()
 
 
@@ -247,6 +309,8 @@ def test_requests_without_the_features_keep_their_tokens_and_nothing_compiles(en
     pytest.param({"allowed_token_ids": []}, "allowed_token_ids", id="allowed-empty"),
     pytest.param({"allowed_token_ids": [3, -1]}, "allowed_token_ids", id="allowed-negative"),
     pytest.param({"allowed_token_ids": "12"}, "allowed_token_ids", id="allowed-string"),
+    pytest.param({"bad_words": "word"}, "bad_words", id="bad-words-string"),
+    pytest.param({"bad_words": ["ok", " "]}, "bad_words", id="bad-words-blank"),
     pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format"),
     pytest.param({"response_format": {"type": "regex", "regex": ""}}, "response_format.regex", id="regex"),
     pytest.param({"response_format": {"type": "choice", "choice": []}}, "response_format.choice", id="choice"),

@@ -169,19 +169,21 @@ def test_a_non_finite_temperature_is_named_as_such(server, value):
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 @pytest.mark.parametrize("field, value", [("typical_p", 0.5), ("spaces_between_special_tokens", False),
-                                          ("bad_words", ["x"])])
+                                          ("use_beam_search", True)])
 def test_a_vllm_field_this_server_does_not_implement_is_refused_unless_neutral(server, path, field, value):
     error = _error(_post(server, path, _body(path, **{field: value})), 400)
     assert f"{field} is not supported by this server" in error["message"]
-    neutral = {"typical_p": 1, "spaces_between_special_tokens": True, "bad_words": []}[field]
+    neutral = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False}[field]
     assert _post(server, path, _body(path, **{field: neutral})).status_code == 200
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_vllms_output_text_fields_reach_the_engine(server, engine, path):
     fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "min_p": 0.1}
-    assert _post(server, path, _body(path, **fields)).status_code == 200
+    constraints = {"allowed_token_ids": [7, 3], "bad_words": ["no", "never again"]}
+    assert _post(server, path, _body(path, **fields, **constraints)).status_code == 200
     assert {key: getattr(engine.sampling[-1], key) for key in fields} == fields
+    assert engine.sampling[-1].allowed_token_ids == (3, 7) and engine.sampling[-1].bad_words == ("no", "never again")
 
 
 # --- content type and CORS ------------------------------------------------------------------------
