@@ -190,13 +190,30 @@ def _breakpoint_offsets(
     return offsets
 
 
+def keep_last_tokens(prompt: PreparedPrompt, keep: int) -> PreparedPrompt:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (the prompt itself when it has no more), its
+    tap hints inside them shifted along, its salt kept. Raises ValueError for a prompt with images that is longer:
+    a cut could split an image's span."""
+    cut = prompt.num_tokens - keep
+    if cut <= 0:
+        return prompt
+    if prompt.media is not None:
+        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+    hints = tuple(TapHint(h.position - cut, h.kind) for h in prompt.tap_hints if h.position > cut)
+    return _hashed(np.array(prompt.token_ids[cut:]), hints, None, prompt.salt)
+
+
 def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None = None,
               cache_salt: str | None = None) -> PreparedPrompt:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError("cache_salt must be a non-empty string")
+    return _hashed(tokens, hints, media, salt_key(cache_salt) if cache_salt is not None else 0)
+
+
+def _hashed(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None, salt: int) -> PreparedPrompt:
     tokens.setflags(write=False)
     prompt = PreparedPrompt(token_ids=tokens, block_hashes=np.zeros(0, np.uint64), tap_hints=hints, media=media,
-                            salt=salt_key(cache_salt) if cache_salt is not None else 0)
+                            salt=salt)
     extras = prompt.block_extras()
     hashes = chain_block_hashes(tokens, None if extras is None else extras[: len(tokens) // BLOCK_TOKENS])
     hashes.setflags(write=False)

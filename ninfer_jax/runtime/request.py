@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, prepare_tokens
+from ninfer_jax.frontend.prepared_prompt import PreparedPrompt, keep_last_tokens, prepare_tokens
 from ninfer_jax.runtime.sampling import SamplingParams
 
 
@@ -28,10 +28,12 @@ class EngineStoppedError(RuntimeError):
 _PROMPT_KEYS = frozenset(("prompt", "prompt_token_ids", "cache_salt"))
 
 
-def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_tokens: int) -> PreparedPrompt:
+def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_tokens: int,
+                   truncate: int | None = None) -> PreparedPrompt:
     """A request's prompt checked before any work: non-empty ids in the vocabulary, room for one output token in
     the context, and a fit in a KV pool of `pool_tokens`. A prompt is text, token ids, a PreparedPrompt, or vLLM's
-    prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"."""
+    prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt". `truncate`
+    (SamplingParams.truncate_prompt_tokens) keeps the last tokens first (`truncate_prompt`)."""
     salt = None
     if isinstance(prompt, Mapping):
         unknown = set(prompt) - _PROMPT_KEYS
@@ -58,6 +60,7 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise InvalidRequestError("prompt token ids must be a flat list of integers")
         prepared = prepare_tokens(ids, cache_salt=salt)
+    prepared = truncate_prompt(prepared, truncate, max_model_len)
     ids = prepared.token_ids
     n = len(ids)
     if n == 0:
@@ -69,6 +72,17 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
     if n + 1 > pool_tokens:
         raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens")
     return prepared
+
+
+def truncate_prompt(prepared: PreparedPrompt, truncate: int | None, max_model_len: int) -> PreparedPrompt:
+    """vLLM's truncate_prompt_tokens: the prompt's last `truncate` tokens, -1 as many as max_model_len leaves room
+    for one output token, None all of them. Raises InvalidRequestError for a longer prompt with images."""
+    if truncate is None:
+        return prepared
+    try:
+        return keep_last_tokens(prepared, max_model_len - 1 if truncate == -1 else truncate)
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)

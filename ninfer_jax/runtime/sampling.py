@@ -90,6 +90,8 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens were generated
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: tuple[str, ...] | list[str] | None = None  # vLLM's: words the output may not complete (bad_words.py)
+    # vLLM's: only the prompt's last k tokens are kept (-1: as many as max_model_len leaves room for one output token)
+    truncate_prompt_tokens: int | None = None
     # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
     # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
     response_format: dict | None = None
@@ -115,6 +117,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1 and k != -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
         self._check_processing()
 
     def _check_processing(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from ninfer_jax.frontend import (Breakpoint, ChatTemplateError, PreparedPrompt, TapHintKind, prepare_chat,
                                  prepare_tokens)
 from ninfer_jax.frontend.image_processing import ImageError
+from ninfer_jax.runtime.request import InvalidRequestError, truncate_prompt
 
 from .context import ServerContext
 from .errors import ApiError
@@ -96,6 +97,15 @@ async def prepare_completion_prompt(ctx: ServerContext, prompt: str | Sequence[i
     if prepared.num_tokens == 0:
         raise ApiError("invalid_request", "prompt must not be empty", param="prompt")
     return prepared
+
+
+def truncated(engine: Any, prepared: PreparedPrompt, truncate: int | None) -> PreparedPrompt:
+    """vLLM's truncate_prompt_tokens, before the context check (`truncate_prompt`); a prompt with images it would
+    cut is a 400."""
+    try:
+        return truncate_prompt(prepared, truncate, engine.max_model_len)
+    except InvalidRequestError as error:
+        raise ApiError("invalid_request", str(error), param="truncate_prompt_tokens") from None
 
 
 def marked_prefix_tokens(prepared: PreparedPrompt) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .chat_prompt import prepare_completion_prompt, prepare_prompt
+from .chat_prompt import prepare_completion_prompt, prepare_prompt, truncated
 from .context import ServerContext, context
 from .errors import ApiError, openai_error
 from .generation import (
@@ -75,6 +75,7 @@ async def chat_completions(request: Request):
         ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
         template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message,
         cache_salt=body.cache_salt))
+    prepared = truncated(engine, prepared, body.truncate_prompt_tokens)
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
     sampling = _sampling(engine, body, body.output_limit or default_max_tokens(engine, prepared.num_tokens))
     await prepare_sampling(ctx, sampling)
@@ -113,6 +114,7 @@ async def completions(request: Request):
         raise ApiError("invalid_request", "streaming takes one prompt; send a batch without stream", param="prompt")
     prepared = await until_disconnect(request, asyncio.gather(*(prepare_completion_prompt(ctx, p, body.cache_salt)
                                                                    for p in prompts)))
+    prepared = [truncated(engine, one, body.truncate_prompt_tokens) for one in prepared]
     for one in prepared:
         check_context(engine.max_model_len, one.num_tokens, body.max_tokens)
     sampling = _sampling(engine, body, body.max_tokens)
@@ -308,7 +310,8 @@ def _sampling(engine, body, max_tokens: int | None):
         logprobs=body.num_logprobs, prompt_logprobs=body.num_prompt_logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
-        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, response_format=body.structured_format(),
+        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+        truncate_prompt_tokens=body.truncate_prompt_tokens, response_format=body.structured_format(),
     )
 
 

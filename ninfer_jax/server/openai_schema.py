@@ -3,7 +3,7 @@
 Unknown fields are ignored, as vLLM does. Fields the engine cannot honour are accepted only at their
 neutral values (best_of=1); anything else is a 400 that says so, rather than a silent change of meaning.
 vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`allowed_token_ids`, `bad_words` and
+`allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` and
 `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) are accepted; `reasoning_effort` "none" or "minimal"
 turns thinking off (chat_prompt.thinking_mode).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS
 
@@ -73,7 +73,7 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 # vLLM's request fields that change the output and that this server does not implement, with their neutral values:
 # a request may send them only at those (as best_of=1), so none is silently ignored.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
-                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                "spaces_between_special_tokens": True,
                 "logits_processors": None, "return_tokens_as_token_ids": False,
                 "chat_template": None, "documents": None}
 
@@ -113,6 +113,8 @@ class _Sampling(_Lenient):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled; SamplingParams checks it
     bad_words: list[str] | None = None  # vLLM's: words the output may not complete
+    # vLLM's: only the prompt's last k tokens (-1: as many as the context leaves room for one output token)
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False  # vLLM's, as skip_special_tokens
     skip_special_tokens: bool = True
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
@@ -128,6 +130,13 @@ class _Sampling(_Lenient):
     guided_grammar: str | None = None
     # vLLM's: the prompt shares cached blocks only with requests of the same salt (one tenant's from another's)
     cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("truncate_prompt_tokens must be -1 or an integer >= 1")
+        return value
 
     @model_validator(mode="after")
     def _sampling_fields(self) -> _Sampling:

@@ -14,6 +14,7 @@ from ninfer_jax.frontend import (
     TapHint,
     TapHintKind,
     chain_block_hashes,
+    keep_last_tokens,
     prepare_chat,
     prepare_tokens,
 )
@@ -178,6 +179,24 @@ def test_a_cache_salt_keys_block_zero_and_so_every_block_after_it():
     for bad in ("", 7):
         with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
             prepare_tokens(tokens, cache_salt=bad)
+
+
+def test_keeping_the_last_tokens_hashes_them_as_a_prompt_of_their_own_with_its_salt_and_hints():
+    import dataclasses
+
+    tokens = np.arange(3 * BLOCK_TOKENS + 5)
+    hints = (TapHint(40, K.END_OF_SYSTEM), TapHint(150, K.MESSAGE_BOUNDARY))
+    prompt = prepare_tokens(tokens, hints, cache_salt="tenant-a")
+    kept = keep_last_tokens(prompt, 2 * BLOCK_TOKENS)
+    want = prepare_tokens(tokens[-2 * BLOCK_TOKENS:], cache_salt="tenant-a")
+    np.testing.assert_array_equal(kept.token_ids, want.token_ids)
+    np.testing.assert_array_equal(kept.block_hashes, want.block_hashes)
+    assert kept.salt == prompt.salt and kept.tap_hints == (TapHint(150 - 69, K.MESSAGE_BOUNDARY),)
+    assert keep_last_tokens(prompt, len(tokens)) is prompt
+    with_media = dataclasses.replace(prompt, media=object())  # only its presence matters here
+    assert keep_last_tokens(with_media, len(tokens)) is with_media
+    with pytest.raises(ValueError, match="cannot cut a prompt with images"):
+        keep_last_tokens(with_media, 10)
 
 
 @pytest.mark.parametrize(

@@ -370,6 +370,18 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine8):
     assert engine8.generate([1, 2, 3], GREEDY).usage.completion_tokens == 12
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_before_the_length_check(engine8):
+    prompt = _prompts(1, seed=21)[0] * 5  # 5 x 5..150 ids
+    kept = engine8.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, truncate_prompt_tokens=40))
+    alone = engine8.generate(prompt[-40:], SamplingParams(max_tokens=6, temperature=0.0))
+    assert kept.token_ids == alone.token_ids and kept.usage.prompt_tokens == 40
+    # -1: a prompt past max_model_len keeps what leaves room for one token
+    longest = engine8.generate(list(range(600)), SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    assert longest.usage.prompt_tokens == 511 and longest.usage.completion_tokens == 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_prompt_larger_than_the_pool_is_refused(checkpoint):
     with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=512,
                                 kv_capacity=2 * 64, warmup=False) as engine:

@@ -37,6 +37,14 @@ def test_allowed_token_ids_confine_the_completion(oai, engine):
     assert out.choices[0].text == engine.tokenizer.decode([X] * 4)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(oai, engine):
+    ids = list(range(1000, 1100))
+    fields = dict(model=engine.model_name, max_tokens=3, temperature=0)
+    out = oai.completions.create(prompt=ids, **fields, extra_body={"truncate_prompt_tokens": 30})
+    alone = oai.completions.create(prompt=ids[-30:], **fields)
+    assert out.usage.prompt_tokens == 30 and out.choices[0].text == alone.choices[0].text
+
+
 def test_penalties_and_min_tokens_reach_the_engine(oai, engine):
     fields = dict(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=8, temperature=0,
                   logit_bias={str(X): 20})
@@ -100,6 +108,7 @@ def test_conflicting_or_unknown_constraints_are_400(server, engine, fields, word
     pytest.param({"logit_bias": {"7": 101}}, "logit_bias", id="bias-value"),
     pytest.param({"logit_bias": {"seven": 1}}, "logit_bias", id="bias-key"),
     pytest.param({"allowed_token_ids": []}, "allowed_token_ids", id="allowed-empty"),
+    pytest.param({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", id="truncate-zero"),
     pytest.param({"response_format": {"type": "xml"}}, "response_format", id="format-type"),
     pytest.param({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}},
                  "response_format", id="bad-schema"),
