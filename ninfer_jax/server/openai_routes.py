@@ -90,7 +90,7 @@ async def chat_completions(request: Request):
     choices = []
     for index, (outcome, run, parser) in enumerate(zip(outcomes, runs, parsers)):
         message, calls = _message(parser.push(outcome.text) + parser.finish())
-        logprobs = chat_logprobs(engine.tokenizer, run.logprobs) if body.logprobs else None
+        logprobs = chat_logprobs(body.token_namer(engine), run.logprobs) if body.logprobs else None
         choices.append({"index": index, "message": message, "logprobs": logprobs,
                         "finish_reason": _finish(outcome.finish_reason, calls),
                         **({"token_ids": outcome.token_ids} if body.return_token_ids else {})})
@@ -211,7 +211,7 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None,
               token_ids: list | None = None, extra: dict | None = None) -> str:
-        scores = chat_logprobs(ctx.engine.tokenizer, logprobs) if logprobs else None
+        scores = chat_logprobs(body.token_namer(ctx.engine), logprobs) if logprobs else None
         ids = {"token_ids": token_ids or []} if body.return_token_ids else {}
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": scores,
                                           "finish_reason": finish_reason, **ids}], **usage_field, **(extra or {})})
@@ -318,7 +318,7 @@ def _sampling(engine, body, max_tokens: int | None):
 def _completion_logprobs(engine, body: CompletionRequest, entries, offset: int = 0) -> dict | None:
     if body.logprobs is None or not entries:
         return None
-    return completion_logprobs(engine.tokenizer, entries, offset)
+    return completion_logprobs(body.token_namer(engine), entries, offset)
 
 
 def _require_tokenizer(engine) -> None:

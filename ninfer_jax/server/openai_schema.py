@@ -74,7 +74,7 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 # a request may send them only at those (as best_of=1), so none is silently ignored.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
                 "spaces_between_special_tokens": True,
-                "logits_processors": None, "return_tokens_as_token_ids": False,
+                "logits_processors": None,
                 "chat_template": None, "documents": None}
 
 
@@ -121,6 +121,8 @@ class _Sampling(_Lenient):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: the prompt's and each choice's token ids in the response (RL rollouts train on exactly these)
     return_token_ids: bool = False
+    # vLLM's: logprobs name their tokens "token_id:N", so tokens that are no whole UTF-8 text stay identifiable
+    return_tokens_as_token_ids: bool = False
     # vLLM's structured outputs beside response_format: the `structured_outputs` object (json, regex, choice,
     # grammar) and the older guided_* fields; at most one of them all
     structured_outputs: dict[str, Any] | None = None
@@ -130,6 +132,10 @@ class _Sampling(_Lenient):
     guided_grammar: str | None = None
     # vLLM's: the prompt shares cached blocks only with requests of the same salt (one tenant's from another's)
     cache_salt: str | None = Field(None, min_length=1)
+
+    def token_namer(self, engine: Any) -> Any:
+        """The tokenizer logprobs name tokens by (logprobs.py): None names them "token_id:N"."""
+        return None if self.return_tokens_as_token_ids else engine.tokenizer
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -82,3 +82,17 @@ def test_vllms_prompt_logprobs_on_completions_and_chat(server, engine):
 def test_prompt_logprobs_the_server_cannot_give_are_refused(server, path, body):
     response = _post(server, path, body)
     assert response.status_code == 400 and "prompt_logprobs" in response.text
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(server, engine):
+    body = {"max_tokens": 3, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    choice = _post(server, "/v1/completions", {"prompt": IDS, **body}).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{i}" for i in choice["token_ids"]]
+    assert all(set(top) <= {f"token_id:{i}" for i in range(engine.config.vocab_size)}
+               for top in choice["logprobs"]["top_logprobs"])
+    chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **body,
+                                                  "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{i}" for i in chat["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
