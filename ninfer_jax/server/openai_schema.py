@@ -70,12 +70,12 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
                                  "whitespace_pattern"))
 
 
-# vLLM's request fields that change the output and that this server does not implement, with their neutral values:
-# a request may send them only at those (as best_of=1), so none is silently ignored.
-_UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1,
-                "spaces_between_special_tokens": True,
-                "logits_processors": None,
-                "chat_template": None, "documents": None}
+# vLLM's request fields that change the output (or, priority, its scheduling) and that this server does not
+# implement, with their neutral values: a request may send them only at those (as best_of=1), so none is silently
+# ignored. vLLM too refuses a priority when its scheduler takes none.
+_UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True,
+                "logits_processors": None, "chat_template": None, "documents": None, "priority": 0,
+                "prompt_embeds": None}
 
 
 class _Sampling(_Lenient):

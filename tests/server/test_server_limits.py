@@ -169,11 +169,12 @@ def test_a_non_finite_temperature_is_named_as_such(server, value):
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 @pytest.mark.parametrize("field, value", [("typical_p", 0.5), ("spaces_between_special_tokens", False),
-                                          ("use_beam_search", True)])
+                                          ("use_beam_search", True), ("priority", 5), ("prompt_embeds", "AAAA")])
 def test_a_vllm_field_this_server_does_not_implement_is_refused_unless_neutral(server, path, field, value):
     error = _error(_post(server, path, _body(path, **{field: value})), 400)
     assert f"{field} is not supported by this server" in error["message"]
-    neutral = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False}[field]
+    neutral = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False, "priority": 0,
+               "prompt_embeds": None}[field]
     assert _post(server, path, _body(path, **{field: neutral})).status_code == 200
 
 
