@@ -40,9 +40,7 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
         if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
             raise InvalidRequestError(f"a prompt dict has prompt or prompt_token_ids, and may have cache_salt; got "
                                       f"{sorted(prompt)}")
-        salt = prompt.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise InvalidRequestError("cache_salt must be a non-empty string")
+        salt = prompt.get("cache_salt")  # checked by prepare_tokens
         prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, PreparedPrompt):
             raise InvalidRequestError("a prompt dict holds text or token ids; salt a PreparedPrompt as it is made")
@@ -51,7 +49,7 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
     elif isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer files; send token ids")
-        prepared = prepare_tokens(tokenizer.encode(prompt), cache_salt=salt)
+        prepared = _salted_tokens(tokenizer.encode(prompt), salt)
     else:
         try:
             ids = np.asarray(prompt)
@@ -59,7 +57,7 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
             raise InvalidRequestError("prompt must be text, a list of token ids or a PreparedPrompt") from None
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise InvalidRequestError("prompt token ids must be a flat list of integers")
-        prepared = prepare_tokens(ids, cache_salt=salt)
+        prepared = _salted_tokens(ids, salt)
     prepared = truncate_prompt(prepared, truncate, max_model_len)
     ids = prepared.token_ids
     n = len(ids)
@@ -72,6 +70,14 @@ def prepare_prompt(prompt, tokenizer, vocab_size: int, max_model_len: int, pool_
     if n + 1 > pool_tokens:
         raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {pool_tokens} tokens")
     return prepared
+
+
+def _salted_tokens(ids, salt: str | None) -> PreparedPrompt:
+    """prepare_tokens, its refusals (a cache_salt that is no non-empty string) as InvalidRequestError."""
+    try:
+        return prepare_tokens(ids, cache_salt=salt)
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
 
 
 def truncate_prompt(prepared: PreparedPrompt, truncate: int | None, max_model_len: int) -> PreparedPrompt:
