@@ -1,15 +1,16 @@
 """A seeded random workload through a small, crowded cache: follow-up turns, edits, repeats and fresh prompts, under
-two salts and none, sometimes a cancelled request among them, n samples, a request with prompt logprobs, a Device
-demotion, a reset and a restart from the cache file. Every greedy output equals the no-reuse engine's, and the
-index's invariants and the ledger hold after every batch. (The workload that found salted hash chains built on
-rounded keys.)"""
+two salts and none, sometimes a cancelled request among them, n samples, a request with prompt logprobs, a quarter
+of them confined to allowed tokens, a Device demotion, a reset and a restart from the cache file. Every greedy
+output equals the no-reuse engine's, and the index's invariants and the ledger hold after every batch. (The workload
+that found salted hash chains built on rounded keys.)"""
 
+import dataclasses
 import queue
 import random
 
 import pytest
 
-from cache_support import settle_host, tokens
+from cache_support import ORACLE_VOCAB, settle_host, tokens
 from ninfer_jax import Engine, SamplingParams
 
 COMMON = dict(max_concurrency=4, prefill_chunk=128, max_model_len=1024, output_window=64, warmup=False)
@@ -33,13 +34,14 @@ def _drain(box):
 
 def test_a_random_workload_equals_no_reuse_through_evictions_resets_and_a_restart(checkpoint, tmp_path):
     rng = random.Random(5)
+    constraints = random.Random(11)  # apart from rng, so the prompts stay the workload they were
     root = Engine.from_pretrained(checkpoint, no_prefix_reuse=True, kv_capacity=64 * 64, **COMMON)
     options = {**COMMON, **CACHE, "prefix_cache_file": str(tmp_path / "prefix.cache")}
     engine = Engine.from_pretrained(checkpoint, **options)
     references = {}
 
     def reference(ids, sp):
-        key = (tuple(ids), sp.max_tokens)
+        key = (tuple(ids), sp.max_tokens, sp.allowed_token_ids)
         if key not in references:
             references[key] = root.generate(list(ids), sp).token_ids
         return references[key]
@@ -60,7 +62,9 @@ def test_a_random_workload_equals_no_reuse_through_evictions_resets_and_a_restar
                 else:
                     ids = tokens(rng.randrange(10, 400), rng.randrange(10**6))
                 salt = rng.choice([None, None, "a", "b"])
-                sp = SamplingParams(max_tokens=rng.choice([1, 5, 40]), temperature=0.0, ignore_eos=True)
+                allowed = tuple(constraints.sample(range(ORACLE_VOCAB), 40)) if constraints.random() < 0.25 else None
+                sp = SamplingParams(max_tokens=rng.choice([1, 5, 40]), temperature=0.0, ignore_eos=True,
+                                    allowed_token_ids=allowed)
                 batch.append((ids[:900], salt, sp))
             prompts = [{"prompt_token_ids": ids, "cache_salt": salt} if salt else ids for ids, salt, _ in batch]
             action = batch_index % 6
@@ -77,8 +81,7 @@ def test_a_random_workload_equals_no_reuse_through_evictions_resets_and_a_restar
                 engine.submit_samples(prompts[0], [sp] * 3, [box.put for box in boxes])
                 assert all(_drain(box) == reference(prompt_ids, sp) for box in boxes)
                 for prompt, (prompt_ids, _, sp) in zip(prompts[1:], batch[1:]):
-                    scored = SamplingParams(max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=True,
-                                            prompt_logprobs=0)
+                    scored = dataclasses.replace(sp, prompt_logprobs=0)
                     assert engine.generate(prompt, scored).token_ids == reference(prompt_ids, sp)
             else:
                 outs = engine.generate_many(prompts, [sp for _, _, sp in batch])
