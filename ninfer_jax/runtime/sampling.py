@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import numbers
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -135,18 +136,18 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias) or None)
         if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if (isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__")
-                    or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids)):
-                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {ids!r}")
+            ids = _items(self.allowed_token_ids)
+            if ids is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                                      for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {self.allowed_token_ids!r}")
             if not ids:
                 raise ValueError("allowed_token_ids must not be empty")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
         if self.bad_words is not None:
-            words = self.bad_words
-            if isinstance(words, (str, bytes)) or not all(isinstance(w, str) and w.strip() for w in words):
-                raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
-            object.__setattr__(self, "bad_words", tuple(words) or None)
+            words = _items(self.bad_words)
+            if words is None or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            object.__setattr__(self, "bad_words", words or None)
         fmt = self.response_format
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
@@ -181,6 +182,14 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
                 or self.bad_words is not None or self.response_format is not None)
+
+
+def _items(x) -> tuple | None:
+    """A list-like field's items as a tuple (read once, so a generator serves too); None for a string, a mapping or
+    a scalar."""
+    if isinstance(x, (str, bytes, Mapping)) or not hasattr(x, "__iter__"):
+        return None
+    return tuple(x)
 
 
 def _real(x) -> bool:
