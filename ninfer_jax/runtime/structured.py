@@ -124,8 +124,7 @@ class GrammarCompiler:
 def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The logit processing of a step whose requests `reqs` each hold a lane: (allowed-token masks int32
     [lanes, words], all bits set but for lanes with a grammar, allowed_token_ids or bad_words, which take each; bool
-    [lanes],
-    the lanes that process their logits), or None when none of them does (the plain samplers run)."""
+    [lanes], the lanes that process their logits), or None when none of them does (the plain samplers run)."""
     if not any(r.sampling.processed for r in reqs):
         return None
     allowed = np.full((lanes, words), -1, np.int32)
