@@ -1,10 +1,12 @@
 """Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant
-of the sweep that chose `QUANT_DECODE_CONFIG`, and NVFP4-G16 and K8V4 pools' rows decoded to bf16 (the default) and
-to f16 (the inline PTX), beside the bf16 pool and a plain copy in one process, at the 27B's
-attention shape (8 lanes, 24 query and 4 KV heads, D 256). Each variant's bytes read per second (values and scales)
-and its share of the copy rate, and its relative error against the XLA reference over the dequantized pools.
+of the sweep that chose `QUANT_DECODE_CONFIG`, and NVFP4-G16 and K8V4 pools' rows decoded to bf16 and to f16
+(the inline PTX, the default), beside the bf16 pool and a plain copy in one process, at the 27B's attention shape by
+default (8 lanes, 24 query and 4 KV heads, D 256; --lanes, --heads). Each variant's bytes read per second (values
+and scales) and its share of the copy rate, and its relative error against the XLA reference over the dequantized
+pools.
 
     python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 5 minutes
+    python scripts/sweep_kv_decode.py --lanes 1 --heads 16/2 --contexts 30720   # the 35B-A3B's one-lane round
     python scripts/sweep_kv_decode.py --smoke               # a small shape in interpret mode (a CPU check)
 """
 
@@ -36,9 +38,13 @@ def variants():
                ("2 pages, f16, 3 stages, swap AB", quant(swap_ab=True, pages_per_block=2)),
                ("1 page, 3 stages, rows dequantized", quant(dequantize_rows=True)),
                ("2 pages, 3 stages, rows dequantized", quant(dequantize_rows=True, pages_per_block=2))]
+    # Longer splits: one lane of few KV heads spreads its pages over many short programs (4 pages each at the
+    # default floor), whose fixed costs and partials the combine reads then dominate (kernels_notes.md)
+    longer = [(f"1 page, f16, 3 stages, >= {n} pages a split", quant(min_pages_per_split=n)) for n in (16, 64)]
     return {
         "bfloat16": [("2 pages, 4 warps (default)", DC()), ("1 page, 4 warps", DC(pages_per_block=1)),
-                     ("2 pages, swap AB", DC(swap_ab=True)), ("1 page, swap AB", DC(pages_per_block=1, swap_ab=True))],
+                     ("2 pages, swap AB", DC(swap_ab=True)), ("1 page, swap AB", DC(pages_per_block=1, swap_ab=True)),
+                     *[(f"2 pages, >= {n} pages a split", DC(min_pages_per_split=n)) for n in (16, 64)]],
         "int8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                  ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                  ("1 page, f16 keys", DC(pages_per_block=1, f16_keys=True)),
@@ -47,17 +53,17 @@ def variants():
                  ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
-                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + untimed,
+                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + untimed + longer,
         "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
-                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed,
+                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed + longer,
         # NVFP4 rows two codes a register to f16 by inline PTX (the default), or by integer ops per code to bf16
         **{pool: [("1 page, bf16 rows", DC(pages_per_block=1)),
                   ("1 page, f16 rows", DC(pages_per_block=1, **f16)),
-                  ("1 page, f16 rows, 3 stages (default)", quant())]
+                  ("1 page, f16 rows, 3 stages (default)", quant())] + longer
            for pool in ("nvfp4", "k8v4")},
     }
 
@@ -83,6 +89,8 @@ def timed(fn, args, reps: int = 5, min_s: float = 0.04) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--lanes", type=int, default=LANES)
+    p.add_argument("--heads", default=f"{HQ}/{HKV}", help="query / KV heads (the 27B's 24/4, the 35B-A3B's 16/2)")
     p.add_argument("--out", default=None, help="report folder (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="256 keys, a pool's first and last variants, interpret mode")
     args = p.parse_args()
@@ -94,7 +102,8 @@ def main() -> int:
 
     interpret = jax.default_backend() == "cpu"
     contexts = [256] if args.smoke else [int(x) for x in args.contexts.split(",")]
-    lanes, hq, hkv = (2, 4, 2) if args.smoke else (LANES, HQ, HKV)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    lanes, hq, hkv = (2, 4, 2) if args.smoke else (args.lanes, hq, hkv)
     pages = max(contexts) // 64
     n_pool = lanes * pages + 8
     k1, k2, k3 = jax.random.split(jax.random.key(20), 3)
