@@ -3,7 +3,8 @@
 
 Usage reports the engine's reuse as `prompt_tokens_details.cached_tokens` (spec §8.3). A stream sends
 the role first, then reasoning (`reasoning_content`), text and tool calls as they are parsed, a last
-chunk with the finish reason, a usage chunk with `stream_options.include_usage`, and `[DONE]`. A
+chunk with the finish reason, a usage chunk with `stream_options.include_usage` (with vLLM's
+`continuous_usage_stats`, every chunk carries its choice's usage so far), and `[DONE]`. A
 request the engine ends without an answer (server stopping, engine failure) is a 503/500 before the
 stream starts, or an `{"error": ...}` event inside it, which the SDK raises as an APIError.
 
@@ -207,14 +208,15 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
     """Chunks of every choice as they come (each names its index, as OpenAI interleaves them)."""
     head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.model_name}
-    usage_field = {"usage": None} if body.include_usage else {}
+    usage = _StreamUsage(body, [len(prompt_ids)] * len(runs))
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None,
               token_ids: list | None = None, extra: dict | None = None) -> str:
         scores = chat_logprobs(body.token_namer(ctx.engine), logprobs) if logprobs else None
         ids = {"token_ids": token_ids or []} if body.return_token_ids else {}
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": scores,
-                                          "finish_reason": finish_reason, **ids}], **usage_field, **(extra or {})})
+                                          "finish_reason": finish_reason, **ids}], **usage.field(index),
+                    **(extra or {})})
 
     calls = [0] * len(runs)
     events = interleave(runs, first)
@@ -223,6 +225,7 @@ async def _chat_stream(ctx: ServerContext, body: ChatCompletionRequest, response
         for index in range(len(runs)):
             yield chunk(index, {"role": "assistant", "content": ""}, extra=prompt_field)
         async for index, event in events:
+            usage.generated[index] += len(event.token_ids)
             parser = parsers[index]
             pieces = parser.push(event.text) + (parser.finish() if event.finish_reason else [])
             # An event's logprobs and token ids ride on its first chunk (held-back text may leave it none of its own).
@@ -256,7 +259,7 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
                              first: Any, echoes: list[_Echo | None], prompt_ids: list) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}
-    usage_field = {"usage": None} if body.include_usage else {}
+    usage = _StreamUsage(body, [len(ids) for ids in prompt_ids])
     # with return_token_ids each choice's first chunk names its prompt's ids, and every chunk its own new ids
     unsent_prompt = [body.return_token_ids] * len(runs)
 
@@ -268,12 +271,13 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
             if unsent_prompt[index]:
                 ids["prompt_token_ids"], unsent_prompt[index] = [int(t) for t in prompt_ids[index]], False
         return sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                          "finish_reason": finish_reason, **ids}], **usage_field})
+                                          "finish_reason": finish_reason, **ids}], **usage.field(index)})
 
     shown = [0] * len(runs)  # characters sent per choice: the text offset of its next event's tokens
     events = interleave(runs, first)
     try:
         async for index, event in events:
+            usage.generated[index] += len(event.token_ids)
             echo = echoes[index]
             if echo is not None and (event.token_ids or event.finish_reason is not None):
                 # its prompt first, once: with logprobs, after the prompt's event (which precedes the first token)
@@ -363,6 +367,21 @@ def _tool_call(piece: Piece) -> dict[str, Any]:
 
 def _finish(finish_reason: str, tool_calls: int) -> str:
     return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+
+
+class _StreamUsage:
+    """A stream's per-chunk usage field: null with include_usage, with vLLM's continuous_usage_stats its choice's
+    prompt and the tokens it generated so far; absent otherwise. `generated` is counted by the stream."""
+
+    def __init__(self, body: Any, prompt_tokens: list[int]):
+        self.include, self.continuous = body.include_usage, body.continuous_usage
+        self.prompt_tokens, self.generated = prompt_tokens, [0] * len(prompt_tokens)
+
+    def field(self, index: int) -> dict[str, Any]:
+        if not self.continuous:
+            return {"usage": None} if self.include else {}
+        prompt, done = self.prompt_tokens[index], self.generated[index]
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
 
 
 def _usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class ToolDefinition(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class PromptCacheOptions(_Lenient):
@@ -185,6 +186,11 @@ class _Sampling(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (with include_usage): each chunk's usage counts its choice so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def num_prompt_logprobs(self) -> int | None:

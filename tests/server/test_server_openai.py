@@ -109,6 +109,28 @@ def test_chat_stream_ends_with_finish_reason_usage_chunk_and_done(oai, engine, s
     assert events[-1] == (None, "[DONE]")
 
 
+def test_continuous_usage_stats_count_each_choice_in_every_chunk(oai, engine):
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage is its choice's prompt and its tokens so
+    far, reaching what the final usage chunk counts."""
+    stream = oai.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    chunks = list(stream)
+    final = chunks[-1].usage
+    counted = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counted == sorted(counted) and counted[0] == 0 and counted[-1] == final.completion_tokens > 0
+    assert all(c.usage.prompt_tokens == final.prompt_tokens
+               and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks[:-1])
+    stream = oai.completions.create(model=engine.model_name, prompt=[1000, 1001, 1002], max_tokens=3, temperature=0,
+                                    n=2, stream=True, extra_body={"ignore_eos": True},
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    last = {c.choices[0].index: c.usage for c in chunks if c.choices}
+    assert {i: (u.prompt_tokens, u.completion_tokens) for i, u in last.items()} == {0: (3, 3), 1: (3, 3)}
+    assert chunks[-1].usage.completion_tokens == 6
+
+
 def test_eight_concurrent_clients_are_all_answered_and_leave_no_pages(oai, engine):
     def ask(i):
         return oai.chat.completions.create(
