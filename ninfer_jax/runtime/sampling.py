@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -27,8 +26,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-log = logging.getLogger("ninfer_jax.sampling")
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
@@ -118,9 +115,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1 and k != -1):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._check_processing()
 
     def _check_processing(self) -> None:
@@ -182,6 +177,12 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
                 or self.bad_words is not None or self.response_format is not None)
+
+
+def check_truncate_prompt_tokens(k) -> None:
+    """Raises ValueError unless `k` is None, -1 or an integer >= 1 (vLLM's truncate_prompt_tokens)."""
+    if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1 and k != -1):
+        raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
 
 
 def _items(x) -> tuple | None:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ninfer_jax.runtime.sampling import MAX_LOGPROBS
+from ninfer_jax.runtime.sampling import MAX_LOGPROBS, check_truncate_prompt_tokens
 
 from .chat_prompt import thinking_mode
 
@@ -141,8 +141,7 @@ class _Sampling(_Lenient):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError("truncate_prompt_tokens must be -1 or an integer >= 1")
+        check_truncate_prompt_tokens(value)  # before the prompt is cut, which comes before SamplingParams
         return value
 
     @model_validator(mode="after")
