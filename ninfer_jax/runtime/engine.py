@@ -282,9 +282,11 @@ class Engine:
         return value
 
     # --- requests --------------------------------------------------------------------------------
-    def _prepare(self, prompt, truncate: int | None = None) -> PreparedPrompt:
+    def _prepare(self, prompt, sampling: SamplingParams | None = None) -> PreparedPrompt:
+        """The checked prompt, cut to `sampling`'s truncate_prompt_tokens when it has one."""
         prepared = prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
-                                  self.scheduler.pages.capacity * PAGE, truncate)
+                                  self.scheduler.pages.capacity * PAGE,
+                                  sampling.truncate_prompt_tokens if sampling is not None else None)
         if prepared.media is not None:
             if self.vision is None:
                 raise InvalidRequestError("the prompt has images and this model has no vision tower")
@@ -307,7 +309,7 @@ class Engine:
         """n samples of one prompt (OpenAI's `n`), queued together as one group: the first prefills the prompt and
         the others resume from its snapshot at their divergence (spec §12.2), so the prompt is computed once.
         Returns their ids; sample i's events go to sinks[i]. Give the samplings different seeds (or none)."""
-        prepared = self._prepare(prompt, samplings[0].truncate_prompt_tokens if samplings else None)
+        prepared = self._prepare(prompt, samplings[0] if samplings else None)
         group = f"group-{uuid.uuid4().hex[:8]}"
         reqs = [self._request(prepared, sp, None, sink) for sp, sink in zip(samplings, sinks, strict=True)]
         for req in reqs:
@@ -319,7 +321,7 @@ class Engine:
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")
         sampling = sampling or SamplingParams(**self.sampling_defaults)
-        prepared = self._prepare(prompt, sampling.truncate_prompt_tokens)
+        prepared = self._prepare(prompt, sampling)
         grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens) \
@@ -393,8 +395,7 @@ class Engine:
         in one command, so they are admitted in one step, in order."""
         if not isinstance(sampling, (list, tuple)):
             sampling = [sampling] * len(prompts)
-        # refuse the whole batch before queueing any
-        prepared = [self._prepare(p, sp.truncate_prompt_tokens if sp else None) for p, sp in zip(prompts, sampling)]
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, sampling)]  # refuse the batch before queueing any
         boxes = [(p, sp, queue.SimpleQueue()) for p, sp in zip(prepared, sampling)]
         reqs = [self._request(p, sp, None, events.put) for p, sp, events in boxes]
         self._send(_Add(reqs))
