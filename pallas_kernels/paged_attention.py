@@ -565,13 +565,13 @@ def _prefill_kernel(
     group: int,
     block_q: int,
     pages_per_block: int,
-    by_groups: bool,
+    by_groups: tuple[bool, bool],
     asm: bool,
     scale: float,
 ):
-    """by_groups: a quantized pool read as decode reads it (`_fetch`, `_decode`): an INT8 or FP8 pool's codes a scale
+    """by_groups (K, V): that quantized pool read as decode reads it (`_fetch`, `_decode`): INT8 or FP8 codes a scale
     group at a time, their scales on the scores and probabilities, NVFP4 rows as two halves in f16 (inline PTX on
-    the GPU), the products in f16 (`_operand_dtype` with f16 keys and values). Else every key and value block is
+    the GPU), the products in f16 (`_operand_dtype` with f16 keys and values). Else its key and value blocks are
     dequantized whole into the queries' dtype (`_load_rows`)."""
     k_refs, v_refs, (o_ref,) = pools.split(refs)
     qb, h = pl.program_id(0), pl.program_id(1)
@@ -593,15 +593,16 @@ def _prefill_kernel(
 
     n_full = (base + qb * block_q + 1) // bk
     n_total = (base + jnp.minimum(qb * block_q + block_q, t_len) + bk - 1) // bk
-    if by_groups:
-        k_dtype = _operand_dtype(pools.k_fmt, q_ref.dtype, k_refs[0].dtype, "k", True, True)
-        v_dtype = _operand_dtype(pools.v_fmt, q_ref.dtype, v_refs[0].dtype, "v", True, True)
-        v_shift = pools.v_fmt is not None and not pools.v_fmt.packed and v_dtype == jnp.float16
-        k_groups, v_groups = _column_groups(pools.k_fmt, d), _column_groups(pools.v_fmt, d)
-    else:
-        k_dtype = v_dtype = pools.compute_dtype(k_refs, q_ref.dtype)
-        v_shift = False
-        k_groups = v_groups = [(0, d)]
+    k_by_groups, v_by_groups = by_groups
+
+    def read_as(fmt, refs, side, grouped):  # a side's operand dtype and column groups
+        if not grouped:
+            return pools.compute_dtype(k_refs, q_ref.dtype), [(0, d)]
+        return _operand_dtype(fmt, q_ref.dtype, refs[0].dtype, side, True, True), _column_groups(fmt, d)
+
+    k_dtype, k_groups = read_as(pools.k_fmt, k_refs, "k", k_by_groups)
+    v_dtype, v_groups = read_as(pools.v_fmt, v_refs, "v", v_by_groups)
+    v_shift = v_by_groups and not pools.v_fmt.packed and v_dtype == jnp.float16
     qs = []
     for first_col, width in k_groups:
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
@@ -612,14 +613,14 @@ def _prefill_kernel(
         """Key block j as [(K values, K scales or None)] and [(V values, V scales or None)] by column group, with
         its key positions and validity."""
         page, row, pos, valid = _key_block(page_of, j * pages_per_block, n_pages, kv_len, pages_per_block)
-        if not by_groups:
-            k = _load_rows(k_refs, pools.k_fmt, page, row, kvh, d, valid, mask_keys, k_dtype)
-            v = _load_rows(v_refs, pools.v_fmt, page, row, kvh, d, valid, mask_keys, v_dtype)
-            return [(k, None)], [(v, None)], pos, valid
-        raw_k = _fetch(k_refs, pools.k_fmt, k_groups, page, row, kvh, valid)
-        raw_v = _fetch(v_refs, pools.v_fmt, v_groups, page, row, kvh, valid)
-        return (_decode(pools.k_fmt, k_groups, raw_k, k_dtype, asm),
-                _decode(pools.v_fmt, v_groups, raw_v, v_dtype, asm), pos, valid)
+
+        def side(refs, fmt, grouped, groups, dtype):
+            if not grouped:
+                return [(_load_rows(refs, fmt, page, row, kvh, d, valid, mask_keys, dtype), None)]
+            return _decode(fmt, groups, _fetch(refs, fmt, groups, page, row, kvh, valid), dtype, asm)
+
+        return (side(k_refs, pools.k_fmt, k_by_groups, k_groups, k_dtype),
+                side(v_refs, pools.v_fmt, v_by_groups, v_groups, v_dtype), pos, valid)
 
     def step(carry, ks, vs, visible):
         m, l, accs = carry
@@ -672,9 +673,10 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     cudnn_segment_pages: int = 128  # impl "cudnn": prefix keys gathered per cuDNN call (8192 keys)
-    # quantized pools read as decode reads them (`_prefill_kernel`): on the agent trace an NVFP4 prefix read by
-    # whole dequantized blocks took prefill to 2.6x bf16's time (docs/benchmarks/kv_profiles.md). Not yet timed
-    by_groups: bool = False
+    # which quantized pools are read as decode reads them (`_prefill_kernel`): "packed" (4-bit: NVFP4, K8V4's V),
+    # "all" or "none". Whole-block dequantization decodes e2m1 by integer arithmetic: an NVFP4 prefix took 5.5x
+    # the by-group time, while INT8 and FP8 run 1.45-1.6x faster whole (docs/benchmarks/kernels.md)
+    by_groups: str = "packed"
 
     def __post_init__(self):
         if self.impl not in ("pallas", "cudnn"):
@@ -687,6 +689,12 @@ class PrefillConfig:
             raise ValueError(f"PrefillConfig.block_q must be >= {_MIN_ROWS}, got {self.block_q}")
         if self.num_stages < 1:
             raise ValueError("PrefillConfig.num_stages must be >= 1")
+        if self.by_groups not in ("packed", "all", "none"):
+            raise ValueError(f"PrefillConfig.by_groups must be 'packed', 'all' or 'none', got {self.by_groups!r}")
+
+    def reads_by_groups(self, fmt: kv_quant.Format | None) -> bool:
+        """Whether a pool of this format is read by scale group (a plain pool never is)."""
+        return fmt is not None and (self.by_groups == "all" or self.by_groups == "packed" and fmt.packed)
 
 
 def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interpret):
@@ -703,7 +711,7 @@ def _paged_prefill_call(q, k_pages, v_pages, page_table, base, *, config, interp
             group=hq // hkv,
             block_q=block_q,
             pages_per_block=config.pages_per_block,
-            by_groups=config.by_groups and (pools.k_fmt is not None or pools.v_fmt is not None),
+            by_groups=(config.reads_by_groups(pools.k_fmt), config.reads_by_groups(pools.v_fmt)),
             asm=not interpret,
             scale=d**-0.5,
         ),

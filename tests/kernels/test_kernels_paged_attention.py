@@ -129,6 +129,18 @@ def test_rejects_bad_inputs():
                                                jnp.ones((1,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="impl"):
         paged_attention.PrefillConfig(impl="flash")
+    with pytest.raises(ValueError, match="by_groups"):
+        paged_attention.PrefillConfig(by_groups=True)
+
+
+def test_prefill_reads_4bit_pools_by_scale_group_by_default():
+    """NVFP4 rows dequantized whole cost 5.5x their by-group read; INT8 and FP8 rows 1.5x less whole."""
+    cfg = paged_attention.PrefillConfig()
+    nvfp4, int8, fp8 = kv_quant.NVFP4_G16, kv_quant.INT8_G64, kv_quant.FP8_ROW256
+    assert [cfg.reads_by_groups(f) for f in (None, int8, fp8, nvfp4)] == [False, False, False, True]
+    assert [paged_attention.PrefillConfig(by_groups="all").reads_by_groups(f) for f in (None, int8, nvfp4)] == [
+        False, True, True]
+    assert not paged_attention.PrefillConfig(by_groups="none").reads_by_groups(nvfp4)
 
 
 def test_one_lanes_splits_keep_a_minimum_of_pages():
@@ -182,7 +194,8 @@ def test_lowers_to_triton_at_real_shapes(profile):
         sd((1, 16, 256), bf), k_35b, v_35b, sd((1, 528), jnp.int32), sd((1,), jnp.int32)
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
-    for config in (None, paged_attention.PrefillConfig(by_groups=True)):  # a quantized pool read by scale group
+    for by_groups in ("none", "packed", "all"):  # a quantized pool read whole, by format, by scale group
+        config = paged_attention.PrefillConfig(by_groups=by_groups)
         text = paged_attention.paged_prefill_attention.trace(
             sd((2048, 24, 256), bf), k, v, sd((600,), jnp.int32), sd((), jnp.int32), config=config
         ).lower(lowering_platforms=("cuda",)).as_text()

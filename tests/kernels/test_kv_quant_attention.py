@@ -121,12 +121,12 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
         np.testing.assert_allclose(out[b], want, rtol=0, atol=bound * np.abs(want).max())
 
 
-# Rows dequantized whole (the default), read by scale group as decode reads them (`by_groups`: INT8's two groups a
-# row at D 32, FP8 rows, NVFP4 halves), and gathered for cuDNN's path.
+# Rows dequantized whole, read by scale group as decode reads them (`by_groups`: INT8's two groups a row at D 32,
+# FP8 rows, NVFP4 halves), the default's mix (K8V4: K whole, V by groups), and gathered for cuDNN's path.
 @pytest.mark.parametrize("profile,config", [
-    (p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2)) for p in ("fp8", "nvfp4")
-] + [(p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2, by_groups=True)) for p in ("int8", "k8v4")]
-  + [("nvfp4", paged_attention.PrefillConfig(block_q=32, by_groups=True))]
+    (p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2, by_groups="none")) for p in ("fp8", "nvfp4")
+] + [(p, paged_attention.PrefillConfig(block_q=16, pages_per_block=2, by_groups="all")) for p in ("int8", "k8v4")]
+  + [(p, paged_attention.PrefillConfig(block_q=32)) for p in ("nvfp4", "k8v4")]
   + [("k8v4", paged_attention.PrefillConfig(impl="cudnn", cudnn_segment_pages=1))])  # the gathered path
 def test_prefill_over_quantized_pages_matches_float64(profile, config):
     r = np.random.default_rng(2)
@@ -157,7 +157,7 @@ def test_prefill_by_groups_with_bf16_queries_matches_float64(profile, v_mag):
     q = jnp.asarray(r.standard_normal((t, hq, d)), jnp.bfloat16)
     out = np.asarray(paged_attention.paged_prefill_attention(
         q, poison(k, [table], [base + t]), poison(v, [table], [base + t]), jnp.asarray(table), jnp.int32(base),
-        interpret=INTERPRET, config=paged_attention.PrefillConfig(block_q=16, by_groups=True)))
+        interpret=INTERPRET, config=paged_attention.PrefillConfig(block_q=16, by_groups="all")))
     kb, vb = dequantize64(k)[table].reshape(-1, hkv, d), dequantize64(v)[table].reshape(-1, hkv, d)
     want = attention64(np.asarray(q.astype(jnp.float32), np.float64), kb, vb, base + np.arange(t), base + t)
     np.testing.assert_allclose(out, want, rtol=0, atol=4e-3 * np.abs(want).max())
