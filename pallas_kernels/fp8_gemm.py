@@ -40,7 +40,9 @@ class GemmConfig:
     None, "m" (two CTAs along M share W's tile by TMA multicast) or "n" (two along N share x's tile);
     grid_minor: the tile walk's fast dimension ("m" or "n") in bands of grid_width tiles (L2 reuse); overlap: add
     step k-1's product into the running tile while step k's wgmma runs (one more register tile per thread) rather
-    than after waiting for it."""
+    than after waiting for it; k_splits: K cut into this many ranges, each tile's ranges on separate CTAs writing
+    float32 partial sums that XLA adds (a few rows over few column tiles, as the 27B's down projection's 40 at a wide
+    decode round, leave most SMs idle otherwise)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -49,6 +51,7 @@ class GemmConfig:
     grid_minor: str = "n"
     grid_width: int = 8
     overlap: bool = False
+    k_splits: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -57,6 +60,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.tile_n must be 64 or 128 (one weight block), got {self.tile_n}")
         if self.cluster not in (None, "m", "n") or self.grid_minor not in ("m", "n"):
             raise ValueError(f"GemmConfig: cluster {self.cluster!r}, grid_minor {self.grid_minor!r}")
+        if self.k_splits < 1:
+            raise ValueError(f"GemmConfig.k_splits must be >= 1, got {self.k_splits}")
 
 
 DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
@@ -83,8 +88,8 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
     # xs_gmem [K / 128, M] f32: activation scale of row m's group kb
     # ws_gmem [N / tile_n, K / 128, tile_m] f32: the weight block scale of column tile j at step kb, repeated per row
     #   so a warpgroup loads it in the accumulator's row layout like xs
-    # out_gmem (out) [M, N] bf16
-    m_iters, n_iters, k_iters = iters
+    # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
+    m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
     tile_m, tile_n = cfg.tile_m, cfg.tile_n
     cta_m = 2 * tile_m
     fp8_tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  # 128 FP8 = one 128-byte row
@@ -124,9 +129,10 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        @plgpu.nd_loop((cfg.k_splits * m_iters * n_iters,), collective_axes="cluster_grid")
         def _tiles(info: plgpu.NDLoopInfo):
             (lin,) = info.index
+            split, lin = lin // (m_iters * n_iters), lin % (m_iters * n_iters)
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), _dim(cfg.grid_minor), cfg.grid_width)
             if cfg.cluster == "m":
                 mi = mi * 2 + cta
@@ -134,6 +140,9 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
                 ni = ni * 2 + cta
             rows = pl.ds(mi * cta_m, cta_m)
             cols = pl.ds(ni * tile_n, tile_n)
+            steps = pl.ds(split * k_iters, k_iters)
+            span = pl.ds(split * k_iters * BLOCK, k_iters * BLOCK)
+            out_rows = pl.ds(split * x_gmem.shape[0] + mi * cta_m, cta_m)
             wg_rows = pl.ds(wg * tile_m, tile_m)
 
             row = plgpu.Layout.WGMMA.reduce(1)
@@ -149,7 +158,7 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                 out_smem[wg] = acc.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols].at[wg_rows])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, cols].at[wg_rows])
 
             def step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
                 # x_smem [2 * tile_m, 128] fp8   w_smem [tile_n, 128] fp8
@@ -170,7 +179,8 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
                 return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
 
             get_pipeline(step, compute_context)(
-                x_gmem.at[rows], w_gmem.at[cols], xs_gmem.at[:, rows], ws_gmem.at[ni], allocations=allocs)
+                x_gmem.at[rows, span], w_gmem.at[cols, span], xs_gmem.at[steps, rows], ws_gmem.at[ni, steps],
+                allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -180,10 +190,10 @@ def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, int
     cluster = 1 if cfg.cluster is None else 2
     cta_m = 2 * cfg.tile_m
     iters = (m // cta_m // (cluster if cfg.cluster == "m" else 1),
-             n // cfg.tile_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK)
+             n // cfg.tile_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
     return plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, iters=iters),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
         grid=(num_sms // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
@@ -206,6 +216,8 @@ def _check(x, values, scales, cfg: GemmConfig):
     if not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"fp8_gemm: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
+    if (k // BLOCK) % cfg.k_splits:
+        raise ValueError(f"fp8_gemm: k_splits {cfg.k_splits} does not divide K's {k // BLOCK} blocks of {BLOCK}")
     if values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_gemm: values must be float8_e4m3fn, got {values.dtype}")
 
@@ -223,11 +235,22 @@ def weight_row_scales(scales, cfg: GemmConfig):
     return jnp.broadcast_to(tiles[..., None], (*tiles.shape, cfg.tile_m))
 
 
+def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    """DEFAULT_CONFIG, with K in two ranges when the output's tiles fill at most half the SMs: at 64-128 rows the
+    27B's down and output projections (40 tiles) ran 1.33-1.46x faster so, the projections with 128+ tiles and
+    every one at 256 rows slower (docs/benchmarks/fp8/fp8_sweep_wide.md)."""
+    cfg = DEFAULT_CONFIG
+    tiles = -(-m // (2 * cfg.tile_m)) * (n // cfg.tile_n)
+    if 2 * tiles <= num_sms and (k // BLOCK) % 2 == 0:
+        return dataclasses.replace(cfg, k_splits=2)
+    return cfg
+
+
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) with x
     quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype)."""
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or auto_config(x.shape[0], values.shape[0], values.shape[1], _num_sms())
     _check(x, values, scales, cfg)
     if cfg.cluster == "n" and values.shape[0] % (2 * cfg.tile_n):  # an odd count of column tiles: no pairs
         cfg = dataclasses.replace(cfg, cluster=None)
@@ -237,6 +260,8 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     xq, xs = quantize_rows(xp)
     out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms())
+    if cfg.k_splits > 1:
+        out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
     return out[:m] if mp != m else out
 
 

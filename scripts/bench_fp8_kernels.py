@@ -268,6 +268,11 @@ WIDE_BASELINES = {
     "dequantize + bf16": (lambda a, v, s: ops.dequantized_dot(a, QuantizedWeight(v, s)), False),
     "gemm dynamic (wgmma)": (lambda a, v, s: fp8_gemm.fp8_gemm(a, v, s), True),  # Mosaic GPU: a GPU only
 }
+# the wgmma GEMM's K splits and narrow column tiles, for rounds whose few row tiles leave SMs idle
+for _splits, _tile_n in ((2, 128), (4, 128), (8, 128), (1, 64), (4, 64)):
+    _cfg = fp8_gemm.GemmConfig(k_splits=_splits, tile_n=_tile_n)
+    WIDE_BASELINES[f"gemm dynamic {_splits} K splits" + (f" bn{_tile_n}" if _tile_n != 128 else "")] = (
+        lambda a, v, s, cfg=_cfg: fp8_gemm.fp8_gemm(a, v, s, config=cfg), True)
 SWEEP_CPU_SHAPE = (1024, 256)  # the interpreter takes tens of seconds a program at the 27B's shapes
 
 
@@ -299,8 +304,18 @@ def _load_module(name: str, path: str):
     return module
 
 
-def _sweep_jobs(rows: tuple[int, ...], old, interpret: bool) -> list[tuple]:
-    """(label, M, fn, shapes) of each program the sweep times; fn None: XLA's matmul on bf16 weights."""
+def _sweep_jobs(rows: tuple[int, ...], old, interpret: bool, kernels: str | None = None) -> list[tuple]:
+    """(label, M, fn, shapes) of each program the sweep times; fn None: XLA's matmul on bf16 weights. kernels: the
+    labels to time (comma-separated; bf16 always), default every one."""
+    jobs = _all_sweep_jobs(rows, old, interpret)
+    keep = None if kernels is None else set(kernels.split(",")) | {"bf16"}
+    unknown = keep - {j[0] for j in jobs} if keep else set()
+    if unknown:
+        raise SystemExit(f"--sweep-kernels: no such kernel at these rows: {sorted(unknown)}")
+    return [j for j in jobs if keep is None or j[0] in keep]
+
+
+def _all_sweep_jobs(rows: tuple[int, ...], old, interpret: bool) -> list[tuple]:
     kw = {"interpret": True} if interpret else {}
     jobs = []
     for m in rows:
@@ -353,7 +368,7 @@ def _sweep_float64_check(jobs: list[tuple]) -> list[dict]:
 
 
 def bench_sweep(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], old_path: str | None, out: str,
-                meta: dict, interpret: bool) -> tuple[list[dict], list[dict]]:
+                meta: dict, interpret: bool, kernels: str | None = None) -> tuple[list[dict], list[dict]]:
     """The decode kernels' SWEEP_VARIANTS (and with old_path an earlier fp8_matmul.py's default and dynamic
     kernels) beside XLA's bf16 matmul: per call times (GB/s of FP8 weight bytes; bf16: its own), errors against
     the dequantized weight's float32 product, and the float64 check. fp8_sweep.json is rewritten after each
@@ -361,7 +376,7 @@ def bench_sweep(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], old_p
     old = _load_module("fp8_matmul_old", old_path) if old_path else None
     if old is not None:
         print("old fp8_matmul from", old.__file__, flush=True)
-    jobs = _sweep_jobs(rows, old, interpret)
+    jobs = _sweep_jobs(rows, old, interpret, kernels)
     checks = _sweep_float64_check(jobs)
     sds = jax.ShapeDtypeStruct
     programs = {}
@@ -438,6 +453,7 @@ def main() -> None:
                    help="bf16 and --sweep-old's kernels at each; each SWEEP_VARIANTS entry at its rows among these")
     p.add_argument("--sweep-shapes", help="comma-separated names from SHAPES, or KxN (default: every SHAPES entry; "
                    f"on a CPU {SWEEP_CPU_SHAPE[0]}x{SWEEP_CPU_SHAPE[1]})")
+    p.add_argument("--sweep-kernels", help="comma-separated kernel labels to time (bf16 always; default: all)")
     p.add_argument("--sweep-old", metavar="PATH", help="a copy of an earlier pallas_kernels/fp8_matmul.py (git show "
                    "REV:pallas_kernels/fp8_matmul.py > PATH): its default and dynamic kernels timed beside")
     args = p.parse_args()
@@ -446,7 +462,7 @@ def main() -> None:
         shapes = _sweep_shapes(args.sweep_shapes, cpu)
         meta = report.run_meta(report.command_line())
         rows, checks = bench_sweep(shapes, tuple(int(m) for m in args.sweep_rows.split(",")), args.sweep_old,
-                                   args.out, meta, interpret=cpu)
+                                   args.out, meta, interpret=cpu, kernels=args.sweep_kernels)
         cols = ["shape", "M", "kernel", "us", "gbps", "vs_bf16", "rel_err"]
         lines = report.header("Block-FP8 decode kernel configs", meta, "pallas_kernels/fp8_matmul.py's configs "
                               "(SWEEP_VARIANTS in scripts/bench_fp8_kernels.py; old: --sweep-old's copy) beside "

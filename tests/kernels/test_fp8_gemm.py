@@ -62,11 +62,24 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
         fp8_gemm.fp8_gemm(x, values.astype(jnp.bfloat16), scales)
     with pytest.raises(ValueError, match="tile_n"):
         fp8_gemm.GemmConfig(tile_n=256)
+    with pytest.raises(ValueError, match="k_splits 2 does not divide"):
+        fp8_gemm.fp8_gemm(x, values, scales, config=fp8_gemm.GemmConfig(k_splits=2))  # 3 blocks of K
+
+
+def test_splits_k_only_when_the_tiles_leave_most_sms_idle():
+    """The 27B's down projection (40 column tiles) at a wide decode round's 64-128 rows takes two K ranges; its
+    gate_up (272 tiles), 256 rows (80 tiles) and an odd count of K blocks do not."""
+    assert fp8_gemm.auto_config(64, 5120, 17408, 132).k_splits == 2
+    assert fp8_gemm.auto_config(128, 5120, 6144, 132).k_splits == 2
+    assert fp8_gemm.auto_config(64, 34816, 5120, 132).k_splits == 1
+    assert fp8_gemm.auto_config(256, 5120, 17408, 132).k_splits == 1
+    assert fp8_gemm.auto_config(64, 5120, 384, 132).k_splits == 1
 
 
 @pytest.mark.parametrize("cfg", [fp8_gemm.DEFAULT_CONFIG, fp8_gemm.GemmConfig(overlap=True),
-                                 fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64)],
-                         ids=["default", "overlap", "cluster_m", "256x64"])
+                                 fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64),
+                                 fp8_gemm.GemmConfig(k_splits=4)],
+                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts, SMEM budget and pipeline without a GPU."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
