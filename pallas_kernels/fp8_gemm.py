@@ -11,8 +11,9 @@ tile's weight block scale; a tile of at most 128 columns lies in one weight bloc
 Promoting every 128 products keeps the tensor cores' reduced-precision FP8 accumulation to 128 terms.
 
 Layout: a persistent kernel, one CTA per SM walking output tiles; per CTA a memory warpgroup streams x's
-[2 * tile_m, 128] and W's [tile_n, 128] FP8 tiles (K-major both, as FP8 wgmma requires) plus the step's scales
-through `max_concurrent_steps` SMEM stages (TMA), and two compute warpgroups each own tile_m rows of the tile.
+[cta_m, 128] and W's [cta_n, 128] FP8 tiles (K-major both, as FP8 wgmma requires) plus the step's scales through
+`max_concurrent_steps` SMEM stages (TMA), and two compute warpgroups each own tile_m rows (`wg_split` "m") or tile_n
+columns ("n") of the tile.
 Shapes: K and N multiples of 128; M is padded to the CTA's rows. Mosaic GPU compiles only for a GPU; on CPU the
 wrapper's blocking and scaling are checked through `reference` (same arithmetic in jnp) and `lower`.
 """
@@ -42,7 +43,9 @@ class GemmConfig:
     step k-1's product into the running tile while step k's wgmma runs (one more register tile per thread) rather
     than after waiting for it; k_splits: K cut into this many ranges, each tile's ranges on separate CTAs writing
     float32 partial sums that XLA adds (a few rows over few column tiles, as the 27B's down projection's 40 at a wide
-    decode round, leave most SMs idle otherwise)."""
+    decode round, leave most SMs idle otherwise); wg_split: the two compute warpgroups take a tile of 2 x tile_m rows
+    ("m") or of 2 x tile_n columns ("n": a round of at most tile_m rows computes no padding rows and reads each
+    column once per its own rows)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -52,6 +55,7 @@ class GemmConfig:
     grid_width: int = 8
     overlap: bool = False
     k_splits: int = 1
+    wg_split: str = "m"
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -62,6 +66,16 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: cluster {self.cluster!r}, grid_minor {self.grid_minor!r}")
         if self.k_splits < 1:
             raise ValueError(f"GemmConfig.k_splits must be >= 1, got {self.k_splits}")
+        if self.wg_split not in ("m", "n"):
+            raise ValueError(f"GemmConfig.wg_split must be 'm' or 'n', got {self.wg_split!r}")
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
 
 
 DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
@@ -90,8 +104,8 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
     #   so a warpgroup loads it in the accumulator's row layout like xs
     # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
     m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
-    tile_m, tile_n = cfg.tile_m, cfg.tile_n
-    cta_m = 2 * tile_m
+    tile_m, tile_n, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
+    by_cols = cfg.wg_split == "n"
     fp8_tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  # 128 FP8 = one 128-byte row
     out_dtype = out_gmem.dtype
     out_swizzle = plgpu.find_swizzle(tile_n * jnp.dtype(out_dtype).itemsize * 8)
@@ -106,9 +120,10 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
                                 collective_axes=("cluster",) if cfg.cluster == "n" else ()),
-                plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
+                plgpu.BlockSpec((cta_n, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
                                 collective_axes=("cluster",) if cfg.cluster == "m" else ()),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((2, 1, tile_m), lambda k: (0, k, 0), memory_space=plgpu.SMEM) if by_cols else
                 plgpu.BlockSpec((1, tile_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
@@ -121,7 +136,8 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
 
     @functools.partial(
         pl.run_scoped,
-        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, xs_gmem, ws_gmem.at[0]),
+        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, xs_gmem,
+                                                            ws_gmem.at[:2] if by_cols else ws_gmem.at[0]),
         out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype, transforms=out_tiles),
         collective_axes="wg",
     )
@@ -139,11 +155,13 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
             elif cfg.cluster == "n":
                 ni = ni * 2 + cta
             rows = pl.ds(mi * cta_m, cta_m)
-            cols = pl.ds(ni * tile_n, tile_n)
+            cols = pl.ds(ni * cta_n, cta_n)
             steps = pl.ds(split * k_iters, k_iters)
             span = pl.ds(split * k_iters * BLOCK, k_iters * BLOCK)
             out_rows = pl.ds(split * x_gmem.shape[0] + mi * cta_m, cta_m)
-            wg_rows = pl.ds(wg * tile_m, tile_m)
+            wg_rows = pl.ds(0 if by_cols else wg * tile_m, tile_m)  # within the tile
+            out_tile = out_gmem.at[out_rows, cols]
+            wg_out = out_tile.at[:, pl.ds(wg * tile_n, tile_n)] if by_cols else out_tile.at[wg_rows]
 
             row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -158,13 +176,15 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                 out_smem[wg] = acc.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, cols].at[wg_rows])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], wg_out)
 
             def step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
-                # x_smem [2 * tile_m, 128] fp8   w_smem [tile_n, 128] fp8
-                # xs_smem [1, 2 * tile_m] f32   ws_smem [1, tile_m] f32
+                # x_smem [cta_m, 128] fp8   w_smem [cta_n, 128] fp8
+                # xs_smem [1, cta_m] f32   ws_smem [1, tile_m] f32 ("n": [2, 1, tile_m], a column tile's each)
+                w_tile = w_smem.at[pl.ds(wg * tile_n, tile_n)] if by_cols else w_smem
+
                 def product(tmp):
-                    plgpu.wgmma(tmp, x_smem.at[wg_rows], plgpu.transpose_ref(w_smem, (1, 0)))
+                    plgpu.wgmma(tmp, x_smem.at[wg_rows], plgpu.transpose_ref(w_tile, (1, 0)))
                     if cfg.overlap:  # the FMAs run while the tensor cores do this step
                         acc, d_prev, s_prev = carry
                         acc = acc + d_prev * lax.broadcast_in_dim(s_prev, (tile_m, tile_n), [0])
@@ -173,14 +193,14 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
 
                 d, acc = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))  # d [tile_m, tile_n]
                 scale = (plgpu.load(xs_smem.at[0, wg_rows], (), layout=row)
-                         * plgpu.load(ws_smem.at[0], (), layout=row))  # [tile_m]
+                         * plgpu.load(ws_smem.at[wg, 0] if by_cols else ws_smem.at[0], (), layout=row))  # [tile_m]
                 if cfg.overlap:
                     return acc, d, scale
                 return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
 
             get_pipeline(step, compute_context)(
-                x_gmem.at[rows, span], w_gmem.at[cols, span], xs_gmem.at[steps, rows], ws_gmem.at[ni, steps],
-                allocations=allocs)
+                x_gmem.at[rows, span], w_gmem.at[cols, span], xs_gmem.at[steps, rows],
+                ws_gmem.at[pl.ds(ni * 2, 2), steps] if by_cols else ws_gmem.at[ni, steps], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -188,9 +208,8 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
 def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False):
     (m, k), n = xq.shape, values.shape[0]
     cluster = 1 if cfg.cluster is None else 2
-    cta_m = 2 * cfg.tile_m
-    iters = (m // cta_m // (cluster if cfg.cluster == "m" else 1),
-             n // cfg.tile_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
+    iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
+             n // cfg.cta_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
     return plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, iters=iters),
         out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
@@ -223,7 +242,7 @@ def _check(x, values, scales, cfg: GemmConfig):
 
 
 def _padded_rows(m: int, cfg: GemmConfig) -> int:
-    rows = 2 * cfg.tile_m * (2 if cfg.cluster == "m" else 1)
+    rows = cfg.cta_m * (2 if cfg.cluster == "m" else 1)
     return -(-m // rows) * rows
 
 
@@ -240,7 +259,7 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     27B's down and output projections (40 tiles) ran 1.33-1.46x faster so, the projections with 128+ tiles and
     every one at 256 rows slower (docs/benchmarks/fp8/fp8_sweep_wide.md)."""
     cfg = DEFAULT_CONFIG
-    tiles = -(-m // (2 * cfg.tile_m)) * (n // cfg.tile_n)
+    tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
     if 2 * tiles <= num_sms and (k // BLOCK) % 2 == 0:
         return dataclasses.replace(cfg, k_splits=2)
     return cfg
@@ -252,7 +271,9 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype)."""
     cfg = config or auto_config(x.shape[0], values.shape[0], values.shape[1], _num_sms())
     _check(x, values, scales, cfg)
-    if cfg.cluster == "n" and values.shape[0] % (2 * cfg.tile_n):  # an odd count of column tiles: no pairs
+    if values.shape[0] % cfg.cta_n:  # the warpgroups' column tiles in pairs only
+        cfg = dataclasses.replace(cfg, wg_split="m")
+    if cfg.cluster == "n" and values.shape[0] % (2 * cfg.cta_n):  # an odd count of column tiles: no pairs
         cfg = dataclasses.replace(cfg, cluster=None)
     out_dtype = out_dtype or x.dtype
     m = x.shape[0]

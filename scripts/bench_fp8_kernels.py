@@ -268,10 +268,14 @@ WIDE_BASELINES = {
     "dequantize + bf16": (lambda a, v, s: ops.dequantized_dot(a, QuantizedWeight(v, s)), False),
     "gemm dynamic (wgmma)": (lambda a, v, s: fp8_gemm.fp8_gemm(a, v, s), True),  # Mosaic GPU: a GPU only
 }
-# the wgmma GEMM's K splits and narrow column tiles, for rounds whose few row tiles leave SMs idle
-for _splits, _tile_n in ((2, 128), (4, 128), (8, 128), (1, 64), (4, 64)):
-    _cfg = fp8_gemm.GemmConfig(k_splits=_splits, tile_n=_tile_n)
-    WIDE_BASELINES[f"gemm dynamic {_splits} K splits" + (f" bn{_tile_n}" if _tile_n != 128 else "")] = (
+# the wgmma GEMM's K splits, narrow column tiles and warpgroups side by side on columns (wg n; 3 stages leave SMEM
+# for the float32 partial sums), for rounds whose few row tiles leave SMs idle
+for _splits, _tile_n, _wg, _stages in ((2, 128, "m", 4), (4, 128, "m", 4), (8, 128, "m", 4), (1, 64, "m", 4),
+                                       (4, 64, "m", 4), (1, 128, "n", 4), (1, 128, "n", 3), (2, 128, "n", 3),
+                                       (4, 128, "n", 3)):
+    _cfg = fp8_gemm.GemmConfig(k_splits=_splits, tile_n=_tile_n, wg_split=_wg, max_concurrent_steps=_stages)
+    WIDE_BASELINES[f"gemm dynamic {_splits} K splits" + (f" bn{_tile_n}" if _tile_n != 128 else "")
+                   + (f" wg n {_stages} stages" if _wg == "n" else "")] = (
         lambda a, v, s, cfg=_cfg: fp8_gemm.fp8_gemm(a, v, s, config=cfg), True)
 SWEEP_CPU_SHAPE = (1024, 256)  # the interpreter takes tens of seconds a program at the 27B's shapes
 

@@ -78,8 +78,9 @@ def test_splits_k_only_when_the_tiles_leave_most_sms_idle():
 
 @pytest.mark.parametrize("cfg", [fp8_gemm.DEFAULT_CONFIG, fp8_gemm.GemmConfig(overlap=True),
                                  fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64),
-                                 fp8_gemm.GemmConfig(k_splits=4)],
-                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits"])
+                                 fp8_gemm.GemmConfig(k_splits=4),
+                                 fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3)],
+                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts, SMEM budget and pipeline without a GPU."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
