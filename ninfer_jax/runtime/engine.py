@@ -283,10 +283,10 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------
     def _prepare(self, prompt, sampling: SamplingParams | None = None) -> PreparedPrompt:
-        """The checked prompt, cut to `sampling`'s truncate_prompt_tokens when it has one."""
+        """The checked prompt, cut to `sampling`'s (or the defaults') truncate_prompt_tokens when it has one."""
+        sampling = sampling or SamplingParams(**self.sampling_defaults)
         prepared = prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
-                                  self.scheduler.pages.capacity * PAGE,
-                                  sampling.truncate_prompt_tokens if sampling is not None else None)
+                                  self.scheduler.pages.capacity * PAGE, sampling.truncate_prompt_tokens)
         if prepared.media is not None:
             if self.vision is None:
                 raise InvalidRequestError("the prompt has images and this model has no vision tower")
@@ -301,7 +301,7 @@ class Engine:
     def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                sink=None) -> str:
         """Queue a request (non-blocking) and return its id. Events go to `sink` (a callable)."""
-        req = self._request(prompt, sampling, request_id, sink)
+        req = self._request(self._prepare(prompt, sampling), sampling, request_id, sink)
         self._send(_Add([req]))
         return req.id
 
@@ -317,11 +317,12 @@ class Engine:
         self._send(_Add(reqs))
         return [req.id for req in reqs]
 
-    def _request(self, prompt, sampling: SamplingParams | None, request_id: str | None, sink) -> Request:
+    def _request(self, prepared: PreparedPrompt, sampling: SamplingParams | None, request_id: str | None,
+                 sink) -> Request:
+        """A request of a prompt `_prepare` has checked and cut (under this sampling's truncate_prompt_tokens)."""
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")
         sampling = sampling or SamplingParams(**self.sampling_defaults)
-        prepared = self._prepare(prompt, sampling)
         grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens) \
