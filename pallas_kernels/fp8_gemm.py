@@ -256,8 +256,8 @@ def weight_row_scales(scales, cfg: GemmConfig):
 
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """DEFAULT_CONFIG, with K in two ranges when the output's tiles fill at most half the SMs: at 64-128 rows the
-    27B's down and output projections (40 tiles) ran 1.33-1.46x faster so, the projections with 128+ tiles and
-    every one at 256 rows slower (docs/benchmarks/fp8/fp8_sweep_wide.md)."""
+    27B's down and output projections (40 tiles) ran 1.28-1.33x faster so (1.33-1.46x the bf16 matmul), the
+    projections with 128+ tiles and every one at 256 rows slower (docs/benchmarks/fp8/fp8_sweep_wide.md)."""
     cfg = DEFAULT_CONFIG
     tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
     if 2 * tiles <= num_sms and (k // BLOCK) % 2 == 0:
