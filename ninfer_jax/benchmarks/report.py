@@ -76,9 +76,11 @@ def run_line(meta: dict) -> str:
 
 
 def table(columns: list[str], rows: list[list]) -> list[str]:
-    """A markdown table; each cell as str() gives it."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-            *["| " + " | ".join(str(c) for c in r) + " |" for r in rows]]
+    """A markdown table; each cell as str() gives it, its pipes escaped (a shape named "[qkv|z]" is one cell)."""
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return [line(columns), "|" + "---|" * len(columns), *[line(r) for r in rows]]
 
 
 def write_report(out: str | Path, name: str, data: dict, markdown: list[str],
