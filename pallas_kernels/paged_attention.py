@@ -206,6 +206,25 @@ _E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
 _F16_VALUE_SHIFT = 256.0
 
 
+def _scores(qs, ks, product, by_key):
+    """Scores summed over the keys' column groups: each group's product of queries and keys, times the keys'
+    scales (`by_key` lays a [BK] vector along the scores' key axis) when the group has them."""
+    s = None
+    for q, (k, k_scale) in zip(qs, ks):
+        part = product(q, k)
+        part = part if k_scale is None else part * by_key(k_scale)
+        s = part if s is None else s + part
+    return s
+
+
+def _weights(p, v_scale, v_shift: bool, by_key, dtype):
+    """The probabilities a value group's product takes: times its scales when it has them (shifted by
+    `_F16_VALUE_SHIFT` with f16 values), in the values' dtype."""
+    if v_shift:
+        v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
+    return (p if v_scale is None else p * by_key(v_scale)).astype(dtype)
+
+
 def _bytes_to_f16(asm_text: str, codes):
     """One inline PTX conversion of byte codes to float16 values, an output per code: four codes (one 32-bit
     register) in, their four values (two registers) out."""
@@ -366,17 +385,12 @@ def _decode_kernel(
         else:
             raw, nxt = fetch(i), None
         valid = _key_block(page_of, first + i * pages_per_block, last, length, pages_per_block)[3]
-        s = None
-        for q, (k, k_scale) in zip(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm, whole)):
-            part = dot(k, q) if swap_ab else _dot_nt(q, k)
-            part = part if k_scale is None else part * by_key(k_scale)
-            s = part if s is None else s + part
+        s = _scores(qs, _decode(pools.k_fmt, k_groups, raw[0], k_dtype, asm, whole),
+                    (lambda q, k: dot(k, q)) if swap_ab else _dot_nt, by_key)
         m, l, alpha, p = _softmax_update(m, l, jnp.where(by_key(valid), s, _NEG), by_key(valid), keys)
         new = []
         for acc, (v, v_scale) in zip(accs, _decode(pools.v_fmt, v_groups, raw[1], v_dtype, asm, whole)):
-            if v_shift:
-                v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
-            w = (p if v_scale is None else p * by_key(v_scale)).astype(v_dtype)
+            w = _weights(p, v_scale, v_shift, by_key, v_dtype)
             new.append(acc * by_row(alpha) + (dot(v, w) if swap_ab else dot(w, v)))
         return m, l, tuple(new), nxt
 
@@ -622,22 +636,18 @@ def _prefill_kernel(
         return (side(k_refs, pools.k_fmt, k_by_groups, k_groups, k_dtype),
                 side(v_refs, pools.v_fmt, v_by_groups, v_groups, v_dtype), pos, valid)
 
+    def by_key(x):  # a [BK] vector against scores [block_q, BK]
+        return x[None, :]
+
     def step(carry, ks, vs, visible):
         m, l, accs = carry
-        s = None
-        for q, (k, k_scale) in zip(qs, ks):
-            part = _dot_nt(q, k)
-            part = part if k_scale is None else part * k_scale[None, :]
-            s = part if s is None else s + part
+        s = _scores(qs, ks, _dot_nt, by_key)
         if visible is not None:
             s = jnp.where(visible, s, _NEG)
         m, l, alpha, p = _softmax_update(m, l, s, visible)
         new = []
         for acc, (v, v_scale) in zip(accs, vs):
-            if v_shift:
-                v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
-            w = (p if v_scale is None else p * v_scale[None, :]).astype(v_dtype)
-            new.append(acc * alpha[:, None] + dot(w, v))
+            new.append(acc * alpha[:, None] + dot(_weights(p, v_scale, v_shift, by_key, v_dtype), v))
         return m, l, tuple(new)
 
     def unmasked(j, carry):
