@@ -3,10 +3,11 @@ instead of compiling them again (about 3 minutes for the 35B-A3B's buckets on th
 
 It is a process-wide jax setting, so the library never turns it on by itself: the server and `ninfer-generate`
 call `enable_compile_cache` with their `--compile-cache-dir` (default: $JAX_COMPILATION_CACHE_DIR if set, else
-the `xla` folder of `ninfer_jax.home.ninfer_home()`, ~/.cache/ninfer_jax/xla by default; "none" turns it off). Library users can set
-JAX_COMPILATION_CACHE_DIR themselves. Entries are keyed by jax on the program, the compiler options and the
-device, so a changed model, option or jax version compiles again rather than loading a wrong program. Entries
-that no longer decompress (a disk error, a copy cut short) are dropped at start, so they are written again.
+the `xla` folder of `ninfer_jax.home.ninfer_home()`, ~/.cache/ninfer_jax/xla by default; "none" turns it off).
+Library users can set JAX_COMPILATION_CACHE_DIR themselves. Entries are keyed by jax on the program, the compiler
+options and the device, so a changed model, option or jax version compiles again rather than loading a wrong
+program. Entries that no longer decompress (a disk error, a copy cut short) are dropped at start, so they are
+written again.
 """
 
 from __future__ import annotations

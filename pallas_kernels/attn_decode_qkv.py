@@ -92,7 +92,8 @@ def _write_row(refs, fmt, page, row, j, xs: dict, spans, d: int):
 
 def _kernel(positions_ref, rope_ref, tables_ref, active_ref, proj_ref, q_norm_ref, k_norm_ref, inv_freq_ref, *refs,
             num_heads: int, num_kv_heads: int, rotary_dim: int, eps: float, k_fmt, v_fmt):
-    # positions_ref, rope_ref, active_ref: [B] int32 (where the key goes, where it rotates to); tables_ref: [B, max_pages] int32; proj_ref: [B, Hq 2D + 2 Hkv D];
+    # positions_ref, rope_ref, active_ref: [B] int32 (where the key goes, where it rotates to); tables_ref:
+    # [B, max_pages] int32; proj_ref: [B, Hq 2D + 2 Hkv D];
     # q_norm_ref, k_norm_ref: [D]; inv_freq_ref: [rotary_dim / 2] f32; refs: the K pool's planes and the V pool's
     # [P, 64, Hkv, *] (aliased with the outputs after q), q (out) [B, Hq, D], then the K and V planes (out)
     n_k, n_v = (1 if f is None else 2 for f in (k_fmt, v_fmt))

@@ -254,7 +254,8 @@ def torch_side(x_sets, ids_sets, w_sets, gate_up, down, shape, smoke):
         del outs
     except Exception as ex:  # noqa: BLE001
         log("  torch e2e failed:", repr(ex)[:300])
-    del tgu, tdn, xs, idss, wss, pre
+    tgu = tdn = None  # the closures above are done: drop their weights before empty_cache
+    del xs, idss, wss, pre
     if cuda:
         torch.cuda.empty_cache()  # leave the memory to jax's next size
     return res

@@ -37,7 +37,8 @@ def create_app(engine: Any = None, *, api_key: str | None = None, limits: Limits
                default_thinking: bool = True, served_model_names: Sequence[str] = ()) -> FastAPI:
     """The server for `engine` (an ninfer_jax.Engine; None: attached later, `ServerContext.attach`, and until
     then generation answers 503). `api_key`: required on the API routes when set. `limits`: the request
-    bounds. `images`: the bounds on image parts and whether image URLs are fetched. `allowed_origins`: web origins allowed to call the API from a browser (CORS; none by default).
+    bounds. `images`: the bounds on image parts and whether image URLs are fetched. `allowed_origins`: web origins
+    allowed to call the API from a browser (CORS; none by default).
     `default_thinking`: whether OpenAI-protocol requests think when they do not say. `served_model_names`: the
     names requests may give, the first reported (none: the checkpoint's name)."""
     app = FastAPI(title="ninfer-jax", docs_url=None, redoc_url=None, openapi_url=None)

@@ -141,7 +141,8 @@ class _Output:
     def finished(self, shell: dict[str, Any], outcome: Outcome) -> dict[str, Any]:
         """The response object once generation ended."""
         complete = outcome.finish_reason == "stop"
-        reasoning = self._reasoning_tokens(outcome.token_ids) if any(i["type"] == "reasoning" for i in self.items) else 0
+        thought = any(i["type"] == "reasoning" for i in self.items)
+        reasoning = self._reasoning_tokens(outcome.token_ids) if thought else 0
         return {**shell, "status": "completed" if complete else "incomplete",
                 "incomplete_details": None if complete else {"reason": "max_output_tokens"},
                 "output": self.items, "usage": {

@@ -227,7 +227,10 @@ def test_transfer_ops_move_pages_and_slots_bit_exactly(kv_dtype):
     """The runner's gathers and scatters round-trip raw bytes (the Host slab layout, carried as uint32 words)
     for either KV dtype; viewed as bytes, a gathered bundle is each layer's K page then V page in memory order."""
     rng = np.random.default_rng(1)
-    pages = lambda: jnp.asarray(rng.standard_normal((6, 64, 2, 8)), kv_dtype)
+
+    def pages():
+        return jnp.asarray(rng.standard_normal((6, 64, 2, 8)), kv_dtype)
+
     state = DeviceState((pages(), pages()), (pages(), pages()),
                         (jnp.asarray(rng.standard_normal((4, 2, 4, 4)), jnp.float32),) * 2,
                         (jnp.asarray(rng.standard_normal((4, 3, 16)), kv_dtype),) * 2)

@@ -209,7 +209,8 @@ def test_block_hash_rejects_bad_input(tokens, extra, error):
 
 
 def test_hints_after_multibyte_and_decomposed_text_land_on_the_turn_end(tokenizer):
-    messages = [{"role": "system", "content": "Cafe\u0301 🎉👩‍👩‍👧 人力资源"}, {"role": "user", "content": "x\u0301 🎉"}]
+    messages = [{"role": "system", "content": "Cafe\u0301 🎉👩‍👩‍👧 人力资源"},
+                {"role": "user", "content": "x\u0301 🎉"}]
     prompt = prepare_chat(tokenizer, messages, breakpoints=[Breakpoint(1)])
     (system_end,) = hints_of(prompt, K.END_OF_SYSTEM)
     assert text_before(tokenizer, prompt, system_end).endswith("Café 🎉👩‍👩‍👧 人力资源<|im_end|>\n")

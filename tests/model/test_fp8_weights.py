@@ -21,7 +21,7 @@ from ninfer_jax.model import (
     forward,
     load_checkpoint,
 )
-from ninfer_jax.model.ops import dequantize
+from ninfer_jax.model.ops import dequantize, is_quantized
 from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
 from ninfer_jax.model.tiny import write_random_checkpoint
 from ninfer_jax.runtime.options import EngineOptions, OptionsError
@@ -140,8 +140,8 @@ def test_fp8_pack_loads_fp8_values_and_block_scales(packs, preset, layout, shard
     assert isinstance(params.mtp.layer.mixer.qkv_proj, QuantizedWeight) and params.mtp.fc.dtype == jnp.float32
     # Every FP8 weight dequantizes to the oracle's numpy dequantization, partial blocks included
     _, plain = load_checkpoint(deq_dir, "float32")
-    quantized = lambda x: isinstance(x, (QuantizedWeight, ConcatWeight))
-    ours = jax.tree_util.tree_leaves(jax.tree_util.tree_map(dequantize, (params.layers, params.mtp), is_leaf=quantized))
+    ours = jax.tree_util.tree_leaves(jax.tree_util.tree_map(dequantize, (params.layers, params.mtp),
+                                                            is_leaf=is_quantized))
     for a, b in zip(ours, jax.tree_util.tree_leaves((plain.layers, plain.mtp)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -205,8 +205,7 @@ def test_unquantized_checkpoints_load_plain_arrays_as_before(tmp_path):
     cfg, params = load_checkpoint(directory, "bfloat16")
     assert cfg.quantization is None
     # Every projection is a plain array, as before FP8 existed: no quantized node anywhere
-    quantized = lambda x: isinstance(x, (QuantizedWeight, ConcatWeight))
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=quantized)
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_quantized)
     assert all(isinstance(leaf, jax.Array) for leaf in leaves)
     assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
     assert params.layers[0].mixer.in_proj.shape == (cfg.hidden_size, cfg.conv_dim + cfg.value_dim

@@ -74,7 +74,8 @@ def test_misshaped_tensor_is_named_with_both_shapes(dense_dir):
         t["model.layers.3.self_attn.k_proj.weight"] = t["model.layers.3.self_attn.k_proj.weight"][:-1]
 
     _edit_tensors(dense_dir, shrink)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.3\.self_attn\.k_proj\.weight' has shape \(127, 128\), expected \(128, 128\)"):
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.3\.self_attn\.k_proj\.weight' has shape "
+                                              r"\(127, 128\), expected \(128, 128\)"):
         load_checkpoint(dense_dir, "float32")
 
 

@@ -90,7 +90,10 @@ def test_random_params_make_the_loaded_mtp_layer(tmp_path):
     one_layer = oracle_config("tiny-dense", "text", num_hidden_layers=1, layer_types=["full_attention"])
     cfg, loaded = load_checkpoint(write_random_checkpoint(tmp_path / "c", one_layer), "bfloat16")
     made = random_params(cfg, seed=1)
-    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+
+    def shapes(tree):
+        return jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+
     assert shapes(made.mtp) == shapes(loaded.mtp)
     fp8 = random_params(cfg, seed=1, fp8=True).mtp
     assert isinstance(fp8.layer.mixer.qkv_proj, QuantizedWeight) and fp8.fc.dtype == jnp.bfloat16

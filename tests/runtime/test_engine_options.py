@@ -253,7 +253,8 @@ def test_auto_max_concurrency_takes_the_most_lanes_whose_slots_and_kv_fit_the_gp
     reserve = max(7 * gib, prefill_activation_bytes(cfg, 32768, jnp.bfloat16))  # 5% of 140 GiB, or the pass
 
     def fits(lanes):  # the rule in words: 2C + 1 slots (a Host tier) and C x 8192 tokens within 90% of the rest
-        return (2 * lanes + 1) * slot + lanes * 8192 // PAGE * page <= int((140 * gib - in_use["bytes"] - reserve) * 0.9)
+        budget = int((140 * gib - in_use["bytes"] - reserve) * 0.9)
+        return (2 * lanes + 1) * slot + lanes * 8192 // PAGE * page <= budget
 
     in_use["bytes"] = 67 * gib  # the bf16 weights
     lanes = startup.resolve_options(EngineOptions(), cfg).max_concurrency

@@ -102,8 +102,8 @@ def test_text_over_the_character_bound_is_refused_before_tokenizing(server, engi
     before = len(engine.prompts)
     error = _error(_post(server, CHAT, _body(CHAT, messages=[{"role": "user", "content": "x" * 5000}])), 400)
     assert error["code"] == "context_length_exceeded"
-    assert re.match(r"the request has 50\d\d characters of text; this server takes at most 4096 \(--max-prompt-chars\)$",
-                    error["message"])
+    assert re.match(r"the request has 50\d\d characters of text; "
+                    r"this server takes at most 4096 \(--max-prompt-chars\)$", error["message"])
     assert len(engine.prompts) == before
 
 

@@ -25,7 +25,8 @@ def _long_message() -> str:
 
 
 def test_n_4_chat_computes_the_prompt_once(oai, engine, server):
-    computed, reused = engine.stats()["tokens"]["prompt"], server.context.metrics.registry.get_sample_value("ninfer_cached_tokens_total")
+    registry = server.context.metrics.registry
+    computed, reused = engine.stats()["tokens"]["prompt"], registry.get_sample_value("ninfer_cached_tokens_total")
     response = oai.chat.completions.create(
         model=engine.model_name, messages=[{"role": "user", "content": _long_message()}], n=4, max_tokens=6,
         temperature=1.0, seed=11, extra_body={**NO_THINKING, "ignore_eos": True})

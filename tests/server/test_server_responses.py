@@ -108,7 +108,8 @@ def test_function_call_goes_out_as_an_item_and_comes_back_rendered(scripted):
 
     engine.say("</think>\n\nIt is sunny.")
     second = client.responses.create(model=engine.model_name, tools=TOOLS, input=[
-        {"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "Weather in Paris?"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}])
     assert second.output_text == "It is sunny."
     rendered = engine.rendered()
