@@ -282,9 +282,12 @@ class Engine:
         return value
 
     # --- requests --------------------------------------------------------------------------------
-    def _prepare(self, prompt, sampling: SamplingParams | None = None) -> PreparedPrompt:
-        """The checked prompt, cut to `sampling`'s (or the defaults') truncate_prompt_tokens when it has one."""
-        sampling = sampling or SamplingParams(**self.sampling_defaults)
+    def _sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        """`sampling`, or the engine's defaults (the checkpoint's generation_config) for a request without one."""
+        return sampling if sampling is not None else SamplingParams(**self.sampling_defaults)
+
+    def _prepare(self, prompt, sampling: SamplingParams) -> PreparedPrompt:
+        """The checked prompt, cut to `sampling`'s truncate_prompt_tokens when it has one."""
         prepared = prepare_prompt(prompt, self.tokenizer, self.config.vocab_size, self.max_model_len,
                                   self.scheduler.pages.capacity * PAGE, sampling.truncate_prompt_tokens)
         if prepared.media is not None:
@@ -301,6 +304,7 @@ class Engine:
     def submit(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
                sink=None) -> str:
         """Queue a request (non-blocking) and return its id. Events go to `sink` (a callable)."""
+        sampling = self._sampling(sampling)
         req = self._request(self._prepare(prompt, sampling), sampling, request_id, sink)
         self._send(_Add([req]))
         return req.id
@@ -309,20 +313,22 @@ class Engine:
         """n samples of one prompt (OpenAI's `n`), queued together as one group: the first prefills the prompt and
         the others resume from its snapshot at their divergence (spec §12.2), so the prompt is computed once.
         Returns their ids; sample i's events go to sinks[i]. Give the samplings different seeds (or none)."""
-        prepared = self._prepare(prompt, samplings[0] if samplings else None)
+        prepared = self._prepare(prompt, self._sampling(samplings[0] if samplings else None))
         group = f"group-{uuid.uuid4().hex[:8]}"
-        reqs = [self._request(prepared, sp, None, sink) for sp, sink in zip(samplings, sinks, strict=True)]
+        barred: dict = {}  # the samples' bad_words, tokenized once (BadWords is read-only: they share it)
+        reqs = [self._request(prepared, self._sampling(sp), None, sink, barred)
+                for sp, sink in zip(samplings, sinks, strict=True)]
         for req in reqs:
             req.group = group
         self._send(_Add(reqs))
         return [req.id for req in reqs]
 
-    def _request(self, prepared: PreparedPrompt, sampling: SamplingParams | None, request_id: str | None,
-                 sink) -> Request:
-        """A request of a prompt `_prepare` has checked and cut (under this sampling's truncate_prompt_tokens)."""
+    def _request(self, prepared: PreparedPrompt, sampling: SamplingParams, request_id: str | None, sink,
+                 barred: dict | None = None) -> Request:
+        """A request of a prompt `_prepare` has checked and cut (under this sampling's truncate_prompt_tokens).
+        `barred`: bad_words already tokenized for requests queued with this one."""
         if self._stopping or self._failed:
             raise EngineStoppedError(self._failed or "engine is stopped")
-        sampling = sampling or SamplingParams(**self.sampling_defaults)
         grammar = self._checked(sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=sampling.skip_special_tokens) \
@@ -331,14 +337,17 @@ class Engine:
         allowed = None if sampling.allowed_token_ids is None else \
             pack_token_bits(sampling.allowed_token_ids, self.config.vocab_size)
         return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar,
-                       allowed=allowed, bad_words=self._bad_words(sampling))
+                       allowed=allowed, bad_words=self._bad_words(sampling.bad_words, barred))
 
-    def _bad_words(self, sampling: SamplingParams) -> BadWords | None:
-        if sampling.bad_words is None:
+    def _bad_words(self, words: tuple[str, ...] | None, barred: dict | None) -> BadWords | None:
+        if words is None:
             return None
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs the checkpoint's tokenizer files")
-        return BadWords(token_sequences(sampling.bad_words, self.tokenizer), self.config.vocab_size)
+        barred = {} if barred is None else barred
+        if words not in barred:
+            barred[words] = BadWords(token_sequences(words, self.tokenizer), self.config.vocab_size)
+        return barred[words]
 
     def prepare_sampling(self, sampling: SamplingParams) -> None:
         """Checks `sampling` against the model and compiles its response_format ahead of `submit`, which then
@@ -396,6 +405,7 @@ class Engine:
         in one command, so they are admitted in one step, in order."""
         if not isinstance(sampling, (list, tuple)):
             sampling = [sampling] * len(prompts)
+        sampling = [self._sampling(sp) for sp in sampling]
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, sampling)]  # refuse the batch before queueing any
         boxes = [(p, sp, queue.SimpleQueue()) for p, sp in zip(prepared, sampling)]
         reqs = [self._request(p, sp, None, events.put) for p, sp, events in boxes]

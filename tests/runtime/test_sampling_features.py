@@ -167,6 +167,34 @@ def test_bad_words_bar_single_tokens_always_and_a_pairs_last_token_after_its_fir
     engine.check_ledger()
 
 
+def test_n_samples_tokenize_their_bad_words_once_and_each_avoids_them(engine, monkeypatch):
+    import queue
+
+    from ninfer_jax.runtime import engine as engine_module
+
+    plain = engine.generate(PROMPT, _greedy(12)).token_ids
+    single = next(t for t in plain if _word_of(engine, [t]))
+    word = _word_of(engine, [single])
+    calls = []
+
+    def counted(words, tokenizer):
+        calls.append(words)
+        return token_sequences(words, tokenizer)
+
+    monkeypatch.setattr(engine_module, "token_sequences", counted)
+    samplings = [_greedy(12, seed=s, bad_words=[word]) for s in range(3)]  # greedy: plain decoding emits `single`
+    boxes = [queue.SimpleQueue() for _ in samplings]
+    engine.submit_samples(PROMPT, samplings, [box.put for box in boxes])
+    for box in boxes:
+        tokens, event = [], None
+        while event is None or event.finish_reason is None:
+            event = box.get(timeout=60)
+            tokens += event.token_ids
+        assert len(tokens) == 12 and single not in tokens
+    assert calls == [(word,)]
+    engine.check_ledger()
+
+
 def test_presence_and_frequency_penalties_break_greedy_repeats(engine, least_bias):
     def repeats(bias, **penalty):
         return engine.generate(PROMPT, _greedy(logit_bias={X: bias}, **penalty)).token_ids.count(X)
@@ -259,7 +287,8 @@ def test_a_json_schema_response_parses_and_validates_from_random_weights(engine,
 
 
 def test_json_object_output_starts_an_object(engine):
-    out = engine.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, response_format={"type": "json_object"}))
+    json_mode = SamplingParams(max_tokens=6, temperature=0.0, response_format={"type": "json_object"})
+    out = engine.generate(PROMPT, json_mode)
     assert out.text.startswith("{")
 
 
