@@ -225,6 +225,11 @@ def _weights(p, v_scale, v_shift: bool, by_key, dtype):
     return (p if v_scale is None else p * by_key(v_scale)).astype(dtype)
 
 
+def _unshifted(out, v_shift: bool):
+    """A sum of `_weights`' products back at the values' scale."""
+    return out * (1.0 / _F16_VALUE_SHIFT) if v_shift else out
+
+
 def _bytes_to_f16(asm_text: str, codes):
     """One inline PTX conversion of byte codes to float16 values, an output per code: four codes (one 32-bit
     register) in, their four values (two registers) out."""
@@ -403,7 +408,7 @@ def _decode_kernel(
     for (first_col, width), acc in zip(v_groups, accs):
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
         idx = (b, sp, kvh, g[None, :], cols[:, None]) if swap_ab else (b, sp, kvh, g[:, None], cols[None, :])
-        o_ref[idx] = acc * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc
+        o_ref[idx] = _unshifted(acc, v_shift)
     m_ref[b, sp, kvh, g] = m
     l_ref[b, sp, kvh, g] = l
 
@@ -666,7 +671,7 @@ def _prefill_kernel(
     rows = jnp.where(q_ok, qi, t_len)  # masked lanes never store; interpret mode has a trash row
     for (first_col, width), acc in zip(v_groups, accs):
         cols = first_col + jnp.arange(width, dtype=jnp.int32)
-        out = acc / denom * (1.0 / _F16_VALUE_SHIFT) if v_shift else acc / denom
+        out = _unshifted(acc / denom, v_shift)
         _compat.store(o_ref.at[rows[:, None], h, cols[None, :]], out, mask=q_ok[:, None])
 
 
