@@ -10,6 +10,7 @@ other prompts can share.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,11 +78,13 @@ class PreparedPrompt:
         extra = self.media.extra(block) if self.media is not None else 0
         return salted_extra(extra, self.salt) if block == 0 else extra
 
-    def block_extras(self) -> list[int] | None:
-        """Every block's extra key, the partial last block's included (a tail's key); None when all are 0."""
+    @functools.cached_property
+    def block_extras(self) -> tuple[int, ...] | None:
+        """Every block's extra key, the partial last block's included (a tail's key); None when all are 0. Kept:
+        each admission attempt of a waiting request reads it."""
         if self.media is None and not self.salt:
             return None
-        return [self.block_extra(b) for b in range(-(-self.num_tokens // BLOCK_TOKENS))]
+        return tuple(self.block_extra(b) for b in range(-(-self.num_tokens // BLOCK_TOKENS)))
 
 
 def prepare_tokens(token_ids: Sequence[int] | np.ndarray, hints: Sequence[TapHint] = (), *, images: Sequence = (),
@@ -214,7 +217,7 @@ def _hashed(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia |
     tokens.setflags(write=False)
     prompt = PreparedPrompt(token_ids=tokens, block_hashes=np.zeros(0, np.uint64), tap_hints=hints, media=media,
                             salt=salt)
-    extras = prompt.block_extras()
+    extras = prompt.block_extras
     hashes = chain_block_hashes(tokens, None if extras is None else extras[: len(tokens) // BLOCK_TOKENS])
     hashes.setflags(write=False)
     return replace(prompt, block_hashes=hashes)

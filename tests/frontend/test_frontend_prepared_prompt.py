@@ -166,12 +166,12 @@ def test_extra_keys_and_seed_change_the_chain():
 def test_a_cache_salt_keys_block_zero_and_so_every_block_after_it():
     tokens = np.arange(2 * BLOCK_TOKENS + 10)
     plain = prepare_tokens(tokens)
-    assert plain.block_extras() is None and plain.block_extra(0) == 0
+    assert plain.block_extras is None and plain.block_extra(0) == 0
     a, again, b = (prepare_tokens(tokens, cache_salt=s) for s in ("tenant-a", "tenant-a", "tenant-b"))
     np.testing.assert_array_equal(a.block_hashes, again.block_hashes)
     assert all(a.block_hashes != plain.block_hashes) and all(a.block_hashes != b.block_hashes)
     # the salt is block 0's extra key only; the tail block's key is there for a tail's lookup
-    assert a.block_extras() == [a.block_extra(0), 0, 0] and a.block_extra(0) not in (0, b.block_extra(0))
+    assert a.block_extras == (a.block_extra(0), 0, 0) and a.block_extra(0) not in (0, b.block_extra(0))
     first = block_lookup_hash(0, encode_tokens(tokens[:BLOCK_TOKENS]), a.block_extra(0))
     assert a.block_hashes.tolist() == [first, block_lookup_hash(first, encode_tokens(tokens[BLOCK_TOKENS:128]))]
     # a prompt shorter than a block keys the block its generated tokens complete

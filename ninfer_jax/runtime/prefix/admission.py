@@ -62,7 +62,7 @@ class Admitter:
                 return Admission(Readiness.TEMPORARILY_BLOCKED)
             return Admission(Readiness.READY, tuple(grant.pages), 0, record)
         quote = self.index.quote(req.prompt_ids, record.hashes, entitlement_pages=entitlement,
-                                 extras=req.prompt.block_extras(), vision_spans=req.prompt.vision_spans)
+                                 extras=req.prompt.block_extras, vision_spans=req.prompt.vision_spans)
         if quote.readiness is not Readiness.READY:
             return Admission(quote.readiness)
         # Prompts with images are not coalesced (§12.2): a sibling's Boundary tap could fall inside an image span
@@ -117,7 +117,7 @@ class Admitter:
         if last is not None and last[0] == req.id and last[1] == 0 and room <= last[2]:
             return 0
         quote = self.index.quote(req.prompt_ids, [int(h) for h in req.prompt.block_hashes],
-                                 entitlement_pages=entitlement, extras=req.prompt.block_extras(),
+                                 entitlement_pages=entitlement, extras=req.prompt.block_extras,
                                  vision_spans=req.prompt.vision_spans)
         batch = self.index.prefetch(quote, self.PREFETCH_BLOCKS)
         copied = 0
