@@ -27,12 +27,14 @@ from .anthropic_messages import MessagesInput, messages_input
 from .anthropic_schema import CountTokensRequest, MessagesRequest
 from .chat_prompt import marked_prefix_tokens, matched_stop, prepare_prompt
 from .context import ServerContext
-from .errors import anthropic_error
-from .generation import ANSWERED, EngineRun, failure, first_event, sampling_params, until_disconnect
+from .errors import ApiError, anthropic_error
+from .generation import (ANSWERED, EngineRun, failure, first_event, prepare_sampling, sampling_params,
+                         until_disconnect)
 from .limits import check_context
 from .output_parser import OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
+from .tool_choice import anthropic_forced_tools
 
 router = APIRouter()
 
@@ -43,6 +45,10 @@ async def create_message(request: Request):
     engine = ctx.engine
     ctx.limits.check_counts(stops=body.stop_sequences or (), tools=len(body.tools or ()))
     given = messages_input(body)
+    forced = anthropic_forced_tools(body.tool_choice, given.tools)
+    if forced is not None and body.enable_thinking:  # Anthropic's own rule: a forced call leaves no room to think
+        raise ApiError("invalid_request", "thinking may not be enabled when tool_choice forces tool use",
+                       param="tool_choice")
     # A last message of the assistant's is the start of its answer, which the model continues (Anthropic's prefill)
     prefilled = body.messages[-1].role == "assistant"
     prepared = await until_disconnect(request, prepare_prompt(ctx, given.messages, given.tools, given.breakpoints,
@@ -50,9 +56,11 @@ async def create_message(request: Request):
                                                               continue_final_message=prefilled))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_tokens)
     sampling = sampling_params(engine, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                               top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
+                               top_k=body.top_k, stop=tuple(body.stop_sequences or ()),
+                               response_format=None if forced is None else forced.response_format())
+    await prepare_sampling(ctx, sampling, param="tools")
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
-    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools)
+    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools, forced=forced)
     if body.stream:
         first = await first_event(request, run)
         return EventStream(_stream(ctx, body, given, prepared, run, first, parser))

@@ -60,15 +60,16 @@ def default_max_tokens(engine: Any, prompt_tokens: int) -> int:
     return min(room, engine.sampling_defaults.get("max_tokens", room))
 
 
-async def prepare_sampling(ctx: Any, sampling: SamplingParams) -> None:
+async def prepare_sampling(ctx: Any, sampling: SamplingParams, param: str = "response_format") -> None:
     """Compiles a response_format's grammar in the server's frontend threads (ctx.frontend), so the event loop
-    never waits on it (the engine then finds it compiled); a schema the grammar library refuses is a 400."""
+    never waits on it (the engine then finds it compiled); a schema the grammar library refuses is a 400 naming
+    `param`, the request field it came from."""
     if sampling.response_format is None:
         return
     try:
         await ctx.frontend.run(ctx.engine.prepare_sampling, sampling)
     except InvalidRequestError as error:
-        raise ApiError("invalid_request", str(error), param="response_format") from None
+        raise ApiError("invalid_request", str(error), param=param) from None
 
 
 def failure(finish_reason: str, error: str | None) -> ApiError:

@@ -71,19 +71,22 @@ async def chat_completions(request: Request):
     engine = ctx.engine
     ctx.limits.check_counts(stops=body.stop_strings(), tools=len(body.tools or ()), n=body.n)
     chat = chat_input(body)
-    thinking = body.thinking(ctx.default_thinking)
+    forced = body.forced_tools(chat.tools)
+    thinking = body.thinking(ctx.default_thinking, forced)
     prepared = await until_disconnect(request, prepare_prompt(
         ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
         template_kwargs=body.template_kwargs(), continue_final_message=body.continue_final_message,
         cache_salt=body.cache_salt))
     prepared = truncated(engine, prepared, body.truncate_prompt_tokens)
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
-    sampling = _sampling(engine, body, body.output_limit or default_max_tokens(engine, prepared.num_tokens))
-    await prepare_sampling(ctx, sampling)
+    sampling = _sampling(engine, body, body.output_limit or default_max_tokens(engine, prepared.num_tokens),
+                         body.output_format(forced))
+    await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
     # a continued answer is past the template's think block: the model writes content from its first token
-    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools) for _ in runs]
+    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools, forced=forced)
+               for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
         return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers, prepared.token_ids))
@@ -118,7 +121,7 @@ async def completions(request: Request):
     prepared = [truncated(engine, one, body.truncate_prompt_tokens) for one in prepared]
     for one in prepared:
         check_context(engine.max_model_len, one.num_tokens, body.max_tokens)
-    sampling = _sampling(engine, body, body.max_tokens)
+    sampling = _sampling(engine, body, body.max_tokens, body.structured_format())
     await prepare_sampling(ctx, sampling)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     # Choice p * n + i is sample i of prompt p (vLLM's order); the batch runs concurrently in the engine.
@@ -165,8 +168,9 @@ async def tokenize(request: Request) -> JSONResponse:
         chat_body = body.as_chat(ctx.model_name)
         ctx.limits.check_counts(tools=len(chat_body.tools or ()))
         chat = chat_input(chat_body)
+        thinking = chat_body.thinking(ctx.default_thinking, chat_body.forced_tools(chat.tools))
         prepared = await until_disconnect(request, prepare_prompt(
-            ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=chat_body.thinking(ctx.default_thinking),
+            ctx, chat.messages, chat.tools, chat.breakpoints, enable_thinking=thinking,
             template_kwargs=chat_body.template_kwargs(), continue_final_message=chat_body.continue_final_message))
         ids = [int(t) for t in prepared.token_ids]
     else:
@@ -305,7 +309,7 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
 
 # --- helpers ------------------------------------------------------------------------------------------
 
-def _sampling(engine, body, max_tokens: int | None):
+def _sampling(engine, body, max_tokens: int | None, response_format: dict[str, Any] | None):
     return sampling_params(
         engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, seed=body.seed,
@@ -315,7 +319,7 @@ def _sampling(engine, body, max_tokens: int | None):
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-        truncate_prompt_tokens=body.truncate_prompt_tokens, response_format=body.structured_format(),
+        truncate_prompt_tokens=body.truncate_prompt_tokens, response_format=response_format,
     )
 
 

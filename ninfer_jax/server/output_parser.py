@@ -2,7 +2,8 @@
 
 With thinking on, the Qwen3.5 prompt ends inside `<think>\\n`, so the model's text is reasoning up to
 `</think>` and the answer after it. With tools, each `<tool_call>...</tool_call>` block in the answer
-is a call (tool_calls.py parses it). The parser holds back only what may still turn into a marker (a
+is a call (tool_calls.py parses it). A forced tool choice's output is its JSON calls (tool_choice.py), read whole
+at the end. The parser holds back only what may still turn into a marker (a
 partial `</think>` or `<tool_call>`, and whitespace that would precede one), so the pieces of a stream
 concatenate to the same result as parsing the whole text at once. Whitespace the template puts around
 markers (`</think>\\n\\n`, `\\n\\n<tool_call>`) is format, not content, and is dropped.
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, parse_tool_call
+from .tool_choice import ForcedTools
 
 THINK_CLOSE = "</think>"
 
@@ -29,7 +31,9 @@ class Piece:
 class OutputParser:
     """One per generated sequence. push() text deltas in order, then finish()."""
 
-    def __init__(self, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None):
+    def __init__(self, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None,
+                 forced: ForcedTools | None = None):
+        self._forced = forced  # the whole output is its calls' JSON, thinking or not (the grammar's)
         self._mode = "reasoning" if thinking else "content"
         self._tools = list(tools) if tools else None  # None: tool calls are not parsed
         self._buffer = ""  # text received and not yet given out
@@ -37,6 +41,8 @@ class OutputParser:
 
     def push(self, text: str) -> list[Piece]:
         self._buffer += text
+        if self._forced is not None:
+            return []
         pieces: list[Piece] = []
         while self._step(pieces):
             pass
@@ -44,6 +50,12 @@ class OutputParser:
 
     def finish(self) -> list[Piece]:
         """The text still held; an unterminated tool call is given back as text."""
+        if self._forced is not None:
+            text, self._buffer = self._buffer, ""
+            calls = self._forced.calls(text)
+            if calls is None:
+                return [Piece("content", text)] if text else []
+            return [Piece("tool_call", tool_call=call) for call in calls]
         pieces = self.push("")
         rest, self._buffer = self._buffer, ""
         if self._mode == "tool_call":

@@ -4,7 +4,8 @@
 or `input_text` / `output_text` parts, and in user messages `input_image` parts with an `image_url`),
 `function_call` and `function_call_output` items, and `reasoning` items (given back to the template as the next
 assistant turn's reasoning). `instructions` is a system message first; function tools come in the flattened form
-(`{"type": "function", "name": ...}`); `text.format` is a response_format. The output is a `reasoning` item for the
+(`{"type": "function", "name": ...}`), `tool_choice` "required" or a named one forcing calls (tool_choice.py);
+`text.format` is a response_format. The output is a `reasoning` item for the
 thinking text, a `message` with `output_text`, and a `function_call` item per call; usage reports the prefix
 cache's reuse as `input_tokens_details.cached_tokens`.
 
@@ -35,6 +36,7 @@ from .limits import check_context
 from .output_parser import THINK_CLOSE, OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
+from .tool_choice import openai_forced_tools
 
 router = APIRouter()
 
@@ -73,7 +75,13 @@ async def create_response(request: Request):
     tools = _tools(body.tools) if body.tool_choice != "none" else None
     ctx.limits.check_counts(tools=len(body.tools or ()))
     messages = _messages(body)
+    forced = openai_forced_tools(body.tool_choice, tools, parallel=body.parallel_tool_calls)
     response_format = _response_format(body.text)
+    if forced is not None:
+        if response_format is not None:
+            raise ApiError("invalid_request", "give one output constraint: tool_choice forces tool calls, and "
+                           "text.format constrains the output too", param="tool_choice")
+        response_format = forced.response_format()
     thinking = thinking_mode(ctx.default_thinking, reasoning_effort=(body.reasoning or {}).get("effort"),
                              response_format=response_format)
     prepared = await until_disconnect(request, prepare_prompt(
@@ -83,10 +91,10 @@ async def create_response(request: Request):
     sampling = sampling_params(
         engine, max_tokens=body.max_output_tokens or default_max_tokens(engine, prepared.num_tokens),
         temperature=body.temperature, top_p=body.top_p, response_format=response_format)
-    await prepare_sampling(ctx, sampling)
+    await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"resp_{uuid.uuid4().hex}"
     run = EngineRun(engine, prepared, sampling, response_id, ctx)
-    output = _Output(OutputParser(thinking=thinking, tools=tools), _think_close_id(engine.tokenizer))
+    output = _Output(OutputParser(thinking=thinking, tools=tools, forced=forced), _think_close_id(engine.tokenizer))
     shell = _response(body, response_id, ctx.model_name)
     if body.stream:
         first = await first_event(request, run)

@@ -214,6 +214,9 @@ class ScriptedEngine:
         finally:
             self.running -= 1
 
+    def prepare_sampling(self, sampling: SamplingParams) -> None:
+        """Engine.prepare_sampling: nothing to compile, the script is the output whatever its constraint."""
+
     def cancel(self, request_id: str) -> bool:
         self._cancelled.add(request_id)
         return True

@@ -126,3 +126,23 @@ def test_out_of_vocabulary_bias_is_400(server, engine):
     response = httpx.post(server.url + "/v1/completions", json={
         "model": engine.model_name, "prompt": "Hi", "max_tokens": 2, "logit_bias": {str(10**9): 1}})
     assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"]
+
+
+def test_forced_tool_choices_make_the_model_write_a_call_of_the_tools_schema(oai, engine):
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "Weather in France?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        response = oai.chat.completions.create(model=engine.model_name, messages=question, tools=tools,
+                                               tool_choice=choice, max_tokens=120, temperature=0)
+        calls = response.choices[0].message.tool_calls
+        assert calls and response.choices[0].finish_reason == "tool_calls", response
+        for call in calls:
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "now")
+            assert arguments == {} if call.function.name == "now" else arguments["city"] in ("Paris", "Lyon")
+        if choice != "required":
+            assert [call.function.name for call in calls] == ["get_weather"]

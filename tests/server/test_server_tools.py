@@ -184,3 +184,89 @@ def test_continuing_a_message_that_is_not_the_assistants_is_refused(oai):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}, {
             "role": "assistant", "content": "y"}], extra_body={"continue_final_message": True,
                                                              "add_generation_prompt": True})
+
+
+def test_a_named_tool_choice_constrains_the_output_to_its_arguments_and_returns_them_as_the_call(oai, engine):
+    engine.say('{"city": "Paris", "days": 2}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=OPENAI_TOOLS, tool_choice=named)
+    assert engine.sampling[-1].response_format["json_schema"]["schema"] == OPENAI_TOOLS[0]["function"]["parameters"]
+    assert engine.rendered().endswith("<think>\n\n</think>\n\n")  # the grammar binds every token: no thinking
+    message = response.choices[0].message
+    [call] = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert message.content is None and response.choices[0].finish_reason == "tool_calls"
+    # Streamed: the call arrives whole once the output ends
+    engine.say('{"city": "Lyon"}')
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                              tools=OPENAI_TOOLS, tool_choice=named, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or ())]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Lyon"})]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    # Cut short by max_tokens, the output is not a call: it is given back as text
+    engine.say('{"city": "Pa')
+    cut = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                      tools=OPENAI_TOOLS, tool_choice=named)
+    assert cut.choices[0].message.tool_calls is None and cut.choices[0].message.content == '{"city": "Pa'
+
+
+def test_required_tool_choice_takes_one_or_more_calls_of_the_given_tools(oai, claude, engine):
+    two = OPENAI_TOOLS + [{"type": "function", "function": {"name": "now"}}]
+    engine.say('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]')
+    response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=two, tool_choice="required")
+    schema = engine.sampling[-1].response_format["json_schema"]["schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [option["properties"]["name"] for option in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                                     {"const": "now"}]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in response.choices[0].message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("now", {})]
+    engine.say('[{"name": "now", "parameters": {}}]')
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Time?"}], tools=two,
+                                tool_choice="required", parallel_tool_calls=False)
+    assert engine.sampling[-1].response_format["json_schema"]["schema"]["maxItems"] == 1
+    # The Responses API's, as function_call items
+    engine.say('[{"name": "now", "parameters": {}}]')
+    flat = [{"type": "function", **tool["function"]} for tool in two]
+    response = oai.responses.create(model=MODEL, input="Time?", tools=flat, tool_choice="required")
+    assert [(item.type, item.name, json.loads(item.arguments)) for item in response.output] == [
+        ("function_call", "now", {})]
+    # Anthropic's "any" and "tool" are the same constraints
+    engine.say('[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}]')
+    message = claude.messages.create(model=MODEL, max_tokens=100, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+                                     messages=[{"role": "user", "content": "Weather?"}])
+    assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather",
+                                                                     {"city": "Oslo", "days": 1})]
+    assert message.stop_reason == "tool_use"
+    engine.say('{"city": "Rome"}')
+    message = claude.messages.create(model=MODEL, max_tokens=100, tools=ANTHROPIC_TOOLS,
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     messages=[{"role": "user", "content": "Weather?"}])
+    assert message.content[0].input == {"city": "Rome"}
+    assert engine.sampling[-1].response_format["json_schema"]["schema"] == ANTHROPIC_TOOLS[0]["input_schema"]
+
+
+@pytest.mark.parametrize("path, fields, words", [
+    ("/v1/chat/completions", {"tools": OPENAI_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "names the function 'f', which is not among the request's tools ('get_weather')"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "defines no tools"),
+    ("/v1/chat/completions", {"tools": OPENAI_TOOLS, "tool_choice": {"type": "function"}}, 'tool_choice must be'),
+    ("/v1/chat/completions", {"tools": OPENAI_TOOLS, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "one output constraint"),
+    ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "now"}],
+                       "tool_choice": {"type": "function", "name": "later"}}, "'later', which is not among"),
+    ("/v1/messages", {"max_tokens": 10, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}},
+     "'x', which is not among"),
+    ("/v1/messages", {"max_tokens": 2048, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"},
+                      "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking may not be enabled"),
+])
+def test_a_forced_tool_choice_the_request_cannot_meet_is_400(server, engine, path, fields, words):
+    import httpx
+
+    messages = {} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "Hi"}]}
+    response = httpx.post(server.url + path, json={"model": MODEL, **messages, **fields})
+    assert response.status_code == 400, response.text
+    body = response.json()["error"]
+    assert words in body["message"] and body.get("param", "tool_choice") == "tool_choice", body
