@@ -60,7 +60,9 @@ async def create_message(request: Request):
                                response_format=None if forced is None else forced.response_format())
     await prepare_sampling(ctx, sampling, param="tools")
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
-    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools, forced=forced)
+    single = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
+    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools, forced=forced,
+                          max_calls=1 if single else None)
     if body.stream:
         first = await first_event(request, run)
         return EventStream(_stream(ctx, body, given, prepared, run, first, parser))

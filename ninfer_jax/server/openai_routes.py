@@ -85,8 +85,9 @@ async def chat_completions(request: Request):
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
     # a continued answer is past the template's think block: the model writes content from its first token
-    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools, forced=forced)
-               for _ in runs]
+    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools, forced=forced,
+                            keep_reasoning=body.include_reasoning,
+                            max_calls=1 if body.parallel_tool_calls is False else None) for _ in runs]
     if body.stream:
         first = await _first_event(request, runs)
         return EventStream(_chat_stream(ctx, body, response_id, runs, first, parsers, prepared.token_ids))

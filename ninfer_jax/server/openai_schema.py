@@ -78,7 +78,20 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 # ignored. vLLM too refuses a priority when its scheduler takes none.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True,
                 "logits_processors": None, "chat_template": None, "documents": None, "priority": 0,
-                "prompt_embeds": None}
+                "prompt_embeds": None, "vllm_xargs": None, "kv_transfer_params": None}
+# The same for chat completions alone: vLLM's echo (the last message prefixed to the answer), OpenAI's audio output
+# and its deprecated functions / function_call (send tools and tool_choice)
+_CHAT_UNSUPPORTED = {"echo": False, "audio": None, "modalities": ["text"], "functions": None, "function_call": None}
+
+
+def _refuse_unsupported(data: Any, fields: dict[str, Any]) -> Any:
+    """`data` (a request body) unless it sends one of `fields` at other than its neutral value."""
+    if isinstance(data, dict):
+        for name, neutral in fields.items():
+            if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], "")):
+                raise ValueError(f"{name} is not supported by this server (send it as {json.dumps(neutral)} "
+                                 f"or leave it out)")
+    return data
 
 
 class _Sampling(_Lenient):
@@ -87,12 +100,7 @@ class _Sampling(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, neutral in _UNSUPPORTED.items():
-                if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], "")):
-                    raise ValueError(f"{name} is not supported by this server (send it as {json.dumps(neutral)} "
-                                     f"or leave it out)")
-        return data
+        return _refuse_unsupported(data, _UNSUPPORTED)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -211,6 +219,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (the model still thinks)
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the last (assistant) message is the start of the answer, which the model continues
     continue_final_message: bool = False
@@ -221,6 +230,11 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_options: PromptCacheOptions | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_chat_fields(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

@@ -32,8 +32,11 @@ class OutputParser:
     """One per generated sequence. push() text deltas in order, then finish()."""
 
     def __init__(self, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None,
-                 forced: ForcedTools | None = None):
+                 forced: ForcedTools | None = None, keep_reasoning: bool = True, max_calls: int | None = None):
+        """keep_reasoning False drops the reasoning pieces (vLLM's include_reasoning); max_calls: the calls given
+        out at most, later ones dropped (OpenAI's parallel_tool_calls false, Anthropic's disable_parallel_tool_use)."""
         self._forced = forced  # the whole output is its calls' JSON, thinking or not (the grammar's)
+        self._keep_reasoning, self._calls_left = keep_reasoning, max_calls
         self._mode = "reasoning" if thinking else "content"
         self._tools = list(tools) if tools else None  # None: tool calls are not parsed
         self._buffer = ""  # text received and not yet given out
@@ -46,7 +49,7 @@ class OutputParser:
         pieces: list[Piece] = []
         while self._step(pieces):
             pass
-        return pieces
+        return self._kept(pieces)
 
     def finish(self) -> list[Piece]:
         """The text still held; an unterminated tool call is given back as text."""
@@ -55,7 +58,7 @@ class OutputParser:
             calls = self._forced.calls(text)
             if calls is None:
                 return [Piece("content", text)] if text else []
-            return [Piece("tool_call", tool_call=call) for call in calls]
+            return self._kept([Piece("tool_call", tool_call=call) for call in calls])
         pieces = self.push("")
         rest, self._buffer = self._buffer, ""
         if self._mode == "tool_call":
@@ -63,8 +66,20 @@ class OutputParser:
         if self._skip_space:
             rest = rest.lstrip()
         if rest:
-            pieces.append(Piece("reasoning" if self._mode == "reasoning" else "content", rest))
+            pieces += self._kept([Piece("reasoning" if self._mode == "reasoning" else "content", rest)])
         return pieces
+
+    def _kept(self, pieces: list[Piece]) -> list[Piece]:
+        kept = []
+        for piece in pieces:
+            if piece.kind == "reasoning" and not self._keep_reasoning:
+                continue
+            if piece.kind == "tool_call" and self._calls_left is not None:
+                if self._calls_left == 0:
+                    continue
+                self._calls_left -= 1
+            kept.append(piece)
+        return kept
 
     def _step(self, pieces: list[Piece]) -> bool:
         """Consumes what it can of the buffer; True when the mode changed and another pass may consume more."""

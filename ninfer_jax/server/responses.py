@@ -94,7 +94,9 @@ async def create_response(request: Request):
     await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"resp_{uuid.uuid4().hex}"
     run = EngineRun(engine, prepared, sampling, response_id, ctx)
-    output = _Output(OutputParser(thinking=thinking, tools=tools, forced=forced), _think_close_id(engine.tokenizer))
+    parser = OutputParser(thinking=thinking, tools=tools, forced=forced,
+                          max_calls=1 if body.parallel_tool_calls is False else None)
+    output = _Output(parser, _think_close_id(engine.tokenizer))
     shell = _response(body, response_id, ctx.model_name)
     if body.stream:
         first = await first_event(request, run)

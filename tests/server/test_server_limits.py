@@ -167,15 +167,22 @@ def test_a_non_finite_temperature_is_named_as_such(server, value):
     assert error["message"].startswith("temperature must be a finite number") and error["param"] == "temperature"
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-@pytest.mark.parametrize("field, value", [("typical_p", 0.5), ("spaces_between_special_tokens", False),
-                                          ("use_beam_search", True), ("priority", 5), ("prompt_embeds", "AAAA")])
-def test_a_vllm_field_this_server_does_not_implement_is_refused_unless_neutral(server, path, field, value):
+NEUTRAL = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False, "priority": 0,
+           "prompt_embeds": None, "vllm_xargs": None, "echo": False, "audio": None, "modalities": ["text"],
+           "functions": None}
+
+
+@pytest.mark.parametrize("path, field, value", [
+    *((path, field, value) for path in (CHAT, COMPLETIONS) for field, value in (
+        ("typical_p", 0.5), ("spaces_between_special_tokens", False), ("use_beam_search", True), ("priority", 5),
+        ("prompt_embeds", "AAAA"), ("vllm_xargs", {"k": 1}))),
+    (CHAT, "echo", True), (CHAT, "audio", {"voice": "alloy", "format": "wav"}), (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}]),
+])
+def test_a_field_this_server_does_not_implement_is_refused_unless_neutral(server, path, field, value):
     error = _error(_post(server, path, _body(path, **{field: value})), 400)
     assert f"{field} is not supported by this server" in error["message"]
-    neutral = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False, "priority": 0,
-               "prompt_embeds": None}[field]
-    assert _post(server, path, _body(path, **{field: neutral})).status_code == 200
+    assert _post(server, path, _body(path, **{field: NEUTRAL[field]})).status_code == 200
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])

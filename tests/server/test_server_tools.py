@@ -186,6 +186,39 @@ def test_continuing_a_message_that_is_not_the_assistants_is_refused(oai):
                                                              "add_generation_prompt": True})
 
 
+def test_without_parallel_calls_only_the_first_call_is_returned(oai, claude, engine):
+    two_calls = "</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon")
+    for stream in (False, True):
+        engine.say(two_calls)
+        response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Two cities?"}],
+                                               tools=OPENAI_TOOLS, parallel_tool_calls=False, stream=stream)
+        if stream:
+            calls = [tc for c in response if c.choices for tc in (c.choices[0].delta.tool_calls or ())]
+        else:
+            calls = response.choices[0].message.tool_calls
+        assert [json.loads(tc.function.arguments)["city"] for tc in calls] == ["Paris"]
+    engine.say(two_calls.removeprefix("</think>\n\n"))
+    message = claude.messages.create(model=MODEL, max_tokens=100, tools=ANTHROPIC_TOOLS,
+                                     tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+                                     messages=[{"role": "user", "content": "Two cities?"}])
+    assert [b.input["city"] for b in message.content if b.type == "tool_use"] == ["Paris"]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(oai, engine):
+    for stream in (False, True):
+        engine.say("Private thoughts.</think>\n\nThe answer.")
+        response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               stream=stream, extra_body={"include_reasoning": False})
+        if stream:
+            deltas = [c.choices[0].delta for c in response if c.choices]
+            content = "".join(d.content or "" for d in deltas)
+            reasoning = [d for d in deltas if (d.model_extra or {}).get("reasoning_content")]
+        else:
+            content, reasoning = response.choices[0].message.content, response.choices[0].message.reasoning_content
+        assert content == "The answer." and not reasoning
+    assert engine.rendered().endswith("<|im_start|>assistant\n<think>\n")  # the model still thinks
+
+
 def test_a_named_tool_choice_constrains_the_output_to_its_arguments_and_returns_them_as_the_call(oai, engine):
     engine.say('{"city": "Paris", "days": 2}')
     named = {"type": "function", "function": {"name": "get_weather"}}
