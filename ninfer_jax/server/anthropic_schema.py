@@ -21,6 +21,8 @@ class InputMessage(_Lenient):
 
 
 class ToolDefinition(_Lenient):
+    # "custom" (or none): a client tool; Anthropic's server tools (web_search_..., bash_..., ...) run nowhere here
+    type: Literal["custom"] | None = None
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})

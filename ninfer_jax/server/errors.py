@@ -22,6 +22,7 @@ protocol the request path belongs to. Status codes and `type` strings follow eac
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pydantic
@@ -98,3 +99,15 @@ def validation_error(error: pydantic.ValidationError) -> ApiError:
     first = error.errors(include_url=False)[0]["loc"] if error.error_count() else ()
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(first))
     return ApiError("invalid_request", "; ".join(problems), param=param or None)
+
+
+def refuse_unsupported(data: Any, fields: dict[str, Any]) -> Any:
+    """`data` (a request body, before validation) unless it sends one of `fields`, which the server does not
+    implement, at other than its neutral value (an empty list or string counts as None): a field that would change
+    the answer is refused, never ignored. Raises ValueError, which validation answers as a 400."""
+    if isinstance(data, dict):
+        for name, neutral in fields.items():
+            if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], "")):
+                raise ValueError(f"{name} is not supported by this server (send it as {json.dumps(neutral)} "
+                                 f"or leave it out)")
+    return data

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS, check_truncate_prompt_tokens
 
 from .chat_prompt import thinking_mode
-from .errors import ApiError
+from .errors import ApiError, refuse_unsupported
 from .tool_choice import ForcedTools, openai_forced_tools
 
 
@@ -84,23 +84,13 @@ _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1, "
 _CHAT_UNSUPPORTED = {"echo": False, "audio": None, "modalities": ["text"], "functions": None, "function_call": None}
 
 
-def _refuse_unsupported(data: Any, fields: dict[str, Any]) -> Any:
-    """`data` (a request body) unless it sends one of `fields` at other than its neutral value."""
-    if isinstance(data, dict):
-        for name, neutral in fields.items():
-            if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], "")):
-                raise ValueError(f"{name} is not supported by this server (send it as {json.dumps(neutral)} "
-                                 f"or leave it out)")
-    return data
-
-
 class _Sampling(_Lenient):
     """Fields both endpoints share."""
 
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _UNSUPPORTED)
+        return refuse_unsupported(data, _UNSUPPORTED)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -234,7 +224,7 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported_chat_fields(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _CHAT_UNSUPPORTED)
+        return refuse_unsupported(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

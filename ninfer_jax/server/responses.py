@@ -23,12 +23,12 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ninfer_jax.frontend import Breakpoint
 
 from .chat_prompt import prepare_prompt, thinking_mode
-from .errors import ApiError, openai_error
+from .errors import ApiError, openai_error, refuse_unsupported
 from .generation import (ANSWERED, EngineRun, Outcome, default_max_tokens, failure, first_event, prepare_sampling,
                          sampling_params, until_disconnect)
 from .images import image_part, url_source
@@ -43,8 +43,18 @@ router = APIRouter()
 _ROLES = ("user", "assistant", "system", "developer")
 
 
+# Responses fields this server does not implement, refused unless neutral: background runs, stored conversations
+# and prompts (the server keeps none)
+_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None}
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        return refuse_unsupported(data, _UNSUPPORTED)
 
     model: str
     input: str | list[dict[str, Any]]
@@ -55,6 +65,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
@@ -94,8 +105,8 @@ async def create_response(request: Request):
     await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"resp_{uuid.uuid4().hex}"
     run = EngineRun(engine, prepared, sampling, response_id, ctx)
-    parser = OutputParser(thinking=thinking, tools=tools, forced=forced,
-                          max_calls=1 if body.parallel_tool_calls is False else None)
+    limits = [n for n in (1 if body.parallel_tool_calls is False else None, body.max_tool_calls) if n is not None]
+    parser = OutputParser(thinking=thinking, tools=tools, forced=forced, max_calls=min(limits, default=None))
     output = _Output(parser, _think_close_id(engine.tokenizer))
     shell = _response(body, response_id, ctx.model_name)
     if body.stream:

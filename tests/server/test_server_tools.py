@@ -303,3 +303,24 @@ def test_a_forced_tool_choice_the_request_cannot_meet_is_400(server, engine, pat
     assert response.status_code == 400, response.text
     body = response.json()["error"]
     assert words in body["message"] and body.get("param", "tool_choice") == "tool_choice", body
+
+
+def test_responses_max_tool_calls_keeps_the_first_calls(oai, engine):
+    engine.say("</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"))
+    flat = [{"type": "function", **OPENAI_TOOLS[0]["function"]}]
+    response = oai.responses.create(model=MODEL, input="Two cities?", tools=flat, max_tool_calls=1)
+    assert [json.loads(item.arguments)["city"] for item in response.output if item.type == "function_call"] == [
+        "Paris"]
+
+
+@pytest.mark.parametrize("path, fields, words", [
+    ("/v1/responses", {"input": "Hi", "background": True}, "background is not supported"),
+    ("/v1/responses", {"input": "Hi", "conversation": "conv_1"}, "conversation is not supported"),
+    ("/v1/messages", {"max_tokens": 10, "messages": [{"role": "user", "content": "Hi"}],
+                      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+])
+def test_what_the_protocols_offer_and_this_server_does_not_run_is_400(server, engine, path, fields, words):
+    import httpx
+
+    response = httpx.post(server.url + path, json={"model": MODEL, **fields})
+    assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
