@@ -79,9 +79,10 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True,
                 "logits_processors": None, "chat_template": None, "documents": None, "priority": 0,
                 "prompt_embeds": None, "vllm_xargs": None, "kv_transfer_params": None}
-# The same for chat completions alone: vLLM's echo (the last message prefixed to the answer), OpenAI's audio output
-# and its deprecated functions / function_call (send tools and tool_choice)
-_CHAT_UNSUPPORTED = {"echo": False, "audio": None, "modalities": ["text"], "functions": None, "function_call": None}
+# The same for chat completions alone: vLLM's echo (the last message prefixed to the answer), OpenAI's audio output,
+# web search, and its deprecated functions / function_call (send tools and tool_choice)
+_CHAT_UNSUPPORTED = {"echo": False, "audio": None, "modalities": ["text"], "web_search_options": None,
+                     "functions": None, "function_call": None}
 
 
 class _Sampling(_Lenient):

@@ -169,7 +169,7 @@ def test_a_non_finite_temperature_is_named_as_such(server, value):
 
 NEUTRAL = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False, "priority": 0,
            "prompt_embeds": None, "vllm_xargs": None, "echo": False, "audio": None, "modalities": ["text"],
-           "functions": None}
+           "functions": None, "web_search_options": None}
 
 
 @pytest.mark.parametrize("path, field, value", [
@@ -177,7 +177,7 @@ NEUTRAL = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_sear
         ("typical_p", 0.5), ("spaces_between_special_tokens", False), ("use_beam_search", True), ("priority", 5),
         ("prompt_embeds", "AAAA"), ("vllm_xargs", {"k": 1}))),
     (CHAT, "echo", True), (CHAT, "audio", {"voice": "alloy", "format": "wav"}), (CHAT, "modalities", ["text", "audio"]),
-    (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}]), (CHAT, "web_search_options", {}),
 ])
 def test_a_field_this_server_does_not_implement_is_refused_unless_neutral(server, path, field, value):
     error = _error(_post(server, path, _body(path, **{field: value})), 400)
