@@ -2,11 +2,11 @@
 
 With thinking on, the Qwen3.5 prompt ends inside `<think>\\n`, so the model's text is reasoning up to
 `</think>` and the answer after it. With tools, each `<tool_call>...</tool_call>` block in the answer
-is a call (tool_calls.py parses it). A forced tool choice's output is its JSON calls (tool_choice.py), read whole
-at the end. The parser holds back only what may still turn into a marker (a
+is a call (tool_calls.py parses it). The parser holds back only what may still turn into a marker (a
 partial `</think>` or `<tool_call>`, and whitespace that would precede one), so the pieces of a stream
 concatenate to the same result as parsing the whole text at once. Whitespace the template puts around
-markers (`</think>\\n\\n`, `\\n\\n<tool_call>`) is format, not content, and is dropped.
+markers (`</think>\\n\\n`, `\\n\\n<tool_call>`) is format, not content, and is dropped. A forced tool choice's
+output is its calls' JSON (tool_choice.py), read whole at the end.
 """
 
 from __future__ import annotations

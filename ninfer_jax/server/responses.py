@@ -5,12 +5,12 @@ or `input_text` / `output_text` parts, and in user messages `input_image` parts 
 `function_call` and `function_call_output` items, and `reasoning` items (given back to the template as the next
 assistant turn's reasoning). `instructions` is a system message first; function tools come in the flattened form
 (`{"type": "function", "name": ...}`), `tool_choice` "required" or a named one forcing calls (tool_choice.py);
-`text.format` is a response_format. The output is a `reasoning` item for the
-thinking text, a `message` with `output_text`, and a `function_call` item per call; usage reports the prefix
-cache's reuse as `input_tokens_details.cached_tokens`.
+`text.format` is a response_format. The output is a `reasoning` item for the thinking text, a `message` with
+`output_text`, and a `function_call` item per call; usage reports the prefix cache's reuse as
+`input_tokens_details.cached_tokens`.
 
-The server keeps no responses: `store` is answered `false`, and `previous_response_id` is a 400 (send the
-conversation in `input`, as clients with `store: false` do).
+The server keeps no responses: `store` is answered `false`, and `previous_response_id`, `conversation` and
+`prompt` are a 400 (send the conversation in `input`, as clients with `store: false` do).
 """
 
 from __future__ import annotations
