@@ -3,7 +3,9 @@
 As vLLM serves them, the output is constrained by a JSON schema instead of Qwen's XML call format (tool_calls.py):
 a named function's arguments object, or for "required" a list of one or more {"name", "parameters"} objects of the
 given tools (at most one without parallel calls). The grammar constrains every generated token, so the whole
-output is that JSON and is read back as the calls.
+output is that JSON and is read back as the calls. An arguments object takes only its declared properties unless its
+schema says otherwise (vLLM's default grammar backend reads schemas that way too): without it a model could write
+keys the tool does not take until max_tokens.
 """
 
 from __future__ import annotations
@@ -64,12 +66,18 @@ def forced_tools(tools: Sequence[Mapping[str, Any]] | None, name: str | None, *,
     OpenAI, Anthropic and vLLM answer it); `param` names the request's field."""
     if not tools:
         raise ApiError("invalid_request", f"{param} forces a tool call, but the request defines no tools", param=param)
-    functions = tuple((tool["function"]["name"], tool["function"].get("parameters") or _NO_PARAMETERS)
+    functions = tuple((tool["function"]["name"], _closed(tool["function"].get("parameters") or _NO_PARAMETERS))
                       for tool in tools)
     if name is not None and name not in dict(functions):
         raise ApiError("invalid_request", f"{param} names the function {name!r}, which is not among the request's "
                        f"tools ({', '.join(repr(n) for n, _ in functions)})", param=param)
     return ForcedTools(functions, name, parallel)
+
+
+def _closed(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object schema without additionalProperties takes no properties but its own."""
+    is_object = schema.get("type") == "object" or "properties" in schema
+    return {**schema, "additionalProperties": False} if is_object and "additionalProperties" not in schema else schema
 
 
 def openai_forced_tools(choice: str | Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None, *,

@@ -224,7 +224,9 @@ def test_a_named_tool_choice_constrains_the_output_to_its_arguments_and_returns_
     named = {"type": "function", "function": {"name": "get_weather"}}
     response = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                            tools=OPENAI_TOOLS, tool_choice=named)
-    assert engine.sampling[-1].response_format["json_schema"]["schema"] == OPENAI_TOOLS[0]["function"]["parameters"]
+    # the arguments take the declared properties only, unless the schema says otherwise
+    closed = {**OPENAI_TOOLS[0]["function"]["parameters"], "additionalProperties": False}
+    assert engine.sampling[-1].response_format["json_schema"]["schema"] == closed
     assert engine.rendered().endswith("<think>\n\n</think>\n\n")  # the grammar binds every token: no thinking
     message = response.choices[0].message
     [call] = message.tool_calls
@@ -278,7 +280,14 @@ def test_required_tool_choice_takes_one_or_more_calls_of_the_given_tools(oai, cl
                                      tool_choice={"type": "tool", "name": "get_weather"},
                                      messages=[{"role": "user", "content": "Weather?"}])
     assert message.content[0].input == {"city": "Rome"}
-    assert engine.sampling[-1].response_format["json_schema"]["schema"] == ANTHROPIC_TOOLS[0]["input_schema"]
+    open_schema = {**ANTHROPIC_TOOLS[0]["input_schema"], "additionalProperties": True}
+    engine.say('{"city": "Rome", "note": "sunny"}')
+    open_tool = {**ANTHROPIC_TOOLS[0], "input_schema": open_schema}
+    message = claude.messages.create(model=MODEL, max_tokens=100, tools=[open_tool],
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     messages=[{"role": "user", "content": "Weather?"}])
+    assert message.content[0].input == {"city": "Rome", "note": "sunny"}
+    assert engine.sampling[-1].response_format["json_schema"]["schema"] == open_schema
 
 
 @pytest.mark.parametrize("path, fields, words", [
