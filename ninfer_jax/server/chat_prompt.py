@@ -4,7 +4,7 @@ tokenizing threads (long prompts take a while; off the event loop, and apart fro
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ninfer_jax.frontend import (Breakpoint, ChatTemplateError, PreparedPrompt, TapHintKind, prepare_chat,
                                  prepare_tokens)
@@ -55,6 +55,7 @@ def _image_error(message: str, places: dict[str, str]) -> ApiError:
 
 
 # OpenAI's reasoning efforts. Qwen3.5 thinks or does not: every level above "minimal" is the same thinking.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 NO_THINKING_EFFORTS = ("none", "minimal")
 
 

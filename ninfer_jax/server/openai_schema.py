@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS, check_truncate_prompt_tokens
 
-from .chat_prompt import thinking_mode
+from .chat_prompt import ReasoningEffort, thinking_mode
 from .errors import ApiError, refuse_unsupported
 from .tool_choice import ForcedTools, openai_forced_tools
 
@@ -209,7 +209,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (the model still thinks)
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the last (assistant) message is the start of the answer, which the model continues

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ninfer_jax.frontend import Breakpoint
 
-from .chat_prompt import prepare_prompt, thinking_mode
+from .chat_prompt import ReasoningEffort, prepare_prompt, thinking_mode
 from .errors import ApiError, openai_error, refuse_unsupported
 from .generation import (ANSWERED, EngineRun, Outcome, default_max_tokens, failure, first_event, prepare_sampling,
                          sampling_params, until_disconnect)
@@ -41,6 +41,15 @@ from .tool_choice import openai_forced_tools
 router = APIRouter()
 
 _ROLES = ("user", "assistant", "system", "developer")
+
+
+class Reasoning(BaseModel):
+    """The request's reasoning: "none" or "minimal" effort turns thinking off, any other level on (Qwen3.5 has no
+    levels); a summary is not written (the reasoning item carries the text itself)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    effort: ReasoningEffort | None = None
 
 
 # Responses fields this server does not implement, refused unless neutral: background runs, stored conversations
@@ -69,7 +78,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
-    reasoning: dict[str, Any] | None = None  # {"effort": ...}: "none" or "minimal" turns thinking off
+    reasoning: Reasoning | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -93,7 +102,7 @@ async def create_response(request: Request):
             raise ApiError("invalid_request", "give one output constraint: tool_choice forces tool calls, and "
                            "text.format constrains the output too", param="tool_choice")
         response_format = forced.response_format()
-    thinking = thinking_mode(ctx.default_thinking, reasoning_effort=(body.reasoning or {}).get("effort"),
+    thinking = thinking_mode(ctx.default_thinking, reasoning_effort=body.reasoning and body.reasoning.effort,
                              response_format=response_format)
     prepared = await until_disconnect(request, prepare_prompt(
         ctx, messages, tools, (Breakpoint(len(messages) - 1, None, explicit=False),), enable_thinking=thinking,
@@ -247,8 +256,9 @@ def _response(body: ResponsesRequest, response_id: str, model: str) -> dict[str,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning, "store": False,
-        "previous_response_id": None, "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
+        "text": body.text or {"format": {"type": "text"}},
+        "reasoning": body.reasoning and body.reasoning.model_dump(), "store": False, "previous_response_id": None,
+        "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
     }
 
 

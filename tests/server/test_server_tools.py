@@ -325,6 +325,7 @@ def test_responses_max_tool_calls_keeps_the_first_calls(oai, engine):
 @pytest.mark.parametrize("path, fields, words", [
     ("/v1/responses", {"input": "Hi", "background": True}, "background is not supported"),
     ("/v1/responses", {"input": "Hi", "conversation": "conv_1"}, "conversation is not supported"),
+    ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     ("/v1/messages", {"max_tokens": 10, "messages": [{"role": "user", "content": "Hi"}],
                       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
 ])
