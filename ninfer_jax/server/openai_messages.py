@@ -22,6 +22,7 @@ from ninfer_jax.frontend import Breakpoint
 from .errors import ApiError
 from .images import image_part, url_source
 from .openai_schema import ChatCompletionRequest, ChatMessage
+from .tool_calls import sent_arguments
 
 _BREAKPOINT_TTLS = ("30m", "12h")
 
@@ -63,9 +64,9 @@ def _message(message: ChatMessage, index: int) -> tuple[dict[str, Any], list[int
         rendered["reasoning_content"] = message.reasoning_content
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}
-            for call in message.tool_calls
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": sent_arguments(
+                call.function.arguments, f"messages[{index}].tool_calls[{number}].function.arguments")}}
+            for number, call in enumerate(message.tool_calls)
         ]
     if message.role == "tool" and message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
@@ -80,6 +81,8 @@ def _part(part: dict[str, Any], role: str, where: str) -> dict[str, Any]:
     kind = part.get("type")
     if kind == "text" and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
+    if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+        return {"type": "text", "text": part["refusal"]}  # an earlier answer's refusal, as OpenAI returns it
     if kind == "image_url":
         if role != "user":
             raise ApiError("invalid_request", f"{where}: images are accepted in user messages only, not in a "

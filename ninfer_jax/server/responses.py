@@ -36,6 +36,7 @@ from .limits import check_context
 from .output_parser import THINK_CLOSE, OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
+from .tool_calls import sent_arguments
 from .tool_choice import openai_forced_tools
 
 router = APIRouter()
@@ -281,10 +282,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "function_call":
-            arguments = item.get("arguments") or "{}"
-            if not isinstance(arguments, (str, dict)):
-                raise ApiError("invalid_request", f"{where}.arguments: expected a JSON string",
-                               param=f"{where}.arguments")
+            arguments = sent_arguments(item.get("arguments"), f"{where}.arguments")
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": _field(item, "name", where), "arguments": arguments}}
             last = messages[-1] if messages else None

@@ -24,6 +24,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .errors import ApiError
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
@@ -77,3 +79,17 @@ def _typed(value: str, declared: Any) -> Any:
         return json.loads(value)
     except json.JSONDecodeError:
         return value
+
+
+def sent_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """A client's earlier call's arguments (a JSON object, or its text as the protocols send it) as the mapping the
+    template renders (none or an empty text: no arguments); anything else is a 400 naming `where`."""
+    value = {} if arguments is None else arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            value = None
+    if not isinstance(value, dict):
+        raise ApiError("invalid_request", f"{where}: the arguments must be a JSON object", param=where)
+    return value

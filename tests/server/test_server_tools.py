@@ -334,3 +334,26 @@ def test_what_the_protocols_offer_and_this_server_does_not_run_is_400(server, en
 
     response = httpx.post(server.url + path, json={"model": MODEL, **fields})
     assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+
+
+def test_earlier_calls_arguments_must_be_a_json_object_and_refusals_render_as_text(oai, server, engine):
+    import httpx
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+    history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": history,
+                                                                      "tools": OPENAI_TOOLS})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages[1].tool_calls[0].function.arguments", error
+    items = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "[1]"},
+             {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}]
+    response = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": [
+        {"role": "user", "content": "Weather?"}, *items]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input[1].arguments", response.text
+    # OpenAI's assistant refusal parts come back as the answer's text
+    engine.say("</think>\n\nOK.")
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}, refused,
+                                                       {"role": "user", "content": "Please?"}])
+    assert "<|im_start|>assistant\nI can't.<|im_end|>" in engine.rendered()
