@@ -93,7 +93,7 @@ class _Sampling(_Lenient):
     def _no_unsupported_fields(cls, data: Any) -> Any:
         return refuse_unsupported(data, _UNSUPPORTED)
 
-    model: str
+    model: str | None = None  # vLLM's: optional, a request without one is the served model's
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)

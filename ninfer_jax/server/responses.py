@@ -66,7 +66,7 @@ class ResponsesRequest(BaseModel):
     def _no_unsupported_fields(cls, data: Any) -> Any:
         return refuse_unsupported(data, _UNSUPPORTED)
 
-    model: str
+    model: str | None = None  # as chat completions': optional
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)

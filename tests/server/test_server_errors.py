@@ -75,9 +75,15 @@ def test_openai_invalid_parameters_are_400_naming_the_field_not_fastapis_422(ser
     assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
-def test_openai_missing_model_is_400(server):
-    error = _openai_shape(httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}), 400)
-    assert error["message"].startswith("model: Field required")
+def test_a_request_without_a_model_is_the_served_models_and_anthropic_requires_one(server):
+    # vLLM's OpenAI endpoints take a request without a model; the Messages API requires one
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+                       ("/v1/responses", {"input": "x", "max_output_tokens": 2})):
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code == 200 and response.json()["model"] == MODEL, response.text
+    response = httpx.post(server.url + "/v1/messages", json={"max_tokens": 2, "messages": USER})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "model: Field required"
 
 
 @pytest.mark.parametrize("part, message", [
