@@ -82,6 +82,7 @@ class Option:
     default: Any
     help: str  # plain words first, spec terms after
     flag: str | None = None  # the command lines' flag (spec §14.2's name where it has one); None: library only
+    vllm_flag: str | None = None  # vLLM's flag for the same setting, taken too, so its command lines carry over
     choices: tuple = ()
     minimum: int | None = None
     maximum: int | float | None = None
@@ -143,7 +144,8 @@ class Option:
             text += f", a multiple of {self.multiple_of}"
         default = ("on" if self.default else None) if self.kind is bool \
             else self.cli_default or self.rule or self.default
-        return text if default is None else f"{text}; default {default}"
+        text = text if default is None else f"{text}; default {default}"
+        return text if self.vllm_flag is None else f"{text} (vLLM's {self.vllm_flag} too)"
 
 
 def _option(kind: type, default: Any, help: str, **declaration) -> Any:
@@ -160,7 +162,7 @@ class EngineOptions:
         flag="--dtype", choices=("bfloat16", "float32"), cli_default="auto")
     max_concurrency: int | str = _option(
         int, "auto", "requests decoded together (lanes, spec C)", flag="--max-concurrency", minimum=1,
-        maximum=MAX_CONCURRENCY, auto=True,
+        maximum=MAX_CONCURRENCY, auto=True, vllm_flag="--max-num-seqs",
         rule=f"auto: on a GPU the most lanes (at most {MAX_CONCURRENCY}) whose state slots (C + D) and "
              f"{AUTO_LANE_KV_TOKENS} KV tokens each (max_model_len if shorter) fit the memory left after the "
              f"weights and the longest prefill pass; {CPU_CONCURRENCY} on a CPU")
@@ -184,7 +186,7 @@ class EngineOptions:
     kv_dtype: str = _option(
         str, "auto", "KV cache storage (spec §3.1): the activations' dtype (auto), bfloat16, or quantized: int8 "
         "(INT8, a scale per 64 values), fp8 (FP8-E4M3, a scale per 256), k8v4 (FP8 keys, NVFP4 values), nvfp4 "
-        "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES)
+        "(e2m1, an FP8 scale per 16)", flag="--kv-dtype", choices=KV_DTYPES, vllm_flag="--kv-cache-dtype")
     generation_config: str = _option(
         str, "auto", "default sampling of requests that leave it unset: auto (the checkpoint's generation_config.json: "
         "its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens, as vLLM takes them), none "
@@ -520,16 +522,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
         if option.flag is None:
             continue
         group = cache if option.cache else engine
-        if option.kind is bool:  # one that is on by default is turned off with --no-<flag>
-            group.add_argument(option.flag, dest=option.name, default=None, help=option.help_text(),
-                               action=argparse.BooleanOptionalAction if option.default else "store_true")
-        elif option.choices:
-            choices = option.choices if option.cli_default in (None, *option.choices) \
-                else (option.cli_default, *option.choices)
-            group.add_argument(option.flag, dest=option.name, choices=choices, default=None, help=option.help_text())
-        else:
-            group.add_argument(option.flag, dest=option.name, type=_from_text(option), default=None,
-                               metavar=option.metavar or "N", help=option.help_text())
+        # vLLM's name is a flag of its own, so an error names the flag the command line gave
+        for flag in (option.flag,) if option.vllm_flag is None else (option.flag, option.vllm_flag):
+            shown = option.help_text() if flag == option.flag else argparse.SUPPRESS
+            if option.kind is bool:  # one that is on by default is turned off with --no-<flag>
+                group.add_argument(flag, dest=option.name, default=None, help=shown,
+                                   action=argparse.BooleanOptionalAction if option.default else "store_true")
+            elif option.choices:
+                choices = option.choices if option.cli_default in (None, *option.choices) \
+                    else (option.cli_default, *option.choices)
+                group.add_argument(flag, dest=option.name, choices=choices, default=None, help=shown)
+            else:
+                group.add_argument(flag, dest=option.name, type=_from_text(option), default=None,
+                                   metavar=option.metavar or "N", help=shown)
     return engine, cache
 
 

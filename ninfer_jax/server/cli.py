@@ -5,7 +5,10 @@
 
 The engine's flags come from the option declarations in ninfer_jax.runtime.options (spec §14.2's names where
 it has them); unset values are derived by the engine (EngineOptions.resolve) and reported in the startup log.
-Conflicting options are refused before anything loads, with exit status 2 (`serve_options`, pure).
+Conflicting options are refused before anything loads, with exit status 2 (`serve_options`, pure). vLLM's flags for
+the same settings are taken too (--max-num-seqs, --kv-cache-dtype, --gpu-memory-utilization, ...), and its parser
+flags where they name what this server does (Qwen3.5's tool calls and think blocks), so a vLLM command line carries
+over; any other value of them is refused.
 
 The server listens at once and builds the engine in a thread: /health answers from the start, /health/ready
 says 503 with the startup's stage until the engine serves, and generation answers 503 with Retry-After until
@@ -23,13 +26,18 @@ import sys
 from typing import Any
 
 from ninfer_jax.compile_cache import add_compile_cache_argument, enable_compile_cache
-from ninfer_jax.device_memory import claim_device_memory
+from ninfer_jax.device_memory import CLAIM, ENV, claim_device_memory
 from ninfer_jax.runtime.options import OptionsError, add_engine_arguments, engine_kwargs_from_args
 
 from .images import ImageOptions
 from .limits import CHARS_PER_TOKEN, MIN_DEFAULT_WAITING, WAITING_PER_LANE, Limits
 
 log = logging.getLogger("ninfer_jax.server")
+
+
+# vLLM's parsers of the formats this server reads: Qwen3.5's XML tool calls and its <think> blocks
+VLLM_TOOL_CALL_PARSERS = ("qwen3_coder", "qwen3_xml")
+VLLM_REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 class UsageError(ValueError):
@@ -48,6 +56,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins that may call the API (none: browsers may not)
     default_thinking: bool = True  # whether OpenAI-protocol requests think when they do not say
     served_model_names: tuple[str, ...] = ()  # the names requests may give (none: the checkpoint's)
+    memory_fraction: float = CLAIM  # the share of each GPU jax may take (device_memory.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="compile programs on first use instead of at startup")
     add_compile_cache_argument(engine)
+    vllm = parser.add_argument_group("vLLM's flags (so its command lines carry over; each does what it does there)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                      help=f"the share of each GPU's memory jax may take (${ENV}); default {CLAIM}")
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                      help="on by default; --no-enable-prefix-caching is --no-prefix-reuse")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="always on: tool calls are parsed whenever a request gives tools")
+    vllm.add_argument("--tool-call-parser", choices=VLLM_TOOL_CALL_PARSERS,
+                      help="the parsers of Qwen3.5's XML tool calls, the format this server parses")
+    vllm.add_argument("--reasoning-parser", choices=VLLM_REASONING_PARSERS,
+                      help="the parsers of Qwen3.5's <think> blocks, as this server splits them off")
+    vllm.add_argument("--trust-remote-code", action="store_true", help="no effect: no checkpoint code is run")
     return parser
 
 
@@ -132,13 +153,30 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(images, field)}")
     if not 0 < images.image_fetch_timeout_s < math.inf:
         raise UsageError(f"--image-fetch-timeout-s must be a positive number, got {images.image_fetch_timeout_s}")
+    if args.enable_prefix_caching is False:
+        args.no_prefix_reuse = True
+    elif args.enable_prefix_caching and args.no_prefix_reuse:
+        raise UsageError("--enable-prefix-caching and --no-prefix-reuse: give one")
+    fraction = CLAIM if args.gpu_memory_utilization is None else args.gpu_memory_utilization
+    if not 0 < fraction <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
+    given = os.environ.get(ENV)
+    if args.gpu_memory_utilization is not None and given is not None and _number(given) != fraction:
+        raise UsageError(f"--gpu-memory-utilization {fraction} and {ENV}={given}: give one")
     try:
         engine = engine_kwargs_from_args(args)
     except OptionsError as error:
         raise UsageError(str(error)) from None
     return ServeOptions(args.host, args.port, args.api_key, {"path": model, **engine, "warmup": args.warmup},
                         args.compile_cache_dir, limits, images, tuple(args.allowed_origins),
-                        args.default_thinking == "on", tuple(args.served_model_name))
+                        args.default_thinking == "on", tuple(args.served_model_name), fraction)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     # jax reports each accelerator plugin it does not find ("Unable to initialize backend 'tpu'") at INFO; on a
     # machine without one those lines read as failures.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    claim_device_memory()  # before the build thread starts jax's backend
+    claim_device_memory(options.memory_fraction)  # before the build thread starts jax's backend
 
     from .app import create_app
     from .readiness import build_in_background

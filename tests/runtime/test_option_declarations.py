@@ -3,6 +3,7 @@ flags, their help, their bounds and their conflicts all come from them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -18,7 +19,9 @@ PARSERS = {"ninfer-serve": cli.build_parser, "ninfer-generate": generate.build_p
 
 
 def _engine_actions(parser):
-    return {action.dest: action for action in parser._actions if action.dest in OPTIONS}
+    """Each option's flag (vLLM's names for some are flags of their own, not in the help)."""
+    return {action.dest: action for action in parser._actions
+            if action.dest in OPTIONS and action.help is not argparse.SUPPRESS}
 
 
 def test_every_engine_option_is_declared_once_on_its_field():
@@ -58,6 +61,12 @@ def test_the_flags_are_the_spec_names():
         "--cache-taps-per-request": "max_new_taps", "--cache-tap-ladder": "tap_ladder_tokens",
         "--cache-tap-min-gap": "tap_min_gap_tokens", "--prefix-cache-file": "prefix_cache_file",
         "--concurrent-prefill": "concurrent_prefill"}
+    # vLLM's flags for the same settings, so its command lines carry over
+    assert {o.vllm_flag: name for name, o in OPTIONS.items() if o.vllm_flag} == {
+        "--max-num-seqs": "max_concurrency", "--kv-cache-dtype": "kv_dtype"}
+    for prog in sorted(PARSERS):
+        args = PARSERS[prog]().parse_args(["--max-num-seqs", "64", "--kv-cache-dtype", "fp8"])
+        assert (args.max_concurrency, args.kv_dtype) == (64, "fp8")
 
 
 def test_both_command_lines_take_the_same_engine_flags_with_the_declared_help():

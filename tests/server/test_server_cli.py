@@ -3,6 +3,7 @@ SIGTERM stop of a real server process (spec §5.5, §14.2)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import types
@@ -305,3 +306,24 @@ def test_a_server_restarted_with_a_prefix_cache_file_serves_the_saved_prefix(tmp
     assert before.usage.prompt_tokens_details.cached_tokens == 0
     assert after.usage.prompt_tokens_details.cached_tokens >= 256  # the prompt's tap, restored from the file
     assert after.choices[0].message.content == before.choices[0].message.content
+
+
+def test_a_vllm_command_line_carries_over(monkeypatch, capsys):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    options = _options("--max-num-seqs", "64", "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.9",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
+                       "--trust-remote-code", "--no-enable-prefix-caching")
+    assert options.engine == {"path": None, "max_concurrency": 64, "kv_dtype": "fp8", "no_prefix_reuse": True,
+                              "warmup": True}
+    assert options.memory_fraction == 0.9 and _options().memory_fraction == 0.95
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+    assert _options("--gpu-memory-utilization", "0.9").memory_fraction == 0.9  # the same share both ways
+    for argv, message in ((["--gpu-memory-utilization", "0.8"], "XLA_PYTHON_CLIENT_MEM_FRACTION=0.90: give one"),
+                          (["--gpu-memory-utilization", "1.5"], "must be in (0, 1], got 1.5"),
+                          (["--enable-prefix-caching", "--no-prefix-reuse"], "give one")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            _options(*argv)
+    # a parser of another format than Qwen3.5's is refused, not ignored
+    with pytest.raises(SystemExit) as stopped:
+        main(["--tool-call-parser", "hermes"])
+    assert stopped.value.code == 2 and "invalid choice: 'hermes'" in capsys.readouterr().err
