@@ -53,6 +53,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {error}") from error
 
     @staticmethod
+    def from_file(path: str | Path) -> ChatTemplate:
+        """The template in a Jinja file; a file that cannot be read or compiled is a ChatTemplateError."""
+        try:
+            source = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ChatTemplateError(f"chat template {path}: {error}") from None
+        return ChatTemplate(source)
+
+    @staticmethod
     def qwen35() -> ChatTemplate:
         """The built-in Qwen3.5 template (see `qwen35_template`), compiled once."""
         return _qwen35()

@@ -24,8 +24,8 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import jax
 
 from ninfer_jax.config import ModelConfig
-from ninfer_jax.frontend import (IncrementalDetokenizer, PreparedPrompt, VisionFrontend, load_chat_template,
-                                 load_tokenizer, prepare_chat)
+from ninfer_jax.frontend import (ChatTemplate, IncrementalDetokenizer, PreparedPrompt, VisionFrontend,
+                                 load_chat_template, load_tokenizer, prepare_chat)
 from ninfer_jax.hub import resolve_checkpoint
 from ninfer_jax.model import load_checkpoint
 from ninfer_jax.model.loader import has_vision_tower, load_dummy, load_vision_checkpoint
@@ -163,6 +163,7 @@ class Engine:
             raise ValueError(f"unknown engine option: {e}") from None
         # refuse bad options before reading any weights
         options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
+        template = None if options.chat_template is None else ChatTemplate.from_file(options.chat_template)
         directory, name = (default_checkpoint(), default_checkpoint().name) if path is None \
             else resolve_checkpoint(path)
         if options.load_format == "dummy":
@@ -183,7 +184,8 @@ class Engine:
         defaults = _sampling_defaults(options.generation_config, directory)
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
-        engine = cls(config, params, options, tokenizer=tokenizer, chat_template=load_chat_template(directory),
+        template = template or load_chat_template(directory)
+        engine = cls(config, params, options, tokenizer=tokenizer, chat_template=template,
                      model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision,
                      sampling_defaults=defaults)
         if progress is not None:

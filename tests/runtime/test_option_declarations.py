@@ -27,7 +27,7 @@ def _engine_actions(parser):
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
         "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "mixed_prefill_tokens", "kv_capacity",
-        "kv_dtype", "generation_config",
+        "kv_dtype", "generation_config", "chat_template",
         "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
         "num_speculative_tokens", "adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
         "vision_cache_tokens", "interpret", "output_window", "memory_fraction", "compile_threads",
@@ -51,7 +51,7 @@ def test_the_flags_are_the_spec_names():
         "--num-speculative-tokens": "num_speculative_tokens", "--adaptive-speculation": "adaptive_speculation",
         "--prompt-lookup-max": "prompt_lookup_max",
         "--prompt-lookup-min": "prompt_lookup_min", "--load-format": "load_format",
-        "--generation-config": "generation_config",
+        "--generation-config": "generation_config", "--chat-template": "chat_template",
         "--max-image-tokens": "max_image_tokens", "--vision-cache-tokens": "vision_cache_tokens",
         "--compile-threads": "compile_threads",
         "--background-compile": "background_compile", "--prompt-logprobs": "prompt_logprobs",
