@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import tempfile
-import time
 
 from bench_kernels import compile_pure, time_pure
 
@@ -72,24 +70,6 @@ def variants():
     }
 
 
-def timed(fn, args, reps: int = 5, min_s: float = 0.04) -> float:
-    """Median seconds per call, calls back to back in batches of about min_s."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    n = int(max(2, min(400, min_s / max(time.perf_counter() - start, 1e-6))))
-    runs = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - start) / n)
-    return statistics.median(runs)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32768,131072")
@@ -118,9 +98,8 @@ def main() -> int:
         pools[name] = tuple(kv_quant.QuantPages(*quantize(f, x), f.name)
                             for f, x in zip(kv_quant.PROFILES[name], (k_bf, v_bf)))
     order = jax.random.permutation(k3, n_pool)[:lanes * pages].reshape(lanes, pages).astype(jnp.int32)
-    copy_fn = jax.jit(lambda y: y * 1.0001)
     ones = jnp.ones((1 << (20 if args.smoke else 29),), jnp.float32)
-    copy_tbps = 2 * ones.nbytes / timed(copy_fn, (ones,), min_s=0.3) / 1e12
+    copy_tbps = 2 * ones.nbytes / time_pure(lambda y: y * 1.0001, (ones,), min_time=0.3) / 1e12
     del ones
     meta = report.run_meta()
     rows, data = [], {**meta, "copy_tbps": copy_tbps, "rows": []}
