@@ -315,11 +315,11 @@ class Engine:
         """n samples of one prompt (OpenAI's `n`), queued together as one group: the first prefills the prompt and
         the others resume from its snapshot at their divergence (spec §12.2), so the prompt is computed once.
         Returns their ids; sample i's events go to sinks[i]. Give the samplings different seeds (or none)."""
-        prepared = self._prepare(prompt, self._sampling(samplings[0] if samplings else None))
+        samplings = [self._sampling(sp) for sp in samplings]
+        prepared = self._prepare(prompt, samplings[0] if samplings else self._sampling(None))
         group = f"group-{uuid.uuid4().hex[:8]}"
         barred: dict = {}  # the samples' bad_words, tokenized once (BadWords is read-only: they share it)
-        reqs = [self._request(prepared, self._sampling(sp), None, sink, barred)
-                for sp, sink in zip(samplings, sinks, strict=True)]
+        reqs = [self._request(prepared, sp, None, sink, barred) for sp, sink in zip(samplings, sinks, strict=True)]
         for req in reqs:
             req.group = group
         self._send(_Add(reqs))
