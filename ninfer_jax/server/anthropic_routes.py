@@ -45,7 +45,8 @@ async def create_message(request: Request):
     engine = ctx.engine
     ctx.limits.check_counts(stops=body.stop_sequences or (), tools=len(body.tools or ()))
     given = messages_input(body)
-    forced = anthropic_forced_tools(body.tool_choice, given.tools)
+    single = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))  # one tool call at most
+    forced = anthropic_forced_tools(body.tool_choice, given.tools, parallel=not single)
     if forced is not None and body.enable_thinking:  # Anthropic's own rule: a forced call leaves no room to think
         raise ApiError("invalid_request", "thinking may not be enabled when tool_choice forces tool use",
                        param="tool_choice")
@@ -60,7 +61,6 @@ async def create_message(request: Request):
                                response_format=None if forced is None else forced.response_format())
     await prepare_sampling(ctx, sampling, param="tools")
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
-    single = bool((body.tool_choice or {}).get("disable_parallel_tool_use"))
     parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools, forced=forced,
                           max_calls=1 if single else None)
     if body.stream:

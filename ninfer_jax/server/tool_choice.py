@@ -100,10 +100,10 @@ def openai_forced_tools(choice: str | Mapping[str, Any] | None, tools: Sequence[
     return forced_tools(tools, name, param="tool_choice", parallel=parallel is not False)
 
 
-def anthropic_forced_tools(choice: Mapping[str, Any] | None,
-                           tools: Sequence[Mapping[str, Any]] | None) -> ForcedTools | None:
-    """Anthropic's tool_choice: {"type": "any"} or {"type": "tool", "name": ...} (either with
-    disable_parallel_tool_use); None for "auto", "none" and unset."""
+def anthropic_forced_tools(choice: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None, *,
+                           parallel: bool) -> ForcedTools | None:
+    """Anthropic's tool_choice: {"type": "any"} or {"type": "tool", "name": ...}; None for "auto", "none" and unset.
+    parallel: not its disable_parallel_tool_use."""
     kind = (choice or {}).get("type", "auto")
     if kind in ("auto", "none"):
         return None
@@ -111,5 +111,4 @@ def anthropic_forced_tools(choice: Mapping[str, Any] | None,
     if kind not in ("any", "tool") or kind == "tool" and not isinstance(name, str):
         raise ApiError("invalid_request", 'tool_choice.type must be "auto", "any", "tool" (with a name) or "none"',
                        param="tool_choice")
-    return forced_tools(tools, name if kind == "tool" else None, param="tool_choice",
-                        parallel=not choice.get("disable_parallel_tool_use", False))
+    return forced_tools(tools, name if kind == "tool" else None, param="tool_choice", parallel=parallel)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from server_support import CALL, RENDERED_CALL, ScriptedEngine, claude, oai, server  # noqa: F401 (fixtures)
@@ -305,8 +306,6 @@ def test_required_tool_choice_takes_one_or_more_calls_of_the_given_tools(oai, cl
                       "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking may not be enabled"),
 ])
 def test_a_forced_tool_choice_the_request_cannot_meet_is_400(server, engine, path, fields, words):
-    import httpx
-
     messages = {} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "Hi"}]}
     response = httpx.post(server.url + path, json={"model": MODEL, **messages, **fields})
     assert response.status_code == 400, response.text
@@ -330,15 +329,11 @@ def test_responses_max_tool_calls_keeps_the_first_calls(oai, engine):
                       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
 ])
 def test_what_the_protocols_offer_and_this_server_does_not_run_is_400(server, engine, path, fields, words):
-    import httpx
-
     response = httpx.post(server.url + path, json={"model": MODEL, **fields})
     assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
 
 
 def test_earlier_calls_arguments_must_be_a_json_object_and_refusals_render_as_text(oai, server, engine):
-    import httpx
-
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
     history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]},
                {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
