@@ -78,6 +78,7 @@ class GemmConfig:
         return self.tile_n * (2 if self.wg_split == "n" else 1)
 
 
+MAX_K_SPLITS = 4  # auto_config's K ranges at most: eight lost to the float32 partial sums' traffic
 DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
 
 
@@ -255,12 +256,21 @@ def weight_row_scales(scales, cfg: GemmConfig):
 
 
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """DEFAULT_CONFIG, with K in two ranges when the output's tiles fill at most half the SMs: at 64-128 rows the
-    27B's down and output projections (40 tiles) ran 1.28-1.33x faster so (1.33-1.46x the bf16 matmul), the
-    projections with 128+ tiles and every one at 256 rows slower (docs/benchmarks/fp8/fp8_sweep_wide.md)."""
-    cfg = DEFAULT_CONFIG
+    """At most tile_m rows (a wide decode round of 64): the warpgroups side by side on columns (wg n, no padding
+    rows multiplied), and K in up to four ranges when the column tiles fill at most a quarter of the SMs. More rows:
+    DEFAULT_CONFIG, K in two ranges when the tiles fill at most half the SMs. Measured on the 27B's projections at
+    64-256 rows (docs/benchmarks/fp8/fp8_sweep_wide.md): wg n 1.10x on gate_up, 1.26-1.28x on down and o_proj at
+    64 rows, behind the default at 128 and 256; more than four ranges lose to the partial sums' traffic."""
+    cfg, blocks = DEFAULT_CONFIG, k // BLOCK
+    if m <= cfg.tile_m and n % (2 * cfg.tile_n) == 0:
+        tiles, splits = n // (2 * cfg.tile_n), 1
+        while (4 * tiles <= num_sms and splits < MAX_K_SPLITS and 2 * splits * tiles <= num_sms
+               and blocks % (2 * splits) == 0):
+            splits *= 2
+        # the float32 output tiles of K ranges leave SMEM for three stages only
+        return dataclasses.replace(cfg, wg_split="n", k_splits=splits, max_concurrent_steps=4 if splits == 1 else 3)
     tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
-    if 2 * tiles <= num_sms and (k // BLOCK) % 2 == 0:
+    if 2 * tiles <= num_sms and blocks % 2 == 0:
         return dataclasses.replace(cfg, k_splits=2)
     return cfg
 

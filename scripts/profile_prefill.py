@@ -67,7 +67,7 @@ def check_attention(cfg, variants) -> list[dict]:
     import numpy as np
 
     from ninfer_jax.model import ops
-    from ninfer_jax.runtime.engine import is_hopper
+    from ninfer_jax.runtime.startup import is_hopper
     from ninfer_jax.runtime.options import EngineOptions
     from pallas_kernels.paged_attention import PrefillConfig
 

@@ -66,21 +66,30 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
         fp8_gemm.fp8_gemm(x, values, scales, config=fp8_gemm.GemmConfig(k_splits=2))  # 3 blocks of K
 
 
-def test_splits_k_only_when_the_tiles_leave_most_sms_idle():
-    """The 27B's down projection (40 column tiles) at a wide decode round's 64-128 rows takes two K ranges; its
-    gate_up (272 tiles), 256 rows (80 tiles) and an odd count of K blocks do not."""
-    assert fp8_gemm.auto_config(64, 5120, 17408, 132).k_splits == 2
-    assert fp8_gemm.auto_config(128, 5120, 6144, 132).k_splits == 2
-    assert fp8_gemm.auto_config(64, 34816, 5120, 132).k_splits == 1
-    assert fp8_gemm.auto_config(256, 5120, 17408, 132).k_splits == 1
+def test_wide_round_config_follows_the_row_and_tile_counts():
+    """At 64 rows the warpgroups split the columns, and the 27B's down and o_proj (20 column tiles) take four K
+    ranges on three stages, its gate_up (136 tiles) one on four; at 128 rows the down projection (40 tiles) takes
+    two ranges over the row-split default; gate_up, 256 rows and an odd count of K blocks take none."""
+    cfg = fp8_gemm.auto_config(64, 5120, 17408, 132)
+    assert (cfg.wg_split, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 4, 3)
+    assert fp8_gemm.auto_config(33, 5120, 6144, 132).k_splits == 4
+    cfg = fp8_gemm.auto_config(64, 34816, 5120, 132)
+    assert (cfg.wg_split, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 1, 4)
+    assert fp8_gemm.auto_config(64, 16384, 5120, 132).k_splits == 1
+    assert fp8_gemm.auto_config(64, 2048, 4096, 132).k_splits == fp8_gemm.MAX_K_SPLITS
     assert fp8_gemm.auto_config(64, 5120, 384, 132).k_splits == 1
+    cfg = fp8_gemm.auto_config(128, 5120, 6144, 132)
+    assert (cfg.wg_split, cfg.k_splits) == ("m", 2)
+    assert fp8_gemm.auto_config(128, 34816, 5120, 132) == fp8_gemm.DEFAULT_CONFIG
+    assert fp8_gemm.auto_config(256, 5120, 17408, 132) == fp8_gemm.DEFAULT_CONFIG
 
 
 @pytest.mark.parametrize("cfg", [fp8_gemm.DEFAULT_CONFIG, fp8_gemm.GemmConfig(overlap=True),
                                  fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64),
                                  fp8_gemm.GemmConfig(k_splits=4),
-                                 fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3)],
-                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n"])
+                                 fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3),
+                                 fp8_gemm.auto_config(64, 5120, 34816, 132)],
+                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts, SMEM budget and pipeline without a GPU."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
