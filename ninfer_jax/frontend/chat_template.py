@@ -103,8 +103,8 @@ class ChatTemplate:
                 enable_thinking=enable_thinking,
                 **template_kwargs,
             )
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(str(error)) from error
+        except (jinja2.TemplateError, TypeError, ValueError) as error:  # a template's own errors are often TypeErrors
+            raise ChatTemplateError(_render_failure(error, normalised)) from error
         layout = locate_chat_layout(
             text, normalised, has_tools=bool(tools), add_generation_prompt=add_generation_prompt
         )
@@ -156,13 +156,31 @@ def _normalise_message(message: Message) -> dict[str, Any]:
     if normalised.get("role") == "developer":
         normalised["role"] = "system"
     for call in normalised.get("tool_calls") or ():
-        target = call.get("function", call) if isinstance(call, dict) else None
-        if isinstance(target, dict) and isinstance(target.get("arguments"), str):
+        target = _tool_call_target(call)
+        if target is not None and isinstance(target.get("arguments"), str):
             try:
                 target["arguments"] = json.loads(target["arguments"])
             except json.JSONDecodeError:
                 pass  # left as sent; the template decides whether it can render it
     return normalised
+
+
+def _tool_call_target(call: Any) -> dict[str, Any] | None:
+    """The dict holding a tool call's name and arguments: OpenAI's nested `function`, or the call itself."""
+    target = call.get("function", call) if isinstance(call, dict) else None
+    return target if isinstance(target, dict) else None
+
+
+def _render_failure(error: Exception, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The template's error, naming the first tool call whose arguments stayed text: Qwen's templates read them as a
+    mapping and fail with a message about item pairs that does not say where."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            target = _tool_call_target(call)
+            if target is not None and isinstance(target.get("arguments"), str):
+                return (f"messages[{i}].tool_calls[{j}]: the chat template could not render its arguments, which are "
+                        f"not a JSON object ({error})")
+    return str(error)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -247,6 +247,18 @@ def test_checkpoint_template_prefers_chat_template_jinja(tmp_path, qwen35_dir):
     assert load_chat_template(tmp_path).render([{"role": "user", "content": "x"}]).text == "jinja:1"
 
 
+def test_tool_call_arguments_that_are_not_json_are_named_in_the_error():
+    """A history call's arguments are parsed when they are JSON; text the template cannot iterate is refused with
+    the call's place, not the template's bare TypeError."""
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "ok"}]
+    assert "<function=f>\n<parameter=x>\n1\n</parameter>" in QWEN35.render(messages).text
+    messages[1]["tool_calls"] = [call, {"type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.tool_calls\[1\]: .*not a JSON object"):
+        QWEN35.render(messages)
+
+
 def test_checkpoint_template_picks_default_of_named_templates_and_falls_back_to_qwen35(tmp_path):
     assert load_chat_template(tmp_path).source == QWEN35_CHAT_TEMPLATE
     named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "default"}]
