@@ -118,3 +118,28 @@ def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows():
     with pytest.raises(ValueError, match="needs block-FP8 experts"):
         moe.moe_experts(x, jnp.asarray(ids), jnp.asarray(w, jnp.float32), fp8_matmul.dequantize(gate_up),
                         fp8_matmul.dequantize(down), quantize_activations=True, interpret=INTERPRET)
+
+
+def test_model_takes_fp8_activation_tiles_up_to_their_rows_per_expert(monkeypatch):
+    """ops.moe_experts with fp8_activations: FP8 x FP8 tiles while the routed rows per expert stay within
+    `fp8_dynamic_rows_per_expert`, the converted FP8 tiles past it and without fp8_activations."""
+    from ninfer_jax.model import ops
+    from ninfer_jax.model.params import QuantizedWeight
+
+    x, ids, w, gate_up, down, _ = _case(40, seed=7)  # 80 routed rows over 4 experts: 20 a expert
+    weights = [QuantizedWeight(m.values, m.scales) for m in (gate_up, down)]
+
+    def model(fp8_activations):
+        kc = ops.KernelConfig("pallas", interpret=INTERPRET, fp8_activations=fp8_activations)
+        return np.asarray(ops.moe_experts(kc, x, ids, w, *weights))
+
+    def kernel(quantize):
+        return np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=quantize,
+                                          interpret=INTERPRET))
+
+    converted, dynamic = kernel(False), kernel(True)
+    assert not np.array_equal(converted, dynamic)
+    np.testing.assert_array_equal(model(True), converted)  # 20 a expert > the default 16
+    monkeypatch.setattr(moe, "DEFAULT_CONFIG", moe.MoeConfig(fp8_dynamic_rows_per_expert=20))
+    np.testing.assert_array_equal(model(True), dynamic)
+    np.testing.assert_array_equal(model(False), converted)
