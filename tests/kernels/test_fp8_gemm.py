@@ -68,8 +68,8 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
 
 def test_wide_round_config_follows_the_row_and_tile_counts():
     """At 64 rows the warpgroups split the columns, and the 27B's down and o_proj (20 column tiles) take four K
-    ranges on three stages, its gate_up (136 tiles) one on four; at 128 rows the down projection (40 tiles) takes
-    two ranges over the row-split default; gate_up, 256 rows and an odd count of K blocks take none."""
+    ranges on three stages, its gate_up (136 tiles) one on four; at 128 rows o_proj (40 row-split tiles) takes two
+    ranges; gate_up at 128 rows, every projection at 256 and an odd count of K blocks take none."""
     cfg = fp8_gemm.auto_config(64, 5120, 17408, 132)
     assert (cfg.wg_split, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 4, 3)
     assert fp8_gemm.auto_config(33, 5120, 6144, 132).k_splits == 4
