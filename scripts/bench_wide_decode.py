@@ -4,7 +4,8 @@
 Per model (one process each), on one engine whose max_concurrency is the most lanes asked that fit:
   * the two ceilings in the same run (`models.measure_ceilings`: a bf16 matmul, a device copy);
   * for each lane count L, ascending: an untimed wave of L requests, which compiles the round sizes it is the
-    first to reach (its seconds and compiles are reported apart as the first run), then the timed wave. Each lane's
+    first to reach (its seconds and compiles are reported apart as the first run; with --warmup the engine
+    compiles every program it can reach in parallel before the first wave), then the timed wave. Each lane's
     prompt is --decode-context random token ids; greedy, ignore_eos; each lane asks `wide_decode.wave_tokens`
     (L - 1 + --decode-tokens + 4 for a one-pass prompt). The scheduler prefills one prompt per step beside a
     decode round, so the lanes admitted first decode while the last still prefill: only the rounds after the last
@@ -121,12 +122,19 @@ def bench(name: str, args) -> dict:
         return result
     plan = plans[fitting[-1]]
     result["plan"] = plan
+    # --warmup: every program compiled up front on the engine's compile threads, none in the background
+    warm = {"warmup": True, "background_compile": "off"} if args.warmup else {}
+    started = time.perf_counter()
     try:
-        engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights, **plan["options"])
+        engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights, **warm, **plan["options"])
     except Exception as e:  # noqa: BLE001  (an engine that cannot start is a result, not a crash)
         result["error"] = f"engine start: {type(e).__name__}: {e}"[:2000]
         save(result["error"])
         return result
+    if args.warmup:
+        result.update(warmup_s=time.perf_counter() - started - init_s, warmup_programs=engine.runner.compile_count())
+        save(f"warm-up: {result['warmup_programs']} programs compiled and run in {result['warmup_s']:.1f} s on "
+             f"{engine.options.compile_threads} threads")
     memory = jax.devices()[0].memory_stats() or {}
     result.update(init_s=init_s, device=str(jax.devices()[0].device_kind), kv=engine.stats()["kv"],
                   options=engine.options.summary(), bytes_in_use_gib=memory.get("bytes_in_use", 0) / GiB,
@@ -241,6 +249,9 @@ def model_section(model: str, r: dict) -> list[str]:
         lines.append(f"- memory: weights {plan['weights_gib']:.1f} GiB; {plan['state_slots']} state slots of "
                      f"{r.get('slot_mib', 0):.1f} MiB and the KV pages {plan['pools_gib']:.1f} GiB against "
                      f"{budget} left by `startup.device_budget`{used}")
+    if "warmup_s" in r:
+        lines.append(f"- warm-up (`--warmup`): {r['warmup_programs']} programs compiled and run in "
+                     f"{r['warmup_s']:.1f} s before the first wave")
     if "error" in r:
         lines.append(f"- not measured: {r['error'][-300:]}")
     lines += ["", *report.table(
@@ -286,6 +297,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=None, help="seconds from the start: a lane count whose "
                    "waves would end later (projected from the last timed wave and its first wave's compiles) is "
                    "skipped and recorded as skipped")
+    p.add_argument("--warmup", action="store_true", help="compile every program the engine can reach before the "
+                   "first wave, in parallel (its seconds reported apart; the first waves then compile nothing)")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU with reference kernels")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
