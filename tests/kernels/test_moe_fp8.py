@@ -126,15 +126,15 @@ def test_model_takes_fp8_activation_tiles_up_to_their_rows_per_expert(monkeypatc
     from ninfer_jax.model import ops
     from ninfer_jax.model.params import QuantizedWeight
 
-    x, ids, w, gate_up, down, _ = _case(40, seed=7)  # 80 routed rows over 4 experts: 20 a expert
-    weights = [QuantizedWeight(m.values, m.scales) for m in (gate_up, down)]
+    x, ids, w, gate_up, down, shared = _case(40, seed=7)  # 80 routed rows over 4 experts: 20 a expert
+    weights = [QuantizedWeight(m.values, m.scales) for m in (gate_up, down, shared.gate_up, shared.down)]
 
     def model(fp8_activations):
         kc = ops.KernelConfig("pallas", interpret=INTERPRET, fp8_activations=fp8_activations)
-        return np.asarray(ops.moe_experts(kc, x, ids, w, *weights))
+        return np.asarray(ops.moe_experts(kc, x, ids, w, *weights[:2], ref.SharedExpert(*weights[2:], shared.weight)))
 
     def kernel(quantize):
-        return np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=quantize,
+        return np.asarray(moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=quantize,
                                           interpret=INTERPRET))
 
     converted, dynamic = kernel(False), kernel(True)
