@@ -1,4 +1,5 @@
-"""Where a cold long prefill's time goes at the real shapes (random bf16 weights), and what the variants change.
+"""Where a cold long prefill's time goes at the real shapes (random bf16 weights, or block-FP8 with --weights), and
+what the variants change.
 
 For each model shape: the engine's TTFT of a cold prompt (default 32k tokens) with the default kernels; a jax
 profiler trace of one such prefill, its device kernels summed by name and by kind (GEMM, attention, GDN, MoE,
@@ -22,12 +23,12 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, model_config
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, model_config, pack_config
 from ninfer_jax.benchmarks.profiling import kernel_table
 
 # Kernel kinds by name fragment, first match wins (XLA names its cuBLAS/Triton GEMM fusions gemm_* / *dot*).
 KINDS = (("attention", ("paged_prefill", "cudnn", "fmha", "flash")), ("gdn", ("gdn",)), ("moe", ("moe",)),
-         ("gemm", ("gemm", "dot", "cublas", "sm90_xmma", "nvjet")))
+         ("gemm", ("gemm", "dot", "cublas", "sm90_xmma", "nvjet", "fp8")))
 
 
 def kind_of(kernel: str) -> str:
@@ -104,11 +105,11 @@ def profile(name: str, args) -> dict:
     from ninfer_jax.model.random_init import random_params
     from ninfer_jax.runtime.options import EngineOptions
 
-    cfg = model_config(name)
-    params = random_params(cfg, seed=0)
+    cfg = pack_config(model_config(name), args.weights)
+    params = random_params(cfg, seed=0, fp8=args.weights != "bf16")
     jax.block_until_ready(params)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
-    result = {"model": name, "tokens": args.tokens, "variants": []}
+    result = {"model": name, "weights": args.weights, "tokens": args.tokens, "variants": []}
     if args.check and jax.default_backend() == "gpu":
         result["checks"] = check_attention(cfg, attention_variants(args.attention.split(",")))
 
@@ -116,7 +117,8 @@ def profile(name: str, args) -> dict:
         opts = EngineOptions(dtype="bfloat16", max_concurrency=8, prefill_chunk=chunk, idle_prefill_chunk=chunk,
                              max_model_len=args.tokens + 1024, kv_capacity=args.tokens + 4096,
                              kernels=args.kernels, no_prefix_reuse=True,
-                             interpret=args.kernels == "pallas" and jax.default_backend() == "cpu")
+                             interpret=args.kernels == "pallas" and jax.default_backend() == "cpu",
+                             **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}))
         engine = Engine(cfg, params, opts, model_name=name, warmup=False)
         t = time.perf_counter()
         engine.generate(prompt[:chunk], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -175,9 +177,12 @@ def profile(name: str, args) -> dict:
 
 def write_report(rows: list[dict], out: Path) -> None:
     meta = report.run_meta()
-    lines = report.header("Prefill profile", meta, "random bf16 weights; TTFT of a cold prompt, best of --reps")
+    weights = {r.get("weights", "bf16") for r in rows}
+    lines = report.header("Prefill profile", meta, f"random {', '.join(sorted(weights))} weights; TTFT of a cold "
+                          "prompt, best of --reps")
     for r in rows:
-        lines += [f"## {r['model']}, {r['tokens']} tokens", "", *report.table(
+        fp8 = f", {r['weights']} weights" if r.get("weights", "bf16") != "bf16" else ""
+        lines += [f"## {r['model']}{fp8}, {r['tokens']} tokens", "", *report.table(
             ["variant", "prefill chunk", "TTFT s", "tok/s"],
             [[v["variant"], v["prefill_chunk"], f"{v['ttft_s']:.3f}", f"{v['tok_s']:.0f}"] for v in r["variants"]]), ""]
         if "by_kind_ms" in r:
@@ -203,6 +208,8 @@ def main() -> int:
                    help="prefill attentions: default, pallas, pallas_q64_w4, pallas_q128_w8, cudnn")
     p.add_argument("--variants", default="",
                    help=f"other kernel choices on the first chunk: {', '.join(KERNEL_VARIANTS)}")
+    p.add_argument("--weights", default="bf16", choices=WEIGHTS,
+                   help="fp8: block-FP8 as Qwen's packs; fp8-dynamic: with fp8_activations 'dynamic'")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="(GPU) check each attention variant against the jnp reference first")
@@ -211,6 +218,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, a 1024-token prompt, no variants")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
+    if args.smoke and args.weights != "bf16":
+        p.error("--smoke runs bf16 weights only: block-FP8 needs whole 128-blocks, which the tiny shape lacks")
     if args.smoke:
         args.models, args.kernels, args.tokens, args.reps, args.chunks = "tiny-dense", "reference", 1024, 1, "256"
         args.attention, args.check = "default", False
