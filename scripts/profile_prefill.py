@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, model_config, pack_config
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, model_config, pack_config, weight_options
 from ninfer_jax.benchmarks.profiling import kernel_table
 
 # Kernel kinds by name fragment, first match wins (XLA names its cuBLAS/Triton GEMM fusions gemm_* / *dot*).
@@ -118,7 +118,7 @@ def profile(name: str, args) -> dict:
                              max_model_len=args.tokens + 1024, kv_capacity=args.tokens + 4096,
                              kernels=args.kernels, no_prefix_reuse=True,
                              interpret=args.kernels == "pallas" and jax.default_backend() == "cpu",
-                             **({"fp8_activations": "dynamic"} if args.weights == "fp8-dynamic" else {}))
+                             **weight_options(args.weights))
         engine = Engine(cfg, params, opts, model_name=name, warmup=False)
         t = time.perf_counter()
         engine.generate(prompt[:chunk], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

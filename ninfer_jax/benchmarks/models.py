@@ -45,6 +45,11 @@ def weight_bytes(cfg, weights: str) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
+def weight_options(weights: str) -> dict:
+    """The engine options a `WEIGHTS` format runs with: fp8-dynamic quantizes the activations too."""
+    return {"fp8_activations": "dynamic"} if weights == "fp8-dynamic" else {}
+
+
 def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, tokenizer=None, weights: str = "bf16",
                   **options):
     """An Engine on random weights at the shapes of `name` in one of `WEIGHTS` formats. On a CPU the Pallas kernels
@@ -61,8 +66,8 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
     jax.block_until_ready(params)
     init_s = time.perf_counter() - start
     interpret = kernels == "pallas" and jax.default_backend() == "cpu"
-    dynamic = {"fp8_activations": "dynamic"} if weights == "fp8-dynamic" else {}
-    opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret, **dynamic, **options})
+    opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret,
+                            **weight_options(weights), **options})
     return Engine(cfg, params, opts, tokenizer=tokenizer, model_name=name, warmup=warmup), init_s
 
 
