@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ninfer_jax.runtime.sampling import MAX_LOGPROBS, check_truncate_prompt_tokens
 
 from .chat_prompt import ReasoningEffort, thinking_mode
-from .errors import ApiError, refuse_unsupported
-from .tool_choice import ForcedTools, openai_forced_tools
+from .errors import refuse_unsupported
+from .tool_choice import ForcedTools, openai_forced_tools, output_format
 
 
 class _Lenient(BaseModel):
@@ -252,16 +252,15 @@ class ChatCompletionRequest(_Sampling):
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": False}
 
     def forced_tools(self, tools) -> ForcedTools | None:
-        """The calls tool_choice forces of `tools` (the template's, tool_choice.py); None for "auto" and "none"."""
+        """The calls tool_choice forces of `tools` (the template's, tool_choice.py); None for "auto" and "none". A
+        request that also constrains its output is a 400."""
         forced = openai_forced_tools(self.tool_choice, tools, parallel=self.parallel_tool_calls)
-        if forced is not None and self.structured_format() is not None:
-            raise ApiError("invalid_request", "give one output constraint: tool_choice forces tool calls, and the "
-                           "request constrains its output too", param="tool_choice")
+        self.output_format(forced)
         return forced
 
     def output_format(self, forced: ForcedTools | None) -> dict[str, Any] | None:
         """SamplingParams.response_format: the forced calls' schema, else the request's own constraint."""
-        return forced.response_format() if forced is not None else self.structured_format()
+        return output_format(forced, self.structured_format(), "the request")
 
     def thinking(self, default: bool, forced: ForcedTools | None = None) -> bool:
         """Whether the model thinks first (chat_prompt.thinking_mode); `default`: the server's --default-thinking."""

@@ -37,7 +37,7 @@ from .output_parser import THINK_CLOSE, OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
 from .tool_calls import sent_arguments
-from .tool_choice import openai_forced_tools
+from .tool_choice import openai_forced_tools, output_format
 
 router = APIRouter()
 
@@ -97,12 +97,7 @@ async def create_response(request: Request):
     ctx.limits.check_counts(tools=len(body.tools or ()))
     messages = _messages(body)
     forced = openai_forced_tools(body.tool_choice, tools, parallel=body.parallel_tool_calls)
-    response_format = _response_format(body.text)
-    if forced is not None:
-        if response_format is not None:
-            raise ApiError("invalid_request", "give one output constraint: tool_choice forces tool calls, and "
-                           "text.format constrains the output too", param="tool_choice")
-        response_format = forced.response_format()
+    response_format = output_format(forced, _response_format(body.text), "text.format")
     thinking = thinking_mode(ctx.default_thinking, reasoning_effort=body.reasoning and body.reasoning.effort,
                              response_format=response_format)
     prepared = await until_disconnect(request, prepare_prompt(

@@ -80,6 +80,17 @@ def _closed(schema: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**schema, "additionalProperties": False} if is_object and "additionalProperties" not in schema else schema
 
 
+def output_format(forced: ForcedTools | None, own: dict[str, Any] | None, field: str) -> dict[str, Any] | None:
+    """SamplingParams.response_format of a request: its forced calls' schema, else its own constraint (`own`, from
+    the request's `field`); a request with both is a 400."""
+    if forced is None:
+        return own
+    if own is not None:
+        raise ApiError("invalid_request", f"give one output constraint: tool_choice forces tool calls, and {field} "
+                       "constrains the output too", param="tool_choice")
+    return forced.response_format()
+
+
 def openai_forced_tools(choice: str | Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None, *,
                         parallel: bool | None) -> ForcedTools | None:
     """OpenAI's tool_choice: "required", or a function named as chat completions write it ({"type": "function",

@@ -300,6 +300,8 @@ def test_required_tool_choice_takes_one_or_more_calls_of_the_given_tools(oai, cl
                               "response_format": {"type": "json_object"}}, "one output constraint"),
     ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "now"}],
                        "tool_choice": {"type": "function", "name": "later"}}, "'later', which is not among"),
+    ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "now"}], "tool_choice": "required",
+                       "text": {"format": {"type": "json_object"}}}, "text.format constrains the output too"),
     ("/v1/messages", {"max_tokens": 10, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}},
      "'x', which is not among"),
     ("/v1/messages", {"max_tokens": 2048, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"},
