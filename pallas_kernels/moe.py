@@ -99,9 +99,10 @@ class MoeConfig:
     gemv_num_stages: int = 4
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
-    # The model's FP8 x FP8 tiles (fp8_activations) up to this many routed rows per expert: a 35B-A3B layer at 512
-    # tokens (16 a expert) ran 1.11x the converted FP8 tiles, at 8192 tokens 0.63x (docs/benchmarks/fp8/fp8_moe.md)
-    fp8_dynamic_rows_per_expert: int = 16
+    # The model's FP8 x FP8 tiles (fp8_activations) up to this many routed rows per expert: a 35B-A3B layer ran
+    # 1.16-1.29x the converted FP8 tiles at 32-56 a expert (1024-1792 tokens), 0.89x at 64, where the 64-row tiles
+    # take over, and 0.63x at 256 (docs/benchmarks/fp8/fp8_moe.md)
+    fp8_dynamic_rows_per_expert: int = 56
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
