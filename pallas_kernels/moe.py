@@ -99,10 +99,9 @@ class MoeConfig:
     gemv_num_stages: int = 4
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
-    # The model's FP8 x FP8 tiles (fp8_activations) up to this many routed rows per expert: a 35B-A3B layer ran
-    # 1.16-1.29x the converted FP8 tiles at 32-56 a expert (1024-1792 tokens), 0.89x at 64, where the 64-row tiles
-    # take over, and 0.63x at 256 (docs/benchmarks/fp8/fp8_moe.md)
-    fp8_dynamic_rows_per_expert: int = 56
+    # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
+    # layer ran 1.3-1.5x the weight-only FP8 paths at 32-256 a expert (docs/benchmarks/fp8/fp8_moe.md)
+    fp8_dynamic_rows_per_expert: int = 256
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -127,16 +126,23 @@ SPARSE_PREFILL_CONFIG = MoeConfig(block_m=32, num_warps=4, num_stages=4)
 # Prefill with 64-127 rows per expert (2048 tokens of 35B-A3B route 64 to each): 128-row tiles would be about
 # half padding; 64-row tiles on 4 warps are faster there (docs/benchmarks/moe.md).
 MID_PREFILL_CONFIG = MoeConfig(block_m=64, num_warps=4, num_stages=4)
+# FP8 x FP8 tiles at any prefill row count: 32 rows and 128-deep steps (one scale group) on 4 warps. Wider row
+# tiles hold a step's scaled products beside the accumulators and run out of registers: at 8192 tokens of the
+# 35B-A3B 128-row tiles on 8 warps took 2.7 ms against 1.8 (docs/benchmarks/fp8/fp8_moe.md).
+FP8_ROWS_CONFIG = MoeConfig(block_m=32, block_k=128, down_block_k=128, num_warps=4, num_stages=4)
 # Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
 WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
                                decode_down_block_k=128)
 _DECODE_BLOCK_M = 16  # the smallest side of a Pallas dot
 
 
-def default_config(rows: int, num_experts: int) -> MoeConfig:
-    """The tuned config for R routed rows over E experts (what `moe_experts` takes when given None)."""
+def default_config(rows: int, num_experts: int, fp8_rows: bool = False) -> MoeConfig:
+    """The tuned config for R routed rows over E experts (what `moe_experts` takes when given None); fp8_rows:
+    for its FP8 x FP8 tiles (quantize_activations)."""
     if rows <= DEFAULT_CONFIG.decode_max_rows:
         return WIDE_DECODE_CONFIG if rows > 16 else DEFAULT_CONFIG
+    if fp8_rows:
+        return FP8_ROWS_CONFIG
     if rows < num_experts * 64:
         return SPARSE_PREFILL_CONFIG
     if rows < num_experts * 128:
@@ -165,14 +171,20 @@ class _Weight:
         n = 2 if fp8 else 1
         return _Weight(*refs[:n]), refs[n:]
 
-    def dot(self, xt, e, k0, c0, block_k: int, block_n: int):
-        """xt [BM, BK] @ the [BK, BN] tile at rows k0, columns c0 of expert e, float32."""
+    def dot(self, xt, e, k0, c0, block_k: int, block_n: int, row_scale=None):
+        """xt [BM, BK] @ the [BK, BN] tile at rows k0, columns c0 of expert e, float32, times row_scale [BM, 1]
+        when given (FP8 rows' scales)."""
         if self.scales is None:
-            return dot(xt, self.ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
+            d = dot(xt, self.ref[e, pl.ds(k0, block_k), pl.ds(c0, block_n)])
+            return d if row_scale is None else d * row_scale
         w = self.ref[e, pl.ds(c0, block_n), pl.ds(k0, block_k)].astype(xt.dtype)  # [BN, BK]
         precision = lax.Precision.HIGHEST if xt.dtype == jnp.float32 else None
         d = lax.dot_general(xt, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-        return d * self.scales[e, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK]
+        scale = self.scales[e, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK]
+        # Both scales folded into one [BM, 1] vector first: a tile's product then takes one multiply per element,
+        # which the caller's accumulation contracts into an FMA (three [BM, BN] passes a step held FP8 x FP8
+        # tiles below bf16's rate).
+        return d * (scale if row_scale is None else row_scale * scale)
 
     def vec(self, xv, e, k0, c0, block_k: int, block_n: int):
         """xv [BK] float32 against the tile at rows k0, columns c0 ([BN] float32); e None for a weight without
@@ -218,12 +230,10 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
             k0 = pl.multiple_of(i * block_k, block_k)
             xt = x_ref[tokens, pl.ds(k0, block_k)]  # [BM, BK]
             xt = xt if fp8_rows else xt.astype(act_ref.dtype)
-            g = gate_up.dot(xt, e, k0, n * block_n, block_k, block_n)
-            u = gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n)
-            if fp8_rows:  # BK lies in one 128-group of x's row
-                x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
-                g, u = g * x_scale, u * x_scale
-            return acc_g + g, acc_u + u
+            # FP8 rows: BK lies in one 128-group of x's row
+            x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None] if fp8_rows else None
+            return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale),
+                    acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n, x_scale))
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
@@ -279,11 +289,11 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *ref
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
-            d = down.dot(at, e, k0, n * block_n, block_k, block_n)
+            act_scale = None
             if fp8_rows:  # BK lies in one scale group of act's row
                 group = act_ref.shape[1] // act_scale_ref.shape[1]
-                d = d * act_scale_ref[pl.ds(m * block_m, block_m), k0 // group][:, None]
-            return acc + d
+                act_scale = act_scale_ref[pl.ds(m * block_m, block_m), k0 // group][:, None]
+            return acc + down.dot(at, e, k0, n * block_n, block_k, block_n, act_scale)
 
         acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         weight = row_weight_ref[rows]  # [BM]
@@ -489,7 +499,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         experts' kind) or None. Narrow decode runs it as T more rows of its two kernels (one lane's round then
         reads its weights in the same kernels as the routed experts'; Is must equal I); the other paths add it as
         two matmuls.
-      config: tuning knobs; None takes `default_config(T * K, E)`.
+      config: tuning knobs; None takes `default_config(T * K, E, quantize_activations)`.
       quantize_activations: FP8 experts in the prefill layout (R > decode_max_rows) multiply FP8 x FP8: x quantized
         per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
         activation scheme), each tile's product times both scales; decode stays weight-only.
@@ -531,7 +541,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
             raise ValueError("moe_experts: the shared expert's weights must be of the experts' kind and dtype")
 
     rows = t * k
-    cfg = default_config(rows, num_experts) if config is None else config
+    cfg = default_config(rows, num_experts, fp8_rows=quantize_activations) if config is None else config
     flat_ids = expert_ids.reshape(rows).astype(jnp.int32)
     flat_w = expert_weights.reshape(rows).astype(jnp.float32)
     dtype = x.dtype if fp8 else gate_up.dtype  # what the products multiply in, and act's

@@ -94,7 +94,28 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
     return out
 
 
-def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
+_MOE_TILE_FIELDS = {"m": ("block_m",), "n": ("block_n",), "k": ("block_k", "down_block_k"), "dn": ("down_block_n",),
+                    "w": ("num_warps",), "s": ("num_stages",)}
+
+
+def _moe_config(name: str):
+    """An FP8 x FP8 expert tile config from its `--moe-configs` name: "default" (`moe.default_config`'s pick at the
+    row count) or tokens over the prefill fields of moe.DEFAULT_CONFIG, e.g. "m32 k128 w4 s4" (block_m 32, block_k
+    and down_block_k 128, 4 warps, 4 stages; also n: block_n, dn: down_block_n)."""
+    from pallas_kernels import moe
+
+    if name == "default":
+        return None
+    fields = {}
+    for token in name.split():
+        key = token.rstrip("0123456789")
+        if key not in _MOE_TILE_FIELDS or key == token:
+            raise SystemExit(f"--moe-configs: {token!r} in {name!r}: not one of {sorted(_MOE_TILE_FIELDS)} + a number")
+        fields.update(dict.fromkeys(_MOE_TILE_FIELDS[key], int(token[len(key):])))
+    return dataclasses.replace(moe.DEFAULT_CONFIG, **fields)
+
+
+def bench_moe(tokens: tuple[int, ...], configs: tuple[str, ...] = ()) -> list[dict]:
     """One 35B-A3B MoE layer's experts (pallas_kernels/moe.py) on bf16 and on block-FP8 weights; the FP8 bytes a
     decode call reads are the distinct experts its tokens route to, plus the shared expert."""
     from pallas_kernels import moe
@@ -114,9 +135,9 @@ def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
         ids, w = ref.moe_route_ref(x.astype(jnp.float32), router, k)
         gate = jnp.full((t,), 0.5, jnp.float32)
 
-        def run(a, i_, w_, g, d, sg, sd, quantize_activations=False):
+        def run(a, i_, w_, g, d, sg, sd, quantize_activations=False, config=None):
             return moe.moe_experts(a, i_, w_, g, d, ref.SharedExpert(sg, sd, gate),
-                                   quantize_activations=quantize_activations)
+                                   quantize_activations=quantize_activations, config=config)
 
         row = {"shape": "35b-a3b moe layer", "M": t}
         row["bf16_us"] = time_pure(run, (x, ids, w, *bf16), unroll=10 if t <= 8 else 1) * 1e6
@@ -132,6 +153,10 @@ def bench_moe(tokens: tuple[int, ...]) -> list[dict]:
             row["dynamic_us"] = time_pure(dynamic, (x, ids, w, *fp8), unroll=1) * 1e6
             row["dynamic_vs_engine"] = row["engine_us"] / row["dynamic_us"]
             row["dynamic_rel_err"] = _rel(dynamic(x, ids, w, *fp8), want)
+            for name in configs:  # one config failing to compile leaves its cell empty
+                tiles = functools.partial(dynamic, config=_moe_config(name))
+                row[f"tiles {name}_us"] = _guard(name, lambda: time_pure(tiles, (x, ids, w, *fp8), unroll=1) * 1e6)
+                row[f"tiles {name}_rel_err"] = _guard(name, lambda: _rel(tiles(x, ids, w, *fp8), want))
         print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
         out.append(row)
     return out
@@ -449,6 +474,8 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--rows", default="1,2,8,16,2048,8192")
     p.add_argument("--moe-tokens", default="1,8,512,8192")
+    p.add_argument("--moe-configs", default="", help="with --only moe: FP8 x FP8 expert tile configs timed beside, "
+                   "comma-separated, e.g. 'default,m32 k128 w4 s4' (see _moe_config)")
     p.add_argument("--only", choices=["dense", "moe", "gemm", "sweep"],
                    help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
@@ -503,19 +530,23 @@ def main() -> None:
         return
     rows = [r for name, (k, n) in SHAPES.items() if args.only != "moe"
             for r in bench_shape(name, k, n, tuple(int(m) for m in args.rows.split(",")))]
+    moe_configs = tuple(filter(None, args.moe_configs.split(",")))
+    for name in moe_configs:
+        _moe_config(name)  # a bad name fails before anything runs
     if args.only != "dense":
-        rows += bench_moe(tuple(int(t) for t in args.moe_tokens.split(",")))
+        rows += bench_moe(tuple(int(t) for t in args.moe_tokens.split(",")), moe_configs)
     meta = report.run_meta(report.command_line())
     cols = ["shape", "M", "bf16_us", "xla_dequantized_us", "engine_us", "engine_vs_bf16", "engine_gbps",
             "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err", "dynamic_us",
-            "dynamic_vs_engine", "dynamic_rel_err"]
+            "dynamic_vs_engine", "dynamic_rel_err", *[f"tiles {c}_us" for c in moe_configs]]
     lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
                           "kernels up to Fp8Config's row limits, then the wgmma GEMM or dequantize + XLA's bf16 "
                           "matmul; for the MoE layer, the expert kernels reading FP8 tiles); torch_rowwise: "
                           "cuBLASLt FP8 with one scale per row and column (coarser than the packs' 128-blocks); "
                           "dynamic: --fp8-activations dynamic, the rows quantized per token and 128-group for an FP8 "
                           "x FP8 product (its error against the bf16 rows in dynamic_rel_err); for the MoE layer's "
-                          "prefill rows, moe_experts' quantize_activations (FP8 x FP8 tiles, not yet the engine's)")
+                          "prefill rows, moe_experts' quantize_activations (FP8 x FP8 tiles; the engine's up to "
+                          "MoeConfig.fp8_dynamic_rows_per_expert); tiles NAME: those tiles on --moe-configs' NAME")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
     report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 

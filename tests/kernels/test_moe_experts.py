@@ -109,6 +109,10 @@ def test_default_config_follows_the_rows_per_expert():
     assert moe.default_config(2048 * 8, e) is moe.MID_PREFILL_CONFIG  # 64
     assert moe.default_config(4096 * 8, e) is moe.DEFAULT_CONFIG  # 128
     assert moe.default_config(8192 * 8, e) is moe.DEFAULT_CONFIG  # 256
+    # FP8 x FP8 tiles: one config for every prefill row count; a decode round's rows stay weight-only
+    assert moe.default_config(512 * 8, e, fp8_rows=True) is moe.FP8_ROWS_CONFIG
+    assert moe.default_config(32768 * 8, e, fp8_rows=True) is moe.FP8_ROWS_CONFIG
+    assert moe.default_config(64, e, fp8_rows=True) is moe.WIDE_DECODE_CONFIG
 
 
 @pytest.mark.parametrize("routing", ["router", "one_expert"])
