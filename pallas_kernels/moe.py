@@ -100,7 +100,7 @@ class MoeConfig:
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
     # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
-    # layer ran 1.3-1.5x the weight-only FP8 paths at 32-256 a expert (docs/benchmarks/fp8/fp8_moe.md)
+    # layer ran 1.12-1.59x the weight-only FP8 paths at 32-256 a expert, 0.97x at 384 (docs/benchmarks/fp8/fp8_moe.md)
     fp8_dynamic_rows_per_expert: int = 256
 
     def __post_init__(self):
