@@ -21,7 +21,8 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      row tile, -1 past the used tiles). Prefill P has the static bound R + min(E, R) * (BM - 1), so no
      tile straddles two experts and no shape depends on the routing.
   2. `gate_up_call`: per (column block, row tile), gathers the tile's token rows of x inside the
-     kernel, reads its expert's gate and up column blocks (expert id from `tile_expert`), and writes
+     kernel (`contiguous_rows`: one XLA gather puts them in tile order first), reads its expert's gate and
+     up column blocks (expert id from `tile_expert`), and writes
      act = silu(gate) * up [P, I] in the weights' dtype: the SiLU gate is fused, gate/up never reach HBM.
   3. `down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
      token order (row r of y [R + 1, H]; padding goes to the spare row R).
@@ -97,6 +98,10 @@ class MoeConfig:
     gemv_down_splits: int = 4  # pieces of the I contraction in down
     gemv_num_warps: int = 2
     gemv_num_stages: int = 4
+    # Prefill layout: x's rows (and FP8 rows' scales) permuted into tile order by one XLA gather before gate_up, which
+    # then reads each tile's rows as one contiguous block (DeepGEMM's contiguous grouped layout) instead of gathering
+    # them per step (0: gathered in the kernel)
+    contiguous_rows: int = 0
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
     # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
@@ -208,9 +213,10 @@ def _operands(w) -> tuple:
 
 
 def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
-                    num_rows: int, block_m: int, block_n: int, block_k: int):
+                    num_rows: int, block_m: int, block_n: int, block_k: int, contiguous: bool):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
-    # x_ref: [T, H]                       refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
+    # x_ref: [T, H], or with contiguous [P, H] already in tile order
+    #                                     refs: with fp8_rows x's scales [T or P, H / 128] f32 first; the gate_up
     #   weight [E, H, 2I] (see _Weight); then act_ref, and with fp8_rows act_scale_ref
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
     #   row's BN columns over its scale act_scale_ref[P, I / BN] (largest magnitude at 448)
@@ -222,8 +228,11 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
 
     @pl.when(e >= 0)
     def _():
-        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
-        tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding reads token 0
+        if contiguous:
+            tokens = pl.ds(pl.multiple_of(m * block_m, block_m), block_m)
+        else:
+            rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
+            tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding reads token 0
 
         def body(i, acc):
             acc_g, acc_u = acc
@@ -248,13 +257,14 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
 
 
 def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
-                 block_k, num_warps, num_stages, interpret, x_scales=None):
+                 block_k, num_warps, num_stages, interpret, x_scales=None, contiguous=False):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
-    (act FP8 [P, I], its scales [P, I / block_n])."""
+    (act FP8 [P, I], its scales [P, I / block_n]). contiguous: x (and x_scales) are [P, ...], in tile order."""
     num_tiles = tile_expert.shape[0]
     fp8_rows = x_scales is not None
     kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
-                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
+                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
+                               contiguous=contiguous)
     act = jax.ShapeDtypeStruct((num_tiles * block_m, inter), jnp.float8_e4m3fn if fp8_rows else act_dtype)
     scales = [jax.ShapeDtypeStruct((num_tiles * block_m, inter // block_n), jnp.float32)] if fp8_rows else []
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
@@ -593,10 +603,15 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
         x, x_scales = fp8_matmul.quantize_rows(x)
         x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
         dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
+    contiguous = bool(cfg.contiguous_rows) and rows > cfg.decode_max_rows
+    if contiguous:  # each slot's token (padding: token 0, as the kernel's own gather reads it)
+        tokens = jnp.where(sorted_rows < rows, sorted_rows // k, 0)
+        x = x[tokens]
+        x_scales = None if x_scales is None else x_scales[tokens]
     act = gate_up_call(
         tile_expert, sorted_rows, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
         block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
-        num_stages=stages, interpret=interpret, x_scales=x_scales)
+        num_stages=stages, interpret=interpret, x_scales=x_scales, contiguous=contiguous)
     if fp8_rows:
         act, act_scales = act
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -87,6 +88,9 @@ DENSE_CONFIGS = {  # prefill with many rows per expert (8192 tokens: 256 per exp
     "m64n128k64w4s3": C(block_m=64, num_warps=4),
     "m32n128k64w4s4": C(block_m=32, num_warps=4, num_stages=4),
     "m64dn256w8s3": C(block_m=64, down_block_n=256),
+    # x's rows in tile order before gate_up (MoeConfig.contiguous_rows): each tile one contiguous block
+    "m128n128k64_contiguous": C(contiguous_rows=1),
+    "m64n128k64w4s4_contiguous": C(block_m=64, num_warps=4, num_stages=4, contiguous_rows=1),
 }
 
 
@@ -142,11 +146,11 @@ def stage_times(cfg, sets, gate_up, down, interpret, reps):
     glue = jax.jit(lambda ids: moe.align_rows(ids.reshape(-1), e, bm))
     metas = [glue(s[1]) for s in sets]
     gu = jax.jit(lambda sr, te, x, w: moe.gate_up_call(
-        te, sr, x, w, top_k=k, num_rows=x.shape[0] * k, block_m=bm, block_n=bn, block_k=bk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret))
+        te, sr, x, w, act_dtype=w.dtype, top_k=k, num_rows=x.shape[0] * k, inter=inter, block_m=bm, block_n=bn,
+        block_k=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret))
     acts = [gu(*m, s[0], gate_up) for m, s in zip(metas, sets)]
     dn = jax.jit(lambda sr, te, rw, act, w: moe.down_call(
-        te, sr, rw, act, w, y_dtype=w.dtype, block_m=bm, block_n=dbn, block_k=dbk,
+        te, sr, rw, act, w, hidden=h, block_m=bm, block_n=dbn, block_k=dbk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret))
     rws = [jnp.concatenate([s[2].reshape(-1), jnp.zeros((1,), jnp.float32)]) for s in sets]
     return {  # weights are arguments, never closed-over constants
@@ -289,7 +293,7 @@ def copy_rate_torch(n_bytes):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode at tiny shapes")
-    ap.add_argument("--out", help="report folder (default docs/benchmarks)")
+    ap.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--configs", default="all", help="'all' or 'default' (skip the sweep)")
     ap.add_argument("--no-ragged", action="store_true", help="skip the jax.lax.ragged_dot comparison")
@@ -298,7 +302,7 @@ def main():
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else shape["tokens"]
     e, k, h, inter = shape["E"], shape["K"], shape["H"], shape["I"]
     interpret = args.smoke
-    out_dir = args.out or str(report.DOCS)
+    out_dir = args.out or (tempfile.mkdtemp(prefix="moe_smoke-") if args.smoke else str(report.DOCS))
     meta = report.run_meta(shape={"E": e, "K": k, "H": h, "I": inter}, dtype="bfloat16")
     log("meta:", meta)
 

@@ -62,8 +62,12 @@ def test_fp8_experts_off_the_block_grid_are_refused():
         moe.moe_experts(x, ids, w, gate_up, fp8_matmul.dequantize(down), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("tokens,fp8_rows", [(1, False), (8, False), (512, False), (512, True)])
-def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows):
+_CONTIGUOUS_128 = moe.MoeConfig(block_m=128, block_k=128, down_block_k=128, contiguous_rows=1)
+
+
+@pytest.mark.parametrize("tokens,fp8_rows,config", [(1, False, None), (8, False, None), (512, False, None),
+                                                    (512, True, None), (512, True, _CONTIGUOUS_128)])
+def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows, config):
     lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
@@ -75,10 +79,29 @@ def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows):
     shared = ref.SharedExpert(fp8(2 * i, h), fp8(h, i), spec((tokens,), jnp.float32))
     args = (spec((tokens, h), jnp.bfloat16), spec((tokens, k), jnp.int32), spec((tokens, k), jnp.float32),
             fp8(e, 2 * i, h), fp8(e, h, i), shared)
-    text = moe.moe_experts.trace(*args, quantize_activations=fp8_rows).lower(lowering_platforms=("cuda",)).as_text()
+    text = moe.moe_experts.trace(*args, quantize_activations=fp8_rows, config=config).lower(
+        lowering_platforms=("cuda",)).as_text()
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     assert text.count(target) == 2
     assert ("moe_gate_up_fp8_rows" in text) == fp8_rows
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_rows"])
+def test_contiguous_rows_give_the_gathered_rows_result_bit_for_bit(weights):
+    """MoeConfig.contiguous_rows: x (and FP8 rows' scales) permuted into tile order before gate_up, which reads
+    each tile as one block; the same products in the same order as gathering the rows in the kernel."""
+    import dataclasses
+
+    x, ids, w, gate_up, down, shared = _case(40, seed=11)  # 80 routed rows: the prefill layout
+    if weights == "bf16":
+        gate_up, down = (fp8_matmul.dequantize(m).astype(jnp.bfloat16) for m in (gate_up, down))
+        x = x.astype(jnp.bfloat16)
+    base = moe.default_config(80, E, fp8_rows=weights == "fp8_rows")
+    got = [np.asarray(moe.moe_experts(x, ids, w, gate_up, down, config=dataclasses.replace(base, contiguous_rows=c),
+                                      quantize_activations=weights == "fp8_rows", interpret=INTERPRET))
+           for c in (0, 1)]
+    assert np.isfinite(got[0]).all() and np.abs(got[0]).max() > 0
+    np.testing.assert_array_equal(got[1], got[0])
 
 
 def _fp8_rows64(a, group: int):
