@@ -51,7 +51,8 @@ _F32 = jnp.float32
 def _layer_kernel(
     slots_ref,  # [B] int32
     rows_ref,  # [B] int32: the lane's rows that count (0: an inactive lane)
-    proj_ref,  # [B, T, C + Hv Dv + 2 Hv] the in-projection's output: qkv (pre-conv channels), z, b, a
+    proj_ref,  # [B, T, C + Hv Dv (+ 2 Hv)] the in-projection's output: qkv (pre-conv channels), z (, b, a)
+    gates_ref,  # b then a from column gates_col on: proj_ref itself, or [B, T, 2 Hv] of their own
     hist_ref,  # [S, K-1, C] conv history pool (read only)
     conv_w_ref,  # [K, C]
     a_log_ref,  # [Hv] float32
@@ -68,6 +69,7 @@ def _layer_kernel(
     norm_dtype,
     block_v: int,
     heads_per_program: int,
+    gates_col: int,
 ):
     lane, hg, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h0 = hg * heads_per_program  # the program's first value head; all of its heads share key head kh
@@ -76,7 +78,7 @@ def _layer_kernel(
     dk, dv = ssm_ref.shape[2], ssm_ref.shape[3]
     vcols = pl.ds(vb * block_v, block_v)
     key_dim = num_key_heads * dk
-    z0, b0 = hist_ref.shape[2], hist_ref.shape[2] + ssm_ref.shape[1] * dv  # z's and b's first columns
+    z0, b0 = hist_ref.shape[2], gates_col  # z's and b's first columns
     a0 = b0 + ssm_ref.shape[1]
     act = proj_ref.dtype
     slot = slots_ref[lane]
@@ -123,8 +125,8 @@ def _layer_kernel(
         a_log, dt_bias = a_log_ref[h].astype(_F32), dt_bias_ref[h].astype(_F32)
         for r in range(t):  # each row from the state the earlier rows left; rows at or past n change nothing
             v = vs[r].astype(_F32) * masks[r]
-            g = -jnp.exp(a_log) * jax.nn.softplus(proj_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * masks[r]
-            beta = jax.nn.sigmoid(proj_ref[lane, r, b0 + h].astype(_F32)) * masks[r]
+            g = -jnp.exp(a_log) * jax.nn.softplus(gates_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * masks[r]
+            beta = jax.nn.sigmoid(gates_ref[lane, r, b0 + h].astype(_F32)) * masks[r]
             o, state = delta_rule_step(state, qs[r], ks[r], v, g, beta)  # [block_v]
             if block_v < dv:  # the norm needs all of Dv: the caller's fusion
                 y_ref[lane, r, h, vcols] = o.astype(act)
@@ -179,13 +181,15 @@ WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=3)
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config"))
 def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *,
                      num_key_heads: int, eps: float, interpret: bool = False,
-                     config: GdnDecodeLayerConfig | None = None):
+                     config: GdnDecodeLayerConfig | None = None, gates=None):
     """One GDN decode step for each of B lanes, from the in-projection's output to the gated norm's.
 
     Args:
       proj: [B, C + Hv Dv + 2 Hv], the in-projection's output whole: the pre-conv channels qkv (C = 2 Hk Dk +
         Hv Dv), then z [Hv Dv], b [Hv] and a [Hv]. Slicing them apart first would cost a copy each (XLA makes a
         custom call's sliced operand a memcpy).
+      gates: None, or b and a [B, 2 Hv] apart (an FP8 checkpoint's in-projection is two products: joining them is a
+        copy kernel a layer), proj then [B, C + Hv Dv].
       active: [B] bool. hist_pool: [S, K-1, C] conv histories; conv_w: [K, C].
       a_log, dt_bias: [Hv]; norm_w: [Dv]. ssm_pool: [S, Hv, Dk, Dv] float32 (alias it through a donated jit
       argument to avoid a copy). slots: [B] int32, distinct.
@@ -195,18 +199,21 @@ def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ss
     """
     y, tail, ssm_pool = gdn_rows_layer(proj[:, None], active.astype(jnp.int32), hist_pool, conv_w, a_log, dt_bias,
                                        norm_w, ssm_pool, slots, num_key_heads=num_key_heads, eps=eps,
-                                       write_state=True, interpret=interpret, config=config)
+                                       write_state=True, interpret=interpret, config=config,
+                                       gates=None if gates is None else gates[:, None])
     return y[:, 0], ssm_pool, tail
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config"))
 def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *, num_key_heads: int,
-                   eps: float, write_state: bool, interpret: bool = False, config: GdnDecodeLayerConfig | None = None):
+                   eps: float, write_state: bool, interpret: bool = False, config: GdnDecodeLayerConfig | None = None,
+                   gates=None):
     """T tokens of each of B lanes in order from its state slot (a speculative verify round, or its commit), from
     the in-projection's output to the gated norm's.
 
     Args:
-      proj: [B, T, C + Hv Dv + 2 Hv] (as `gdn_decode_layer`'s, T rows a lane). rows: [B] int32 in [0, T], the
+      proj: [B, T, C + Hv Dv + 2 Hv] (as `gdn_decode_layer`'s, T rows a lane; with gates [B, T, 2 Hv] apart,
+        [B, T, C + Hv Dv]). rows: [B] int32 in [0, T], the
         lane's first rows that count: later rows are fed zero q, k, v, g and beta (their outputs are garbage, the
         state they leave is that of row rows - 1); 0 leaves the lane as it was.
       write_state: static; True writes the state after the lane's rows into its slot (ssm_pool aliased), False
@@ -221,9 +228,14 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         config = ROWS_CONFIG if t > 1 else DEFAULT_CONFIG if lanes * ssm_pool.shape[1] < WIDE_PROGRAMS else WIDE_CONFIG
     taps, channels = conv_w.shape
     hv, dk, dv = ssm_pool.shape[1:]
-    if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, t, channels + hv * dv + 2 * hv):
+    width = channels + hv * dv + (0 if gates is not None else 2 * hv)
+    if channels != 2 * num_key_heads * dk + hv * dv or proj.shape != (lanes, t, width):
         raise ValueError(f"gdn_rows_layer: proj {proj.shape} / conv_w {conv_w.shape} do not hold 2 x {num_key_heads}"
-                         f" key heads of {dk} and {hv} value heads of {dv}")
+                         f" key heads of {dk} and {hv} value heads of {dv}" + (" (b and a apart)" if gates is not None
+                                                                               else ""))
+    if gates is not None and (gates.shape != (lanes, t, 2 * hv) or gates.dtype != proj.dtype):
+        raise ValueError(f"gdn_rows_layer: gates {gates.shape} {gates.dtype} must be [{lanes}, {t}, {2 * hv}] "
+                         f"{proj.dtype}")
     if hist_pool.shape[1:] != (taps - 1, channels) or norm_w.shape != (dv,):
         raise ValueError(f"gdn_rows_layer: conv pool {hist_pool.shape} / norm_w {norm_w.shape} do not fit the layer")
     if slots.shape != (lanes,) or rows.shape != (lanes,):
@@ -241,16 +253,18 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         out_shape.append(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype))
     out = pl.pallas_call(
         functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=group, taps=taps, eps=eps,
-                          norm_dtype=norm_dtype, block_v=block_v, heads_per_program=hp),
+                          norm_dtype=norm_dtype, block_v=block_v, heads_per_program=hp,
+                          gates_col=0 if gates is not None else channels + hv * dv),
         grid=(lanes, hv // hp, dv // block_v),
-        in_specs=[full] * 9,
+        in_specs=[full] * 10,
         out_specs=[full] * len(out_shape),
         out_shape=out_shape,
-        input_output_aliases={8: 2} if write_state else {},
+        input_output_aliases={9: 2} if write_state else {},
         compiler_params=_compat.triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="gdn_rows_layer" if t > 1 else "gdn_decode_layer",
-    )(slots.astype(jnp.int32), rows.astype(jnp.int32), proj, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool)
+    )(slots.astype(jnp.int32), rows.astype(jnp.int32), proj, proj if gates is None else gates, hist_pool, conv_w,
+      a_log, dt_bias, norm_w, ssm_pool)
     y = out[0]
     if block_v < dv:  # y holds o
         z = proj[:, :, channels:channels + hv * dv].reshape(lanes, t, hv, dv)

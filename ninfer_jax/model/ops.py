@@ -152,14 +152,14 @@ def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
 
 
 def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
-                     num_key_heads: int, eps: float):
+                     num_key_heads: int, eps: float, gates=None):
     """The fused GDN decode step (kc.fuse_gdn_decode): the in-projection's output [B, C + Hv Dv + 2 Hv] (qkv, z, b,
-    a) -> gated-norm outputs [B, Hv, Dv], the state pool updated in place and the lanes' new conv histories
-    [B, K-1, C] (for the caller to scatter)."""
+    a; or b and a apart in gates [B, 2 Hv]) -> gated-norm outputs [B, Hv, Dv], the state pool updated in place and
+    the lanes' new conv histories [B, K-1, C] (for the caller to scatter)."""
     from pallas_kernels import gdn_decode_layer as kernel
 
     return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
-                                   num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret)
+                                   num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret, gates=gates)
 
 
 def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,

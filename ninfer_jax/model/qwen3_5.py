@@ -41,7 +41,7 @@ import numpy as np
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, spmd
 from ninfer_jax.model.ops import KernelConfig
-from ninfer_jax.model.params import GDNParams, LayerParams, MLPParams, MoEParams, Params
+from ninfer_jax.model.params import ConcatWeight, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 # rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
 from pallas_kernels import kv_quant
@@ -209,11 +209,11 @@ def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
     return dot(kc, _gdn_normed(p, core, z, cfg, dtype), p.out_proj, to_norm=True)
 
 
-def _projected(core_fn, in_w, out_w):
-    """A token mixer from its core: x -> in-projection -> core_fn(proj, *pools) -> (y, *pools) -> out-projection
-    of y. `mixed` runs the projections over all of a step's rows and the cores over their own rows."""
+def _projected(core_fn, in_w, out_w, in_dot=None):
+    """A token mixer from its core: x -> in-projection (`dot`, or in_dot) -> core_fn(proj, *pools) -> (y, *pools) ->
+    out-projection of y. `mixed` runs the projections over all of a step's rows and the cores over their own rows."""
     def mixer(kc: KernelConfig, x, *pools):
-        y, *pools = core_fn(dot(kc, x, in_w), *pools)
+        y, *pools = core_fn((in_dot or dot)(kc, x, in_w), *pools)
         return dot(kc, y, out_w, to_norm=True), *pools
 
     return mixer
@@ -416,16 +416,36 @@ def prefill(
 
 
 # --- decode ------------------------------------------------------------------------------------------
+def _gdn_decode_in_proj(cfg: ModelConfig):
+    """The decode in-projection for the fused GDN kernel: an FP8 checkpoint's products before and after b and a
+    ([qkv | z] FP8, [b | a] not) stay apart, each as `ops.quantized_dot` computes it, since joining them is a copy
+    kernel a layer; any other weight as `dot`."""
+    def in_dot(kc: KernelConfig, x, w):
+        at = cfg.conv_dim + cfg.value_dim
+        ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
+        if not kc.fuse_gdn_decode or at not in ends[:-1]:
+            return dot(kc, x, w)
+        i = int(np.searchsorted(ends, at)) + 1
+        sides = (w.parts[:i], w.parts[i:])
+        return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
+
+    return in_dot
+
+
 def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
-    """One token per lane from its in-projection rows proj [B, P] -> (the out-projection's input, ssm, conv)."""
+    """One token per lane from its in-projection rows proj [B, P], or ([qkv | z], [b | a]) apart
+    (`_gdn_decode_in_proj`) -> (the out-projection's input, ssm, conv)."""
     slots, active = ctx["slots"], ctx["active"]
+    proj, gates = proj if isinstance(proj, tuple) else (proj, None)
     if kc.fuse_gdn_decode:  # the rest of this function as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
-                                            num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps)
+                                            num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, gates=gates)
         # slots are distinct (`runner.pack_decode_inputs`), and saying so makes XLA's bf16 row scatter 4.5x faster:
         # 7.4 against 33.5 us a layer at 128 lanes of the 27B (7.9 MB of rows), 1.25 ms of a 31.6 ms round
         conv = conv.at[slots].set(tail.astype(conv.dtype), unique_indices=True)
         return y.reshape(y.shape[0], -1), ssm, conv
+    if gates is not None:
+        proj = jnp.concatenate([proj, gates], axis=-1)
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
@@ -440,8 +460,8 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 
 def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
-    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj)(
-        kc, x, ssm, conv)
+    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj,
+                      _gdn_decode_in_proj(cfg))(kc, x, ssm, conv)
 
 
 def _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx):

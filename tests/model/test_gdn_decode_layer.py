@@ -12,6 +12,7 @@ import pytest
 from ninfer_jax.config import ModelConfig
 from ninfer_jax.model import ops, qwen3_5
 from ninfer_jax.model.ops import KernelConfig
+from ninfer_jax.model.params import ConcatWeight
 from ninfer_jax.model.random_init import random_params
 from kernel_support import lower_for_h200
 from pallas_kernels.gdn_decode import program_blocks
@@ -56,6 +57,31 @@ def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
             np.testing.assert_array_equal(np.asarray(got_ssm[slot]), np.asarray(ssm[slot]))
             np.testing.assert_array_equal(np.asarray(got_conv[slot]), np.asarray(conv[slot]))
     assert len(held) < ssm.shape[0] and any(not a for a in np.asarray(ctx["active"])) == (lanes > 1)
+
+
+def test_b_and_a_apart_equal_the_joined_projection():
+    """An FP8 checkpoint's GDN in-projection is two products ([qkv | z] FP8, [b | a] not, a ConcatWeight): the fused
+    decode takes them apart, never joined, and the kernel gives what it gives on the joined rows, bit for bit; the
+    fused step equals the unfused one, which joins them."""
+    cfg = ModelConfig.from_file("configs/tiny-moe.json")
+    layer, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=5)
+    at = cfg.conv_dim + cfg.value_dim
+    layer = layer.replace(in_proj=ConcatWeight((layer.in_proj[:, :at], layer.in_proj[:, at:])))
+    parts = qwen3_5._gdn_decode_in_proj(cfg)(FUSED, x, layer.in_proj)
+    assert isinstance(parts, tuple) and parts[1].shape == (3, 2 * cfg.linear_num_value_heads)
+    assert not isinstance(qwen3_5._gdn_decode_in_proj(cfg)(UNFUSED, x, layer.in_proj), tuple)
+    args = (ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w)
+    kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
+    joined = gdn_decode_layer(jnp.concatenate(parts, axis=-1), *args, jnp.copy(ssm), ctx["slots"], **kw)
+    apart = gdn_decode_layer(parts[0], *args, jnp.copy(ssm), ctx["slots"], **kw, gates=parts[1])
+    for a, b in zip(apart, joined):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    step = jax.jit(qwen3_5.gdn_decode_mixer, static_argnames=("cfg", "kc"))
+    want, got = (step(layer, x, cfg, kc, ssm, conv, ctx) for kc in (UNFUSED, FUSED))
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gates"):
+        gdn_decode_layer(parts[0], *args, ssm, ctx["slots"], **kw, gates=parts[1][:, :-1])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -158,6 +184,10 @@ def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
     text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "gdn_decode_layer" in text
+    apart = (spec((lanes, cfg.conv_dim + hv * dv), bf16), *args[1:])  # an FP8 checkpoint's b and a apart
+    assert "gdn_decode_layer" in gdn_decode_layer.trace(
+        *apart, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, gates=spec((lanes, 2 * hv), bf16)
+    ).lower(lowering_platforms=("cuda",)).as_text()
     rows = gdn_rows_layer.trace(spec((lanes, 4, args[0].shape[1]), bf16), spec((lanes,), jnp.int32), *args[2:],
                                 num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=False)
     assert "gdn_rows_layer" in rows.lower(lowering_platforms=("cuda",)).as_text()
