@@ -132,8 +132,8 @@ SPARSE_PREFILL_CONFIG = MoeConfig(block_m=32, num_warps=4, num_stages=4)
 # half padding; 64-row tiles on 4 warps are faster there (docs/benchmarks/moe.md).
 MID_PREFILL_CONFIG = MoeConfig(block_m=64, num_warps=4, num_stages=4)
 # FP8 x FP8 tiles at any prefill row count: 32 rows and 128-deep steps (one scale group) on 4 warps. Wider row
-# tiles hold a step's scaled products beside the accumulators and run out of registers: at 8192 tokens of the
-# 35B-A3B 128-row tiles on 8 warps took 2.7 ms against 1.8 (docs/benchmarks/fp8/fp8_moe.md).
+# tiles ran slower on gathered rows (at 8192 tokens of the 35B-A3B 128-row tiles on 8 warps took 2.7 ms against
+# 1.8; docs/benchmarks/fp8/fp8_moe.md); `contiguous_rows` is the open question there (docs/kernels_notes.md).
 FP8_ROWS_CONFIG = MoeConfig(block_m=32, block_k=128, down_block_k=128, num_warps=4, num_stages=4)
 # Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
 WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
@@ -187,8 +187,8 @@ class _Weight:
         d = lax.dot_general(xt, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         scale = self.scales[e, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK]
         # Both scales folded into one [BM, 1] vector first: a tile's product then takes one multiply per element,
-        # which the caller's accumulation contracts into an FMA (three [BM, BN] passes a step held FP8 x FP8
-        # tiles below bf16's rate).
+        # which the caller's accumulation can contract into an FMA (scaling by each in turn cost 11% at 8192
+        # tokens of the 35B-A3B).
         return d * (scale if row_scale is None else row_scale * scale)
 
     def vec(self, xv, e, k0, c0, block_k: int, block_n: int):
