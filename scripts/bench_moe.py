@@ -91,6 +91,8 @@ DENSE_CONFIGS = {  # prefill with many rows per expert (8192 tokens: 256 per exp
     # x's rows in tile order before gate_up (MoeConfig.contiguous_rows): each tile one contiguous block
     "m128n128k64_contiguous": C(contiguous_rows=1),
     "m64n128k64w4s4_contiguous": C(block_m=64, num_warps=4, num_stages=4, contiguous_rows=1),
+    # gate_up as one product over 2I columns, the SiLU gate in XLA (MoeConfig.gate_up_apart)
+    "m128n128k64_contiguous_apart": C(contiguous_rows=1, gate_up_apart=1),
 }
 
 

@@ -63,10 +63,12 @@ def test_fp8_experts_off_the_block_grid_are_refused():
 
 
 _CONTIGUOUS_128 = moe.MoeConfig(block_m=128, block_k=128, down_block_k=128, contiguous_rows=1)
+_APART_128 = moe.MoeConfig(block_m=128, block_k=128, down_block_k=128, contiguous_rows=1, gate_up_apart=1)
 
 
 @pytest.mark.parametrize("tokens,fp8_rows,config", [(1, False, None), (8, False, None), (512, False, None),
-                                                    (512, True, None), (512, True, _CONTIGUOUS_128)])
+                                                    (512, True, None), (512, True, _CONTIGUOUS_128),
+                                                    (512, True, _APART_128)])
 def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows, config):
     lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
@@ -83,7 +85,8 @@ def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows, config)
         lowering_platforms=("cuda",)).as_text()
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     assert text.count(target) == 2
-    assert ("moe_gate_up_fp8_rows" in text) == fp8_rows
+    assert ("moe_gate_up_fp8_rows" in text) == (fp8_rows and config is not _APART_128)
+    assert ("moe_gate_up_product" in text) == (config is _APART_128)
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_rows"])
@@ -102,6 +105,27 @@ def test_contiguous_rows_give_the_gathered_rows_result_bit_for_bit(weights):
            for c in (0, 1)]
     assert np.isfinite(got[0]).all() and np.abs(got[0]).max() > 0
     np.testing.assert_array_equal(got[1], got[0])
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_rows"])
+@pytest.mark.parametrize("contiguous", [0, 1])
+def test_gate_up_apart_matches_the_fused_silu(weights, contiguous):
+    """MoeConfig.gate_up_apart: gate_up as one product over its 2I columns, stored in the activations' dtype, and
+    silu(gate) x up (FP8 rows: its quantization) in XLA. The same result as the fused kernel but for rounding the
+    products to bf16 first (and, for FP8 rows, the act codes that rounding moves across a boundary)."""
+    import dataclasses
+
+    x, ids, w, gate_up, down, shared = _case(40, seed=13)
+    if weights == "bf16":
+        gate_up, down = (fp8_matmul.dequantize(m).astype(jnp.bfloat16) for m in (gate_up, down))
+    x = x.astype(jnp.bfloat16)
+    base = dataclasses.replace(moe.default_config(80, E, fp8_rows=weights == "fp8_rows"), contiguous_rows=contiguous)
+    fused, apart = (np.asarray(moe.moe_experts(x, ids, w, gate_up, down, config=dataclasses.replace(base,
+                                                                                                     gate_up_apart=a),
+                                               quantize_activations=weights == "fp8_rows", interpret=INTERPRET),
+                               np.float64) for a in (0, 1))
+    err = np.linalg.norm(apart - fused) / np.linalg.norm(fused)
+    assert np.isfinite(apart).all() and 0 < err < (3e-2 if weights == "fp8_rows" else 8e-3)
 
 
 def _fp8_rows64(a, group: int):
