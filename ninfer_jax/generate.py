@@ -33,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     engine, _ = add_engine_arguments(p)
     add_compile_cache_argument(engine)
     return p
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [prepare_chat(engine.tokenizer, turn, enable_thinking=False, vision=engine.vision)
                        for turn in turns]
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed)
+                                  top_k=args.top_k)  # seeds drawn from the engine's --seed
         start = time.perf_counter()
         outputs = engine.generate_many(prompts, sampling)
         wall = time.perf_counter() - start

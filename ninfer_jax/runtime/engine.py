@@ -127,7 +127,7 @@ class Engine:
         self._abandon_save = threading.Event()  # `abandon_save`: the prefix cache file's save stops (§5.5)
         self._failed: str | None = None
         self._ids = itertools.count()
-        self._seed_rng = random.Random(0)
+        self._seed_rng = random.Random(o.seed)  # the seeds of requests that give none (--seed)
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, eos)  # response_format, in callers' threads
         self._published, self._published_at = self._collect_stats(detail=False), time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)

@@ -274,6 +274,9 @@ class EngineOptions:
     batch_invariant: bool = _option(
         bool, False, "decode every round at full width, so a request's tokens never depend on what else runs "
         "(slower at low concurrency)", flag="--batch-invariant")
+    seed: int = _option(
+        int, 0, "seed of the draws of requests that give no seed: each takes the next 32 bits of a generator seeded "
+        "with it, so the same requests in the same order sample the same tokens", flag="--seed", minimum=0)
     # Each mixer and FFN runs per device under shard_map (model/spmd.py); the Pallas kernels would run there as on
     # one device, but no multi-GPU machine has checked them yet, so only the jnp reference kernels run sharded.
     tensor_parallel_size: int = _option(

@@ -3,7 +3,9 @@ cancellation, bounded completion, refusal of bad input, no leaks and no compiles
 
 import asyncio
 import collections
+import dataclasses
 import gc
+import random
 import threading
 import time
 
@@ -160,6 +162,25 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engine8):
     assert a.token_ids == b.token_ids
     c = engine8.generate(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=8, ignore_eos=True))
     assert c.token_ids != a.token_ids
+
+
+def test_unseeded_requests_draw_their_seeds_from_the_seed_option(checkpoint):
+    """--seed (vLLM's): requests without a seed take, in order, the next 32 bits of a generator seeded with it; the
+    same requests in the same order then sample the same tokens, and another seed samples others."""
+    prompt = _prompts(1, seed=13)[0]
+    sp = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = {}
+    for seed in (5, 5, 6):
+        with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=64, max_model_len=256,
+                                    kv_capacity=16 * 64, output_window=64, seed=seed) as engine:
+            first, second = engine.generate(prompt, sp), engine.generate(prompt, sp)
+            runs.setdefault(seed, []).append((first.token_ids, second.token_ids))
+            draws = random.Random(seed)
+            as_given = [engine.generate(prompt, dataclasses.replace(sp, seed=draws.getrandbits(32))).token_ids
+                        for _ in range(2)]
+            assert as_given == [first.token_ids, second.token_ids]
+    assert runs[5][0] == runs[5][1] and runs[5][0][0] != runs[5][0][1]
+    assert runs[6][0][0] != runs[5][0][0]
 
 
 def test_top_k_one_is_greedy(engine8, hf_greedy):

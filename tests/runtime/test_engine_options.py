@@ -109,6 +109,7 @@ def test_a_prefill_chunk_that_is_not_a_positive_multiple_of_64_is_refused(chunk)
     (dict(max_model_len=8192), "max_model_len must be in 2..4096, got 8192"),
     (dict(device_snapshot_slots=0), "device_snapshot_slots must be a positive integer, got 0"),
     (dict(max_new_taps=-1), "max_new_taps must be >= 0, got -1"),
+    (dict(seed=-1), "seed must be >= 0, got -1"),
     (dict(tap_ladder_tokens=32), "tap_ladder_tokens must be >= 64, got 32"),
     (dict(tap_ladder_tokens=1024, tap_min_gap_tokens=2048),
      "tap_min_gap_tokens (2048) must not exceed tap_ladder_tokens (1024)"),

@@ -312,9 +312,9 @@ def test_a_vllm_command_line_carries_over(monkeypatch, capsys):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     options = _options("--max-num-seqs", "64", "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.9",
                        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
-                       "--trust-remote-code", "--no-enable-prefix-caching")
+                       "--trust-remote-code", "--no-enable-prefix-caching", "--seed", "42")
     assert options.engine == {"path": None, "max_concurrency": 64, "kv_dtype": "fp8", "no_prefix_reuse": True,
-                              "warmup": True}
+                              "seed": 42, "warmup": True}
     assert options.memory_fraction == 0.9 and _options().memory_fraction == 0.95
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
     assert _options("--gpu-memory-utilization", "0.9").memory_fraction == 0.9  # the same share both ways
