@@ -62,6 +62,14 @@ class ChatTemplate:
         return ChatTemplate(source)
 
     @staticmethod
+    def from_option(value: str) -> ChatTemplate:
+        """vLLM's --chat-template: the template in the file `value` names, or `value` itself when it names no file
+        and holds Jinja tags."""
+        if not Path(value).exists() and ("{{" in value or "{%" in value):
+            return ChatTemplate(value)
+        return ChatTemplate.from_file(value)
+
+    @staticmethod
     def qwen35() -> ChatTemplate:
         """The built-in Qwen3.5 template (see `qwen35_template`), compiled once."""
         return _qwen35()

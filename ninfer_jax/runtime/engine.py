@@ -163,7 +163,7 @@ class Engine:
             raise ValueError(f"unknown engine option: {e}") from None
         # refuse bad options before reading any weights
         options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
-        template = None if options.chat_template is None else ChatTemplate.from_file(options.chat_template)
+        template = None if options.chat_template is None else ChatTemplate.from_option(options.chat_template)
         directory, name = (default_checkpoint(), default_checkpoint().name) if path is None \
             else resolve_checkpoint(path)
         if options.load_format == "dummy":

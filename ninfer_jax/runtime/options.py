@@ -193,9 +193,10 @@ class EngineOptions:
         "(vLLM's own defaults), or a generation_config.json file or its folder", flag="--generation-config",
         metavar="auto|none|PATH")
     chat_template: str | None = _option(
-        Path, None, "a Jinja chat template file that renders conversations instead of the checkpoint's (its "
-        "chat_template.jinja or tokenizer_config.json's), as vLLM's --chat-template; the output is still read as "
-        "Qwen3.5's (think blocks, XML tool calls)", flag="--chat-template", metavar="FILE")
+        str, None, "a Jinja chat template that renders conversations instead of the checkpoint's (its "
+        "chat_template.jinja or tokenizer_config.json's): a file, or the template itself when no such file exists "
+        "and it holds Jinja tags, as vLLM's --chat-template; the output is still read as Qwen3.5's (think blocks, "
+        "XML tool calls)", flag="--chat-template", metavar="FILE|TEMPLATE")
     load_format: str = _option(
         str, "auto", "how the weights load: auto (the checkpoint's safetensors) or dummy (random weights at the shapes "
         "of the checkpoint's config.json, or of a config .json file given as the checkpoint: benchmarks at real "

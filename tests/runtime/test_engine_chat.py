@@ -27,21 +27,27 @@ def test_chat_generates_the_checkpoints_rendering_of_the_conversation(engine):
     assert engine.chat(MESSAGES, GREEDY, enable_thinking=False, cache_salt="x").usage.cached_tokens == 0
 
 
-def test_a_chat_template_file_renders_conversations_instead_of_the_checkpoints(tmp_path):
+@pytest.mark.parametrize("given", ["file", "inline"])
+def test_a_chat_template_renders_conversations_instead_of_the_checkpoints(tmp_path, given):
+    """--chat-template as vLLM takes it: a file, or the template itself."""
     template = tmp_path / "plain.jinja"
-    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    source = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}[assistant] {% endif %}")
+    template.write_text(source)
     engine = Engine.from_pretrained(None, max_concurrency=2, prefill_chunk=64, max_model_len=512, kv_capacity=2048,
-                                    warmup=False, chat_template=str(template))
+                                    warmup=False, chat_template=str(template) if given == "file" else source)
     try:
         out = engine.chat(MESSAGES, GREEDY)
         assert engine.tokenizer.decode(list(out.prompt_token_ids)) == (
             "[system] Answer in code.\n[user] Add two numbers.\n[assistant] ")
     finally:
         engine.stop()
-    # a file that cannot be read or compiled is refused before any weights load
-    for path, words in ((tmp_path / "missing.jinja", "No such file"), (template, "does not compile")):
-        if words == "does not compile":
-            template.write_text("{% for m in messages %}")
+
+
+def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_before_loading(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    for given, words in ((str(tmp_path / "missing.jinja"), "No such file"), (str(broken), "does not compile"),
+                         ("{% for m in messages %}", "does not compile")):
         with pytest.raises(ValueError, match=words):
-            Engine.from_pretrained(None, chat_template=str(path), warmup=False)
+            Engine.from_pretrained(None, chat_template=given, warmup=False)
