@@ -65,9 +65,10 @@ class ChatTemplate:
     def from_option(value: str) -> ChatTemplate:
         """vLLM's --chat-template: the template in the file `value` names, or `value` itself when it names no file
         and holds Jinja tags."""
-        if not Path(value).exists() and ("{{" in value or "{%" in value):
+        path = Path(value).expanduser()
+        if not path.exists() and ("{{" in value or "{%" in value):
             return ChatTemplate(value)
-        return ChatTemplate.from_file(value)
+        return ChatTemplate.from_file(path)
 
     @staticmethod
     def qwen35() -> ChatTemplate:
