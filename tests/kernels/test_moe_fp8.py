@@ -5,6 +5,8 @@ the prefill tiles multiplying FP8 x FP8 (quantize_activations) against a float64
 Shapes are the smallest with whole 128-blocks: E=4, K=2, H=256, I=128 (two contraction blocks in gate_up, block
 scales that differ by orders of magnitude)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,8 +95,6 @@ def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows, config)
 def test_contiguous_rows_give_the_gathered_rows_result_bit_for_bit(weights):
     """MoeConfig.contiguous_rows: x (and FP8 rows' scales) permuted into tile order before gate_up, which reads
     each tile as one block; the same products in the same order as gathering the rows in the kernel."""
-    import dataclasses
-
     x, ids, w, gate_up, down, shared = _case(40, seed=11)  # 80 routed rows: the prefill layout
     if weights == "bf16":
         gate_up, down = (fp8_matmul.dequantize(m).astype(jnp.bfloat16) for m in (gate_up, down))
@@ -113,8 +113,6 @@ def test_gate_up_apart_matches_the_fused_silu(weights, contiguous):
     """MoeConfig.gate_up_apart: gate_up as one product over its 2I columns, stored in the activations' dtype, and
     silu(gate) x up (FP8 rows: its quantization) in XLA. The same result as the fused kernel but for rounding the
     products to bf16 first (and, for FP8 rows, the act codes that rounding moves across a boundary)."""
-    import dataclasses
-
     x, ids, w, gate_up, down, shared = _case(40, seed=13)
     if weights == "bf16":
         gate_up, down = (fp8_matmul.dequantize(m).astype(jnp.bfloat16) for m in (gate_up, down))
