@@ -240,10 +240,7 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of(i * block_k, block_k)
-            xt = x_ref[tokens, pl.ds(k0, block_k)]  # [BM, BK]
-            xt = xt if fp8_rows else xt.astype(act_ref.dtype)
-            # FP8 rows: BK lies in one 128-group of x's row
-            x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None] if fp8_rows else None
+            xt, x_scale = _x_step(x_ref, x_scale_ref, tokens, k0, block_k, act_ref.dtype)
             return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale),
                     acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n, x_scale))
 
@@ -267,6 +264,15 @@ def _tile_tokens(sorted_rows_ref, m, *, block_m: int, num_rows: int, top_k: int,
     return jnp.where(rows < num_rows, lax.div(rows, top_k), 0)
 
 
+def _x_step(x_ref, x_scale_ref, tokens, k0, block_k: int, dtype):
+    """A gate_up step's rows of x [BM, BK] (in dtype; FP8 rows as they are) and, for FP8 rows (x_scale_ref given),
+    their scales [BM, 1] (BK lies in one 128-group of a row), else None."""
+    xt = x_ref[tokens, pl.ds(k0, block_k)]
+    if x_scale_ref is None:
+        return xt.astype(dtype), None
+    return xt, x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
+
+
 def _gate_up_product_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
                             num_rows: int, block_m: int, block_n: int, block_k: int, contiguous: bool):
     # gate_up_apart: as `_gate_up_kernel`, but program (n, m) writes the product's [BM, BN] tile at column block n of
@@ -283,9 +289,7 @@ def _gate_up_product_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8:
 
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            xt = x_ref[tokens, pl.ds(k0, block_k)]  # [BM, BK]
-            xt = xt if fp8_rows else xt.astype(gu_ref.dtype)
-            x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None] if fp8_rows else None
+            xt, x_scale = _x_step(x_ref, x_scale_ref, tokens, k0, block_k, gu_ref.dtype)
             return acc + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale)
 
         acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -299,9 +303,8 @@ def _act_from_products(gu, inter: int, dtype, fp8_rows: bool, group: int):
     act = g * jax.nn.sigmoid(g) * u
     if not fp8_rows:
         return act.astype(dtype)
-    groups = act.reshape(act.shape[0], inter // group, group)
-    scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=2), 1e-12) / fp8_matmul.FP8_MAX
-    return (groups / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(act.shape), scale
+    codes, scales = fp8_matmul.quantize_rows(act, group)
+    return codes, scales.T
 
 
 def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
