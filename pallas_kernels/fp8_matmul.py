@@ -290,10 +290,10 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
     return out.sum(0).astype(x.dtype) if splits > 1 else out
 
 
-def quantize_rows(x, group: int = BLOCK):
-    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [K / group, M]): each token's group-wide (128) piece scaled
-    so its largest magnitude maps to 448, the largest finite e4m3 (a zero group keeps scale 1e-12 / 448 and zeros)."""
+def quantize_rows(x):
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [K / 128, M]): each token's 128-wide group scaled so its
+    largest magnitude maps to 448, the largest finite e4m3 (a zero group keeps scale 1e-12 / 448 and zeros)."""
     m, k = x.shape
-    groups = x.astype(jnp.float32).reshape(m, k // group, group)
+    groups = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
     scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / FP8_MAX
     return (groups / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k), scale.T

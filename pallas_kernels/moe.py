@@ -21,10 +21,8 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      row tile, -1 past the used tiles). Prefill P has the static bound R + min(E, R) * (BM - 1), so no
      tile straddles two experts and no shape depends on the routing.
   2. `gate_up_call`: per (column block, row tile), gathers the tile's token rows of x inside the
-     kernel (`contiguous_rows`: one XLA gather puts them in tile order first), reads its expert's gate and
-     up column blocks (expert id from `tile_expert`), and writes
-     act = silu(gate) * up [P, I] in the weights' dtype: the SiLU gate is fused, gate/up never reach HBM
-     (`gate_up_apart`: they do, one product over 2I columns, and XLA applies the SiLU gate).
+     kernel, reads its expert's gate and up column blocks (expert id from `tile_expert`), and writes
+     act = silu(gate) * up [P, I] in the weights' dtype: the SiLU gate is fused, gate/up never reach HBM.
   3. `down_call`: act tile @ down[e] times the routing weight, stored straight to the row's place in
      token order (row r of y [R + 1, H]; padding goes to the spare row R).
   4. out = y[:R].reshape(T, K, H).sum(1) in float32 (one fused XLA reduction, no scatter).
@@ -99,14 +97,6 @@ class MoeConfig:
     gemv_down_splits: int = 4  # pieces of the I contraction in down
     gemv_num_warps: int = 2
     gemv_num_stages: int = 4
-    # Prefill layout: x's rows (and FP8 rows' scales) permuted into tile order by one XLA gather before gate_up, which
-    # then reads each tile's rows as one contiguous block (DeepGEMM's contiguous grouped layout) instead of gathering
-    # them per step (0: gathered in the kernel)
-    contiguous_rows: int = 0
-    # Prefill layout: gate_up as one product over its 2I columns (one accumulator a tile, a program's block_n columns
-    # gate or up) written [P, 2I] in the activations' dtype, and silu(gate) x up (with FP8 rows, its quantization) in
-    # XLA after it, as vLLM's fused MoE runs; 0: both products in one program, the SiLU fused
-    gate_up_apart: int = 0
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
     # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
@@ -138,8 +128,8 @@ SPARSE_PREFILL_CONFIG = MoeConfig(block_m=32, num_warps=4, num_stages=4)
 MID_PREFILL_CONFIG = MoeConfig(block_m=64, num_warps=4, num_stages=4)
 # FP8 x FP8 tiles at any prefill row count: 32 rows and 128-deep steps (one scale group) on 4 warps. Wider row
 # tiles ran slower on gathered rows (at 8192 tokens of the 35B-A3B 128-row tiles on 8 warps took 2.7 ms against
-# 1.8; docs/benchmarks/fp8/fp8_moe.md); `contiguous_rows` and `gate_up_apart` are the experiments there
-# (docs/kernels_notes.md).
+# 1.8; docs/benchmarks/fp8/fp8_moe.md), and neither rows put in tile order first nor one accumulator a tile made them
+# win (docs/kernels_notes.md).
 FP8_ROWS_CONFIG = MoeConfig(block_m=32, block_k=128, down_block_k=128, num_warps=4, num_stages=4)
 # Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
 WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
@@ -219,10 +209,9 @@ def _operands(w) -> tuple:
 
 
 def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
-                    num_rows: int, block_m: int, block_n: int, block_k: int, contiguous: bool):
+                    num_rows: int, block_m: int, block_n: int, block_k: int):
     # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
-    # x_ref: [T, H], or with contiguous [P, H] already in tile order
-    #                                     refs: with fp8_rows x's scales [T or P, H / 128] f32 first; the gate_up
+    # x_ref: [T, H]                       refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
     #   weight [E, H, 2I] (see _Weight); then act_ref, and with fp8_rows act_scale_ref
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
     #   row's BN columns over its scale act_scale_ref[P, I / BN] (largest magnitude at 448)
@@ -234,13 +223,17 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
 
     @pl.when(e >= 0)
     def _():
-        tokens = _tile_tokens(sorted_rows_ref, m, block_m=block_m, num_rows=num_rows, top_k=top_k,
-                              contiguous=contiguous)
+        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
+        tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding rows read token 0
 
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of(i * block_k, block_k)
-            xt, x_scale = _x_step(x_ref, x_scale_ref, tokens, k0, block_k, act_ref.dtype)
+            xt = x_ref[tokens, pl.ds(k0, block_k)]
+            if x_scale_ref is None:
+                xt, x_scale = xt.astype(act_ref.dtype), None
+            else:  # FP8 rows as they are; their scales [BM, 1] (BK lies in one 128-group of a row)
+                x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
             return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale),
                     acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n, x_scale))
 
@@ -256,78 +249,14 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
             act_ref[tile] = act.astype(act_ref.dtype)
 
 
-def _tile_tokens(sorted_rows_ref, m, *, block_m: int, num_rows: int, top_k: int, contiguous: bool):
-    """The x rows of row tile m: its slice of x already in tile order, or its tokens gathered (padding reads 0)."""
-    if contiguous:
-        return pl.ds(pl.multiple_of(m * block_m, block_m), block_m)
-    rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
-    return jnp.where(rows < num_rows, lax.div(rows, top_k), 0)
-
-
-def _x_step(x_ref, x_scale_ref, tokens, k0, block_k: int, dtype):
-    """A gate_up step's rows of x [BM, BK] (in dtype; FP8 rows as they are) and, for FP8 rows (x_scale_ref given),
-    their scales [BM, 1] (BK lies in one 128-group of a row), else None."""
-    xt = x_ref[tokens, pl.ds(k0, block_k)]
-    if x_scale_ref is None:
-        return xt.astype(dtype), None
-    return xt, x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
-
-
-def _gate_up_product_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
-                            num_rows: int, block_m: int, block_n: int, block_k: int, contiguous: bool):
-    # gate_up_apart: as `_gate_up_kernel`, but program (n, m) writes the product's [BM, BN] tile at column block n of
-    # all 2I columns (gate or up) to gu_ref [P, 2I] in the activations' dtype: one accumulator
-    x_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
-    gate_up, (gu_ref,) = _Weight.take(refs, fp8)
-    n, m = pl.program_id(0), pl.program_id(1)
-    e = tile_expert_ref[m]
-
-    @pl.when(e >= 0)
-    def _():
-        tokens = _tile_tokens(sorted_rows_ref, m, block_m=block_m, num_rows=num_rows, top_k=top_k,
-                              contiguous=contiguous)
-
-        def body(i, acc):
-            k0 = pl.multiple_of(i * block_k, block_k)
-            xt, x_scale = _x_step(x_ref, x_scale_ref, tokens, k0, block_k, gu_ref.dtype)
-            return acc + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale)
-
-        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        gu_ref[pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n)] = acc.astype(gu_ref.dtype)
-
-
-def _act_from_products(gu, inter: int, dtype, fp8_rows: bool, group: int):
-    """gate_up_apart's epilogue in XLA: silu(gate) x up from gu [P, 2I] as the fused kernel computes it from its
-    accumulators, in dtype, or with fp8_rows quantized per row and `group` columns (act FP8, scales [P, I / group])."""
-    g, u = gu[:, :inter].astype(jnp.float32), gu[:, inter:].astype(jnp.float32)
-    act = g * jax.nn.sigmoid(g) * u
-    if not fp8_rows:
-        return act.astype(dtype)
-    codes, scales = fp8_matmul.quantize_rows(act, group)
-    return codes, scales.T
-
-
 def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
-                 block_k, num_warps, num_stages, interpret, x_scales=None, contiguous=False, apart=False):
+                 block_k, num_warps, num_stages, interpret, x_scales=None):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
-    (act FP8 [P, I], its scales [P, I / block_n]). contiguous: x (and x_scales) are [P, ...], in tile order. apart:
-    `MoeConfig.gate_up_apart`."""
+    (act FP8 [P, I], its scales [P, I / block_n])."""
     num_tiles = tile_expert.shape[0]
     fp8_rows = x_scales is not None
-    common = dict(fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows, top_k=top_k, num_rows=num_rows,
-                  block_m=block_m, block_n=block_n, block_k=block_k, contiguous=contiguous)
-    operands = (tile_expert, sorted_rows, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
-    if apart:
-        gu = pl.pallas_call(
-            functools.partial(_gate_up_product_kernel, **common),
-            grid=(2 * inter // block_n, num_tiles),
-            out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, 2 * inter), act_dtype),
-            compiler_params=_compat.triton_params(num_warps, num_stages),
-            interpret=interpret,
-            name="moe_gate_up_product",
-        )(*operands)
-        return _act_from_products(gu, inter, act_dtype, fp8_rows, block_n)
-    kernel = functools.partial(_gate_up_kernel, **common)
+    kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
+                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
     act = jax.ShapeDtypeStruct((num_tiles * block_m, inter), jnp.float8_e4m3fn if fp8_rows else act_dtype)
     scales = [jax.ShapeDtypeStruct((num_tiles * block_m, inter // block_n), jnp.float32)] if fp8_rows else []
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
@@ -340,7 +269,7 @@ def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_gate_up_fp8_rows" if fp8_rows else "moe_gate_up",
-    )(*operands)
+    )(tile_expert, sorted_rows, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
 
 
 def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *refs, fp8: bool, fp8_rows: bool,
@@ -666,17 +595,10 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
         x, x_scales = fp8_matmul.quantize_rows(x)
         x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
         dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
-    prefill = rows > cfg.decode_max_rows
-    contiguous = bool(cfg.contiguous_rows) and prefill
-    if contiguous:  # each slot's token (padding: token 0, as the kernel's own gather reads it)
-        tokens = jnp.where(sorted_rows < rows, sorted_rows // k, 0)
-        x = x[tokens]
-        x_scales = None if x_scales is None else x_scales[tokens]
     act = gate_up_call(
         tile_expert, sorted_rows, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
         block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
-        num_stages=stages, interpret=interpret, x_scales=x_scales, contiguous=contiguous,
-        apart=bool(cfg.gate_up_apart) and prefill)
+        num_stages=stages, interpret=interpret, x_scales=x_scales)
     if fp8_rows:
         act, act_scales = act
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0

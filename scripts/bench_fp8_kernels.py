@@ -95,14 +95,13 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
 
 
 _MOE_TILE_FIELDS = {"m": ("block_m",), "n": ("block_n",), "k": ("block_k", "down_block_k"), "dn": ("down_block_n",),
-                    "w": ("num_warps",), "s": ("num_stages",), "c": ("contiguous_rows",), "a": ("gate_up_apart",)}
+                    "w": ("num_warps",), "s": ("num_stages",)}
 
 
 def _moe_config(name: str):
     """An FP8 x FP8 expert tile config from its `--moe-configs` name: "default" (`moe.default_config`'s pick at the
     row count) or tokens over the prefill fields of moe.DEFAULT_CONFIG, e.g. "m32 k128 w4 s4" (block_m 32, block_k
-    and down_block_k 128, 4 warps, 4 stages; also n: block_n, dn: down_block_n, c1: contiguous_rows, a1:
-    gate_up_apart)."""
+    and down_block_k 128, 4 warps, 4 stages; also n: block_n, dn: down_block_n)."""
     from pallas_kernels import moe
 
     if name == "default":

@@ -88,11 +88,6 @@ DENSE_CONFIGS = {  # prefill with many rows per expert (8192 tokens: 256 per exp
     "m64n128k64w4s3": C(block_m=64, num_warps=4),
     "m32n128k64w4s4": C(block_m=32, num_warps=4, num_stages=4),
     "m64dn256w8s3": C(block_m=64, down_block_n=256),
-    # x's rows in tile order before gate_up (MoeConfig.contiguous_rows): each tile one contiguous block
-    "m128n128k64_contiguous": C(contiguous_rows=1),
-    "m64n128k64w4s4_contiguous": C(block_m=64, num_warps=4, num_stages=4, contiguous_rows=1),
-    # gate_up as one product over 2I columns, the SiLU gate in XLA (MoeConfig.gate_up_apart)
-    "m128n128k64_contiguous_apart": C(contiguous_rows=1, gate_up_apart=1),
 }
 
 
