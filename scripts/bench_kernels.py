@@ -40,6 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ninfer_jax.benchmarks import report  # noqa: E402
+from ninfer_jax.benchmarks.models import measure_copy_tbps  # noqa: E402
 from pallas_kernels import gdn_chunk, gdn_decode, kv_quant, paged_attention  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
@@ -223,12 +224,10 @@ def run_ceilings():
     mm = 2 * n**3 / t / 1e12
     RESULTS["ceilings"]["jax_bf16_matmul_tflops"] = mm
     log(f"  jax bf16 matmul {n}^3: {t * 1e3:.3f} ms, {mm:.0f} TFLOP/s")
-    elems = (1 << 24) if ARGS.smoke else (1 << 29)  # 2 GiB of f32
-    x = jax.random.normal(jax.random.key(3), (elems,), jnp.float32)
-    t = time_pure(lambda y: y * 1.0001, (x,))
-    bw = 2 * 4 * elems / t / 1e12
+    gib = 1 / 64 if ARGS.smoke else 2
+    bw = measure_copy_tbps(gib)
     RESULTS["ceilings"]["copy_tbps"] = bw
-    log(f"  device copy {4 * elems / 2**30:.1f} GiB (read + write): {t * 1e3:.3f} ms, {bw:.2f} TB/s")
+    log(f"  device copy {gib:g} GiB (read + write): {2 * gib * 2**30 / bw / 1e9:.3f} ms, {bw:.2f} TB/s")
     if not ARGS.smoke:
         import torch
 

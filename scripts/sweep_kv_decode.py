@@ -19,6 +19,7 @@ import tempfile
 from bench_kernels import compile_pure, time_pure
 
 from ninfer_jax.benchmarks import report
+from ninfer_jax.benchmarks.models import measure_copy_tbps
 
 UNROLL = 10
 
@@ -98,9 +99,7 @@ def main() -> int:
         pools[name] = tuple(kv_quant.QuantPages(*quantize(f, x), f.name)
                             for f, x in zip(kv_quant.PROFILES[name], (k_bf, v_bf)))
     order = jax.random.permutation(k3, n_pool)[:lanes * pages].reshape(lanes, pages).astype(jnp.int32)
-    ones = jnp.ones((1 << (20 if args.smoke else 29),), jnp.float32)
-    copy_tbps = 2 * ones.nbytes / time_pure(lambda y: y * 1.0001, (ones,), min_time=0.3) / 1e12
-    del ones
+    copy_tbps = measure_copy_tbps(1 / 256 if args.smoke else 2)
     meta = report.run_meta()
     rows, data = [], {**meta, "copy_tbps": copy_tbps, "rows": []}
     for ctx in contexts:

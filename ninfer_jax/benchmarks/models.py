@@ -152,14 +152,22 @@ def best_seconds(fn, *args, batches: int = 3, calls: int = 10) -> float:
     return min(times)
 
 
-def measure_ceilings(n: int = 8192, copy_gib: int = 2) -> tuple[float, float]:
-    """(bf16 n^3 matmul TFLOP/s, device copy TB/s of a `copy_gib` GiB array, read + write)."""
+def measure_ceilings(n: int = 8192, copy_gib: float = 2) -> tuple[float, float]:
+    """(bf16 n^3 matmul TFLOP/s, `measure_copy_tbps(copy_gib)`)."""
     import jax
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     tflops = 2 * n**3 / best_seconds(jax.jit(lambda x, y: x @ y), a, b) / 1e12
-    x = jax.random.normal(jax.random.PRNGKey(2), (copy_gib * 512, 1024, 1024), jnp.bfloat16)
-    tbps = 2 * x.nbytes / best_seconds(jax.jit(lambda v: v * jnp.bfloat16(1.0001)), x) / 1e12
-    return tflops, tbps
+    return tflops, measure_copy_tbps(copy_gib)
+
+
+def measure_copy_tbps(gib: float = 2) -> float:
+    """The device copy rate in TB/s (bytes read + written) of a `gib` GiB bf16 array, the best of a few batches:
+    the one copy ceiling every benchmark's bandwidth share is taken against."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (max(1, round(gib * 512)), 1024, 1024), jnp.bfloat16)
+    return 2 * x.nbytes / best_seconds(jax.jit(lambda v: v * jnp.bfloat16(1.0001)), x) / 1e12
