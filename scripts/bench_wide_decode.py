@@ -34,6 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import argparse
 import collections
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,8 @@ def bench(name: str, args) -> dict:
     result["plan"] = plan
     # --warmup: every program compiled up front on the engine's compile threads, none in the background
     warm = {"warmup": True, "background_compile": "off"} if args.warmup else {}
+    if args.compile_threads:
+        warm["compile_threads"] = args.compile_threads
     started = time.perf_counter()
     try:
         engine, init_s = random_engine(name, kernels=args.kernels, weights=args.weights, **warm, **plan["options"])
@@ -299,9 +302,14 @@ def main() -> int:
                    "skipped and recorded as skipped")
     p.add_argument("--warmup", action="store_true", help="compile every program the engine can reach before the "
                    "first wave, in parallel (its seconds reported apart; the first waves then compile nothing)")
+    p.add_argument("--compile-threads", type=int, default=None, help="the engine's compile_threads (default: its "
+                   "own, one a core up to 8)")
+    p.add_argument("--log-level", default="warning", help="the engine's log level (info: a line per program "
+                   "compiled)")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU with reference kernels")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     args = p.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s | %(message)s")
     if args.smoke and args.weights != "bf16":
         p.error("--smoke runs bf16 weights only: block-FP8 needs whole 128-blocks, which the tiny shape lacks")
     if args.smoke:
@@ -316,6 +324,8 @@ def main() -> int:
         common = ["--lanes", args.lanes, "--decode-context", str(args.decode_context), "--decode-tokens",
                   str(args.decode_tokens), "--device-snapshot-slots", str(args.device_snapshot_slots), "--kernels",
                   args.kernels, "--weights", args.weights, "--out", args.out,
+                  "--log-level", args.log_level, *(["--warmup"] if args.warmup else []),
+                  *(["--compile-threads", str(args.compile_threads)] if args.compile_threads else []),
                   *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                   *(["--deadline", str(args.deadline)] if args.deadline else [])]
         return max(subprocess.run([sys.executable, __file__, "--models", n, *common], check=False).returncode
