@@ -317,13 +317,16 @@ class Engine:
         Returns their ids; sample i's events go to sinks[i]. Give the samplings different seeds (or none)."""
         samplings = [self._sampling(sp) for sp in samplings]
         prepared = self._prepare(prompt, samplings[0] if samplings else self._sampling(None))
+        return [req.id for req in self._submit_group(prepared, samplings, sinks)]
+
+    def _submit_group(self, prepared: PreparedPrompt, samplings: Sequence[SamplingParams], sinks) -> list[Request]:
         group = f"group-{uuid.uuid4().hex[:8]}"
         barred: dict = {}  # the samples' bad_words, tokenized once (BadWords is read-only: they share it)
         reqs = [self._request(prepared, sp, None, sink, barred) for sp, sink in zip(samplings, sinks, strict=True)]
         for req in reqs:
             req.group = group
         self._send(_Add(reqs))
-        return [req.id for req in reqs]
+        return reqs
 
     def _request(self, prepared: PreparedPrompt, sampling: SamplingParams, request_id: str | None, sink,
                  barred: dict | None = None) -> Request:
@@ -388,6 +391,15 @@ class Engine:
 
     def generate(self, prompt, sampling: SamplingParams | None = None) -> RequestOutput:
         return self.generate_many([prompt], sampling)[0]
+
+    def generate_samples(self, prompt, sampling: SamplingParams | None = None, n: int = 2) -> list[RequestOutput]:
+        """n samples of one prompt (vLLM's `n`, the server's): the prompt is computed once (`submit_samples`), and
+        a seed s gives sample i the seed s + i (`SamplingParams.samples`). Blocks until all are done."""
+        samplings = self._sampling(sampling).samples(n)
+        prepared = self._prepare(prompt, samplings[0])
+        boxes = [queue.SimpleQueue() for _ in samplings]
+        reqs = self._submit_group(prepared, samplings, [box.put for box in boxes])
+        return [self._collect(req.id, prepared, box) for req, box in zip(reqs, boxes)]
 
     def chat(self, messages: Sequence[dict], sampling: SamplingParams | None = None, *, tools=None,
              enable_thinking: bool = True, cache_salt: str | None = None, **template_kwargs) -> RequestOutput:

@@ -178,6 +178,13 @@ class SamplingParams:
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
                 or self.bad_words is not None or self.response_format is not None)
 
+    def samples(self, n: int) -> list[SamplingParams]:
+        """The samplings of n samples of one prompt (vLLM's `n`): with a seed s, sample i draws with seed s + i, so
+        each differs and all repeat; unseeded, each draws its own seed."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        return [self if self.seed is None else dataclasses.replace(self, seed=self.seed + i) for i in range(n)]
+
 
 def check_truncate_prompt_tokens(k) -> None:
     """Raises ValueError unless `k` is None, -1 or an integer >= 1 (vLLM's truncate_prompt_tokens)."""

@@ -202,14 +202,13 @@ class EngineRun:
 def sample_runs(engine: Any, prompt: Any, sampling: SamplingParams, n: int, request_id: str,
                 ctx: ServerContext) -> list[EngineRun]:
     """The `n` samples of one prompt (OpenAI's `n`). n = 1: one request named `request_id`; more: one group of
-    `engine.submit_samples`, which computes the prompt once. With a seed s, sample i draws with seed s + i (vLLM's
-    rule), so each differs and all repeat. Raises ApiError for a refusal or a full request queue."""
+    `engine.submit_samples`, which computes the prompt once, each with its seed (`SamplingParams.samples`). Raises
+    ApiError for a refusal or a full request queue."""
     if n == 1:
         return [EngineRun(engine, prompt, sampling, request_id, ctx)]
     loop = asyncio.get_running_loop()
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
-    samplings = [sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-                 for i in range(n)]
+    samplings = sampling.samples(n)
     sinks = [lambda event, q=q: loop.call_soon_threadsafe(q.put_nowait, event) for q in queues]
     ctx.enter_queue(n)
     try:

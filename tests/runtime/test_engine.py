@@ -164,6 +164,21 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engine8):
     assert c.token_ids != a.token_ids
 
 
+def test_generate_samples_gives_sample_i_seed_s_plus_i_and_computes_the_prompt_once(engine8):
+    """vLLM's n in the Python API: the samples equal requests seeded s, s + 1, ... made one at a time, and the later
+    samples resume from the first's prefill instead of computing the prompt again."""
+    rng = np.random.default_rng(23)
+    prompt = rng.integers(0, ORACLE_VOCAB, 140).tolist()  # two whole blocks of 64, not cached by earlier tests
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    outs = engine8.generate_samples(prompt, sp, n=3)
+    assert [o.usage.cached_tokens for o in outs] == [0, 128, 128]
+    alone = [engine8.generate(prompt, dataclasses.replace(sp, seed=5 + i)).token_ids for i in range(3)]
+    assert [o.token_ids for o in outs] == alone and len(set(alone)) == 3
+    assert all(o.prompt_token_ids == tuple(prompt) for o in outs)
+    with pytest.raises(ValueError, match="n must be"):
+        engine8.generate_samples(prompt, sp, n=0)
+
+
 def test_unseeded_requests_draw_their_seeds_from_the_seed_option(checkpoint):
     """--seed (vLLM's): requests without a seed take, in order, the next 32 bits of a generator seeded with it; the
     same requests in the same order then sample the same tokens, and another seed samples others."""
