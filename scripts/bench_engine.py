@@ -258,7 +258,8 @@ def main() -> int:
                    help="prefill attentions timed after the default (cuDNN on a GPU) on the same engine ('' for none)")
     p.add_argument("--decode-logprobs", action=argparse.BooleanOptionalAction, default=True,
                    help="also time decode with the top-20 logprobs asked for")
-    p.add_argument("--prefill-reps", type=int, default=2, help="steady-state prefill requests per length")
+    p.add_argument("--prefill-reps", type=int, default=3, help="steady-state prefill requests per length (one can "
+                   "read 25%% low: the figure is their best)")
     p.add_argument("--smoke", action="store_true", help="the tiny MoE shape on CPU, no peer")
     p.add_argument("--out", help="report folder (default docs/benchmarks; with --smoke a new temp folder)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV pools' storage profile")
