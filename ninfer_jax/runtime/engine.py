@@ -392,7 +392,7 @@ class Engine:
     def generate(self, prompt, sampling: SamplingParams | None = None) -> RequestOutput:
         return self.generate_many([prompt], sampling)[0]
 
-    def generate_samples(self, prompt, sampling: SamplingParams | None = None, n: int = 2) -> list[RequestOutput]:
+    def generate_samples(self, prompt, sampling: SamplingParams | None = None, *, n: int) -> list[RequestOutput]:
         """n samples of one prompt (vLLM's `n`, the server's): the prompt is computed once (`submit_samples`), and
         a seed s gives sample i the seed s + i (`SamplingParams.samples`). Blocks until all are done."""
         samplings = self._sampling(sampling).samples(n)
