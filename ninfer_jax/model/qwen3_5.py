@@ -433,8 +433,8 @@ def _gdn_decode_in_proj(cfg: ModelConfig):
 
 
 def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
-    """One token per lane from its in-projection rows proj [B, P], or ([qkv | z], [b | a]) apart
-    (`_gdn_decode_in_proj`) -> (the out-projection's input, ssm, conv)."""
+    """One token per lane from its in-projection rows proj [B, P], or with the fused kernel ([qkv | z], [b | a])
+    apart (`_gdn_decode_in_proj` splits them only then) -> (the out-projection's input, ssm, conv)."""
     slots, active = ctx["slots"], ctx["active"]
     proj, gates = proj if isinstance(proj, tuple) else (proj, None)
     if kc.fuse_gdn_decode:  # the rest of this function as one kernel
@@ -444,8 +444,6 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
         # 7.4 against 33.5 us a layer at 128 lanes of the 27B (7.9 MB of rows), 1.25 ms of a 31.6 ms round
         conv = conv.at[slots].set(tail.astype(conv.dtype), unique_indices=True)
         return y.reshape(y.shape[0], -1), ssm, conv
-    if gates is not None:
-        proj = jnp.concatenate([proj, gates], axis=-1)
     qkv, z, a, b = _gdn_split(proj, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
