@@ -8,15 +8,22 @@ own compile only: the first programs run while later ones still compile. jax kee
 `Lowered.compile()` builds with the lowering, which the jitted function's own call finds (a call with the same
 argument shapes, shardings and static values lowers to the same cached computation), so the real calls compile
 nothing. Two calls of one program (a step's logprobs for the greedy and the full sampler) compile once.
+
+A compile that fails while others run beside it is tried once more alone, after them: with several compiles at once
+XLA's GEMM autotuner has failed every config of a fusion on its redzone checks (the 27B on FP8 weights at 128 lanes,
+`docs/benchmarks/wide_decode.md`), while the same programs compiled one at a time did not.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Self
 
 import jax
+
+log = logging.getLogger("ninfer_jax.runner")
 
 
 class _Shape(jax.ShapeDtypeStruct):
@@ -38,8 +45,9 @@ class AheadOfTime:
             raise ValueError(f"compile_threads must be a positive integer, got {threads}")
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="compile")
-        self._calls: list[tuple[str, Future]] = []  # (step name, its program's compile) per recorded call
+        self._calls: list[tuple[str, object]] = []  # (step name, its program's key in _compiles) per recorded call
         self._compiles: dict = {}  # lowering -> (Lowered, Future): one compile per distinct program
+        self._retried: set = set()  # programs compiled a second time, alone
         self._replayed = 0
         self.lowering_by_step: dict[str, float] = {}  # seconds lowering each step's calls
 
@@ -65,7 +73,7 @@ class AheadOfTime:
             key = lowered._lowering
             if key not in self._compiles:
                 self._compiles[key] = (lowered, self._pool.submit(lowered.compile))
-            self._calls.append((name, self._compiles[key][1]))
+            self._calls.append((name, key))
             self.lowering_by_step[name] = self.lowering_by_step.get(name, 0.0) + time.perf_counter() - start
             return jax.tree.map(lambda s: _Shape(s.shape, s.dtype, weak_type=s.weak_type), lowered.out_info)
 
@@ -78,7 +86,7 @@ class AheadOfTime:
             if self._replayed >= len(self._calls) or self._calls[self._replayed][0] != name:
                 raise RuntimeError(f"the replayed warm-up called {name} where the recorded one called "
                                    f"{self._calls[self._replayed][0] if self._replayed < len(self._calls) else 'none'}")
-            self._calls[self._replayed][1].result()  # a failed compile raises here, on the caller's thread
+            self._compiled(self._calls[self._replayed][1])  # a failed compile raises here, on the caller's thread
             self._replayed += 1
             return fn(*args, **kwargs)
 
@@ -102,8 +110,29 @@ class AheadOfTime:
     def wait_compiled(self, calls: int) -> None:
         """Waits for the compiles of the first `calls` recorded calls: compiling without replaying
         (`ModelRunner.compile_rest`). A failed compile raises here."""
-        for _, future in self._calls[:calls]:
+        for _, key in self._calls[:calls]:
+            self._compiled(key)
+
+    def _compiled(self, key) -> None:
+        """Waits for program `key`'s compile. If it failed with other compiles beside it, compiles it again on this
+        thread once every other compile has ended; a failure then (or on a pool of one thread) raises."""
+        lowered, future = self._compiles[key]
+        try:
             future.result()
+            return
+        except jax.errors.JaxRuntimeError as failure:
+            if self.threads == 1 or key in self._retried:
+                raise
+            reason = str(failure).strip().splitlines()[0][:200]
+        self._retried.add(key)
+        wait([f for _, f in self._compiles.values() if f is not future])
+        log.warning("compiling | a compile failed beside others (%s) | compiling it again alone", reason)
+        start = time.perf_counter()
+        lowered.compile()
+        done: Future = Future()
+        done.set_result(None)
+        self._compiles[key] = (lowered, done)
+        log.info("compiling | compiled again alone in %.1f s", time.perf_counter() - start)
 
     def check_replayed(self) -> None:
         """Raises unless the replay made every recorded call."""
