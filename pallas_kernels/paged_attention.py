@@ -467,12 +467,19 @@ DEFAULT_DECODE_CONFIG = DecodeConfig()
 # two codes a register: nvfp4 310 us, k8v4 249 us against 581 and 428 as bf16 rows decoded code by code;
 # docs/benchmarks/kv_decode_sweep.md)
 QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=3, f16_keys=True, f16_values=True)
+# FP8 and 4-bit pools: five stages. An H100 sweep at 8k-131k x 8 lanes took FP8 226 -> 215 us, K8V4 262 -> 234 and
+# NVFP4 303 -> 276 at 32k (1.03-1.17x at every context), while INT8 pools took 1.1x as long and keep three
+# (docs/benchmarks/kv_decode_sweep.md)
+DEEP_QUANT_DECODE_CONFIG = dataclasses.replace(QUANT_DECODE_CONFIG, num_stages=5)
 
 
 def default_decode_config(k_pages, v_pages) -> DecodeConfig:
-    """The decode config for these pools: QUANT_DECODE_CONFIG when either is quantized, else DEFAULT_DECODE_CONFIG."""
-    quantized = any(kv_quant.format_of(pages) is not None for pages in (k_pages, v_pages))
-    return QUANT_DECODE_CONFIG if quantized else DEFAULT_DECODE_CONFIG
+    """The decode config for these pools: DEFAULT_DECODE_CONFIG for plain ones, QUANT_DECODE_CONFIG when the
+    quantized ones are INT8, else DEEP_QUANT_DECODE_CONFIG."""
+    formats = {kv_quant.format_of(pages) for pages in (k_pages, v_pages)} - {None}
+    if not formats:
+        return DEFAULT_DECODE_CONFIG
+    return QUANT_DECODE_CONFIG if formats == {kv_quant.INT8_G64} else DEEP_QUANT_DECODE_CONFIG
 
 
 def _combine_splits(o, m, l):

@@ -1,9 +1,9 @@
 """Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant
-of the sweep that chose `QUANT_DECODE_CONFIG`, and NVFP4-G16 and K8V4 pools' rows decoded to bf16 and to f16
-(the inline PTX, the default), beside the bf16 pool and a plain copy in one process, at the 27B's attention shape by
-default (8 lanes, 24 query and 4 KV heads, D 256; --lanes, --heads). Each variant's bytes read per second (values
-and scales) and its share of the copy rate, and its relative error against the XLA reference over the dequantized
-pools.
+of the sweep that chose `QUANT_DECODE_CONFIG` and its five stages (`DEEP_QUANT_DECODE_CONFIG`), and NVFP4-G16 and
+K8V4 pools' rows decoded to bf16 and to f16 (the inline PTX, the default), beside the bf16 pool and a plain copy in
+one process, at the 27B's attention shape by default (8 lanes, 24 query and 4 KV heads, D 256; --lanes, --heads).
+Each variant's bytes read per second (values and scales) and its share of the copy rate, and its relative error
+against the XLA reference over the dequantized pools.
 
     python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 5 minutes
     python scripts/sweep_kv_decode.py --lanes 1 --heads 16/2 --contexts 30720   # the 35B-A3B's one-lane round
@@ -54,19 +54,22 @@ def variants():
                  ("1 page, f16", DC(pages_per_block=1, **f16)),
                  ("1 page, f16, 1024 programs", DC(pages_per_block=1, target_programs=1024, **f16)),
                  ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
+                 ("1 page, f16, 5 stages", quant(num_stages=5)),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
                  ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + untimed + longer,
         "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
-                ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
+                ("1 page, f16, 3 stages", DC(pages_per_block=1, num_stages=3, **f16)),
+                ("1 page, f16, 5 stages (default)", quant(num_stages=5)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                 ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed + longer,
         # NVFP4 rows two codes a register to f16 by inline PTX (the default), or by integer ops per code to bf16
         **{pool: [("1 page, bf16 rows", DC(pages_per_block=1)),
                   ("1 page, f16 rows", DC(pages_per_block=1, **f16)),
-                  ("1 page, f16 rows, 3 stages (default)", quant())] + longer
+                  ("1 page, f16 rows, 3 stages", quant()),
+                  ("1 page, f16 rows, 5 stages (default)", quant(num_stages=5))] + longer
            for pool in ("nvfp4", "k8v4")},
     }
 

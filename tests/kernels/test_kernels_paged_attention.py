@@ -143,6 +143,16 @@ def test_prefill_reads_4bit_pools_by_scale_group_by_default():
     assert not paged_attention.PrefillConfig(by_groups="none").reads_by_groups(nvfp4)
 
 
+def test_decode_pipelines_fp8_and_4bit_pools_five_stages_deep():
+    """INT8 pools lost 10% at five stages on the H100 sweep, FP8 and 4-bit ones gained 3-17%."""
+    plain = jnp.zeros((1, 64, 1, 32), jnp.bfloat16)
+    int8, fp8, nvfp4 = (kv_quant.QuantPages(*kv_quant.quantize(f, plain), f.name)
+                        for f in (kv_quant.INT8_G64, kv_quant.FP8_ROW256, kv_quant.NVFP4_G16))
+    stages = [paged_attention.default_decode_config(k, v).num_stages
+              for k, v in ((plain, plain), (int8, int8), (fp8, fp8), (int8, nvfp4), (nvfp4, nvfp4))]
+    assert stages == [2, 3, 5, 5, 5]
+
+
 def test_one_lanes_splits_keep_a_minimum_of_pages():
     """Every split's partials are written and combined, reached by the lane's keys or not: a floor of pages per
     split bounds that traffic at one lane and a long max_model_len, and leaves 8 lanes' splits as they were."""
