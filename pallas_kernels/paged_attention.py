@@ -151,12 +151,14 @@ def _operand_dtype(fmt: kv_quant.Format | None, q_dtype, pool_dtype, side: str, 
     (`f16_values`), NVFP4 keys or values likewise (their rows dequantized in f16 by `_E2M1_TO_F16_ASM`); else the
     queries' (a float32 query keeps every product exact, as the interpret tests need). Codes are exact in f16 either
     way, and so are NVFP4's values times their e4m3 scales (6 significant bits, 2^-10 to 2688); f16 values carry the
-    probabilities times scales in 11 bits instead of bf16's 8, their range kept by `_F16_VALUE_SHIFT`. `whole` rows
-    stay in the queries' dtype."""
+    probabilities times scales in 11 bits instead of bf16's 8, their range kept by `_F16_VALUE_SHIFT`. INT8 and FP8
+    `whole` rows are float16 by the same flags (codes times scales rounded to 11 bits, not 8), else the queries'."""
     if fmt is None:
         return pool_dtype
-    if whole or jnp.dtype(q_dtype).itemsize != 2:
+    if jnp.dtype(q_dtype).itemsize != 2:
         return q_dtype
+    if whole and not fmt.packed:
+        return jnp.float16 if (f16_keys if side == "k" else f16_values) else q_dtype
     if side == "k" and (fmt is kv_quant.FP8_ROW256 or f16_keys) or side == "v" and f16_values:
         return jnp.float16
     return q_dtype
@@ -204,6 +206,7 @@ _E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
 # s = 2.4e-7 (a group whose largest magnitude is under 3e-5 for INT8, 1e-4 for FP8). s x 2^8 is clamped to f16's
 # largest finite value, reached only by magnitudes over 32,512 (INT8) or 114,688 (FP8).
 _F16_VALUE_SHIFT = 256.0
+_F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def _scores(qs, ks, product, by_key):
@@ -221,7 +224,7 @@ def _weights(p, v_scale, v_shift: bool, by_key, dtype):
     """The probabilities a value group's product takes: times its scales when it has them (shifted by
     `_F16_VALUE_SHIFT` with f16 values), in the values' dtype."""
     if v_shift:
-        v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, float(jnp.finfo(jnp.float16).max))
+        v_scale = jnp.minimum(v_scale * _F16_VALUE_SHIFT, _F16_MAX)
     return (p if v_scale is None else p * by_key(v_scale)).astype(dtype)
 
 
@@ -294,7 +297,7 @@ def _decode(fmt, groups, raw, dtype, asm=False, whole=False):
     group's values are its codes unscaled (exact: int8 and e4m3 fit bf16 and f16), so the scale multiplies a score
     or a probability instead of every element. An NVFP4 row comes dequantized, exactly: e2m1 times e4m3 is 6
     significant bits, within bf16's 8. With `whole` an INT8 or FP8 row comes dequantized too, its codes times their
-    group's scale rounded to `dtype`."""
+    group's scale rounded to `dtype` (in float16 held to its finite range: a magnitude past 65504 saturates)."""
     if fmt is None:
         return [(x, None) for x in raw]
     if fmt.packed:  # byte j holds columns j and j + D/2; bf16 or f16 products of codes and scales are exact
@@ -304,7 +307,10 @@ def _decode(fmt, groups, raw, dtype, asm=False, whole=False):
                 for x, s, (_, width) in zip(halves, raw[1:], groups)]
     if whole:
         values, s = raw
-        return [(values.astype(dtype) * _per_column(s.astype(dtype), groups[0][1]), None)]
+        f16 = dtype == jnp.float16
+        codes = _int8_to_f16(values, asm) if f16 and fmt is kv_quant.INT8_G64 else values.astype(dtype)
+        x = codes * _per_column(s.astype(dtype), groups[0][1])
+        return [(jnp.clip(x, -_F16_MAX, _F16_MAX) if f16 else x, None)]
     if fmt is kv_quant.INT8_G64 and dtype == jnp.float16:
         return [(_int8_to_f16(raw[2 * j], asm), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
     return [(raw[2 * j].astype(dtype), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
@@ -432,9 +438,9 @@ class DecodeConfig:
     # as fp8_matmul's swap AB: the 16-row minimum of a product falls on the group's 6 or 8 queries instead of the
     # keys, and the converted codes are the operand that may stay in registers. Not yet timed on a GPU
     swap_ab: bool = False
-    # INT8 and FP8 rows dequantized whole into the queries' dtype (codes times their group's scale), one product a
-    # block as NVFP4's rows, against a product a scale group with the scales on scores and probabilities (INT8's 4
-    # groups read at 49% of the copy rate, FP8's one row at 60%). Not with swap_ab; not yet timed on a GPU
+    # INT8 and FP8 rows dequantized whole (codes times their group's scale; float16 with f16_keys / f16_values, else
+    # the queries' dtype), one product a block as NVFP4's rows, against a product a scale group with the scales on
+    # scores and probabilities (`INT8_DECODE_CONFIG`). Not with swap_ab
     dequantize_rows: bool = False
     target_programs: int = 512  # for num_splits=None: aim for this many programs
     # for num_splits=None: no fewer of max_pages per split. Every split writes partials that the combine reads,
@@ -462,24 +468,24 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
-# Quantized pools: one page a block, three stages, f16 operands, the fastest of the H200 sweep at 32k x 8 lanes
-# (int8 268 us, fp8 212 us against 482 and 566 at 2 pages, 2 stages, bf16 values; NVFP4 rows to f16 by inline PTX,
-# two codes a register: nvfp4 310 us, k8v4 249 us against 581 and 428 as bf16 rows decoded code by code;
-# docs/benchmarks/kv_decode_sweep.md)
-QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=3, f16_keys=True, f16_values=True)
-# FP8 and 4-bit pools: five stages. An H100 sweep at 8k-131k x 8 lanes took FP8 226 -> 215 us, K8V4 262 -> 234 and
-# NVFP4 303 -> 276 at 32k (1.03-1.17x at every context), while INT8 pools took 1.1x as long and keep three
-# (docs/benchmarks/kv_decode_sweep.md)
-DEEP_QUANT_DECODE_CONFIG = dataclasses.replace(QUANT_DECODE_CONFIG, num_stages=5)
+# Quantized pools: one page a block, f16 operands (the fastest of the H200 sweep at 32k x 8 lanes: int8 268 us, fp8 212
+# against 482 and 566 at 2 pages, bf16 values; NVFP4 rows to f16 by inline PTX, two codes a register: nvfp4 310 us,
+# k8v4 249 against 581 and 428 decoded code by code), and five stages (an H100 sweep at 8k-131k: FP8 1.03-1.07x as
+# fast as three, K8V4 1.05-1.17x, NVFP4 1.07-1.10x; docs/benchmarks/kv_decode_sweep.md)
+QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=5, f16_keys=True, f16_values=True)
+# INT8 pools: rows dequantized whole into f16, one product a block against four by scale group: on the H100 241 us
+# against 290 at 32k x 8 lanes (78% of copy), 922 against 1110 at 131k (82%), error 1.9e-4 against 4.2e-4. FP8 rows
+# read that way were 1.4x slower than by group (docs/benchmarks/kv_decode_sweep.md)
+INT8_DECODE_CONFIG = dataclasses.replace(QUANT_DECODE_CONFIG, dequantize_rows=True)
 
 
 def default_decode_config(k_pages, v_pages) -> DecodeConfig:
-    """The decode config for these pools: DEFAULT_DECODE_CONFIG for plain ones, QUANT_DECODE_CONFIG when the
-    quantized ones are INT8, else DEEP_QUANT_DECODE_CONFIG."""
+    """The decode config for these pools: DEFAULT_DECODE_CONFIG for plain ones, INT8_DECODE_CONFIG when the quantized
+    ones are INT8, else QUANT_DECODE_CONFIG."""
     formats = {kv_quant.format_of(pages) for pages in (k_pages, v_pages)} - {None}
     if not formats:
         return DEFAULT_DECODE_CONFIG
-    return QUANT_DECODE_CONFIG if formats == {kv_quant.INT8_G64} else DEEP_QUANT_DECODE_CONFIG
+    return INT8_DECODE_CONFIG if formats == {kv_quant.INT8_G64} else QUANT_DECODE_CONFIG
 
 
 def _combine_splits(o, m, l):

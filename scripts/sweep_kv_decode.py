@@ -1,9 +1,9 @@
-"""Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant
-of the sweep that chose `QUANT_DECODE_CONFIG` and its five stages (`DEEP_QUANT_DECODE_CONFIG`), and NVFP4-G16 and
-K8V4 pools' rows decoded to bf16 and to f16 (the inline PTX, the default), beside the bf16 pool and a plain copy in
-one process, at the 27B's attention shape by default (8 lanes, 24 query and 4 KV heads, D 256; --lanes, --heads).
-Each variant's bytes read per second (values and scales) and its share of the copy rate, and its relative error
-against the XLA reference over the dequantized pools.
+"""Paged decode over INT8-G64 and FP8-row256 pools (`pallas_kernels.paged_attention`): every `DecodeConfig` variant of
+the sweeps that chose `QUANT_DECODE_CONFIG` and `INT8_DECODE_CONFIG`, and NVFP4-G16 and K8V4 pools' rows decoded to
+bf16 and to f16 (the inline PTX, the default), beside the bf16 pool and a plain copy in one process, at the 27B's
+attention shape by default (8 lanes, 24 query and 4 KV heads, D 256; --lanes, --heads). Each variant's bytes read per
+second (values and scales) and its share of the copy rate, and its relative error against the XLA reference over the
+dequantized pools.
 
     python scripts/sweep_kv_decode.py                       # one H200, 32k and 131k contexts, about 5 minutes
     python scripts/sweep_kv_decode.py --lanes 1 --heads 16/2 --contexts 30720   # the 35B-A3B's one-lane round
@@ -32,15 +32,18 @@ def variants():
 
     f16 = dict(f16_keys=True, f16_values=True)
 
-    def quant(**changes):  # QUANT_DECODE_CONFIG (1 page, f16, 3 stages) with `changes`
-        return dataclasses.replace(QUANT_DECODE_CONFIG, **changes)
+    def quant(**changes):  # 1 page, f16 operands, 3 stages (QUANT_DECODE_CONFIG's five cut to three) with `changes`
+        return dataclasses.replace(QUANT_DECODE_CONFIG, **{"num_stages": 3, **changes})
 
     # the transposed products (keys and values the left operand), and the rows dequantized whole (one product a
-    # block; the f16 operands do not apply to them): at 1 and 2 pages a block
-    untimed = [("1 page, f16, 3 stages, swap AB", quant(swap_ab=True)),
-               ("2 pages, f16, 3 stages, swap AB", quant(swap_ab=True, pages_per_block=2)),
-               ("1 page, 3 stages, rows dequantized", quant(dequantize_rows=True)),
-               ("2 pages, 3 stages, rows dequantized", quant(dequantize_rows=True, pages_per_block=2))]
+    # block) to f16 (the f16 flags) or to bf16
+    bf16_rows = dict(dequantize_rows=True, f16_keys=False, f16_values=False)
+    other = [("1 page, f16, 3 stages, swap AB", quant(swap_ab=True)),
+             ("2 pages, f16, 3 stages, swap AB", quant(swap_ab=True, pages_per_block=2)),
+             ("1 page, 3 stages, rows dequantized to f16", quant(dequantize_rows=True)),
+             ("1 page, 5 stages, rows dequantized to f16 (INT8's default)", quant(dequantize_rows=True, num_stages=5)),
+             ("1 page, 3 stages, rows dequantized to bf16", quant(**bf16_rows)),
+             ("2 pages, 3 stages, rows dequantized to bf16", quant(pages_per_block=2, **bf16_rows))]
     # Longer splits: one lane of few KV heads spreads its pages over many short programs (4 pages each at the
     # default floor), whose fixed costs and partials the combine reads then dominate (kernels_notes.md)
     longer = [(f"1 page, f16, 3 stages, >= {n} pages a split", quant(min_pages_per_split=n)) for n in (16, 64)]
@@ -53,18 +56,18 @@ def variants():
                  ("1 page, f16 keys", DC(pages_per_block=1, f16_keys=True)),
                  ("1 page, f16", DC(pages_per_block=1, **f16)),
                  ("1 page, f16, 1024 programs", DC(pages_per_block=1, target_programs=1024, **f16)),
-                 ("1 page, f16, 3 stages (default)", DC(pages_per_block=1, num_stages=3, **f16)),
+                 ("1 page, f16, 3 stages", DC(pages_per_block=1, num_stages=3, **f16)),
                  ("1 page, f16, 5 stages", quant(num_stages=5)),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
-                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + untimed + longer,
+                 ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + other + longer,
         "fp8": [("2 pages, 4 warps, 2 stages", DC()), ("1 page", DC(pages_per_block=1)),
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
                 ("1 page, f16, 3 stages", DC(pages_per_block=1, num_stages=3, **f16)),
                 ("1 page, f16, 5 stages (default)", quant(num_stages=5)),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
-                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + untimed + longer,
+                ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + other + longer,
         # NVFP4 rows two codes a register to f16 by inline PTX (the default), or by integer ops per code to bf16
         **{pool: [("1 page, bf16 rows", DC(pages_per_block=1)),
                   ("1 page, f16 rows", DC(pages_per_block=1, **f16)),

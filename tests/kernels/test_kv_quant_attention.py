@@ -86,16 +86,19 @@ def test_decode_over_quantized_pages_matches_float64(profile, d, variant):
         np.testing.assert_allclose(out[b], want, rtol=F32_TOL, atol=F32_TOL * np.abs(want).max())
 
 
-# bf16 queries take the GPU's operand dtypes: the pools' default configs (INT8 and FP8 codes as float16, the
-# probabilities times the values' scales in float16 x 2^8; NVFP4 rows as bf16), and bf16 INT8 / FP8 operands
+# bf16 queries take the GPU's operand dtypes: the pools' default configs (INT8 rows dequantized to float16, FP8 codes as
+# float16 with the probabilities times the values' scales in float16 x 2^8; NVFP4 rows in f16), INT8 by scale group
+# as FP8 ("groups"), and bf16 INT8 / FP8 operands
 # (f16=False): within the rounding of p to 16 bits. Values of magnitude 1e-3 (FP8 scales near 2e-6) check that the
 # f16 probabilities times scales keep their precision. D 256, the real head dim, scales the queries by 1/16, exactly.
-# Rows dequantized whole (`dequantize_rows`) round each key and value to bf16 as well as p: three such roundings.
+# Rows dequantized whole (`dequantize_rows`) round each key and value to 16 bits as well as p: in bf16 (f16=False)
+# three bf16 roundings, in f16 within the default bound (a bf16 row's error is 2-5x over it).
 # NVFP4 rows in f16 (the quantized pools' default) and in bf16 (`bf16_nvfp4`) are exact.
 @pytest.mark.parametrize("profile,f16,v_mag,variant", [
     ("fp8", True, 3.0, None), ("fp8", True, 1e-3, None), ("int8", True, 3.0, None), ("int8", False, 3.0, None),
+    ("int8", True, 3.0, "groups"), ("int8", False, 3.0, "groups"),
     ("k8v4", True, 3.0, None), ("fp8", True, 1e-3, "swap_ab"), ("int8", True, 3.0, "swap_ab"),
-    ("fp8", True, 1e-3, "dequantize_rows"), ("int8", True, 3.0, "dequantize_rows"),
+    ("fp8", True, 1e-3, "dequantize_rows"),
     ("nvfp4", True, 3.0, None), ("nvfp4", False, 3.0, "bf16_nvfp4"), ("k8v4", False, 1e-3, "bf16_nvfp4")])
 def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     r = np.random.default_rng(3)
@@ -108,18 +111,32 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
     if variant == "bf16_nvfp4":
         assert k.format.packed or v.format.packed
         config = dataclasses.replace(config, num_splits=2, f16_keys=False, f16_values=False)
-    else:
+    else:  # "groups": INT8 read by scale group, not as its default's whole rows
+        changes = {variant: True} if variant in ("swap_ab", "dequantize_rows") else {}
         config = dataclasses.replace(config, num_splits=2, f16_keys=config.f16_keys and f16,
-                                     f16_values=config.f16_values and f16, **{variant: True} if variant else {})
+                                     f16_values=config.f16_values and f16,
+                                     **{"dequantize_rows": config.dequantize_rows and not variant, **changes})
     out = np.asarray(paged_attention.paged_decode_attention(
         q, k, v, jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), interpret=INTERPRET, config=config))
     k64, v64, q64 = dequantize64(k), dequantize64(v), np.asarray(q.astype(jnp.float32), np.float64)
     for b, n in enumerate(lengths):
         kb, vb = k64[tables[b]].reshape(-1, hkv, d), v64[tables[b]].reshape(-1, hkv, d)
         want = attention64(q64[b][None], kb, vb, np.array([n - 1]), n)[0]
-        bound = 3 * 4e-3 if variant == "dequantize_rows" else 4e-3
+        bound = 3 * 4e-3 if config.dequantize_rows and not f16 else 4e-3  # bf16 rows: three roundings
         np.testing.assert_allclose(out[b], want, rtol=0, atol=bound * np.abs(want).max())
 
+
+
+def test_f16_rows_past_its_range_saturate_instead_of_overflowing():
+    """INT8 keys of magnitude 1e5 dequantized whole into float16 (largest 65504) read as 65504: finite scores."""
+    r = np.random.default_rng(5)
+    k, v = pools(r, "int8", 3, 1, 256)
+    k = kv_quant.QuantPages(k.values, jnp.full_like(k.scales, 1e5 / 127), k.fmt)
+    config = dataclasses.replace(paged_attention.default_decode_config(k, v), dequantize_rows=True)
+    q = jnp.asarray(r.standard_normal((1, 2, 256)), jnp.bfloat16)
+    out = paged_attention.paged_decode_attention(q, k, v, jnp.asarray([[2, 0]], jnp.int32),
+                                                 jnp.asarray([100], jnp.int32), interpret=INTERPRET, config=config)
+    assert np.isfinite(np.asarray(out)).all()
 
 # Rows dequantized whole, read by scale group as decode reads them (`by_groups`: INT8's two groups a row at D 32,
 # FP8 rows, NVFP4 halves), the default's mix (K8V4: K whole, V by groups), and gathered for cuDNN's path.
