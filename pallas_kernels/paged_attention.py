@@ -474,8 +474,9 @@ DEFAULT_DECODE_CONFIG = DecodeConfig()
 # fast as three, K8V4 1.05-1.17x, NVFP4 1.07-1.10x; docs/benchmarks/kv_decode_sweep.md)
 QUANT_DECODE_CONFIG = DecodeConfig(pages_per_block=1, num_stages=5, f16_keys=True, f16_values=True)
 # INT8 pools: rows dequantized whole into f16, one product a block against four by scale group: on the H100 241 us
-# against 290 at 32k x 8 lanes (78% of copy), 922 against 1110 at 131k (82%), error 1.9e-4 against 4.2e-4. FP8 rows
-# read that way were 1.4x slower than by group (docs/benchmarks/kv_decode_sweep.md)
+# against 290 by group on three stages (the former default) at 32k x 8 lanes (78% of copy), 922 against 1110 at 131k
+# (82%), error 1.9e-4 against 4.2e-4. FP8 rows read that way were 1.4x slower than by group
+# (docs/benchmarks/kv_decode_sweep.md)
 INT8_DECODE_CONFIG = dataclasses.replace(QUANT_DECODE_CONFIG, dequantize_rows=True)
 
 
