@@ -242,9 +242,11 @@ def _bytes_to_f16(asm_text: str, codes):
     return out
 
 
-def _int8_to_f16(codes, asm: bool):
-    """INT8 codes -> float16 (exact): by `_S8_TO_F16_ASM` on the GPU (asm), by a cast in interpret mode."""
-    return _bytes_to_f16(_S8_TO_F16_ASM, codes) if asm else codes.astype(jnp.float16)
+def _codes_as(fmt, codes, dtype, asm: bool):
+    """INT8 or FP8 codes -> `dtype` (exact): INT8 into float16 by `_S8_TO_F16_ASM` on the GPU (asm), else a cast."""
+    if asm and fmt is kv_quant.INT8_G64 and dtype == jnp.float16:
+        return _bytes_to_f16(_S8_TO_F16_ASM, codes)
+    return codes.astype(dtype)
 
 
 def _e2m1_halves(codes, dtype, asm: bool):
@@ -307,13 +309,9 @@ def _decode(fmt, groups, raw, dtype, asm=False, whole=False):
                 for x, s, (_, width) in zip(halves, raw[1:], groups)]
     if whole:
         values, s = raw
-        f16 = dtype == jnp.float16
-        codes = _int8_to_f16(values, asm) if f16 and fmt is kv_quant.INT8_G64 else values.astype(dtype)
-        x = codes * _per_column(s.astype(dtype), groups[0][1])
-        return [(jnp.clip(x, -_F16_MAX, _F16_MAX) if f16 else x, None)]
-    if fmt is kv_quant.INT8_G64 and dtype == jnp.float16:
-        return [(_int8_to_f16(raw[2 * j], asm), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
-    return [(raw[2 * j].astype(dtype), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
+        x = _codes_as(fmt, values, dtype, asm) * _per_column(s.astype(dtype), groups[0][1])
+        return [(jnp.clip(x, -_F16_MAX, _F16_MAX) if dtype == jnp.float16 else x, None)]
+    return [(_codes_as(fmt, raw[2 * j], dtype, asm), raw[2 * j + 1].astype(_F32)) for j in range(len(groups))]
 
 
 def _decode_kernel(

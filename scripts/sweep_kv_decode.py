@@ -27,7 +27,7 @@ LANES, HQ, HKV, D = 8, 24, 4, 256
 
 
 def variants():
-    from pallas_kernels.paged_attention import QUANT_DECODE_CONFIG
+    from pallas_kernels.paged_attention import INT8_DECODE_CONFIG, QUANT_DECODE_CONFIG
     from pallas_kernels.paged_attention import DecodeConfig as DC
 
     f16 = dict(f16_keys=True, f16_values=True)
@@ -41,7 +41,7 @@ def variants():
     other = [("1 page, f16, 3 stages, swap AB", quant(swap_ab=True)),
              ("2 pages, f16, 3 stages, swap AB", quant(swap_ab=True, pages_per_block=2)),
              ("1 page, 3 stages, rows dequantized to f16", quant(dequantize_rows=True)),
-             ("1 page, 5 stages, rows dequantized to f16 (INT8's default)", quant(dequantize_rows=True, num_stages=5)),
+             ("1 page, 5 stages, rows dequantized to f16 (INT8_DECODE_CONFIG)", INT8_DECODE_CONFIG),
              ("1 page, 3 stages, rows dequantized to bf16", quant(**bf16_rows)),
              ("2 pages, 3 stages, rows dequantized to bf16", quant(pages_per_block=2, **bf16_rows))]
     # Longer splits: one lane of few KV heads spreads its pages over many short programs (4 pages each at the
