@@ -181,21 +181,22 @@ sub.f16x2 $1, $1, m;
 
 def _e2m1_to_f16_asm(nibble: int) -> str:
     """Inline PTX: four bytes of NVFP4 codes (a byte holds columns j and j + D/2 in its low and high nibbles) -> the
-    four values of their low (nibble 0) or high (1) nibbles in float16, exactly, two a register. The bytes are first
-    spread into 16-bit halves; then a code's magnitude bits (e1 e0 m) go to f16 bits 9-11 and its sign to bit 15,
-    which reads as the e2m1 value times 2^-14 (subnormal for codes 0 and 1, as e2m1's own), and one packed multiply
-    by 2^14 (0x7400) makes it the value. About 3 instructions a code, against about 11 for `kv_quant.e2m1_bf16`'s
-    integer ops, which take one code at a time. (One program a nibble: jax's Pallas-Triton lowering of an asm with
-    two results fails.)"""
-    shift = 4 * nibble
-    mag, sign = 0x7 << shift, 0x8 << shift
-    lines = ["mov.b32 z, 0;", "mov.b32 k, 0x74007400;"]
-    for out, selector in ((0, "0x4140"), (1, "0x4342")):  # bytes 0-1, then 2-3, into the halves' low bytes
-        lines += [f"prmt.b32 a, $2, z, {selector};",
-                  f"and.b32 t, a, {mag | mag << 16:#010x};", f"shl.b32 t, t, {9 - shift};",
-                  f"and.b32 u, a, {sign | sign << 16:#010x};", f"shl.b32 u, u, {12 - shift};",
-                  "or.b32 t, t, u;", f"mul.f16x2 ${out}, t, k;"]
-    return "{\n.reg .b32 z, k, a, t, u;\n" + "\n".join(lines) + "\n}"
+    four values of their low (nibble 0) or high (1) nibbles in float16, exactly, two a register. Every e2m1 value's
+    f16 has a zero low byte, so one byte permute looks up two codes' high bytes in the table of the eight magnitudes
+    (their magnitude bits as its selectors) and puts them in the halves' high bytes, and one logic op ORs in the codes'
+    signs, which a second permute moved to bits 15 and 31; the low nibbles are first shifted into the high ones. About
+    2.4 instructions a code, against 3.5 for placing the bits by shifts and masks and multiplying by 2^14, and about
+    11 for `kv_quant.e2m1_bf16`'s integer ops. (One program a nibble: jax's Pallas-Triton lowering of an asm with two
+    results fails.)"""
+    src = "$2" if nibble else "x"
+    lines = [] if nibble else ["shl.b32 x, $2, 4;"]
+    lines += ["mov.b32 lo, 0x3e3c3800;", "mov.b32 hi, 0x46444240;", "mov.b32 sgn, 0x80008000;"]
+    for out, signs in ((0, "0x1100"), (1, "0x3322")):  # codes of bytes 0-1, then 2-3
+        if out:
+            lines.append(f"shr.b32 w, {src}, 16;")
+        lines += [f"and.b32 i, {'w' if out else src}, 0x7070;", "prmt.b32 m, lo, hi, i;",
+                  f"prmt.b32 s, {src}, {src}, {signs};", f"lop3.b32 ${out}, m, s, sgn, 0xf8;"]  # m | (s & sgn)
+    return "{\n.reg .b32 x, lo, hi, sgn, w, i, m, s;\n" + "\n".join(lines) + "\n}"
 
 
 _E2M1_TO_F16_ASM = (_e2m1_to_f16_asm(0), _e2m1_to_f16_asm(1))
@@ -429,12 +430,13 @@ class DecodeConfig:
     # Triton's own pipelining on the H200 (INT8 322 against 286 us, FP8 380 against 252; docs/kernels_notes.md)
     prefetch: bool = False
     # INT8 keys as float16 (codes by byte permutes), and INT8 / FP8 values as float16; NVFP4 keys or values as float16
-    # (two codes a register, `_E2M1_TO_F16_ASM`; not yet timed on a GPU) (`_operand_dtype`)
+    # (`_E2M1_TO_F16_ASM`, 1.6-1.9x the bf16 rows decoded code by code on the H200) (`_operand_dtype`)
     f16_keys: bool = False
     f16_values: bool = False
     # keys and values as the products' left operand and the query group as their right (plain, INT8 and FP8 pools),
     # as fp8_matmul's swap AB: the 16-row minimum of a product falls on the group's 6 or 8 queries instead of the
-    # keys, and the converted codes are the operand that may stay in registers. Not yet timed on a GPU
+    # keys, and the converted codes are the operand that may stay in registers. Slower for every pool on the H200
+    # (fp8 323 against 212 us at 32k x 8 lanes, 3 stages; docs/benchmarks/kv_decode_sweep.md)
     swap_ab: bool = False
     # INT8 and FP8 rows dequantized whole (codes times their group's scale; float16 with f16_keys / f16_values, else
     # the queries' dtype), one product a block as NVFP4's rows, against a product a scale group with the scales on

@@ -205,9 +205,13 @@ def run_ptx(asm: str, word: int) -> list[int]:
         if op == "prmt.b32":  # default mode: byte i of d is byte (selector nibble i) of {a, b}
             src = a[0] | a[1] << 32
             regs[d] = sum(((src >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "lop3.b32":  # bit i of d is bit (a_i b_i c_i read as 3 bits, a the highest) of the table a[3]
+            regs[d] = sum(((a[3] >> (4 * (a[0] >> i & 1) + 2 * (a[1] >> i & 1) + (a[2] >> i & 1))) & 1) << i
+                          for i in range(32))
         else:
             regs[d] = {"mov.b32": lambda: a[0], "and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1],
                        "xor.b32": lambda: a[0] ^ a[1], "shl.b32": lambda: (a[0] << a[1]) & 0xFFFFFFFF,
+                       "shr.b32": lambda: a[0] >> a[1],
                        "mul.f16x2": lambda: pack(halves(a[0]) * halves(a[1])),
                        "sub.f16x2": lambda: pack(halves(a[0]) - halves(a[1]))}[op]()
     return [regs[f"${i}"] for i in outs[:-1]]
