@@ -202,9 +202,11 @@ def run_ptx(asm: str, word: int) -> list[int]:
             continue
         d, *a = [x.strip() for x in rest.split(",")]
         a = [val(x) for x in a]
-        if op == "prmt.b32":  # default mode: byte i of d is byte (selector nibble i) of {a, b}
-            src = a[0] | a[1] << 32
-            regs[d] = sum(((src >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        if op == "prmt.b32":  # default mode: byte i of d is byte (selector nibble i's low 3 bits) of {a, b}, or
+            src = a[0] | a[1] << 32  # with the nibble's bit 3 set, that byte's sign bit copied eight times
+            picks = [(src >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF for i in range(4)]
+            picks = [(0xFF if b & 0x80 else 0) if a[2] >> 4 * i & 8 else b for i, b in enumerate(picks)]
+            regs[d] = sum(b << 8 * i for i, b in enumerate(picks))
         elif op == "lop3.b32":  # bit i of d is bit (a_i b_i c_i read as 3 bits, a the highest) of the table a[3]
             regs[d] = sum(((a[3] >> (4 * (a[0] >> i & 1) + 2 * (a[1] >> i & 1) + (a[2] >> i & 1))) & 1) << i
                           for i in range(32))
