@@ -57,7 +57,7 @@ def variants():
                  ("1 page, f16", DC(pages_per_block=1, **f16)),
                  ("1 page, f16, 1024 programs", DC(pages_per_block=1, target_programs=1024, **f16)),
                  ("1 page, f16, 3 stages", DC(pages_per_block=1, num_stages=3, **f16)),
-                 ("1 page, f16, 5 stages", quant(num_stages=5)),
+                 ("1 page, f16, 5 stages", QUANT_DECODE_CONFIG),
                  ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                  ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16)),
                  ("2 pages, f16, 8 warps", DC(num_warps=8, **f16))] + other + longer,
@@ -65,14 +65,14 @@ def variants():
                 ("1 page, prefetch", DC(pages_per_block=1, prefetch=True)),
                 ("1 page, f16 values", DC(pages_per_block=1, f16_values=True)),
                 ("1 page, f16, 3 stages", DC(pages_per_block=1, num_stages=3, **f16)),
-                ("1 page, f16, 5 stages (default)", quant(num_stages=5)),
+                ("1 page, f16, 5 stages (default)", QUANT_DECODE_CONFIG),
                 ("1 page, f16, 1 stage", DC(pages_per_block=1, num_stages=1, **f16)),
                 ("1 page, f16, 8 warps", DC(pages_per_block=1, num_warps=8, **f16))] + other + longer,
         # NVFP4 rows two codes a register to f16 by inline PTX (the default), or by integer ops per code to bf16
         **{pool: [("1 page, bf16 rows", DC(pages_per_block=1)),
                   ("1 page, f16 rows", DC(pages_per_block=1, **f16)),
                   ("1 page, f16 rows, 3 stages", quant()),
-                  ("1 page, f16 rows, 5 stages (default)", quant(num_stages=5))] + longer
+                  ("1 page, f16 rows, 5 stages (default)", QUANT_DECODE_CONFIG)] + longer
            for pool in ("nvfp4", "k8v4")},
     }
 
