@@ -126,7 +126,6 @@ def test_decode_with_bf16_queries_matches_float64(profile, f16, v_mag, variant):
         np.testing.assert_allclose(out[b], want, rtol=0, atol=bound * np.abs(want).max())
 
 
-
 def test_f16_rows_past_its_range_saturate_instead_of_overflowing():
     """INT8 keys of magnitude 1e5 dequantized whole into float16 (largest 65504) read as 65504: finite scores."""
     r = np.random.default_rng(5)
@@ -137,6 +136,7 @@ def test_f16_rows_past_its_range_saturate_instead_of_overflowing():
     out = paged_attention.paged_decode_attention(q, k, v, jnp.asarray([[2, 0]], jnp.int32),
                                                  jnp.asarray([100], jnp.int32), interpret=INTERPRET, config=config)
     assert np.isfinite(np.asarray(out)).all()
+
 
 # Rows dequantized whole, read by scale group as decode reads them (`by_groups`: INT8's two groups a row at D 32,
 # FP8 rows, NVFP4 halves), the default's mix (K8V4: K whole, V by groups), and gathered for cuDNN's path.
