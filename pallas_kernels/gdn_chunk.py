@@ -70,18 +70,18 @@ def _chunk_program(meta_ref, group):
     return c, h, h // group, meta_ref[1], meta_ref[2]
 
 
-def _load_rows(ref, rows, valid, head):
-    """ref [T, H, D] -> rows of one head as [n, D] float32, zero where not valid (identity tokens)."""
+def _load_rows(ref, rows, valid, head, dtype):
+    """ref [T, H, D] -> rows of one head as [n, D] in `dtype`, zero where not valid (identity tokens)."""
     cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
     x = _compat.load(ref.at[rows[:, None], head, cols[None, :]], mask=valid[:, None], other=0)
-    return x.astype(_F32)
+    return x.astype(dtype)
 
 
-def _load_rows_t(ref, rows, valid, head):
-    """ref [T, H, D] -> rows of one head transposed, [D, n] float32, zero where not valid."""
+def _load_rows_t(ref, rows, valid, head, dtype):
+    """ref [T, H, D] -> rows of one head transposed, [D, n] in `dtype`, zero where not valid."""
     cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
     x = _compat.load(ref.at[rows[None, :], head, cols[:, None]], mask=valid[None, :], other=0)
-    return x.astype(_F32)
+    return x.astype(dtype)
 
 
 def _load_col(ref, rows, valid, head):
@@ -114,7 +114,7 @@ def _solve_kernel(
         g_before = jnp.zeros((), _F32)
         for b in range(NSUB):
             rows, valid, _ = _token_rows(c, phase, b * SUB, SUB, t_len)
-            ks.append(_load_rows(k_ref, rows, valid, hk).astype(mm_dtype))
+            ks.append(_load_rows(k_ref, rows, valid, hk, mm_dtype))
             g = _load_col(g_ref, rows, valid, h)
             betas.append(_load_col(beta_ref, rows, valid, h))
             gcs.append(jnp.cumsum(g) + g_before)
@@ -124,17 +124,17 @@ def _solve_kernel(
         col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
         strict = row > col
 
-        # A blocks (i >= j): beta_i k_i k_j^T exp(gc_i - gc_j), strictly lower on the diagonal.
+        # A blocks (i >= j): beta_i k_i k_j^T exp(gc_i - gc_j), strictly lower on the diagonal. beta scales the
+        # float32 product: scaling k first held four [16, Dk] float32 tiles on one warp and took twice as long.
         a = {}
         for i in range(NSUB):
-            kb = (ks[i].astype(_F32) * betas[i][:, None]).astype(mm_dtype)
             for j in range(i + 1):
                 diff = gcs[i][:, None] - gcs[j][None, :]
                 if i == j:
                     dec = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
                 else:  # every row after every column: diff <= 0
                     dec = jnp.exp(diff)
-                a[i, j] = _dot_nt(kb, ks[j]) * dec
+                a[i, j] = _dot_nt(ks[i], ks[j]) * (betas[i][:, None] * dec)
 
         # Diagonal blocks: (I + A_ii)^-1 = I + X, row r of X = -A_r - sum_k A_rk X_k (forward substitution).
         def substitute(r, xs):
@@ -178,8 +178,8 @@ def _wu_kernel(
     beta_ref,  # [T, Hv] (whole array)
     tinv_ref,  # [64, 64] mm_dtype: this chunk's (I + A)^-1
     gc_ref,  # [64] f32
-    w_ref,  # out [64, Dk] mm_dtype: T (beta k e^gc)
-    u_ref,  # out [64, Dv] mm_dtype: T (beta v)
+    w_ref,  # out [64, Dk] mm_dtype: T diag(beta e^gc) k
+    u_ref,  # out [64, Dv] mm_dtype: T diag(beta) v
     *p_refs,  # out [64, 64] mm_dtype: causal(q k^T exp(gc_i - gc_j)) (only with the fused recurrence)
     t_len: int,
     group: int,
@@ -190,15 +190,17 @@ def _wu_kernel(
     @pl.when(c < n_chunks)
     def _():
         rows, valid, _ = _token_rows(c, phase, 0, CHUNK, t_len)
-        k = _load_rows(k_ref, rows, valid, hk)
+        k = _load_rows(k_ref, rows, valid, hk, mm_dtype)
         beta = _load_col(beta_ref, rows, valid, h)
         gc = gc_ref[...]
-        tinv = tinv_ref[...]
-        w_ref[...] = dot(tinv, (k * (beta * jnp.exp(gc))[:, None]).astype(mm_dtype)).astype(w_ref.dtype)
-        v = _load_rows(v_ref, rows, valid, h)
-        u_ref[...] = dot(tinv, (v * beta[:, None]).astype(mm_dtype)).astype(u_ref.dtype)
+        # The row scales go on T's columns ([64, 64]), not on k's and v's rows ([64, D]): k and v reach the
+        # products as loaded, with no float32 tile of either.
+        tinv = tinv_ref[...].astype(_F32)
+        w_ref[...] = dot((tinv * (beta * jnp.exp(gc))[None, :]).astype(mm_dtype), k).astype(w_ref.dtype)
+        v = _load_rows(v_ref, rows, valid, h, mm_dtype)
+        u_ref[...] = dot((tinv * beta[None, :]).astype(mm_dtype), v).astype(u_ref.dtype)
         if p_refs:
-            q = _load_rows(q_ref, rows, valid, hk)
+            q = _load_rows(q_ref, rows, valid, hk, mm_dtype)
             p_refs[0][...] = _intra_attention(q, k, gc, mm_dtype).astype(p_refs[0].dtype)
 
 
@@ -250,7 +252,7 @@ def _recurrent_kernel(
     def step(c, s):  # s: [Dk, block_v] f32, the state before chunk c
         rows = pl.ds(c * CHUNK, CHUNK)
         tok, valid, t = _token_rows(c, phase, 0, CHUNK, t_len)
-        k_t = _load_rows_t(k_ref, tok, valid, hk)  # [Dk, 64]: loaded transposed, no register transpose
+        k_t = _load_rows_t(k_ref, tok, valid, hk, mm_dtype)  # [Dk, 64]: loaded transposed, no register transpose
         w = w_ref[h, rows, :]
         u = u_ref[h, rows, vcols].astype(_F32)
         gc = gc_ref[h, rows]
@@ -259,9 +261,11 @@ def _recurrent_kernel(
         s_mm = s.astype(mm_dtype)
         v_new = u - dot(w, s_mm)
         v_mm = v_new.astype(mm_dtype)
+        # Decays scale the products' float32 rows (o's by exp(gc), the state update's v_new by
+        # exp(g_last - gc)), so q and k reach the products as loaded, with no float32 [64, Dk] tile.
         if fuse_output:
-            q = _load_rows(q_ref, tok, valid, hk)
-            o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), s_mm) + dot(p_ref[h, rows, :], v_mm)
+            q = _load_rows(q_ref, tok, valid, hk, mm_dtype)
+            o = dot(q, s_mm) * jnp.exp(gc)[:, None] + dot(p_ref[h, rows, :], v_mm)
             trash = jnp.where(valid, t, t_len)  # masked lanes never store; interpret mode has a trash row
             _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o.astype(o_ref.dtype),
                           mask=valid[:, None])
@@ -269,8 +273,8 @@ def _recurrent_kernel(
             h_ref[h, c, :, vcols] = s_mm
             vn_ref[h, rows, vcols] = v_mm
 
-        k_dec = (k_t * jnp.exp(g_last - gc)[None, :]).astype(mm_dtype)
-        s = s * jnp.exp(g_last) + dot(k_dec, v_mm)
+        v_dec = (v_new * jnp.exp(g_last - gc)[:, None]).astype(mm_dtype)
+        s = s * jnp.exp(g_last) + dot(k_t, v_dec)
         if n_taps:  # one predicated store per chunk, whatever M: the slot of the tap ending chunk c
             target = jnp.int32(-1)
             for j in range(n_taps):
@@ -311,11 +315,11 @@ def _output_kernel(
     @pl.when(c < n_chunks)
     def _():
         tok, valid, t = _token_rows(c, phase, 0, CHUNK, t_len)
-        q = _load_rows(q_ref, tok, valid, hk)
-        k = _load_rows(k_ref, tok, valid, hk)
+        q = _load_rows(q_ref, tok, valid, hk, mm_dtype)
+        k = _load_rows(k_ref, tok, valid, hk, mm_dtype)
         gc = gc_ref[...]
         p = _intra_attention(q, k, gc, mm_dtype).astype(mm_dtype)
-        o = dot((q * jnp.exp(gc)[:, None]).astype(mm_dtype), h_ref[...]) + dot(p, vn_ref[...])
+        o = dot(q, h_ref[...]) * jnp.exp(gc)[:, None] + dot(p, vn_ref[...])
         out_cols = vb * block_v + jnp.arange(block_v, dtype=jnp.int32)
         trash = jnp.where(valid, t, t_len)
         _compat.store(o_ref.at[trash[:, None], h, out_cols[None, :]], o.astype(o_ref.dtype), mask=valid[:, None])
@@ -330,8 +334,8 @@ def _output_kernel(
 class GdnChunkConfig:
     """Tuning knobs of the chunked kernels (hashable: a static argument)."""
 
-    # The fused output beats the split variant's per-chunk state traffic, and the w/u kernel is fastest on 8 warps
-    # at the 35B-A3B's heads (docs/kernels_notes.md, docs/benchmarks/kernels.md).
+    # The fused output beats the split variant's per-chunk state traffic; the w/u kernel, its k and v in bf16 and
+    # the scales on T's columns, is fastest on 4 warps (docs/kernels_notes.md, docs/benchmarks/kernels.md).
     fuse_output: bool = True  # output inside the recurrence (no per-chunk states in HBM) or a 4th kernel
     # Dv columns per recurrent program (grid Hv x Dv / block_v) and its load pipelining; None: by the call's shapes
     # (`recurrent_tiles`)
@@ -339,7 +343,7 @@ class GdnChunkConfig:
     num_warps: int = 4  # recurrent kernel
     num_stages: int | None = None
     solve_num_warps: int = 1  # (I + A)^-1 kernel: row reductions stay inside one warp
-    wu_num_warps: int = 8
+    wu_num_warps: int = 4
     out_block_v: int = 64  # output kernel (split variant)
     out_num_warps: int = 4
     mm_dtype: str | None = None  # matmul operand dtype; None: v's dtype

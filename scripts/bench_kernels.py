@@ -383,13 +383,11 @@ def run_gdn():
                 _gdn_ours_step(default, interp), gdn_pool(jax.random.key(1), slots, hv, d), args)[0])
             prev = guarded(f"gdn ours, previous tiles {name} {t}", lambda: time_jax(
                 _gdn_ours_step(PREV_TILES, interp), gdn_pool(jax.random.key(1), slots, hv, d), args)[0])
-            taps8 = None
-            if t == t_sweep:
-                step = t // 8 // 64 * 64
-                tp = jnp.array([step * (i + 1) for i in range(8)], jnp.int32)
-                args8 = (q, k, v, g, beta, tp, jnp.arange(1, 9, dtype=jnp.int32), jnp.int32(0))
-                taps8 = guarded(f"gdn ours 8 taps {name} {t}", lambda: time_jax(
-                    _gdn_ours_step(default, interp), gdn_pool(jax.random.key(1), slots, hv, d), args8)[0])
+            step = t // 8 // 64 * 64  # 8 taps at every length: the engine's prefill writes them
+            tp = jnp.array([step * (i + 1) for i in range(8)], jnp.int32)
+            args8 = (q, k, v, g, beta, tp, jnp.arange(1, 9, dtype=jnp.int32), jnp.int32(0))
+            taps8 = guarded(f"gdn ours 8 taps {name} {t}", lambda: time_jax(
+                _gdn_ours_step(default, interp), gdn_pool(jax.random.key(1), slots, hv, d), args8)[0])
             xla = None
             if not ARGS.skip_ref and t <= 4096:
                 xla = guarded(f"gdn ref {name} {t}", lambda: time_jax(
