@@ -34,6 +34,7 @@ from ninfer_jax.model.state import PAGE
 from ninfer_jax.model.tiny import default_checkpoint, qwen35_tokenizer_dir
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.bad_words import BadWords, token_sequences
+from ninfer_jax.runtime.thinking_budget import THINK_CLOSE, ThinkingBudget, think_close_id
 from ninfer_jax.runtime.device.cache_file import checkpoint_identity
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.request import (
@@ -342,7 +343,16 @@ class Engine:
         allowed = None if sampling.allowed_token_ids is None else \
             pack_token_bits(sampling.allowed_token_ids, self.config.vocab_size)
         return Request(rid, prepared, sampling, seed, sink or (lambda ev: None), detok, grammar=grammar,
-                       allowed=allowed, bad_words=self._bad_words(sampling.bad_words, barred))
+                       allowed=allowed, bad_words=self._bad_words(sampling.bad_words, barred),
+                       thinking=self._thinking(sampling.thinking_budget))
+
+    def _thinking(self, budget: int | None) -> ThinkingBudget | None:
+        if budget is None:
+            return None
+        end = think_close_id(self.tokenizer)
+        if end is None:
+            raise InvalidRequestError(f"thinking_budget needs a tokenizer with {THINK_CLOSE} as one token")
+        return ThinkingBudget(budget, end)
 
     def _bad_words(self, words: tuple[str, ...] | None, barred: dict | None) -> BadWords | None:
         if words is None:

@@ -175,6 +175,7 @@ class Request:
     grammar: Any | None = None  # structured.Grammar of a response_format; advanced by the OutputProcessor
     allowed: np.ndarray | None = None  # allowed_token_ids as packed bits (sampling.pack_token_bits), constant
     bad_words: Any | None = None  # bad_words.BadWords of its sampling's bad_words
+    thinking: Any | None = None  # thinking_budget.ThinkingBudget of its sampling's thinking_budget
     # A verify round fed drafts past a stop the host found (a stop string): the lane's state is past `computed`, so
     # its release takes no endpoint snapshot (its KV pages up to `computed` are exact).
     state_ahead: bool = False
@@ -185,9 +186,10 @@ class Request:
 
     @property
     def mask_follows_output(self) -> bool:
-        """Whether its allowed tokens depend on its last token (a grammar, or a bad word of two or more tokens): it
-        then decodes only once the host has read that token."""
-        return self.grammar is not None or self.bad_words is not None and self.bad_words.follows_output
+        """Whether its allowed tokens depend on its last token (a grammar, a bad word of two or more tokens, or a
+        thinking budget about to be spent): it then decodes only once the host has read that token."""
+        return (self.grammar is not None or self.bad_words is not None and self.bad_words.follows_output
+                or self.thinking is not None and self.thinking.follows_output(self.output))
 
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""

@@ -93,6 +93,9 @@ class SamplingParams:
     # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
     # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
     response_format: dict | None = None
+    # Not vLLM's: tokens the output may think for when it starts inside the model's reasoning (`<think>` ends the
+    # prompt); past them the end of thinking is forced (thinking_budget.py). Anthropic's thinking.budget_tokens.
+    thinking_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -138,6 +141,9 @@ class SamplingParams:
             if not ids:
                 raise ValueError("allowed_token_ids must not be empty")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
+        budget = self.thinking_budget
+        if budget is not None and (not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"thinking_budget must be an integer >= 0, got {budget!r}")
         if self.bad_words is not None:
             words = _items(self.bad_words)
             if words is None or not all(isinstance(w, str) and w.strip() for w in words):
@@ -172,11 +178,11 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens, bad words or a
-        grammar)."""
+        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens, bad words, a
+        thinking budget or a grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or self.bad_words is not None or self.response_format is not None)
+                or self.bad_words is not None or self.thinking_budget is not None or self.response_format is not None)
 
     def samples(self, n: int) -> list[SamplingParams]:
         """The samplings of n samples of one prompt (vLLM's `n`): with a seed s, sample i draws with seed s + i, so

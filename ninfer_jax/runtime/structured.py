@@ -123,8 +123,9 @@ class GrammarCompiler:
 
 def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The logit processing of a step whose requests `reqs` each hold a lane: (allowed-token masks int32
-    [lanes, words], all bits set but for lanes with a grammar, allowed_token_ids or bad_words, which take each; bool
-    [lanes], the lanes that process their logits), or None when none of them does (the plain samplers run)."""
+    [lanes, words], all bits set but for lanes with a grammar, allowed_token_ids, bad_words or a thinking budget,
+    which take each, the budget's forced end of thinking last; bool [lanes], the lanes that process their logits), or
+    None when none of them does (the plain samplers run)."""
     if not any(r.sampling.processed for r in reqs):
         return None
     allowed = np.full((lanes, words), -1, np.int32)
@@ -137,4 +138,6 @@ def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray
             allowed[r.lane] &= r.allowed
         if r.bad_words is not None:
             r.bad_words.apply(allowed[r.lane], r.output)
+        if r.thinking is not None:
+            r.thinking.apply(allowed[r.lane], r.output)
     return allowed, processed

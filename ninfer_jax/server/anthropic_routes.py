@@ -56,13 +56,14 @@ async def create_message(request: Request):
                                                               enable_thinking=body.enable_thinking,
                                                               continue_final_message=prefilled))
     check_context(engine.max_model_len, prepared.num_tokens, body.max_tokens)
+    thinking = body.enable_thinking and not prefilled  # the answer starts inside its reasoning
     sampling = sampling_params(engine, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k, stop=tuple(body.stop_sequences or ()),
-                               response_format=None if forced is None else forced.response_format())
+                               response_format=None if forced is None else forced.response_format(),
+                               thinking_budget=body.thinking_budget if thinking else None)
     await prepare_sampling(ctx, sampling, param="tools")
     run = EngineRun(engine, prepared, sampling, f"msg_{uuid.uuid4().hex[:24]}", ctx)
-    parser = OutputParser(thinking=body.enable_thinking and not prefilled, tools=given.tools, forced=forced,
-                          max_calls=1 if single else None)
+    parser = OutputParser(thinking=thinking, tools=given.tools, forced=forced, max_calls=1 if single else None)
     if body.stream:
         first = await first_event(request, run)
         return EventStream(_stream(ctx, body, given, prepared, run, first, parser))

@@ -62,8 +62,13 @@ class MessagesRequest(_Lenient):
 
     @property
     def enable_thinking(self) -> bool:
-        """Thinking is off unless asked for, as in the Messages API (the budget is not enforced)."""
+        """Thinking is off unless asked for, as in the Messages API."""
         return self.thinking is not None and self.thinking.type != "disabled"
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """The tokens the answer may think for: `budget_tokens` of enabled thinking (adaptive thinking has none)."""
+        return self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
 
     @property
     def tools_enabled(self) -> bool:

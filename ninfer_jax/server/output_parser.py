@@ -15,10 +15,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ninfer_jax.runtime.thinking_budget import THINK_CLOSE
+
 from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, parse_tool_call
 from .tool_choice import ForcedTools
-
-THINK_CLOSE = "</think>"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ninfer_jax.frontend import Breakpoint
+from ninfer_jax.runtime.thinking_budget import think_close_id
 
 from .chat_prompt import ReasoningEffort, prepare_prompt, thinking_mode
 from .errors import ApiError, openai_error, refuse_unsupported
@@ -33,7 +34,7 @@ from .generation import (ANSWERED, EngineRun, Outcome, default_max_tokens, failu
                          sampling_params, until_disconnect)
 from .images import image_part, url_source
 from .limits import check_context
-from .output_parser import THINK_CLOSE, OutputParser, Piece
+from .output_parser import OutputParser, Piece
 from .request_body import read_request
 from .sse import EventStream, sse
 from .tool_calls import sent_arguments
@@ -112,7 +113,7 @@ async def create_response(request: Request):
     run = EngineRun(engine, prepared, sampling, response_id, ctx)
     limits = [n for n in (1 if body.parallel_tool_calls is False else None, body.max_tool_calls) if n is not None]
     parser = OutputParser(thinking=thinking, tools=tools, forced=forced, max_calls=min(limits, default=None))
-    output = _Output(parser, _think_close_id(engine.tokenizer))
+    output = _Output(parser, think_close_id(engine.tokenizer))
     shell = _response(body, response_id, ctx.model_name)
     if body.stream:
         first = await first_event(request, run)
@@ -364,7 +365,3 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return fmt
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
-
-def _think_close_id(tokenizer: Any) -> int | None:
-    ids = tokenizer.encode(THINK_CLOSE) if tokenizer is not None else []
-    return ids[0] if len(ids) == 1 else None

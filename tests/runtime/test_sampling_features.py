@@ -1,5 +1,6 @@
 """Logit processing as vLLM defines it: presence, frequency and repetition penalties, logit_bias, min_tokens, and
-JSON output through a grammar's allowed-token masks; requests without them keep their programs and tokens."""
+JSON output through a grammar's allowed-token masks; a thinking budget; requests without them keep their programs
+and tokens."""
 
 import json
 
@@ -9,6 +10,7 @@ import pytest
 
 from ninfer_jax import Engine, InvalidRequestError, SamplingParams
 from ninfer_jax.runtime.bad_words import BadWords, token_sequences
+from ninfer_jax.runtime.thinking_budget import ThinkingBudget, think_close_id
 from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, SamplerState, lane_row, mask_words, pack_token_bits, process_logits, set_lane_row,
 )
@@ -194,6 +196,29 @@ def test_n_samples_tokenize_their_bad_words_once_and_each_avoids_them(engine, mo
     assert calls == [(word,)]
     engine.check_ledger()
 
+
+
+def test_a_thinking_budget_forces_the_end_of_thinking_once_spent_and_the_model_goes_on_from_it(engine):
+    end = think_close_id(engine.tokenizer)
+    plain = engine.generate(PROMPT, _greedy(8)).token_ids
+    assert end not in plain
+    for budget in (0, 3):  # 3: the lane's rounds run ahead of the host until the budget's last token
+        out = engine.generate(PROMPT, _greedy(8, thinking_budget=budget)).token_ids
+        assert out[:budget] == plain[:budget] and out[budget] == end
+        assert out[budget + 1:] == engine.generate(PROMPT + list(out[:budget + 1]), _greedy(7 - budget)).token_ids
+    engine.check_ledger()
+
+
+def test_a_thinking_budget_forces_nothing_once_the_output_has_ended_its_thinking():
+    budget, row = ThinkingBudget(2, end_id=37), np.full(mask_words(64), -1, np.int32)
+    budget.apply(row, [5, 37, 6])
+    assert (row == -1).all() and not budget.follows_output([5, 37, 6])
+    fresh = ThinkingBudget(2, end_id=37)
+    assert not fresh.follows_output([]) and fresh.follows_output([5])
+    fresh.apply(row, [5, 6])
+    assert np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist() == [37]
+    with pytest.raises(ValueError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-1)
 
 def test_presence_and_frequency_penalties_break_greedy_repeats(engine, least_bias):
     def repeats(bias, **penalty):

@@ -109,6 +109,17 @@ def test_anthropic_stream_gives_thinking_text_and_tool_use_blocks(claude, engine
     assert final.stop_reason == "tool_use"
 
 
+
+def test_anthropic_enabled_thinking_sends_its_budget_and_adaptive_or_prefilled_thinking_none(claude, engine):
+    hi = [{"role": "user", "content": "Hi"}]
+    for thinking, messages, budget in (({"type": "enabled", "budget_tokens": 1024}, hi, 1024),
+                                       ({"type": "adaptive"}, hi, None),
+                                       ({"type": "enabled", "budget_tokens": 1024},
+                                        [*hi, {"role": "assistant", "content": "Sure"}], None)):
+        engine.say("Fine.")
+        claude.messages.create(model=MODEL, max_tokens=2048, thinking=thinking, messages=messages)
+        assert engine.sampling[-1].thinking_budget == budget
+
 def test_anthropic_thinking_blocks_come_back_as_reasoning(claude, engine):
     engine.say("Fine.")
     claude.messages.create(model=MODEL, max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
