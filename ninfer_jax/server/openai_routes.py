@@ -79,13 +79,14 @@ async def chat_completions(request: Request):
         cache_salt=body.cache_salt))
     prepared = truncated(engine, prepared, body.truncate_prompt_tokens)
     check_context(engine.max_model_len, prepared.num_tokens, body.output_limit)
+    # a continued answer is past the template's think block: the model writes content from its first token
+    reasoning = thinking and not body.continue_final_message
     sampling = _sampling(engine, body, body.output_limit or default_max_tokens(engine, prepared.num_tokens),
-                         body.output_format(forced))
+                         body.output_format(forced), body.thinking_token_budget if reasoning else None)
     await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     runs = sample_runs(engine, prepared, sampling, body.n, response_id, ctx)
-    # a continued answer is past the template's think block: the model writes content from its first token
-    parsers = [OutputParser(thinking=thinking and not body.continue_final_message, tools=chat.tools, forced=forced,
+    parsers = [OutputParser(thinking=reasoning, tools=chat.tools, forced=forced,
                             keep_reasoning=body.include_reasoning,
                             max_calls=1 if body.parallel_tool_calls is False else None) for _ in runs]
     if body.stream:
@@ -310,7 +311,8 @@ async def _completion_stream(ctx: ServerContext, body: CompletionRequest, reques
 
 # --- helpers ------------------------------------------------------------------------------------------
 
-def _sampling(engine, body, max_tokens: int | None, response_format: dict[str, Any] | None):
+def _sampling(engine, body, max_tokens: int | None, response_format: dict[str, Any] | None,
+              thinking_budget: int | None = None):
     return sampling_params(
         engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, seed=body.seed,
@@ -321,6 +323,7 @@ def _sampling(engine, body, max_tokens: int | None, response_format: dict[str, A
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         truncate_prompt_tokens=body.truncate_prompt_tokens, response_format=response_format,
+        thinking_budget=thinking_budget,
     )
 
 

@@ -211,6 +211,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (the model still thinks)
+    # vLLM's: tokens a thinking answer may reason for before </think> is forced (SamplingParams.thinking_budget)
+    thinking_token_budget: int | None = Field(None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the last (assistant) message is the start of the answer, which the model continues
     continue_final_message: bool = False

@@ -120,6 +120,14 @@ def test_anthropic_enabled_thinking_sends_its_budget_and_adaptive_or_prefilled_t
         claude.messages.create(model=MODEL, max_tokens=2048, thinking=thinking, messages=messages)
         assert engine.sampling[-1].thinking_budget == budget
 
+
+def test_vllms_thinking_token_budget_reaches_the_sampling_of_a_thinking_answer_only(oai, engine):
+    for kwargs, budget in (({}, 5), ({"chat_template_kwargs": {"enable_thinking": False}}, None)):
+        engine.say("Fine.")
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                    extra_body={"thinking_token_budget": 5, **kwargs})
+        assert engine.sampling[-1].thinking_budget == budget
+
 def test_anthropic_thinking_blocks_come_back_as_reasoning(claude, engine):
     engine.say("Fine.")
     claude.messages.create(model=MODEL, max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
