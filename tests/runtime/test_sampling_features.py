@@ -10,10 +10,10 @@ import pytest
 
 from ninfer_jax import Engine, InvalidRequestError, SamplingParams
 from ninfer_jax.runtime.bad_words import BadWords, token_sequences
-from ninfer_jax.runtime.thinking_budget import ThinkingBudget, think_close_id
 from ninfer_jax.runtime.sampling import (
     MAX_LOGIT_BIAS, SamplerState, lane_row, mask_words, pack_token_bits, process_logits, set_lane_row,
 )
+from ninfer_jax.runtime.thinking_budget import ThinkingBudget, think_close_id
 
 PROMPT = list(range(1000, 1040))
 X = 4242  # the token the knobs push around (not in PROMPT)
@@ -197,7 +197,6 @@ def test_n_samples_tokenize_their_bad_words_once_and_each_avoids_them(engine, mo
     engine.check_ledger()
 
 
-
 def test_a_thinking_budget_forces_the_end_of_thinking_once_spent_and_the_model_goes_on_from_it(engine):
     end = think_close_id(engine.tokenizer)
     plain = engine.generate(PROMPT, _greedy(8)).token_ids
@@ -219,6 +218,7 @@ def test_a_thinking_budget_forces_nothing_once_the_output_has_ended_its_thinking
     assert np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist() == [37]
     with pytest.raises(ValueError, match="thinking_budget"):
         SamplingParams(thinking_budget=-1)
+
 
 def test_presence_and_frequency_penalties_break_greedy_repeats(engine, least_bias):
     def repeats(bias, **penalty):
