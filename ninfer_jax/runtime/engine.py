@@ -34,7 +34,6 @@ from ninfer_jax.model.state import PAGE
 from ninfer_jax.model.tiny import default_checkpoint, qwen35_tokenizer_dir
 from ninfer_jax.runtime import startup
 from ninfer_jax.runtime.bad_words import BadWords, token_sequences
-from ninfer_jax.runtime.thinking_budget import THINK_CLOSE, ThinkingBudget, think_close_id
 from ninfer_jax.runtime.device.cache_file import checkpoint_identity
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.request import (
@@ -44,6 +43,7 @@ from ninfer_jax.runtime.request import (
 from ninfer_jax.runtime.sampling import SamplingParams, generation_defaults, pack_token_bits
 from ninfer_jax.runtime.scheduler import Scheduler
 from ninfer_jax.runtime.structured import GrammarCompiler
+from ninfer_jax.runtime.thinking_budget import THINK_CLOSE, ThinkingBudget, think_close_id
 
 log = logging.getLogger("ninfer_jax.engine")
 

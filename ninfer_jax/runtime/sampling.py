@@ -93,8 +93,9 @@ class SamplingParams:
     # OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}};
     # None or {"type": "text"}: unconstrained. The engine compiles it to a grammar at submit time.
     response_format: dict | None = None
-    # Not vLLM's: tokens the output may think for when it starts inside the model's reasoning (`<think>` ends the
-    # prompt); past them the end of thinking is forced (thinking_budget.py). Anthropic's thinking.budget_tokens.
+    # vLLM's thinking_token_budget, Anthropic's thinking.budget_tokens: tokens the output may think for when it starts
+    # inside the model's reasoning (`<think>` ends the prompt); past them the end of thinking is forced
+    # (thinking_budget.py).
     thinking_budget: int | None = None
 
     def __post_init__(self):
