@@ -1,6 +1,7 @@
 """Whether a chat request thinks, on the real engine: `reasoning_effort`, `chat_template_kwargs.enable_thinking`,
 the server's default (--default-thinking), and a JSON response_format, which runs without thinking so that its
-JSON is the answer's content. The tiny model never closes </think>, so thinking shows as all-reasoning output."""
+JSON is the answer's content. The tiny model never closes </think>, so thinking shows as all-reasoning output,
+unless a thinking budget closes it."""
 
 from __future__ import annotations
 
@@ -66,6 +67,13 @@ def test_json_schema_output_is_the_content_with_thinking_on_by_default(oai, engi
     value = json.loads(message.content)
     assert set(value) == {"ok"} and isinstance(value["ok"], bool)
 
+
+
+def test_a_thinking_token_budget_ends_the_reasoning_and_the_answer_goes_on_as_content(oai, engine):
+    plain = _ask(oai, engine, max_tokens=3)
+    budgeted = _ask(oai, engine, max_tokens=12, extra_body={"thinking_token_budget": 3})
+    assert _thought(plain) and budgeted.content
+    assert budgeted.model_extra["reasoning_content"] == plain.model_extra["reasoning_content"]
 
 def test_default_thinking_flag():
     parse = build_parser().parse_args
