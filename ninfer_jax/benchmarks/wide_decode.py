@@ -156,8 +156,11 @@ def full_width_window(events: list[list[tuple[float, int]]]) -> DecodeWindow | N
     that lane. It closes at the first lane's last token. None when fewer than two reads lie between, or a lane has
     no token (the first lane finished too early: give each lane more tokens than there are lanes).
 
-    `every_lane` checks that each lane has an event within half the shortest gap between reads of each read in
-    the window: a read emits every lane's event within moments, before or after the first lane's."""
+    `every_lane` checks that each lane has an event in each timed read, by order rather than by closeness in time
+    (a loaded host can stall between two lanes' events of one read longer than between two reads): the engine's
+    thread emits a read's events one after another, each lane at the same place in every read, so a lane emitted
+    before the first lane has one event in each interval (previous read, read], one emitted after it one in each
+    [read, next read)."""
     if not all(events):
         return None
     last_first = max(lane[0][0] for lane in events)
@@ -167,17 +170,20 @@ def full_width_window(events: list[list[tuple[float, int]]]) -> DecodeWindow | N
         return None
     start, end = reads[0][0], reads[-1][0]
     rounds = sum(n for _, n in reads[1:])
-    half_gap = min(b[0] - a[0] for a, b in itertools.pairwise(reads)) / 2
+    times = [t for t, _ in reads]
 
-    def emitted_at(lane: list[tuple[float, int]], read: float) -> bool:
-        i = bisect.bisect_left(lane, (read - half_gap,))
-        return i < len(lane) and lane[i][0] < read + half_gap
+    def in_every_read(lane: list[tuple[float, int]]) -> bool:
+        at = [t for t, _ in lane]
+        before = all(bisect.bisect_right(at, b) > bisect.bisect_right(at, a) for a, b in itertools.pairwise(times))
+        after = all(bisect.bisect_left(at, b) > bisect.bisect_left(at, a)
+                    for a, b in itertools.pairwise([*times[1:], float("inf")]))
+        return before or after
 
     def mean_emitted(until: float) -> float:
         return sum(n for lane in events for t, n in lane if t <= until) / len(events)
 
     return DecodeWindow(len(events), rounds, end - start, mean_emitted(start), mean_emitted(end),
-                        all(emitted_at(lane, t) for lane in events for t, _ in reads[1:]))
+                        all(in_every_read(lane) for lane in events))
 
 
 @dataclasses.dataclass(frozen=True)

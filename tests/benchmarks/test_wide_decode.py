@@ -96,6 +96,10 @@ def test_the_window_runs_from_the_second_read_after_the_last_first_token_to_the_
     # lane 2 emitted just after lane 0 in each read still counts once per round; a round without lane 1 shows
     late = [(t + 0.001, n) for t, n in lane2]
     assert full_width_window([lane0, lane1, late]).every_lane
+    # a host stalled between two lanes' events of a read for over half the gap between reads: still once per round
+    stalled = [(t + 0.3, n) for t, n in lane2]
+    assert full_width_window([lane0, lane1, stalled]).every_lane
+    assert not full_width_window([lane0, lane1, [e for e in stalled if e[0] != 3.8]]).every_lane
     assert not full_width_window([lane0, [e for e in lane1 if e[0] != 3.5], lane2]).every_lane
     assert full_width_window([lane0[:4], lane1, lane2]) is None  # lane 0 ends at the read that opens the window
     assert full_width_window([lane0, lane1, []]) is None  # a lane without a token
