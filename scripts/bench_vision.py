@@ -56,7 +56,7 @@ from ninfer_jax.model.vision import (
 )
 from ninfer_jax.model.vision import padded_metadata
 from ninfer_jax.runtime.device.buckets import fit
-from ninfer_jax.runtime.device.runner import jit_encode_step
+from ninfer_jax.runtime.device.steps import jit_encode_step
 from ninfer_jax.runtime.options import EngineOptions
 
 AGREE = 5e-2  # bf16 through 27 blocks: a few bf16 steps of the largest output; a wrong position or mask is O(1)

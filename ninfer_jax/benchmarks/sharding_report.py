@@ -19,7 +19,7 @@ from ninfer_jax.benchmarks.profiling import HLO_DTYPE_BYTES, hlo_array_bytes
 from ninfer_jax.model import ops
 from ninfer_jax.model.random_init import random_params
 from ninfer_jax.model.state import PAGE, init_device_state
-from ninfer_jax.runtime.device.runner import DECODE_COLUMNS, jit_decode_step
+from ninfer_jax.runtime.device.steps import DECODE_COLUMNS, jit_decode_step
 from ninfer_jax.runtime.device.sharding import ParallelLayout, device_bytes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

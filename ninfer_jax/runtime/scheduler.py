@@ -28,7 +28,8 @@ import numpy as np
 
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
-from ninfer_jax.runtime.device.runner import CLOSING, LANE_STOPS, ModelRunner
+from ninfer_jax.runtime.device.runner import ModelRunner
+from ninfer_jax.runtime.device.steps import CLOSING, LANE_STOPS
 from ninfer_jax.runtime.images import ImageFeeder
 from ninfer_jax.runtime.options import EngineOptions
 from ninfer_jax.runtime.outputs import OutputProcessor

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ninfer_jax.runtime.device.buckets import pow2_buckets
-from ninfer_jax.runtime.device.runner import DECODE_COLUMNS, pack_decode_inputs
+from ninfer_jax.runtime.device.steps import DECODE_COLUMNS, pack_decode_inputs
 from ninfer_jax.runtime.sampling import SamplerInputs, grouped_top_k
 
 
