@@ -191,6 +191,12 @@ class Request:
         return (self.grammar is not None or self.bad_words is not None and self.bad_words.follows_output
                 or self.thinking is not None and self.thinking.follows_output(self.output))
 
+    def processes_logits(self, ahead: int = 1) -> bool:
+        """Whether one of its next `ahead + 1` tokens needs `process_logits`: every token when its sampling asks for
+        processing; with a thinking budget alone, only where the budget may bind, so its lane verifies drafts and
+        keeps the plain samplers until then."""
+        return self.sampling.processed or self.thinking is not None and self.thinking.binds(self.output, ahead)
+
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """Tokens [start, end) of the sequence: the prompt, then the generated tokens."""
         n = self.num_prompt

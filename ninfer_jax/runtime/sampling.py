@@ -179,11 +179,11 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits need `process_logits` (penalties, bias, min_tokens, allowed tokens, bad words, a
-        thinking budget or a grammar)."""
+        """Whether every token's logits need `process_logits` (penalties, bias, min_tokens, allowed tokens, bad words
+        or a grammar). A thinking budget needs it only where it may bind (`Request.processes_logits`)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or self.bad_words is not None or self.thinking_budget is not None or self.response_format is not None)
+                or self.bad_words is not None or self.response_format is not None)
 
     def samples(self, n: int) -> list[SamplingParams]:
         """The samplings of n samples of one prompt (vLLM's `n`): with a seed s, sample i draws with seed s + i, so

@@ -221,7 +221,9 @@ class Scheduler:
             self.page_tables[lane, :len(head.pages)] = head.pages
             self.rope_shift[lane] = head.prompt.media.rope_delta if head.prompt.media is not None else 0
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
-            if head.sampling.processed:  # its penalty statistics, bias and min_tokens on the device
+            # its SamplerState row: penalty statistics, bias and min_tokens (a thinking budget's processed rounds
+            # read it too, neutral)
+            if head.sampling.processed or head.thinking is not None:
                 self.runner.set_sampler_lane(lane, lane_row(head.sampling, head.prompt_ids, self.outputs.stop_ids,
                                                             self.runner.cfg.vocab_size))
             self.lanes[lane] = head
@@ -287,7 +289,7 @@ class Scheduler:
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
             return end
         for size in reversed(ready.idle):
-            if base + size < n or (base + size == n and req.sampling.greedy and not req.sampling.processed):
+            if base + size < n or (base + size == n and req.sampling.greedy and not req.processes_logits(0)):
                 self.counters["idle_prefill_chunks"] += 1
                 return base + size
         return end
@@ -384,8 +386,9 @@ class Scheduler:
         if not self.speculating or self.pause.paused:
             return False
         live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
+        ahead = 2 * self.runner.verify_rows  # the tokens of a verify round in flight and of the next
         return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
-            r.sampling.processed or r.grammar is not None for r in live) and (
+            r.processes_logits(ahead) or r.grammar is not None for r in live) and (
             self.choice is None or self.choice.speculate(len(live)))
 
     def _measure(self, verify: bool, lanes: int, tokens: int) -> None:

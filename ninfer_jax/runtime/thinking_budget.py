@@ -32,14 +32,19 @@ class ThinkingBudget:
             self._scanned = len(output)
         return self._closed
 
+    def binds(self, output: list[int], ahead: int) -> bool:
+        """Whether the budget may force one of the `ahead + 1` tokens after `output`: it is spent by the last of them
+        and `output` has not ended its thinking."""
+        return len(output) + ahead >= self.budget and not self._read(output)
+
     def follows_output(self, output: list[int]) -> bool:
         """Whether the next token's mask may depend on the token in flight: from the budget's last token on, while
         the thinking is open (the lane then decodes only once the host has read each token)."""
-        return len(output) + 1 >= self.budget and not self._read(output)
+        return self.binds(output, 1)
 
     def apply(self, row: np.ndarray, output: list[int]) -> None:
         """Leaves only the end-of-thinking token in `row` (int32 packed allowed tokens) once `output` has spent the
         budget with its thinking still open."""
-        if len(output) >= self.budget and not self._read(output):
+        if self.binds(output, 0):
             row[:] = 0
             row.view(np.uint32)[self.end_id >> 5] = np.uint32(1 << (self.end_id & 31))

@@ -11,6 +11,7 @@ import pytest
 from ninfer_jax import Engine, SamplingParams
 from ninfer_jax.frontend import load_tokenizer
 from ninfer_jax.model.tiny import trained_checkpoint
+from ninfer_jax.runtime.thinking_budget import think_close_id
 
 CODE = [
     'import os\n\n\ndef read_lines(path):\n    """Return the lines of the file at path."""\n',
@@ -135,6 +136,25 @@ def test_a_lane_that_processes_its_logits_joining_verify_rounds_leaves_every_lan
     assert [o.token_ids for o in got] == [plain.generate(p, sp).token_ids for p, sp in zip(prompts, requests)]
     after = chained.stats()["speculative"]
     assert after["verify_rounds"] > before["verify_rounds"] and after["plain_rounds"] > before["plain_rounds"]
+    chained.check_ledger()
+
+
+def test_a_thinking_budget_lane_verifies_drafts_until_its_budget_may_bind_and_again_once_thinking_ends(engines):
+    """A thinking budget processes the lane's logits only from two rounds before it may bind: before, and again
+    once `</think>` is out, the lane verifies MTP drafts. Tokens equal plain decoding's under the same budget (the
+    end of thinking forced at the budget)."""
+    plain, chained = engines
+    end = think_close_id(chained.tokenizer)
+    prompt = chained.tokenizer.encode(CODE[1] * 9)[:120]
+    free = plain.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)).token_ids
+    assert end not in free
+    for budget in (30, 2):  # drafts before the budget binds; drafts only after the forced end of thinking
+        request = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, thinking_budget=budget)
+        want = plain.generate(prompt, request).token_ids
+        assert want[:budget] == free[:budget] and want[budget] == end
+        got = chained.generate(prompt, request)
+        assert got.token_ids == want
+        assert got.metrics.accepted_tokens > 0
     chained.check_ledger()
 
 
