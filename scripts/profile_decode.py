@@ -3,8 +3,9 @@ kernel.
 
 Default mode, on one idle engine per model: the runner's decode round at 1 and all lanes, synchronous (each
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
-time to dispatch one round; then a jax profiler trace of back-to-back one-lane rounds, its device kernels summed
-by name per round, so the slowest kernels are named with their share. `--engine`: the scheduler's steps under
+time to dispatch one round, and the jitted step's alone by how its per-round inputs arrive; then a jax profiler
+trace of back-to-back one-lane rounds, its device kernels summed by name per round, so the slowest kernels are
+named with their share. `--engine`: the scheduler's steps under
 cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
 
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, random_engine
-from ninfer_jax.benchmarks.profiling import dispatch_ms, kernel_table, time_rounds
+from ninfer_jax.benchmarks.profiling import dispatch_by_input, dispatch_ms, kernel_table, time_rounds
 
 
 def worker_profile(engine, name: str, tokens: int, clock, top: int) -> dict:
@@ -87,6 +88,9 @@ def round_profile(engine, name: str, args) -> dict:
                   f"{s * 1e3:.3f} ms/round", flush=True)
         result[f"{lanes}lane_dispatch_ms"] = dispatch_ms(engine, lanes, position=args.position)
         print(f"[{name}] decode {lanes} lanes: {result[f'{lanes}lane_dispatch_ms']:.3f} ms to dispatch", flush=True)
+        result[f"{lanes}lane_dispatch_by_input"] = by_input = dispatch_by_input(engine, lanes, position=args.position)
+        for label, ms in by_input.items():
+            print(f"[{name}] decode {lanes} lanes, the step alone, {label}: {ms:.3f} ms to dispatch", flush=True)
     trace_dir = Path(args.trace_dir) / name
     inputs = decode_inputs(engine, 1, args.position)
     jax.block_until_ready(engine.runner.decode(*inputs))
@@ -128,6 +132,10 @@ def write_report(rows: list[dict], args, out: Path) -> None:
             lines += [f"## {r['model']}, KV {r['kv_dtype']}", "", *report.table(
                 ["lanes", "synchronous ms/round", "back to back ms/round", "dispatch ms"],
                 [[n, *(f"{r[f'{n}lane_{k}_ms']:.3f}" for k in ("sync", "async", "dispatch"))] for n in (1, lanes)]),
+                "", "The jitted step alone, ms to dispatch, by how its per-round inputs arrive:", "",
+                *report.table(["inputs", *(f"{n} lanes" for n in (1, lanes))],
+                              [[label, *(f"{r[f'{n}lane_dispatch_by_input'][label]:.3f}" for n in (1, lanes))]
+                               for label in r["1lane_dispatch_by_input"]]),
                 "", f"One-lane round, device kernels per round (top {args.top}):", "",
                 *report.table(["us per round", "launches per round", "kernel"],
                               [[f"{k['us_per_round']:.1f}", f"{k['launches_per_round']:.1f}", f"`{k['kernel']}`"]
