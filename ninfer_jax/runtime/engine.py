@@ -374,6 +374,10 @@ class Engine:
         """`sampling`'s grammar (None without a response_format), once it is checked against this engine."""
         if sampling.prompt_logprobs is not None and not self.options.prompt_logprobs:
             raise InvalidRequestError("prompt_logprobs: this engine was started without them (--no-prompt-logprobs)")
+        if sampling.priority != 0 and self.options.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority {sampling.priority}: this engine schedules requests in arrival "
+                                      f"order; start it with scheduling_policy 'priority' (--scheduling-policy "
+                                      f"priority)")
         return self.grammars.prepare(sampling)
 
     def stream(self, prompt, sampling: SamplingParams | None = None,

@@ -166,6 +166,10 @@ class EngineOptions:
         rule=f"auto: on a GPU the most lanes (at most {MAX_CONCURRENCY}) whose state slots (C + D) and "
              f"{AUTO_LANE_KV_TOKENS} KV tokens each (max_model_len if shorter) fit the memory left after the "
              f"weights and the longest prefill pass; {CPU_CONCURRENCY} on a CPU")
+    scheduling_policy: str = _option(
+        str, "fcfs", "the order in which waiting requests get a lane: fcfs (arrival) or priority (each request's "
+        "priority, lower first, arrival breaking ties, as vLLM's; a running request is never preempted for one)",
+        flag="--scheduling-policy", choices=("fcfs", "priority"))
     prefill_chunk: int | None = _option(
         int, None, "prompt tokens per prefill pass; a longer pass keeps running requests' decode waiting longer",
         flag="--prefill-chunk", minimum=64, multiple_of=64,

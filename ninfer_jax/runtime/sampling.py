@@ -97,6 +97,9 @@ class SamplingParams:
     # inside the model's reasoning (`<think>` ends the prompt); past them the end of thinking is forced
     # (thinking_budget.py).
     thinking_budget: int | None = None
+    # vLLM's request priority: with scheduling_policy "priority", waiting requests get a lane lower values first,
+    # arrival breaking ties; it must be 0 under "fcfs". Not sampling, but it travels with the request's settings.
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -120,6 +123,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if not isinstance(self.priority, numbers.Integral) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         self._check_processing()
 
     def _check_processing(self) -> None:

@@ -113,7 +113,12 @@ class Scheduler:
 
     # --- queue -----------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queues `req` last, or with the priority policy after every waiting request of its priority or a lower
+        value: the head (`waiting[0]`) is the one admission serves next and nothing behind it overtakes it."""
+        at = len(self.waiting)
+        if self.options.scheduling_policy == "priority":
+            at = next((i for i, r in enumerate(self.waiting) if r.sampling.priority > req.sampling.priority), at)
+        self.waiting.insert(at, req)
         self.counters["requests_submitted"] += 1
 
     def cancel(self, request_id: str) -> bool:

@@ -323,7 +323,7 @@ def _sampling(engine, body, max_tokens: int | None, response_format: dict[str, A
         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
         allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
         truncate_prompt_tokens=body.truncate_prompt_tokens, response_format=response_format,
-        thinking_budget=thinking_budget,
+        thinking_budget=thinking_budget, priority=body.priority,
     )
 
 

@@ -73,11 +73,10 @@ _STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_any_whitespace", "
                                  "whitespace_pattern"))
 
 
-# vLLM's request fields that change the output (or, priority, its scheduling) and that this server does not
-# implement, with their neutral values: a request may send them only at those (as best_of=1), so none is silently
-# ignored. vLLM too refuses a priority when its scheduler takes none.
+# vLLM's request fields that change the output and that this server does not implement, with their neutral values:
+# a request may send them only at those (as best_of=1), so none is silently ignored.
 _UNSUPPORTED = {"typical_p": 1, "use_beam_search": False, "length_penalty": 1, "spaces_between_special_tokens": True,
-                "logits_processors": None, "chat_template": None, "documents": None, "priority": 0,
+                "logits_processors": None, "chat_template": None, "documents": None,
                 "prompt_embeds": None, "vllm_xargs": None, "kv_transfer_params": None}
 # The same for chat completions alone: vLLM's echo (the last message prefixed to the answer), OpenAI's audio output,
 # web search, and its deprecated functions / function_call (send tools and tool_choice)
@@ -119,6 +118,8 @@ class _Sampling(_Lenient):
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False  # vLLM's, as skip_special_tokens
     skip_special_tokens: bool = True
+    # vLLM's: the order of waiting requests under --scheduling-policy priority (lower first); else it must be 0
+    priority: int = 0
     # vLLM's extension: each prompt token's logprob and its top alternatives (the whole prompt is computed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: the prompt's and each choice's token ids in the response (RL rollouts train on exactly these)

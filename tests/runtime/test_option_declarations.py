@@ -26,8 +26,8 @@ def _engine_actions(parser):
 
 def test_every_engine_option_is_declared_once_on_its_field():
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "dtype", "max_concurrency", "prefill_chunk", "idle_prefill_chunk", "mixed_prefill_tokens", "kv_capacity",
-        "kv_dtype", "generation_config", "chat_template",
+        "dtype", "max_concurrency", "scheduling_policy", "prefill_chunk", "idle_prefill_chunk", "mixed_prefill_tokens",
+        "kv_capacity", "kv_dtype", "generation_config", "chat_template",
         "load_format", "max_model_len", "kernels", "prefill_attention", "fp8_activations", "speculative",
         "num_speculative_tokens", "adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "max_image_tokens",
         "vision_cache_tokens", "interpret", "output_window", "memory_fraction", "compile_threads",
@@ -44,7 +44,8 @@ def test_every_engine_option_is_declared_once_on_its_field():
 
 def test_the_flags_are_the_spec_names():
     assert {o.flag: name for name, o in OPTIONS.items() if o.flag} == {
-        "--dtype": "dtype", "--max-concurrency": "max_concurrency", "--prefill-chunk": "prefill_chunk",
+        "--dtype": "dtype", "--max-concurrency": "max_concurrency", "--scheduling-policy": "scheduling_policy",
+        "--prefill-chunk": "prefill_chunk",
         "--idle-prefill-chunk": "idle_prefill_chunk", "--mixed-prefill-tokens": "mixed_prefill_tokens",
         "--kv-capacity": "kv_capacity", "--kv-dtype": "kv_dtype",
         "--max-model-len": "max_model_len", "--kernels": "kernels", "--prefill-attention": "prefill_attention",

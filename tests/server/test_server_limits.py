@@ -167,14 +167,14 @@ def test_a_non_finite_temperature_is_named_as_such(server, value):
     assert error["message"].startswith("temperature must be a finite number") and error["param"] == "temperature"
 
 
-NEUTRAL = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False, "priority": 0,
+NEUTRAL = {"typical_p": 1, "spaces_between_special_tokens": True, "use_beam_search": False,
            "prompt_embeds": None, "vllm_xargs": None, "echo": False, "audio": None, "modalities": ["text"],
            "functions": None, "web_search_options": None}
 
 
 @pytest.mark.parametrize("path, field, value", [
     *((path, field, value) for path in (CHAT, COMPLETIONS) for field, value in (
-        ("typical_p", 0.5), ("spaces_between_special_tokens", False), ("use_beam_search", True), ("priority", 5),
+        ("typical_p", 0.5), ("spaces_between_special_tokens", False), ("use_beam_search", True),
         ("prompt_embeds", "AAAA"), ("vllm_xargs", {"k": 1}))),
     (CHAT, "echo", True), (CHAT, "audio", {"voice": "alloy", "format": "wav"}), (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}]), (CHAT, "web_search_options", {}),
@@ -186,8 +186,8 @@ def test_a_field_this_server_does_not_implement_is_refused_unless_neutral(server
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-def test_vllms_output_text_fields_reach_the_engine(server, engine, path):
-    fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "min_p": 0.1}
+def test_vllms_request_fields_reach_the_engine(server, engine, path):
+    fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "min_p": 0.1, "priority": 5}
     constraints = {"allowed_token_ids": [7, 3], "bad_words": ["no", "never again"]}
     assert _post(server, path, _body(path, **fields, **constraints)).status_code == 200
     assert {key: getattr(engine.sampling[-1], key) for key in fields} == fields
