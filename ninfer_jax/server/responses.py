@@ -85,6 +85,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's, as on chat completions
+    priority: int = 0  # vLLM's, as on chat completions (--scheduling-policy priority)
 
 
 @router.post("/v1/responses")
@@ -107,7 +108,7 @@ async def create_response(request: Request):
     check_context(engine.max_model_len, prepared.num_tokens, body.max_output_tokens)
     sampling = sampling_params(
         engine, max_tokens=body.max_output_tokens or default_max_tokens(engine, prepared.num_tokens),
-        temperature=body.temperature, top_p=body.top_p, response_format=response_format)
+        temperature=body.temperature, top_p=body.top_p, response_format=response_format, priority=body.priority)
     await prepare_sampling(ctx, sampling, param="tools" if forced is not None else "response_format")
     response_id = f"resp_{uuid.uuid4().hex}"
     run = EngineRun(engine, prepared, sampling, response_id, ctx)

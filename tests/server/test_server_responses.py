@@ -93,6 +93,8 @@ def test_refusals_name_the_field(oai, engine, server):
     reply = httpx.post(f"{server.url}/v1/responses", json={
         "model": engine.model_name, "input": "Hi", "tools": [{"type": "web_search"}]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools[0]"
+    reply = httpx.post(f"{server.url}/v1/responses", json={"model": engine.model_name, "input": "Hi", "priority": 2})
+    assert reply.status_code == 400 and "--scheduling-policy priority" in reply.json()["error"]["message"]
 
 
 def test_function_call_goes_out_as_an_item_and_comes_back_rendered(scripted):
