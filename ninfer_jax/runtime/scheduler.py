@@ -294,7 +294,7 @@ class Scheduler:
         if end == n or any(r is not None and not r.prefilling for r in self.lanes):
             return end
         for size in reversed(ready.idle):
-            if base + size < n or (base + size == n and req.sampling.greedy and not req.processes_logits(0)):
+            if base + size < n or (base + size == n and req.sampling.greedy and not req.processes_logits()):
                 self.counters["idle_prefill_chunks"] += 1
                 return base + size
         return end
