@@ -30,8 +30,8 @@ lane) runs two split-K matrix-vector kernels instead (step 5).
      leaves too few programs (R * I / BN) in flight to keep HBM busy, and narrow column blocks read each
      weight row in 64-byte pieces. The gate_up kernel (`_gemv_call`) splits the H contraction into S
      pieces (grid column block x row x split, wide column blocks), each program writing float32 partial
-     sums [S, R, 2I]; XLA sums them and applies silu(gate) * up (act rounded to the weights' dtype, as in
-     the tiled path); the down kernel does the same over I and scales each row by its routing weight
+     sums [S, R, 2I]; the down kernel sums them and applies silu(gate) * up as it reads act (rounded to the
+     weights' dtype, as in the tiled path), splits I the same way and scales each row by its routing weight
      ([S2, R, H] partials), and one float32 reduction sums splits and each token's experts. A shared expert
      of the same I rides along as one more row per token (rows go token by token, its routed experts then
      the shared one, which reads its own weights and is scaled by its gate): one lane's round reads all
@@ -87,14 +87,15 @@ class MoeConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 4
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
-    # Many small programs: 16 and 4 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep; one split
-    # per kernel (fused epilogues, fewer programs) was far slower (docs/kernels_notes.md)
+    # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
+    # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
+    # partial sums, 3-6% shorter MoE layers than 4 on an H100 (docs/kernels_notes.md)
     gemv_block_n: int = 128
     gemv_block_k: int = 64
     gemv_splits: int = 16  # pieces of the H contraction in gate_up
     gemv_down_block_n: int = 128
     gemv_down_block_k: int = 64
-    gemv_down_splits: int = 4  # pieces of the I contraction in down
+    gemv_down_splits: int = 8  # pieces of the I contraction in down
     gemv_num_warps: int = 2
     gemv_num_stages: int = 4
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
@@ -354,22 +355,27 @@ def _gemv_gate_up_kernel(expert_ids_ref, x_ref, *refs, fp8: bool, with_shared: b
                       lambda: accumulate(shared, None))
 
 
-def _gemv_down_kernel(expert_ids_ref, route_w_ref, act_ref, *refs, fp8: bool, with_shared: bool, top_k: int,
-                      block_n: int, block_k: int, steps: int):
-    # expert_ids_ref, route_w_ref: [T K] int32 / f32    act_ref: [T J, I]
+def _gemv_down_kernel(expert_ids_ref, route_w_ref, gu_ref, *refs, fp8: bool, with_shared: bool, top_k: int,
+                      block_n: int, block_k: int, steps: int, act_dtype):
+    # expert_ids_ref, route_w_ref: [T K] int32 / f32    gu_ref: [S, T J, 2I] f32, the gate_up kernel's partial sums
     # refs: the down weight [E, I, H], with the shared expert its down [I, H] (see _Weight) and shared_w_ref [T]
     # f32, then part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s
     # of I, times the row's weight (its routing weight, or the shared expert's gate)
+    # Each step finishes its act columns from the partial sums (L2-resident, re-read by every column block):
+    # cheaper than the reduce and SiLU kernels between the two kernels it replaces.
     down, refs = _Weight.take(refs, fp8)
     shared, refs = _Weight.take(refs, fp8) if with_shared else (None, refs)
     *shared_w_ref, part_ref = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t, j, routed_id = _row(r, top_k, with_shared)
+    inter = gu_ref.shape[2] // 2
 
     def accumulate(weight, e, row_weight):
         def body(i, acc):
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-            av = act_ref[r, pl.ds(k0, block_k)].astype(jnp.float32)  # [BK]
+            g = jnp.sum(gu_ref[:, r, pl.ds(k0, block_k)], axis=0)  # [BK]
+            u = jnp.sum(gu_ref[:, r, pl.ds(inter + k0, block_k)], axis=0)
+            av = (g * jax.nn.sigmoid(g) * u).astype(act_dtype).astype(jnp.float32)  # act rounded as the tiles'
             return acc + weight.vec(av, e, k0, n * block_n, block_k, block_n)
 
         acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
@@ -402,11 +408,13 @@ def _gemv_call(kernel, name, inputs, *, fp8, with_shared, rows, contraction, out
                splits, num_warps, num_stages, interpret, **kw):
     """One split-K matrix-vector kernel over weights of `contraction` rows: grid (column block of `out_cols`, row,
     split), whole-array refs, f32 partial sums [splits, rows, width]. `inputs` are the kernel's refs in order."""
-    splits = min(splits, contraction // block_k)  # small shapes: fewer, whole pieces
-    steps = contraction // (splits * block_k)
-    if contraction % (splits * block_k):
-        raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of "
-                         f"splits {splits} x block_k {block_k}")
+    if contraction % block_k:
+        raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of block_k {block_k}")
+    total = contraction // block_k
+    splits = min(splits, total)  # small shapes: fewer, whole pieces, a power of two (a block side of the partials)
+    while total % splits or splits & (splits - 1):
+        splits -= 1
+    steps = total // splits
     kernel = functools.partial(kernel, fp8=fp8, with_shared=with_shared, block_n=block_n, block_k=block_k,
                                steps=steps, **kw)
     return pl.pallas_call(
@@ -620,15 +628,13 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype,
                   num_stages=cfg.gemv_num_stages, interpret=interpret)
     bn, bk, dbn, dbk = _blocks(fp8, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_down_block_n, cfg.gemv_down_block_k)
     shared_gate_up = () if shared is None else _operands(shared.gate_up)
-    part = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up),
-                      contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),
-                      block_k=_block(bk, h, "H"), splits=cfg.gemv_splits, **common)
-    gu = part.sum(axis=0)  # [rows, 2I] float32
-    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
+    gu = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up),
+                    contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),
+                    block_k=_block(bk, h, "H"), splits=cfg.gemv_splits, **common)  # [S, rows, 2I] partial sums
     shared_down = () if shared is None else (*_operands(shared.down), shared.weight.astype(jnp.float32))
-    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, act, *_operands(down), *shared_down),
+    part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, gu, *_operands(down), *shared_down),
                       contraction=inter, out_cols=h, width=h, block_n=_block(dbn, h, "H"),
-                      block_k=_block(dbk, inter, "I"), splits=cfg.gemv_down_splits, **common)
+                      block_k=_block(dbk, inter, "I"), splits=cfg.gemv_down_splits, act_dtype=dtype, **common)
     # the weighted rows' pieces [S2, T, J, H]: one reduction over splits and each token's experts
     return part.reshape(part.shape[0], t, per_token, h).sum(axis=(0, 2))
 
