@@ -3,7 +3,7 @@ kernel.
 
 Default mode, on one idle engine per model: the runner's decode round at 1 and all lanes, synchronous (each
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
-time to dispatch one round, and the jitted step's alone by how its per-round inputs arrive; then a jax profiler
+time to dispatch one round, beside the jitted step's alone by how its per-round inputs arrive; then a jax profiler
 trace of back-to-back one-lane rounds, its device kernels summed by name per round, so the slowest kernels are
 named with their share. `--engine`: the scheduler's steps under
 cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
@@ -90,7 +90,7 @@ def round_profile(engine, name: str, args) -> dict:
         print(f"[{name}] decode {lanes} lanes: {result[f'{lanes}lane_dispatch_ms']:.3f} ms to dispatch", flush=True)
         result[f"{lanes}lane_dispatch_by_input"] = by_input = dispatch_by_input(engine, lanes, position=args.position)
         for label, ms in by_input.items():
-            print(f"[{name}] decode {lanes} lanes, the step alone, {label}: {ms:.3f} ms to dispatch", flush=True)
+            print(f"[{name}] decode {lanes} lanes, {label}: {ms:.3f} ms to dispatch", flush=True)
     trace_dir = Path(args.trace_dir) / name
     inputs = decode_inputs(engine, 1, args.position)
     jax.block_until_ready(engine.runner.decode(*inputs))
@@ -132,7 +132,8 @@ def write_report(rows: list[dict], args, out: Path) -> None:
             lines += [f"## {r['model']}, KV {r['kv_dtype']}", "", *report.table(
                 ["lanes", "synchronous ms/round", "back to back ms/round", "dispatch ms"],
                 [[n, *(f"{r[f'{n}lane_{k}_ms']:.3f}" for k in ("sync", "async", "dispatch"))] for n in (1, lanes)]),
-                "", "The jitted step alone, ms to dispatch, by how its per-round inputs arrive:", "",
+                "", "Ms to dispatch, the rows taking turns: the runner's whole round, then the jitted step alone by "
+                "how its per-round inputs arrive:", "",
                 *report.table(["inputs", *(f"{n} lanes" for n in (1, lanes))],
                               [[label, *(f"{r[f'{n}lane_dispatch_by_input'][label]:.3f}" for n in (1, lanes))]
                                for label in r["1lane_dispatch_by_input"]]),

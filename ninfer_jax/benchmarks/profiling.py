@@ -4,6 +4,7 @@ repeated calls."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -167,49 +168,63 @@ def dispatch_ms(engine, lanes: int, calls: int = 20, position: int = 1024) -> fl
     return statistics.median(seconds) * 1e3
 
 
-# How `dispatch_by_input` hands a round its two per-round inputs: each a numpy array transferred by the call, one
-# device buffer reused by every call, or a new device buffer each call (placed before the timed call).
+ROUND_DISPATCH = "the runner's whole round (packing and output copies included)"
+# How `dispatch_by_input` hands the step alone its two per-round inputs: each a numpy array transferred by the call,
+# one device buffer reused by every call, or a new device buffer each call (placed before the timed call).
 DISPATCH_INPUTS = {
-    "packed from the host, prev_tokens one buffer": ("host", "same"),
-    "packed one device buffer, prev_tokens one buffer": ("same", "same"),
-    "packed a new device buffer, prev_tokens one buffer": ("new", "same"),
-    "packed from the host, prev_tokens a new buffer": ("host", "new"),
+    "the step alone, packed from the host, prev_tokens one buffer": ("host", "same"),
+    "the step alone, packed one device buffer, prev_tokens one buffer": ("same", "same"),
+    "the step alone, packed a new device buffer, prev_tokens one buffer": ("new", "same"),
+    "the step alone, packed from the host, prev_tokens a new buffer": ("host", "new"),
 }
 
 
 def dispatch_by_input(engine, lanes: int, calls: int = 20, position: int = 1024) -> dict[str, float]:
-    """Median host milliseconds to dispatch the jitted decode step alone (no packing, no output copies) by how its
-    per-round inputs arrive (`DISPATCH_INPUTS`): whether the dispatch time is the call's arguments, its host-to-device
-    copy, or the device program's launch once an input's address changes (a command buffer recorded against the old
-    one is updated). Each round is waited for before the next."""
+    """Median host milliseconds to dispatch the runner's whole round (`ROUND_DISPATCH`: packing and output copies
+    included), then the jitted decode step alone by how its per-round inputs arrive (`DISPATCH_INPUTS`): whether the
+    dispatch time is the call's arguments, its host-to-device copy, or the device program's launch once an input's
+    address changes (a command buffer recorded against the old one is updated). The rows take turns call by call,
+    so drift on the host falls on each alike; each call is waited for before the next."""
     import statistics
 
     import jax
     import jax.numpy as jnp
 
     runner = engine.runner
-    packed, _, prev = runner._round_inputs(*decode_inputs(engine, lanes, position))
+    args = decode_inputs(engine, lanes, position)
+    packed, _, prev = runner._round_inputs(*args)
     full = runner._sampler(False)
     step, program = runner._steps["decode"], ("decode", packed.shape[0], full)
+    packed_device = jax.block_until_ready(jnp.asarray(packed))
 
     def place(kind, host, device):
         if kind == "host":
             return host
         return device if kind == "same" else jax.block_until_ready(jnp.array(device, copy=True))
 
-    packed_device = jax.block_until_ready(jnp.asarray(packed))
-    out = {}
-    for label, (packed_kind, prev_kind) in DISPATCH_INPUTS.items():
-        seconds = []
-        for _ in range(calls + 2):  # the first two compile nothing new but settle the inputs' placement
-            p, q = place(packed_kind, packed, packed_device), place(prev_kind, None, prev)
-            start = time.perf_counter()
-            result, state = step(runner.params, runner.cfg, runner.kernels, full, runner.state, p, q)
-            seconds.append(time.perf_counter() - start)
-            runner._swap(state, program)
-            jax.block_until_ready(result)
-        out[label] = statistics.median(seconds[2:]) * 1e3
-    return out
+    def step_alone(packed_kind, prev_kind):
+        p, q = place(packed_kind, packed, packed_device), place(prev_kind, None, prev)
+        start = time.perf_counter()
+        result, state = step(runner.params, runner.cfg, runner.kernels, full, runner.state, p, q)
+        took = time.perf_counter() - start
+        runner._swap(state, program)
+        return took, result
+
+    def whole_round():
+        start = time.perf_counter()
+        out = runner.decode(*args)
+        return time.perf_counter() - start, out
+
+    rows = {ROUND_DISPATCH: whole_round,
+            **{label: functools.partial(step_alone, *kinds) for label, kinds in DISPATCH_INPUTS.items()}}
+    seconds = {label: [] for label in rows}
+    for i in range(calls + 2):  # the first two compile nothing new but settle the inputs' placement
+        for label, call in rows.items():
+            took, out = call()
+            jax.block_until_ready(out)
+            if i >= 2:
+                seconds[label].append(took)
+    return {label: statistics.median(s) * 1e3 for label, s in seconds.items()}
 
 
 @contextlib.contextmanager
