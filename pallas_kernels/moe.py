@@ -89,7 +89,7 @@ class MoeConfig:
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
     # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
     # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
-    # partial sums, 3-6% shorter MoE layers than 4 on an H100 (docs/kernels_notes.md)
+    # partial sums, 1-4% shorter MoE layers than 4 on an H100 (docs/kernels_notes.md)
     gemv_block_n: int = 128
     gemv_block_k: int = 64
     gemv_splits: int = 16  # pieces of the H contraction in gate_up
