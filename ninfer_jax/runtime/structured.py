@@ -126,12 +126,13 @@ def allowed_tokens(reqs, lanes: int, words: int) -> tuple[np.ndarray, np.ndarray
     [lanes, words], all bits set but for lanes with a grammar, allowed_token_ids, bad_words or a thinking budget,
     which take each, the budget's forced end of thinking last; bool [lanes], the lanes that process their logits), or
     None when none of them does (the plain samplers run)."""
-    if not any(r.processes_logits() for r in reqs):
+    processing = [r.processes_logits() for r in reqs]
+    if not any(processing):
         return None
     allowed = np.full((lanes, words), -1, np.int32)
     processed = np.zeros(lanes, bool)
-    for r in reqs:
-        processed[r.lane] = r.processes_logits()
+    for r, processes in zip(reqs, processing):
+        processed[r.lane] = processes
         if r.grammar is not None:
             r.grammar.fill_mask(allowed[r.lane])
         if r.allowed is not None:
