@@ -362,7 +362,7 @@ def _gemv_down_kernel(expert_ids_ref, route_w_ref, gu_ref, *refs, fp8: bool, wit
     # f32, then part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s
     # of I, times the row's weight (its routing weight, or the shared expert's gate)
     # Each step finishes its act columns from the partial sums (L2-resident, re-read by every column block):
-    # cheaper than the reduce and SiLU kernels between the two kernels it replaces.
+    # cheaper than the XLA kernel that did so between the two.
     down, refs = _Weight.take(refs, fp8)
     shared, refs = _Weight.take(refs, fp8) if with_shared else (None, refs)
     *shared_w_ref, part_ref = refs
