@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, random_engine
-from ninfer_jax.benchmarks.profiling import dispatch_by_input, dispatch_ms, kernel_table, time_rounds
+from ninfer_jax.benchmarks.profiling import ROUND_DISPATCH, dispatch_by_input, kernel_table, time_rounds
 
 
 def worker_profile(engine, name: str, tokens: int, clock, top: int) -> dict:
@@ -86,9 +86,8 @@ def round_profile(engine, name: str, args) -> dict:
             result[f"{lanes}lane_{'sync' if sync else 'async'}_ms"] = s * 1e3
             print(f"[{name}] decode {lanes} lanes, {'synchronous' if sync else 'back to back'}: "
                   f"{s * 1e3:.3f} ms/round", flush=True)
-        result[f"{lanes}lane_dispatch_ms"] = dispatch_ms(engine, lanes, position=args.position)
-        print(f"[{name}] decode {lanes} lanes: {result[f'{lanes}lane_dispatch_ms']:.3f} ms to dispatch", flush=True)
         result[f"{lanes}lane_dispatch_by_input"] = by_input = dispatch_by_input(engine, lanes, position=args.position)
+        result[f"{lanes}lane_dispatch_ms"] = by_input[ROUND_DISPATCH]
         for label, ms in by_input.items():
             print(f"[{name}] decode {lanes} lanes, {label}: {ms:.3f} ms to dispatch", flush=True)
     trace_dir = Path(args.trace_dir) / name

@@ -151,23 +151,6 @@ def time_rounds(engine, lanes: int, rounds: int, sync: bool, position: int = 102
     return (time.perf_counter() - start) / rounds
 
 
-def dispatch_ms(engine, lanes: int, calls: int = 20, position: int = 1024) -> float:
-    """Median host milliseconds to dispatch one decode round of `lanes` lanes on an idle device (the call's
-    return, not its completion; each round is waited for before the next)."""
-    import statistics
-
-    import jax
-
-    args = decode_inputs(engine, lanes, position)
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        out = engine.runner.decode(*args)
-        seconds.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
-    return statistics.median(seconds) * 1e3
-
-
 ROUND_DISPATCH = "the runner's whole round (packing and output copies included)"
 # How `dispatch_by_input` hands the step alone its two per-round inputs: each a numpy array transferred by the call,
 # one device buffer reused by every call, or a new device buffer each call (placed before the timed call).
