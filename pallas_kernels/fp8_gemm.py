@@ -98,12 +98,14 @@ def _dim(name: str):
     return 0 if name == "m" else 1
 
 
-def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iters: tuple[int, int, int]):
-    # x_gmem [M, K] fp8 (M padded to the cluster's rows)   w_gmem [N, K] fp8
+def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
+    # grouped: groups_gmem [M / cta_m] int32 first, the group (expert) of each row tile, -1 for a tile to skip
+    # x_gmem [M, K] fp8 (M padded to the cluster's rows)   w_gmem [N, K] fp8 (grouped: [G, N, K])
     # xs_gmem [K / 128, M] f32: activation scale of row m's group kb
-    # ws_gmem [N / tile_n, K / 128, tile_m] f32: the weight block scale of column tile j at step kb, repeated per row
-    #   so a warpgroup loads it in the accumulator's row layout like xs
+    # ws_gmem [N / tile_n, K / 128, tile_m] f32 (grouped: [G, ...]): the weight block scale of column tile j at step
+    #   kb, repeated per row so a warpgroup loads it in the accumulator's row layout like xs
     # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
+    groups_gmem, (x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem) = (refs[0], refs[1:]) if grouped else (None, refs)
     m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
     tile_m, tile_n, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
     by_cols = cfg.wg_split == "n"
@@ -137,8 +139,9 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
 
     @functools.partial(
         pl.run_scoped,
-        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, xs_gmem,
-                                                            ws_gmem.at[:2] if by_cols else ws_gmem.at[0]),
+        allocs=get_pipeline(ignore, ignore).get_allocations(
+            x_gmem, w_gmem.at[0] if grouped else w_gmem, xs_gmem,
+            (ws_gmem.at[0] if grouped else ws_gmem).at[pl.ds(0, 2) if by_cols else 0]),
         out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype, transforms=out_tiles),
         collective_axes="wg",
     )
@@ -199,20 +202,29 @@ def _kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: GemmConfig, iter
                     return acc, d, scale
                 return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
 
-            get_pipeline(step, compute_context)(
-                x_gmem.at[rows, span], w_gmem.at[cols, span], xs_gmem.at[steps, rows],
-                ws_gmem.at[pl.ds(ni * 2, 2), steps] if by_cols else ws_gmem.at[ni, steps], allocations=allocs)
+            def run(w, ws):
+                get_pipeline(step, compute_context)(
+                    x_gmem.at[rows, span], w.at[cols, span], xs_gmem.at[steps, rows],
+                    ws.at[pl.ds(ni * 2, 2), steps] if by_cols else ws.at[ni, steps], allocations=allocs)
+
+            if groups_gmem is None:
+                run(w_gmem, ws_gmem)
+            else:  # a row tile of one group: its weight, or nothing past the used tiles (both CTAs of a pair alike)
+                group = groups_gmem[mi]
+                pl.when(group >= 0)(lambda: run(w_gmem.at[group], ws_gmem.at[group]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False):
-    (m, k), n = xq.shape, values.shape[0]
+def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False,
+          groups=None):
+    (m, k), n = xq.shape, values.shape[-2]
     cluster = 1 if cfg.cluster is None else 2
     iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
              n // cfg.cta_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
+    grouped = groups is not None
     return plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, iters=iters),
+        functools.partial(_kernel, cfg=cfg, iters=iters, grouped=grouped),
         out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
         grid=(num_sms // cluster,),
         grid_names=("cluster_grid",),
@@ -221,7 +233,7 @@ def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, int
         num_threads=3,
         thread_name="wg",
         interpret=interpret,
-    )(xq, values, xs, ws_rows)
+    )(*((groups,) if grouped else ()), xq, values, xs, ws_rows)
 
 
 def _num_sms() -> int:
@@ -248,10 +260,10 @@ def _padded_rows(m: int, cfg: GemmConfig) -> int:
 
 
 def weight_row_scales(scales, cfg: GemmConfig):
-    """scales [N / 128, K / 128] -> [N / tile_n, K / 128, tile_m]: each column tile's block scale per step, repeated
-    over a warpgroup's rows (the layout the kernel loads next to the activation scales)."""
+    """scales [(G,) N / 128, K / 128] -> [(G,) N / tile_n, K / 128, tile_m]: each column tile's block scale per step,
+    repeated over a warpgroup's rows (the layout the kernel loads next to the activation scales)."""
     per_block = BLOCK // cfg.tile_n
-    tiles = jnp.repeat(scales.astype(jnp.float32), per_block, axis=0)
+    tiles = jnp.repeat(scales.astype(jnp.float32), per_block, axis=-2)
     return jnp.broadcast_to(tiles[..., None], (*tiles.shape, cfg.tile_m))
 
 
@@ -294,6 +306,64 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     if cfg.k_splits > 1:
         out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
     return out[:m] if mp != m else out
+
+
+def grouped_config(n: int, config: GemmConfig | None = None) -> GemmConfig:
+    """The config a grouped product runs: one K range, no M clusters (a pair of row tiles may hold two groups), the
+    N pair only where the column tiles come in pairs."""
+    cfg = dataclasses.replace(config or DEFAULT_CONFIG, k_splits=1)
+    if cfg.cluster == "m" or (cfg.cluster == "n" and n % (2 * cfg.cta_n)):
+        cfg = dataclasses.replace(cfg, cluster=None)
+    return cfg
+
+
+def group_rows(config: GemmConfig | None = None) -> int:
+    """The row tile of a grouped product: each group's rows start on its multiples."""
+    return grouped_config(2 * BLOCK, config).cta_m
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
+def grouped_gemm(xq, xs, groups, values, scales, *, config: GemmConfig | None = None, out_dtype=jnp.bfloat16):
+    """Rows in runs of one group each (DeepGEMM's contiguous grouped layout, MoE experts' rows sorted by expert):
+    out[m] = xq[m] @ the block-FP8 weight groups[m // rows] (`group_rows`), float32 accumulation.
+
+    xq [M, K] float8_e4m3fn and xs [K / 128, M] float32: rows already quantized per token and 128-group
+    (`fp8_matmul.quantize_rows`), M a multiple of the row tile; groups [M / rows] int32 (-1: a tile past the used
+    ones, its output rows left unwritten); values [G, N, K] float8_e4m3fn, scales [G, N / 128, K / 128]."""
+    cfg = grouped_config(values.shape[1], config)
+    (m, k), g = xq.shape, values.shape[0]
+    _check(xq, values[0], scales[0], cfg)
+    if m % cfg.cta_m or groups.shape != (m // cfg.cta_m,) or scales.shape[0] != g or xs.shape != (k // BLOCK, m):
+        raise ValueError(f"grouped_gemm: rows {xq.shape}, scales {xs.shape}, groups {groups.shape}: rows must come in "
+                         f"tiles of {cfg.cta_m}, one group each; weights {values.shape}, scales {scales.shape}")
+    return _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms(),
+                 groups=groups.astype(jnp.int32))
+
+
+def grouped_reference(xq, xs, groups, values, scales, *, config: GemmConfig | None = None,
+                      out_dtype=jnp.bfloat16):
+    """`grouped_gemm` in jnp (float32 products; skipped tiles' rows 0): each row against its tile's group's weight
+    dequantized, times its activation scales."""
+    m, k = xq.shape
+    tiles = groups.shape[0]
+    x = (xq.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK) * xs.T[..., None]).reshape(tiles, m // tiles, k)
+
+    def tile(args):  # one tile at a time: a [G, N, K] float32 copy of the weights would not fit at real shapes
+        rows, g = args
+        w = values[jnp.maximum(g, 0)].astype(jnp.float32) * jnp.repeat(jnp.repeat(scales[jnp.maximum(g, 0)], BLOCK,
+                                                                                   axis=0), BLOCK, axis=1)
+        return jnp.where(g >= 0, jnp.dot(rows, w.T, precision=lax.Precision.HIGHEST), 0)
+
+    return lax.map(tile, (x, groups)).reshape(m, -1).astype(out_dtype)
+
+
+def lower_grouped(m: int, k: int, n: int, groups: int, config: GemmConfig | None = None):
+    """The grouped kernel lowered for the H200 (no GPU needed)."""
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((k // BLOCK, m), jnp.float32),
+            jax.ShapeDtypeStruct((m // group_rows(config),), jnp.int32),
+            jax.ShapeDtypeStruct((groups, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((groups, n // BLOCK, k // BLOCK), jnp.float32))
+    return jax.jit(functools.partial(grouped_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def lower(m: int, k: int, n: int, config: GemmConfig | None = None):

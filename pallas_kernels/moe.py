@@ -10,7 +10,8 @@ I expert intermediate, BM/BN/BK tile sides, P padded rows (a multiple of BM).
 
 Three paths. Prefill and wide decode run the same two kernels over row tiles of one expert each; they
 differ in how rows are laid out into tiles (steps 1-4 below). Narrow decode (R <= `gemv_max_rows`, one
-lane) runs two split-K matrix-vector kernels instead (step 5).
+lane) runs two split-K matrix-vector kernels instead (step 5). On a Hopper GPU, FP8 x FP8 prefill rows with
+many rows a expert take `fp8_gemm.grouped_gemm` instead of the two kernels (`_grouped_moe`).
   1. Layout. Prefill (R > `MoeConfig.decode_max_rows`), the moe_align_block_size idea of vLLM's fused_moe
      and the group offsets of megablox's gmm: `align_rows` sorts the R rows by expert (one int32 key per
      row, so XLA runs a single-operand sort) and pads each expert's run to a multiple of BM. Decode
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, fp8_matmul
+from pallas_kernels import _compat, fp8_gemm, fp8_matmul
 from pallas_kernels import reference as ref
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
@@ -103,6 +104,10 @@ class MoeConfig:
     # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
     # layer ran 1.12-1.59x the weight-only FP8 paths at 32-256 a expert, 0.97x at 384 (docs/benchmarks/fp8/fp8_moe.md)
     fp8_dynamic_rows_per_expert: int = 256
+    # FP8 x FP8 prefill rows from this many routed rows per expert take the grouped wgmma GEMM on a Hopper GPU
+    # (`_grouped_moe`) instead of the tiles: a 35B-A3B layer on an H100 ran 1.15x the tiles at 128 a expert, 1.34x at
+    # 256 and 1.61x at 1024, and 0.79x at 64 in an earlier build (docs/benchmarks/fp8/fp8_moe.md)
+    fp8_grouped_rows_per_expert: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -135,6 +140,10 @@ FP8_ROWS_CONFIG = MoeConfig(block_m=32, block_k=128, down_block_k=128, num_warps
 # Decode with more than 16 routed rows (2-8 lanes): wider column blocks, already enough programs.
 WIDE_DECODE_CONFIG = MoeConfig(decode_block_n=64, decode_block_k=128, decode_down_block_n=128,
                                decode_down_block_k=128)
+# The grouped GEMM's down product (K = I, four 128-deep steps a tile) walks row tiles fastest: 4-7% shorter than the
+# column-fast default on an H100 at 8192-32768 tokens of the 35B-A3B, where gate_up ran 1-9% slower so
+# (docs/kernels_notes.md)
+GROUPED_DOWN_CONFIG = dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, grid_minor="m")
 _DECODE_BLOCK_M = 16  # the smallest side of a Pallas dot
 
 
@@ -566,6 +575,10 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         # no float32 copy of the experts.
         (gate_up, down), x = lax.optimization_barrier(((gate_up, down), x))
         gate_up, down = (jnp.swapaxes(fp8_matmul.dequantize_rows(w, dtype), -1, -2) for w in (gate_up, down))
+    if fp8_rows and rows >= num_experts * cfg.fp8_grouped_rows_per_expert and grouped_available(h, inter, interpret):
+        out = _grouped_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter,
+                           dtype=dtype)
+        return out if shared is None else out + _shared_dense(x, shared, dtype)
     if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)
@@ -617,6 +630,41 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
+def grouped_available(hidden: int, inter: int, interpret: bool = False) -> bool:
+    """Whether FP8 x FP8 prefill rows can take `_grouped_moe` here: a Hopper GPU, whole 128-blocks."""
+    return (not interpret and fp8_gemm.supported(hidden, 2 * inter) and fp8_gemm.supported(inter, hidden)
+            and fp8_gemm.available())
+
+
+def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype):
+    """FP8 x FP8 prefill rows on the wgmma GEMM (`fp8_gemm.grouped_gemm`): the rows sorted by expert and each
+    expert's run padded to the GEMM's row tile (`align_rows`), x's quantized rows gathered into that order (the
+    tiles' TMA loads read whole rows), gate_up, silu(gate) * up quantized per row and 128 columns with the row's
+    routing weight folded into its scales, down, then each token's rows gathered back and summed. gate and up are
+    rounded to `dtype` between the two products."""
+    rows, h = t * k, x.shape[1]
+    sorted_rows, tile_expert = align_rows(flat_ids, num_experts, fp8_gemm.group_rows())
+    real = sorted_rows < rows
+    xq, xs = fp8_matmul.quantize_rows(x)
+    tokens = jnp.where(real, sorted_rows // k, 0)
+    gu = fp8_gemm.grouped_gemm(_take_rows(xq, tokens), xs[:, tokens], tile_expert, *gate_up,
+                               out_dtype=dtype).astype(jnp.float32)
+    aq, a_scales = fp8_matmul.quantize_rows(jax.nn.silu(gu[:, :inter]) * gu[:, inter:])
+    weight = jnp.where(real, flat_w[jnp.minimum(sorted_rows, rows - 1)], 0.0)
+    y = fp8_gemm.grouped_gemm(aq, a_scales * weight, tile_expert, *down, config=GROUPED_DOWN_CONFIG, out_dtype=dtype)
+    slot = jnp.zeros((rows,), jnp.int32).at[sorted_rows].set(jnp.arange(sorted_rows.shape[0], dtype=jnp.int32),
+                                                             mode="drop", unique_indices=True)
+    return y[slot].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+
+
+def _take_rows(a, rows):
+    """a[rows] for a [T, H] of one-byte elements, gathered as 32-bit words (XLA's gather moved FP8 rows byte by
+    byte: a 35B-A3B layer's 32768 tokens took 0.77 ms on an H100)."""
+    t, h = a.shape
+    words = lax.bitcast_convert_type(a.reshape(t, h // 4, 4), jnp.uint32)
+    return lax.bitcast_convert_type(words[rows], a.dtype).reshape(rows.shape[0], h)
+
+
 def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype, cfg, interpret):
     """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
     given) as one more row per token in the same two kernels."""
@@ -641,7 +689,8 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype,
 
 def _shared_dense(x, shared: SharedExpert, dtype):
     """The shared expert as plain matmuls (the paths whose kernels have no rows for it): float32 products,
-    act rounded to `dtype` as the routed rows' is (FP8 weights dequantized to it first)."""
+    act rounded to `dtype` as the routed rows' is (FP8 weights dequantized to it first: on the FP8 x FP8 GEMM, with
+    its rows' quantization passes, a 35B-A3B pass of 32768 tokens took 1.8x as long; docs/kernels_notes.md)."""
     def plain(w):
         return fp8_matmul.dequantize(w).astype(dtype) if isinstance(w, fp8_matmul.BlockFp8) else w
 

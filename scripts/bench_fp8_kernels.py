@@ -95,13 +95,14 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...]) -> list[dict]:
 
 
 _MOE_TILE_FIELDS = {"m": ("block_m",), "n": ("block_n",), "k": ("block_k", "down_block_k"), "dn": ("down_block_n",),
-                    "w": ("num_warps",), "s": ("num_stages",)}
+                    "w": ("num_warps",), "s": ("num_stages",), "g": ("fp8_grouped_rows_per_expert",)}
 
 
 def _moe_config(name: str):
     """An FP8 x FP8 expert tile config from its `--moe-configs` name: "default" (`moe.default_config`'s pick at the
     row count) or tokens over the prefill fields of moe.DEFAULT_CONFIG, e.g. "m32 k128 w4 s4" (block_m 32, block_k
-    and down_block_k 128, 4 warps, 4 stages; also n: block_n, dn: down_block_n)."""
+    and down_block_k 128, 4 warps, 4 stages; also n: block_n, dn: down_block_n, g: fp8_grouped_rows_per_expert, the
+    rows a expert from which a Hopper GPU takes the grouped wgmma GEMM)."""
     from pallas_kernels import moe
 
     if name == "default":
@@ -153,6 +154,8 @@ def bench_moe(tokens: tuple[int, ...], configs: tuple[str, ...] = ()) -> list[di
             row["dynamic_us"] = time_pure(dynamic, (x, ids, w, *fp8), unroll=1) * 1e6
             row["dynamic_vs_engine"] = row["engine_us"] / row["dynamic_us"]
             row["dynamic_rel_err"] = _rel(dynamic(x, ids, w, *fp8), want)
+            if moe.grouped_available(h, i):
+                row["grouped_kernel_rel_err"] = _guard("grouped", lambda: _grouped_kernel_err(x, ids, fp8[0]))
             for name in configs:  # one config failing to compile leaves its cell empty
                 tiles = functools.partial(dynamic, config=_moe_config(name))
                 row[f"tiles {name}_us"] = _guard(name, lambda: time_pure(tiles, (x, ids, w, *fp8), unroll=1) * 1e6)
@@ -160,6 +163,20 @@ def bench_moe(tokens: tuple[int, ...], configs: tuple[str, ...] = ()) -> list[di
         print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
         out.append(row)
     return out
+
+
+def _grouped_kernel_err(x, ids, gate_up) -> float:
+    """The grouped wgmma GEMM on a layer's gate_up against its jnp reference, over the used row tiles."""
+    from pallas_kernels import moe
+
+    sorted_rows, tiles = moe.align_rows(ids.reshape(-1).astype(jnp.int32), gate_up.values.shape[0],
+                                        fp8_gemm.group_rows())
+    xq, xs = fp8_matmul.quantize_rows(x)
+    tokens = jnp.where(sorted_rows < ids.size, sorted_rows // ids.shape[1], 0)
+    args = (xq[tokens], xs[:, tokens], tiles, *gate_up)
+    used = np.repeat(np.asarray(tiles) >= 0, fp8_gemm.group_rows())
+    got = np.asarray(fp8_gemm.grouped_gemm(*args, out_dtype=jnp.float32), np.float64)[used]
+    return _rel(got, fp8_gemm.grouped_reference(*args, out_dtype=jnp.float32)[used])
 
 
 # the prefill GEMM's configs tried at the tuning points (the fastest then runs every shape)
@@ -538,15 +555,17 @@ def main() -> None:
     meta = report.run_meta(report.command_line())
     cols = ["shape", "M", "bf16_us", "xla_dequantized_us", "engine_us", "engine_vs_bf16", "engine_gbps",
             "torch_rowwise_us", "engine_vs_torch", *[f"{c}_us" for c in CONFIGS], "rel_err", "dynamic_us",
-            "dynamic_vs_engine", "dynamic_rel_err", *[f"tiles {c}_us" for c in moe_configs]]
+            "dynamic_vs_engine", "dynamic_rel_err", "grouped_kernel_rel_err", *[f"tiles {c}_us" for c in moe_configs]]
     lines = report.header("Block-FP8 projections", meta, "engine: what the model's FP8 product runs (the decode "
                           "kernels up to Fp8Config's row limits, then the wgmma GEMM or dequantize + XLA's bf16 "
                           "matmul; for the MoE layer, the expert kernels reading FP8 tiles); torch_rowwise: "
                           "cuBLASLt FP8 with one scale per row and column (coarser than the packs' 128-blocks); "
                           "dynamic: --fp8-activations dynamic, the rows quantized per token and 128-group for an FP8 "
                           "x FP8 product (its error against the bf16 rows in dynamic_rel_err); for the MoE layer's "
-                          "prefill rows, moe_experts' quantize_activations (FP8 x FP8 tiles; the engine's up to "
-                          "MoeConfig.fp8_dynamic_rows_per_expert); tiles NAME: those tiles on --moe-configs' NAME")
+                          "prefill rows, moe_experts' quantize_activations (FP8 x FP8 tiles up to "
+                          "MoeConfig.fp8_dynamic_rows_per_expert, on a Hopper GPU the grouped wgmma GEMM from "
+                          "fp8_grouped_rows_per_expert; grouped_kernel_rel_err: that GEMM against its jnp reference); "
+                          "tiles NAME: --moe-configs' NAME")
     lines += report.table(cols, [[report.fmt(r.get(c)) for c in cols] for r in rows])
     report.write_report(args.out, "fp8_moe" if args.only == "moe" else "fp8_kernels", {**meta, "rows": rows}, lines)
 

@@ -333,10 +333,13 @@ def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
     if kc.backend == "pallas":
         from pallas_kernels import moe
 
-        # FP8 x FP8 tiles (the packs' dynamic activation scheme) where they measured faster than converting the
-        # FP8 tiles: a wide decode round's or a short pass's few rows per expert
-        dynamic = kc.fp8_activations and isinstance(gate_up, fp8_matmul.BlockFp8) and (
-            expert_ids.size <= gate_up.values.shape[0] * moe.DEFAULT_CONFIG.fp8_dynamic_rows_per_expert)
+        # FP8 x FP8 products (the packs' dynamic activation scheme) where they measured faster than converting the
+        # FP8 tiles: the tiles at a wide decode round's or a short pass's few rows per expert, on a Hopper GPU the
+        # grouped wgmma GEMM at many
+        fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
+        dynamic = kc.fp8_activations and fp8 and (
+            expert_ids.size <= gate_up.values.shape[0] * moe.DEFAULT_CONFIG.fp8_dynamic_rows_per_expert
+            or moe.grouped_available(x.shape[1], down.values.shape[-1], kc.interpret))
         return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, quantize_activations=dynamic,
                                interpret=kc.interpret)
     return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)

@@ -225,7 +225,8 @@ class EngineOptions:
         "FP8 weights, or dynamic: activations quantized to FP8 per token and 128-group (the packs' "
         "activation_scheme) for FP8 x FP8 products where the kernels measured faster: decode rounds of 2-32 lanes, "
         "MoE experts routed up to MoeConfig.fp8_dynamic_rows_per_expert rows a expert, and on a Hopper GPU wider "
-        "rounds and prefill (about 0.026 relative error per projection; docs/kernels_notes.md, \"FP8 weights\")",
+        "rounds and prefill, MoE experts too (about 0.026 relative error per projection; docs/kernels_notes.md, "
+        "\"FP8 weights\")",
         flag="--fp8-activations",
         choices=("weight-only", "dynamic"))
     speculative: str | None = _option(

@@ -95,6 +95,32 @@ def test_lowers_for_h200_at_the_27b_mlp(cfg):
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
 
 
+def test_grouped_reference_multiplies_each_row_tile_by_its_groups_weight():
+    """The grouped product's reference, in float64: each 128-row tile's rows (quantized, their scales applied) times
+    its group's dequantized weight; a tile marked -1 is zeros."""
+    rng = np.random.default_rng(3)
+    cases = [_case(seed) for seed in range(3)]
+    values, scales = jnp.stack([c[1] for c in cases]), jnp.stack([c[2] for c in cases])
+    groups = jnp.asarray([2, 0, 0, -1], jnp.int32)
+    xq, xs = fp8_matmul.quantize_rows(jnp.asarray(rng.standard_normal((512, K)), jnp.float32))
+    got = np.asarray(fp8_gemm.grouped_reference(xq, xs, groups, values, scales, out_dtype=jnp.float32), np.float64)
+    x = np.asarray(xq, np.float64) * np.repeat(np.asarray(xs, np.float64).T, 128, axis=1)
+    for tile, g in enumerate([2, 0, 0]):
+        rows = slice(tile * 128, (tile + 1) * 128)
+        want = x[rows] @ cases[g][3].T
+        np.testing.assert_allclose(got[rows], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not got[384:].any()
+    with pytest.raises(ValueError, match="tiles of 128"):
+        fp8_gemm.grouped_gemm(xq[:200], xs[:, :200], groups[:1], values, scales)
+
+
+@pytest.mark.parametrize("k,n", [(2048, 1024), (512, 2048)], ids=["gate_up", "down"])
+def test_grouped_gemm_lowers_for_h200_at_the_35b_a3b_experts(k, n):
+    """256 experts, 64 row tiles; the grouped kernel loads each tile's group from memory and skips tiles marked
+    -1."""
+    assert "mosaic_gpu" in fp8_gemm.lower_grouped(8192, k, n, 256).as_text()
+
+
 def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monkeypatch):
     """ops.quantized_dot: on a Hopper GPU with fp8_activations, more rows than a decode round go through the GEMM;
     without fp8_activations (weight-only's bf16 rounding promise) or in interpret mode they stay dequantized."""

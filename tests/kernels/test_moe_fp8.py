@@ -93,30 +93,42 @@ def _fp8_rows64(a, group: int):
     return (np.asarray(codes, np.float64) * scale).reshape(r, n)
 
 
+def _experts64(x, ids, w, gate_up, down, quantize: bool, shared=None):
+    """The routed experts (and the shared one, when given) in float64 on the dequantized weights; quantize: the
+    routed rows' x per token and 128-group, act per row and 128 columns, as the FP8 x FP8 paths round them (the
+    shared expert's products take the activations as they are)."""
+    wg, wd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (gate_up, down))
+    ids, w = np.asarray(ids), np.asarray(w, np.float64)
+    x_rows = _fp8_rows64(np.asarray(x), 128) if quantize else np.asarray(x, np.float64)
+
+    def expert(xr, g, d, quantize=quantize):
+        gu = xr @ g
+        act = (gu[:I] / (1 + np.exp(-gu[:I])) * gu[I:])[None]
+        return ((_fp8_rows64(act, I) if quantize else act) @ d)[0]
+
+    out = np.zeros((x_rows.shape[0], H))
+    for t in range(x_rows.shape[0]):
+        for j in range(K):
+            out[t] += w[t, j] * expert(x_rows[t], wg[ids[t, j]], wd[ids[t, j]])
+        if shared is not None:
+            sg, sd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (shared.gate_up, shared.down))
+            out[t] += float(shared.weight[t]) * expert(np.asarray(x[t], np.float64), sg, sd, quantize=False)
+    return out
+
+
+def _rel(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+
+
 def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows():
     """quantize_activations in the prefill layout (80 routed rows): x quantized per token and 128-group, act per row
     and 128 columns in the gate_up kernel, every product FP8 x FP8. Against float64 with the same two quantizations
     it differs only where act's float32 and float64 values round to neighbouring e4m3 codes (one code: 2^-4 of an
     element, rare); against the unquantized activations by the two quantizations' error (about 2^-5 relative)."""
     x, ids, w, gate_up, down, _ = _case(40, seed=5)
-    got = np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, interpret=INTERPRET),
-                     np.float64)
-    wg, wd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (gate_up, down))
-    ids, w = np.asarray(ids), np.asarray(w, np.float64)
-
-    def experts(x_rows, quantize):
-        out = np.zeros((x_rows.shape[0], H))
-        for t in range(x_rows.shape[0]):
-            for j in range(K):
-                gu = x_rows[t] @ wg[ids[t, j]]
-                act = (gu[:I] / (1 + np.exp(-gu[:I])) * gu[I:])[None]
-                out[t] += w[t, j] * ((_fp8_rows64(act, I) if quantize else act) @ wd[ids[t, j]])[0]
-        return out
-
-    quantized = experts(_fp8_rows64(np.asarray(x), 128), True)
-    plain = experts(np.asarray(x, np.float64), False)
-    assert np.linalg.norm(got - quantized) / np.linalg.norm(quantized) < 2e-3
-    assert 1e-3 < np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2**-4
+    got = moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, interpret=INTERPRET)
+    assert _rel(got, _experts64(x, ids, w, gate_up, down, True)) < 2e-3
+    assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False)) < 2**-4
     with pytest.raises(ValueError, match="needs block-FP8 experts"):
         moe.moe_experts(x, jnp.asarray(ids), jnp.asarray(w, jnp.float32), fp8_matmul.dequantize(gate_up),
                         fp8_matmul.dequantize(down), quantize_activations=True, interpret=INTERPRET)
@@ -145,3 +157,24 @@ def test_model_takes_fp8_activation_tiles_up_to_their_rows_per_expert(monkeypatc
     monkeypatch.setattr(moe, "DEFAULT_CONFIG", moe.MoeConfig(fp8_dynamic_rows_per_expert=19))
     np.testing.assert_array_equal(model(True), converted)
     np.testing.assert_array_equal(model(False), converted)
+
+
+def test_grouped_gemm_path_matches_a_float64_reference_of_the_quantized_rows(monkeypatch):
+    """On a Hopper GPU, FP8 x FP8 prefill rows from `fp8_grouped_rows_per_expert` a expert go through the grouped
+    wgmma GEMM: here its jnp reference stands in for the kernel (Mosaic GPU needs the GPU; the kernel is checked
+    against the same reference on the H200 by scripts/bench_fp8_kernels.py --only moe), so this pins the path's
+    sort, gathers, folded routing weights and the sum back in token order, and the shared expert on the dense
+    dequantized, against float64 with the same quantizations of the routed rows (float32 activations: no rounding
+    between the products)."""
+    from pallas_kernels import fp8_gemm
+
+    t = 264  # 528 routed rows over 4 experts: 132 a expert, past the default 128
+    x, ids, w, gate_up, down, shared = _case(t, seed=11)
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "available", lambda: True)
+    monkeypatch.setattr(fp8_gemm, "grouped_gemm", lambda *a, out_dtype, config=None: calls.append(a[0].shape)
+                        or fp8_gemm.grouped_reference(*a, out_dtype=out_dtype))
+    got = moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=True)
+    assert calls == [(1024, H), (1024, I)]  # the bound on 528 rows and 127 padding a expert, in 128-row tiles
+    assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared)) < 2e-3
+    assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False, shared)) < 2**-4
