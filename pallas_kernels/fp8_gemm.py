@@ -217,7 +217,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
 
 
 def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False,
-          groups=None):
+          groups=None, out_cols: int | None = None):
     (m, k), n = xq.shape, values.shape[-2]
     cluster = 1 if cfg.cluster is None else 2
     iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
@@ -225,7 +225,8 @@ def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, int
     grouped = groups is not None
     return plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, iters=iters, grouped=grouped),
-        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, out_cols or n),
+                                      out_dtype if cfg.k_splits == 1 else jnp.float32),
         grid=(num_sms // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
@@ -287,10 +288,12 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     return cfg
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
-def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "out_cols"))
+def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None, out_cols: int | None = None):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) with x
-    quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype)."""
+    quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype).
+    out_cols (>= N): the result [M, out_cols] with the product in its first N columns and the rest unwritten, for a
+    caller that writes the others in place (a fused projection's other parts) instead of concatenating a copy."""
     cfg = config or auto_config(x.shape[0], values.shape[0], values.shape[1], _num_sms())
     _check(x, values, scales, cfg)
     if values.shape[0] % cfg.cta_n:  # the warpgroups' column tiles in pairs only
@@ -302,10 +305,13 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     mp = _padded_rows(m, cfg)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     xq, xs = quantize_rows(xp)
-    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms())
+    whole = cfg.k_splits == 1 and mp == m  # the kernel's own output is the result: it can be the wider one
+    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms(),
+                out_cols=out_cols if whole else None)
     if cfg.k_splits > 1:
         out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
-    return out[:m] if mp != m else out
+    out = out[:m] if mp != m else out
+    return out if whole or not out_cols else jnp.pad(out, ((0, 0), (0, out_cols - out.shape[1])))
 
 
 def grouped_config(n: int, config: GemmConfig | None = None) -> GemmConfig:
@@ -366,11 +372,12 @@ def lower_grouped(m: int, k: int, n: int, groups: int, config: GemmConfig | None
     return jax.jit(functools.partial(grouped_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def lower(m: int, k: int, n: int, config: GemmConfig | None = None):
+def lower(m: int, k: int, n: int, config: GemmConfig | None = None, out_cols: int | None = None):
     """The kernel lowered for the H200 (no GPU needed): catches unsupported shapes, layouts and primitives."""
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((n // BLOCK, k // BLOCK), jnp.float32))
-    return jax.jit(functools.partial(fp8_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
+    return jax.jit(functools.partial(fp8_gemm, config=config, out_cols=out_cols)).trace(*args).lower(
+        lowering_platforms=("cuda",))
 
 
 def reference(x, values, scales):

@@ -293,7 +293,17 @@ def quantized_dot(kc: KernelConfig, x, w):
     at the activations' quantization error); otherwise the weight dequantized to x's dtype for XLA's matmul
     (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):
-        return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
+        first, *rest = w.parts
+        if not _takes_gemm(kc, x, first):
+            return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
+        # the GEMM's output is the whole width and the other parts land in place: a 35B-A3B 32k pass concatenated
+        # 16.6 ms of GDN in-projections otherwise (docs/benchmarks/fp8/fp8_moe.md)
+        out = fp8_gemm.fp8_gemm(x, first.values, first.scales, out_cols=w.shape[-1])
+        col = first.values.shape[0]
+        for part in rest:
+            y = quantized_dot(kc, x, part)
+            out, col = lax.dynamic_update_slice(out, y, (0, col)), col + y.shape[1]
+        return out
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
@@ -302,9 +312,19 @@ def quantized_dot(kc: KernelConfig, x, w):
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(kc.fp8_activations) and fp8_matmul.supported(k, n):
         return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
                                      interpret=kc.interpret)
-    if kc.fp8_activations and not kc.interpret and fp8_gemm.supported(k, n) and fp8_gemm.available():
+    if _takes_gemm(kc, x, w):
         return fp8_gemm.fp8_gemm(x, w.values, w.scales)
     return dequantized_dot(x, w)
+
+
+def _takes_gemm(kc: KernelConfig, x, w) -> bool:
+    """Whether x @ w runs on the FP8 x FP8 wgmma GEMM: more rows than the decode kernels take, fp8_activations, a
+    Hopper GPU."""
+    if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations or kc.interpret:
+        return False
+    n, k = w.values.shape
+    return (x.shape[0] > fp8_matmul.DEFAULT_CONFIG.rows_limit(True) or not fp8_matmul.supported(k, n)) and (
+        fp8_gemm.supported(k, n) and fp8_gemm.available())
 
 
 def dequantized_dot(x, w: QuantizedWeight):

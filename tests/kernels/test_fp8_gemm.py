@@ -138,3 +138,33 @@ def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monk
     ops.quantized_dot(ops.KernelConfig("pallas"), x, w)
     ops.quantized_dot(ops.KernelConfig("pallas", interpret=True, fp8_activations=True), x, w)
     assert calls == [(M, K)]
+
+
+def test_fused_projection_writes_its_other_parts_into_the_gemms_wider_output(monkeypatch):
+    """A ConcatWeight whose first part takes the GEMM ([qkv | z] FP8, [b | a] bf16, as the GDN in-projection of an
+    FP8 pack): the GEMM returns the whole width with its product in the first columns and the bf16 part lands in the
+    rest in place; the result equals the parts' products concatenated. Columns the GEMM leaves unwritten are NaN
+    here, so a part not written shows."""
+    from ninfer_jax.model import ops
+    from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
+
+    x, values, scales, _ = _case()
+    tail = jnp.asarray(np.random.default_rng(1).standard_normal((K, 64)), jnp.float32)
+    calls = []
+
+    def gemm(a, v, s, out_cols):
+        calls.append(out_cols)
+        out = fp8_gemm.reference(a, v, s)
+        return jnp.concatenate([out, jnp.full((a.shape[0], out_cols - out.shape[1]), jnp.nan, out.dtype)], axis=1)
+
+    monkeypatch.setattr(fp8_gemm, "available", lambda: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", gemm)
+    w = ConcatWeight((QuantizedWeight(values, scales), tail))
+    got = np.asarray(ops.quantized_dot(ops.KernelConfig("pallas", fp8_activations=True), x, w))
+    assert calls == [N + 64]
+    want = np.concatenate([np.asarray(fp8_gemm.reference(x, values, scales)), np.asarray(x @ tail)], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gemm_lowers_with_a_wider_output_at_the_35b_a3b_gdn_in_projection():
+    assert "mosaic_gpu" in fp8_gemm.lower(2048, 2048, 12288, out_cols=12352).as_text()
