@@ -346,8 +346,7 @@ def grouped_gemm(xq, xs, groups, values, scales, *, config: GemmConfig | None = 
                  groups=groups.astype(jnp.int32))
 
 
-def grouped_reference(xq, xs, groups, values, scales, *, config: GemmConfig | None = None,
-                      out_dtype=jnp.bfloat16):
+def grouped_reference(xq, xs, groups, values, scales, *, out_dtype=jnp.bfloat16):
     """`grouped_gemm` in jnp (float32 products; skipped tiles' rows 0): each row against its tile's group's weight
     dequantized, times its activation scales."""
     m, k = xq.shape

@@ -690,7 +690,8 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype,
 def _shared_dense(x, shared: SharedExpert, dtype):
     """The shared expert as plain matmuls (the paths whose kernels have no rows for it): float32 products,
     act rounded to `dtype` as the routed rows' is (FP8 weights dequantized to it first: on the FP8 x FP8 GEMM, with
-    its rows' quantization passes, a 35B-A3B pass of 32768 tokens took 1.8x as long; docs/kernels_notes.md)."""
+    its rows' quantization passes, a 35B-A3B layer's shared expert took 1.8x as long at 32768 tokens;
+    docs/kernels_notes.md)."""
     def plain(w):
         return fp8_matmul.dequantize(w).astype(dtype) if isinstance(w, fp8_matmul.BlockFp8) else w
 
