@@ -166,5 +166,10 @@ def test_fused_projection_writes_its_other_parts_into_the_gemms_wider_output(mon
     np.testing.assert_array_equal(got, want)
 
 
-def test_gemm_lowers_with_a_wider_output_at_the_35b_a3b_gdn_in_projection():
-    assert "mosaic_gpu" in fp8_gemm.lower(2048, 2048, 12288, out_cols=12352).as_text()
+@pytest.mark.parametrize("rows", [2048, 100], ids=["kernel-output", "padded-rows"])
+def test_gemm_lowers_with_a_wider_output_at_the_35b_a3b_gdn_in_projection(rows):
+    """The kernel's own output at the fused width, or (rows padded to the tile: the kernel's output is sliced) the
+    product padded to it."""
+    lowered = fp8_gemm.lower(rows, 2048, 12288, out_cols=12352)
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (rows, 12352)
