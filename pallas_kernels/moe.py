@@ -652,8 +652,10 @@ def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter
     aq, a_scales = fp8_matmul.quantize_rows(jax.nn.silu(gu[:, :inter]) * gu[:, inter:])
     weight = jnp.where(real, flat_w[jnp.minimum(sorted_rows, rows - 1)], 0.0)
     y = fp8_gemm.grouped_gemm(aq, a_scales * weight, tile_expert, *down, config=GROUPED_DOWN_CONFIG, out_dtype=dtype)
-    slot = jnp.zeros((rows,), jnp.int32).at[sorted_rows].set(jnp.arange(sorted_rows.shape[0], dtype=jnp.int32),
-                                                             mode="drop", unique_indices=True)
+    padded = jnp.arange(sorted_rows.shape[0], dtype=jnp.int32)
+    # each real row's slot; padding slots aim past the end, each at its own index (unique, dropped)
+    slot = jnp.zeros((rows,), jnp.int32).at[jnp.where(real, sorted_rows, rows + padded)].set(
+        padded, mode="drop", unique_indices=True)
     return y[slot].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
