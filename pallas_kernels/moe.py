@@ -643,20 +643,27 @@ def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter
     routing weight folded into its scales, down, then each token's rows gathered back and summed. gate and up are
     rounded to `dtype` between the two products."""
     rows, h = t * k, x.shape[1]
-    sorted_rows, tile_expert = align_rows(flat_ids, num_experts, fp8_gemm.group_rows())
+    sorted_rows, tile_expert, x_rows, x_scales = grouped_rows(x, flat_ids, k, num_experts)
     real = sorted_rows < rows
-    xq, xs = fp8_matmul.quantize_rows(x)
-    tokens = jnp.where(real, sorted_rows // k, 0)
-    gu = fp8_gemm.grouped_gemm(_take_rows(xq, tokens), xs[:, tokens], tile_expert, *gate_up,
-                               out_dtype=dtype).astype(jnp.float32)
+    gu = fp8_gemm.grouped_gemm(x_rows, x_scales, tile_expert, *gate_up, out_dtype=dtype).astype(jnp.float32)
     aq, a_scales = fp8_matmul.quantize_rows(jax.nn.silu(gu[:, :inter]) * gu[:, inter:])
-    weight = jnp.where(real, flat_w[jnp.minimum(sorted_rows, rows - 1)], 0.0)
+    weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])[sorted_rows]  # padding slots (R) weigh 0
     y = fp8_gemm.grouped_gemm(aq, a_scales * weight, tile_expert, *down, config=GROUPED_DOWN_CONFIG, out_dtype=dtype)
     padded = jnp.arange(sorted_rows.shape[0], dtype=jnp.int32)
     # each real row's slot; padding slots aim past the end, each at its own index (unique, dropped)
     slot = jnp.zeros((rows,), jnp.int32).at[jnp.where(real, sorted_rows, rows + padded)].set(
         padded, mode="drop", unique_indices=True)
     return y[slot].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+
+
+def grouped_rows(x, flat_ids, top_k: int, num_experts: int):
+    """The grouped GEMM's input from x [T, H] and the routed rows' experts flat_ids [R]: (sorted_rows [P] and
+    tile_expert as `align_rows` at the GEMM's row tile, x quantized per token and 128-group with its rows in that
+    order [P, H], their scales [H / 128, P]; padding slots read token 0)."""
+    sorted_rows, tile_expert = align_rows(flat_ids, num_experts, fp8_gemm.group_rows())
+    tokens = jnp.where(sorted_rows < flat_ids.shape[0], sorted_rows // top_k, 0)
+    xq, xs = fp8_matmul.quantize_rows(x)
+    return sorted_rows, tile_expert, _take_rows(xq, tokens), xs[:, tokens]
 
 
 def _take_rows(a, rows):

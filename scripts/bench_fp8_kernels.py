@@ -169,11 +169,9 @@ def _grouped_kernel_err(x, ids, gate_up) -> float:
     """The grouped wgmma GEMM on a layer's gate_up against its jnp reference, over the used row tiles."""
     from pallas_kernels import moe
 
-    sorted_rows, tiles = moe.align_rows(ids.reshape(-1).astype(jnp.int32), gate_up.values.shape[0],
-                                        fp8_gemm.group_rows())
-    xq, xs = fp8_matmul.quantize_rows(x)
-    tokens = jnp.where(sorted_rows < ids.size, sorted_rows // ids.shape[1], 0)
-    args = (xq[tokens], xs[:, tokens], tiles, *gate_up)
+    _, tiles, x_rows, x_scales = moe.grouped_rows(x, ids.reshape(-1).astype(jnp.int32), ids.shape[1],
+                                                  gate_up.values.shape[0])
+    args = (x_rows, x_scales, tiles, *gate_up)
     used = np.repeat(np.asarray(tiles) >= 0, fp8_gemm.group_rows())
     got = np.asarray(fp8_gemm.grouped_gemm(*args, out_dtype=jnp.float32), np.float64)[used]
     return _rel(got, fp8_gemm.grouped_reference(*args, out_dtype=jnp.float32)[used])
