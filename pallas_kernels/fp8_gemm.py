@@ -294,18 +294,31 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype).
     out_cols (>= N): the result [M, out_cols] with the product in its first N columns and the rest unwritten, for a
     caller that writes the others in place (a fused projection's other parts) instead of concatenating a copy."""
-    cfg = config or auto_config(x.shape[0], values.shape[0], values.shape[1], _num_sms())
-    _check(x, values, scales, cfg)
-    if values.shape[0] % cfg.cta_n:  # the warpgroups' column tiles in pairs only
+    _check(x, values, scales, config or DEFAULT_CONFIG)  # before the quantization reads x in 128-groups
+    return fp8_gemm_rows(*quantize_rows(x), values, scales, config=config, out_dtype=out_dtype or x.dtype,
+                         out_cols=out_cols)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "out_cols"))
+def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None, out_cols: int | None = None):
+    """`fp8_gemm` of rows already quantized as `quantize_rows` writes them (xq [M, K] float8_e4m3fn, xs [K / 128, M]
+    float32), for a producer that quantizes its own output (pallas_kernels/gated_norm.py)."""
+    (m, k), n = xq.shape, values.shape[0]
+    cfg = config or auto_config(m, n, k, _num_sms())
+    _check(xq, values, scales, cfg)
+    if xs.shape != (k // BLOCK, m) or xq.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm_rows: xq {xq.shape} {xq.dtype} must be float8_e4m3fn, xs {xs.shape} "
+                         f"[K/{BLOCK}, M]")
+    if n % cfg.cta_n:  # the warpgroups' column tiles in pairs only
         cfg = dataclasses.replace(cfg, wg_split="m")
-    if cfg.cluster == "n" and values.shape[0] % (2 * cfg.cta_n):  # an odd count of column tiles: no pairs
+    if cfg.cluster == "n" and n % (2 * cfg.cta_n):  # an odd count of column tiles: no pairs
         cfg = dataclasses.replace(cfg, cluster=None)
-    out_dtype = out_dtype or x.dtype
-    m = x.shape[0]
     mp = _padded_rows(m, cfg)
-    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-    xq, xs = quantize_rows(xp)
-    whole = cfg.k_splits == 1 and mp == m  # the kernel's own output is the result: it can be the wider one
+    if mp != m:  # padding rows multiply zeros: their outputs are cut off
+        xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
+    # the kernel's own output is the result: it can be the wider one where its TMA stores' 128-byte swizzle tiles
+    # the rows (the 27B's GDN in-projection, 16480 bf16 columns, does not: padded after, as a concatenation would)
+    whole = cfg.k_splits == 1 and mp == m and (out_cols or n) * jnp.dtype(out_dtype).itemsize % 128 == 0
     out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms(),
                 out_cols=out_cols if whole else None)
     if cfg.k_splits > 1:
@@ -382,8 +395,12 @@ def lower(m: int, k: int, n: int, config: GemmConfig | None = None, out_cols: in
 def reference(x, values, scales):
     """The kernel's arithmetic in jnp, float32: x quantized the same way, each 128-deep block product scaled by
     its activation and weight scales, summed over blocks (the order differs, so float32 rounding does)."""
-    (m, k), n = x.shape, values.shape[0]
-    xq, xs = quantize_rows(x)
+    return reference_rows(*quantize_rows(x), values, scales)
+
+
+def reference_rows(xq, xs, values, scales):
+    """`reference` of rows already quantized (`fp8_gemm_rows`' inputs), float32."""
+    (m, k), n = xq.shape, values.shape[0]
     xb = xq.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
     wb = values.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK)
     per_block = jnp.einsum("mbk,nbk->bmn", xb, wb, precision=lax.Precision.HIGHEST)  # [K/128, M, N]

@@ -166,10 +166,13 @@ def test_fused_projection_writes_its_other_parts_into_the_gemms_wider_output(mon
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("rows", [2048, 100], ids=["kernel-output", "padded-rows"])
-def test_gemm_lowers_with_a_wider_output_at_the_35b_a3b_gdn_in_projection(rows):
-    """The kernel's own output at the fused width, or (rows padded to the tile: the kernel's output is sliced) the
-    product padded to it."""
-    lowered = fp8_gemm.lower(rows, 2048, 12288, out_cols=12352)
+@pytest.mark.parametrize("rows, k, n, out_cols", [(2048, 2048, 12288, 12352), (100, 2048, 12288, 12352),
+                                                  (2048, 5120, 16384, 16480)],
+                         ids=["35b-a3b-kernel-output", "35b-a3b-padded-rows", "27b-unswizzled-width"])
+def test_gemm_lowers_with_a_wider_output_at_the_gdn_in_projections(rows, k, n, out_cols):
+    """The kernel's own output at the fused width (the 35B-A3B's [qkv | z | b | a]), or the product padded to it: rows
+    padded to the tile (the kernel's output is sliced), or a width the TMA stores' 128-byte swizzle does not tile
+    (the 27B's 16480 bf16 columns)."""
+    lowered = fp8_gemm.lower(rows, k, n, out_cols=out_cols)
     assert "mosaic_gpu" in lowered.as_text()
-    assert lowered.out_info.shape == (rows, 12352)
+    assert lowered.out_info.shape == (rows, out_cols)
