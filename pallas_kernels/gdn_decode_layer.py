@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels.gdn_decode import delta_rule_step, program_blocks
-from pallas_kernels.reference import l2_normalize
+from pallas_kernels.reference import gated_rms_norm, l2_normalize
 
 _F32 = jnp.float32
 
@@ -66,7 +66,6 @@ def _layer_kernel(
     group: int,
     taps: int,
     eps: float,
-    norm_dtype,
     block_v: int,
     heads_per_program: int,
     gates_col: int,
@@ -131,25 +130,10 @@ def _layer_kernel(
             if block_v < dv:  # the norm needs all of Dv: the caller's fusion
                 y_ref[lane, r, h, vcols] = o.astype(act)
             else:
-                y_ref[lane, r, h, :] = _gated_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
-                                                   norm_w_ref[...], eps, norm_dtype)
+                y_ref[lane, r, h, :] = gated_rms_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
+                                                      norm_w_ref[...], eps)
         if ssm_out:
             ssm_out[0][slot, h, :, vcols] = state
-
-
-def _gated_norm(o, z, norm_w, eps, norm_dtype):
-    """The gated RMSNorm over the last axis with the model's roundings (o arrives in the activations' dtype): the
-    normalised o back to that dtype before the weight, the weighted product in the weight's and activations'
-    common dtype. Runs inside the kernel on one head's [Dv] and in XLA on [B, Hv, Dv].
-
-    Not `qwen3_5.gated_rms_norm` itself: that one writes the weighted product as a multiply in the common dtype,
-    whose rounding XLA may skip (excess precision: on CPU its result differs in the last bf16 bit from this form);
-    here each rounding is a cast, which XLA and Triton both take."""
-    act = o.dtype
-    of = o.astype(_F32)
-    normed = (of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)).astype(act).astype(_F32)
-    weighted = (norm_w.astype(_F32) * normed).astype(norm_dtype).astype(_F32)
-    return (weighted * jax.nn.silu(z.astype(_F32))).astype(act)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +230,13 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
     block_v = program_blocks(lanes * hv, dv, config.block_v, config.min_programs)
     group = hv // num_key_heads
     hp = config.heads_per_program if group % config.heads_per_program == 0 else 1
-    norm_dtype = jnp.promote_types(norm_w.dtype, proj.dtype)
     out_shape = [jax.ShapeDtypeStruct((lanes, t, hv, dv), proj.dtype),
                  jax.ShapeDtypeStruct((lanes, taps - 1, channels), proj.dtype)]
     if write_state:
         out_shape.append(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype))
     out = pl.pallas_call(
         functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=group, taps=taps, eps=eps,
-                          norm_dtype=norm_dtype, block_v=block_v, heads_per_program=hp,
+                          block_v=block_v, heads_per_program=hp,
                           gates_col=0 if gates is not None else channels + hv * dv),
         grid=(lanes, hv // hp, dv // block_v),
         in_specs=[full] * 10,
@@ -268,5 +251,5 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
     y = out[0]
     if block_v < dv:  # y holds o
         z = proj[:, :, channels:channels + hv * dv].reshape(lanes, t, hv, dv)
-        y = _gated_norm(y, z, norm_w, eps, norm_dtype)
+        y = gated_rms_norm(y, z, norm_w, eps)
     return (y, *out[1:])

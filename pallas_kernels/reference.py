@@ -45,6 +45,18 @@ def rms_norm(x, w, eps):
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
+def gated_rms_norm(o, z, norm_w, eps):
+    """The GDN output's gated RMSNorm over the last axis (plain weight, times silu(z)) with HF's roundings: the
+    normalised o back to its dtype before the weight, the weighted product in the weight's and o's common dtype, the
+    result in o's. Each rounding is a cast, which XLA and Triton both keep (a multiply in bf16 XLA may compute in
+    float32 without rounding: on CPU one bf16 bit apart). The model's, the decode layer's and the FP8 norm's."""
+    act = o.dtype
+    of = o.astype(jnp.float32)
+    normed = (of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)).astype(act).astype(jnp.float32)
+    weighted = (norm_w.astype(jnp.float32) * normed).astype(jnp.promote_types(norm_w.dtype, act))
+    return (weighted.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(act)
+
+
 def _expand_key_heads(x: jax.Array, num_v_heads: int) -> jax.Array:
     """[T, Hk, D] -> [T, Hv, D]: value head j reads key head j // (Hv // Hk)."""
     return jnp.repeat(x, num_v_heads // x.shape[1], axis=1)

@@ -130,8 +130,8 @@ def _pure_step(fn, chain_arg, unroll):
         a = list(rest)
         if unroll > 1:  # keep XLA from merging the unrolled calls (the chained input is small)
             a[chain_arg] = a[chain_arg] + (state * 0).astype(a[chain_arg].dtype)
-        out = fn(*a)
-        return jnp.sum(out.reshape(-1)[:1]).astype(jnp.float32) * 0, out
+        out = fn(*a)  # an array or a pytree of them (every one returned, so none is left out)
+        return jnp.sum(jax.tree.leaves(out)[0].reshape(-1)[:1]).astype(jnp.float32) * 0, out
 
     return step
 

@@ -294,7 +294,7 @@ def quantized_dot(kc: KernelConfig, x, w):
     (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):
         first, *rest = w.parts
-        if not _takes_gemm(kc, x, first):
+        if not _takes_gemm(kc, x.shape[0], first):
             return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
         # the GEMM's output is the whole width and the other parts land in place: a 35B-A3B 32k pass concatenated
         # 16.6 ms of GDN in-projections otherwise (docs/benchmarks/fp8/fp8_moe.md)
@@ -312,19 +312,31 @@ def quantized_dot(kc: KernelConfig, x, w):
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(kc.fp8_activations) and fp8_matmul.supported(k, n):
         return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
                                      interpret=kc.interpret)
-    if _takes_gemm(kc, x, w):
+    if _takes_gemm(kc, x.shape[0], w):
         return fp8_gemm.fp8_gemm(x, w.values, w.scales)
     return dequantized_dot(x, w)
 
 
-def _takes_gemm(kc: KernelConfig, x, w) -> bool:
-    """Whether x @ w runs on the FP8 x FP8 wgmma GEMM: more rows than the decode kernels take, fp8_activations, a
-    Hopper GPU."""
+def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:
+    """Whether rows of x @ w run on the FP8 x FP8 wgmma GEMM: more rows than the decode kernels take,
+    fp8_activations, a Hopper GPU."""
     if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations or kc.interpret:
         return False
     n, k = w.values.shape
-    return (x.shape[0] > fp8_matmul.DEFAULT_CONFIG.rows_limit(True) or not fp8_matmul.supported(k, n)) and (
+    return (rows > fp8_matmul.DEFAULT_CONFIG.rows_limit(True) or not fp8_matmul.supported(k, n)) and (
         fp8_gemm.supported(k, n) and fp8_gemm.available())
+
+
+def gated_norm_dot(kc: KernelConfig, core, z, norm_w, eps: float, w):
+    """The GDN out-projection of its gated norm (core, z [T, Hv, Dv]) with the norm writing its rows quantized
+    straight for the FP8 GEMM (pallas_kernels/gated_norm.py) when w takes the GEMM and a value head is one
+    quantization group; None otherwise (the caller composes the norm and `quantized_dot`)."""
+    from pallas_kernels import gated_norm
+
+    if not _takes_gemm(kc, z.shape[0], w) or not gated_norm.supported(z.shape[-1]):
+        return None
+    xq, xs = gated_norm.gated_rms_norm_fp8(core, z, norm_w, eps=eps)
+    return fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=z.dtype)
 
 
 def dequantized_dot(x, w: QuantizedWeight):

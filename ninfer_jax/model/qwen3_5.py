@@ -43,9 +43,9 @@ from ninfer_jax.model import ops, spmd
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import ConcatWeight, GDNParams, LayerParams, MLPParams, MoEParams, Params
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
-# rms_norm lives with the kernels' references: the add + norm kernel computes it on each row
+# the norms live with the kernels' references: the kernels compute them on each row
 from pallas_kernels import kv_quant
-from pallas_kernels.reference import SharedExpert, l2_normalize, rms_norm
+from pallas_kernels.reference import SharedExpert, gated_rms_norm, l2_normalize, rms_norm
 
 F32 = jnp.float32
 
@@ -83,14 +83,6 @@ def add_norm(kc: KernelConfig, x, h, w, eps):
         return fused
     x = x if h is None else x + h[: x.shape[0]]
     return x, rms_norm(x, w, eps)
-
-
-def gated_rms_norm(x, z, w, eps):
-    """GDN output norm: plain weight, normalised in float32, times silu(z)."""
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    y = w * y.astype(x.dtype)
-    return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -206,6 +198,10 @@ def _gdn_normed(p: GDNParams, core, z, cfg: ModelConfig, dtype):
 
 
 def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
+    """The gated norm and the out-projection (on the FP8 GEMM, the norm writing its rows quantized)."""
+    fused = ops.gated_norm_dot(kc, core, z, p.norm_w, cfg.rms_norm_eps, p.out_proj)
+    if fused is not None:
+        return fused
     return dot(kc, _gdn_normed(p, core, z, cfg, dtype), p.out_proj, to_norm=True)
 
 
@@ -229,8 +225,8 @@ def _conv(window, conv_w):
 
 # --- prefill -----------------------------------------------------------------------------------------
 def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
-    """One lane's chunk from its in-projection rows proj [T, P] -> (the out-projection's input [T, Hv Dv], ssm,
-    conv)."""
+    """One lane's chunk from its in-projection rows proj [T, P] -> ((the delta rule's output, z) [T, Hv, Dv] each,
+    ssm, conv)."""
     t = proj.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
     qkv, z, a, b = _gdn_split(proj, cfg)
@@ -259,12 +255,18 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
         rows = jax.lax.dynamic_slice_in_dim(window, jnp.clip(pos - base, 0, t), km1, axis=0)
         target = jnp.where(ok, ctx["tap_slots"][j], conv.shape[0])
         conv = conv.at[target].set(rows.astype(conv.dtype), mode="drop")
-    return _gdn_normed(p, core, z, cfg, proj.dtype), ssm, conv
+    return (core, z), ssm, conv
 
 
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
-    return _projected(lambda proj, s, c: _gdn_prefill_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj)(
-        kc, x, ssm, conv)
+    (core, z), ssm, conv = _gdn_prefill_core(p, dot(kc, x, p.in_proj), cfg, kc, ssm, conv, ctx)
+    return _gdn_out(p, core, z, cfg, kc, z.dtype), ssm, conv
+
+
+def _gdn_prefill_normed(p, proj, cfg, kc, ssm, conv, ctx):
+    """`_gdn_prefill_core` up to the out-projection's input [T, Hv Dv] (the gated norm), for `mixed`'s split rows."""
+    (core, z), ssm, conv = _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx)
+    return _gdn_normed(p, core, z, cfg, z.dtype), ssm, conv
 
 
 def _attn_split(proj, cfg: ModelConfig):
@@ -552,7 +554,7 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
     return _run_layers(
         params, cfg, kc, x, state,
         lambda p, h, ssm, conv, cf, ctx: split(
-            lambda proj, s, c: _gdn_prefill_core(p, proj, cf, kc, s, c, ctx[0]),
+            lambda proj, s, c: _gdn_prefill_normed(p, proj, cf, kc, s, c, ctx[0]),
             lambda proj, s, c: _gdn_decode_core(p, proj, cf, kc, s, c, ctx[1]), p.in_proj, p.out_proj,
         )(kc, h, ssm, conv),
         lambda p, h, kp, vp, cf, ctx: _projected(lambda proj, k, v: attn_core(p, proj, k, v, cf, ctx), p.qkv_proj,
