@@ -57,6 +57,14 @@ def gated_rms_norm(o, z, norm_w, eps):
     return (weighted.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(act)
 
 
+def swiglu(gate, up):
+    """silu(gate) * up in gate's dtype with torch's roundings (HF's MLP): the SiLU in float32 rounded once, the
+    product rounded once. The model's MLP and the FP8 rows kernel's."""
+    act = gate.dtype
+    silu = jax.nn.silu(gate.astype(jnp.float32)).astype(act)
+    return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(act)
+
+
 def _expand_key_heads(x: jax.Array, num_v_heads: int) -> jax.Array:
     """[T, Hk, D] -> [T, Hv, D]: value head j reads key head j // (Hv // Hk)."""
     return jnp.repeat(x, num_v_heads // x.shape[1], axis=1)

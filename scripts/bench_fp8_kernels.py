@@ -4,9 +4,9 @@ bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our dec
 At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then one 35B-A3B MoE layer (256 experts,
 top 8, the shared expert) on bf16 against block-FP8 experts. `--only gemm`: the prefill block-FP8 GEMM
 (pallas_kernels/fp8_gemm.py, Mosaic GPU wgmma) at the 27B's projections, its configs first at two tuning points,
-then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process. `--only norm`: the
-GDN gated norm written as FP8 rows (pallas_kernels/gated_norm.py) beside XLA's composition, and the out-projection
-it feeds, at both models' heads. `--only sweep`
+then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process. `--only rows`: the
+producers writing FP8 rows (pallas_kernels/fp8_rows.py: the GDN gated norm, the MLP's SwiGLU) beside XLA's
+composition, and the projections they feed. `--only sweep`
 (never run by default): the decode kernels' config variants (SWEEP_VARIANTS) checked against float64 at a small
 shape and against the dequantized float32 product at the real ones, and timed beside XLA's bf16 matmul and, with
 `--sweep-old`, an earlier copy of fp8_matmul.py; every program is compiled before any is timed (compiling beside a
@@ -16,7 +16,7 @@ of the script, not a measurement.
     python scripts/bench_fp8_kernels.py --out docs/benchmarks/fp8                # fp8_kernels.{json,md}
     python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
-    python scripts/bench_fp8_kernels.py --only norm --out docs/benchmarks/fp8    # fp8_gated_norm.{json,md}
+    python scripts/bench_fp8_kernels.py --only rows --out docs/benchmarks/fp8    # fp8_rows.{json,md}
     git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
     python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
                                                                                   # fp8_sweep.{json,md}
@@ -48,7 +48,7 @@ from ninfer_jax.benchmarks import report  # noqa: E402
 from ninfer_jax.model import ops  # noqa: E402
 from ninfer_jax.model.params import QuantizedWeight  # noqa: E402
 from ninfer_jax.model.random_init import fp8_normal  # noqa: E402
-from pallas_kernels import fp8_gemm, fp8_matmul, gated_norm  # noqa: E402
+from pallas_kernels import fp8_gemm, fp8_matmul, fp8_rows  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
 # name -> (K, N): the 27B's MLP, GDN in-projection and attention output, the 35B-A3B's shared expert gate_up
@@ -193,63 +193,71 @@ GEMM_CONFIGS = {"128x128": _G,
 GEMM_TUNING = (("27b mlp gate_up", 2048),)
 
 
-# name -> (value heads, hidden): the GDN out-projection's input heads (Dv 128) and output width
-NORM_SHAPES = {"35b-a3b": (32, 2048), "27b": (48, 5120)}
+# name -> (producer, its 128-groups, the projection's output width): the GDN out-projections (value heads of Dv 128)
+# and the 27B's MLP down-projection (I = 17408)
+PRODUCERS = {"35b-a3b gdn out": ("norm", 32, 2048), "27b gdn out": ("norm", 48, 5120),
+             "27b mlp down": ("swiglu", 136, 5120)}
 
 
-def bench_gated_norm(tokens: tuple[int, ...]) -> list[dict]:
-    """The GDN gated norm quantized for the FP8 out-projection (pallas_kernels/gated_norm.py) beside XLA's
-    composition of the norm and `quantize_rows`, and the bf16 pass's norm alone; then the whole out-projection
-    (norm + FP8 GEMM) both ways and in bf16. Errors: the kernel's scales and FP8 values against the composition's,
-    the fused out-projection against the composed one."""
+def _producer(kind: str, t: int, groups: int, gemm: ops.KernelConfig):
+    """(inputs, bf16 rows, the kernel, the fused projection, input bytes per output element) of one producer."""
+    k = groups * 128
+    if kind == "swiglu":
+        gu = jax.random.normal(jax.random.key(2), (t, 2 * k), jnp.float32).astype(jnp.bfloat16)
+        return ((gu,), lambda g: ref.swiglu(g[:, :k], g[:, k:]), fp8_rows.swiglu_fp8,
+                lambda g, v, s: ops.swiglu_dot(gemm, g, QuantizedWeight(v, s)), 4)
+    core, z = (jax.random.normal(jax.random.key(s), (t, groups, 128), jnp.float32).astype(jnp.bfloat16) for s in (2, 3))
+    norm_w = (1 + 0.1 * jax.random.normal(jax.random.key(1), (128,))).astype(jnp.bfloat16)
+    return ((core, z, norm_w), lambda c, zz, nw: ref.gated_rms_norm(c, zz, nw, 1e-6).reshape(t, -1),
+            lambda c, zz, nw: fp8_rows.gated_rms_norm_fp8(c, zz, nw, eps=1e-6),
+            lambda c, zz, nw, v, s: ops.gated_norm_dot(gemm, c, zz, nw, 1e-6, QuantizedWeight(v, s)), 4)
+
+
+def bench_fp8_rows(tokens: tuple[int, ...]) -> list[dict]:
+    """The producers that write FP8 rows (pallas_kernels/fp8_rows.py) beside XLA's composition of the producer and
+    `quantize_rows`, and the bf16 pass's producer alone; then the whole projection (producer + FP8 GEMM) both ways
+    and in bf16. Errors: the kernel's scales and FP8 values against the composition's, the fused projection against
+    the composed one."""
     out = []
     gemm = ops.KernelConfig("pallas", fp8_activations=True)
-    for name, (hv, hidden) in NORM_SHAPES.items():
-        w = fp8_normal(jax.random.key(0), (hidden, hv * 128), (hv * 128) ** -0.5)
+
+    def timed(fn, *args):
+        return time_pure(fn, args, reps=3, min_time=0.03) * 1e6
+
+    for name, (kind, groups, hidden) in PRODUCERS.items():
+        w = fp8_normal(jax.random.key(0), (hidden, groups * 128), (groups * 128) ** -0.5)
         wb = ops.dequantize(w).astype(jnp.bfloat16)
-        norm_w = (1 + 0.1 * jax.random.normal(jax.random.key(1), (128,))).astype(jnp.bfloat16)
         for t in tokens:
-            core, z = (jax.random.normal(jax.random.key(s), (t, hv, 128), jnp.float32).astype(jnp.bfloat16)
-                       for s in (2, 3))
-            row = {"shape": f"{name} gdn out", "M": t, "heads": hv}
+            args, rows_bf16, kernel, fused, read = _producer(kind, t, groups, gemm)
+            row = {"shape": name, "M": t}
 
-            def normed(c, zz, nw):
-                return ref.gated_rms_norm(c, zz, nw, 1e-6).reshape(t, -1)
+            def composed(*a, rows_bf16=rows_bf16):
+                return fp8_matmul.quantize_rows(rows_bf16(*a))
 
-            def timed(fn, *args):
-                return time_pure(fn, args, reps=3, min_time=0.03) * 1e6
-
-            row["bf16_norm_us"] = timed(normed, core, z, norm_w)
-            row["xla_us"] = timed(lambda c, zz, nw: fp8_matmul.quantize_rows(normed(c, zz, nw)), core, z, norm_w)
-            row["kernel_us"] = _guard("kernel", lambda: timed(
-                lambda c, zz, nw: gated_norm.gated_rms_norm_fp8(c, zz, nw, eps=1e-6), core, z, norm_w))
+            row["bf16_rows_us"] = timed(rows_bf16, *args)
+            row["xla_us"] = timed(composed, *args)
+            row["kernel_us"] = _guard("kernel", lambda: timed(kernel, *args))
             if row["kernel_us"]:
                 row["kernel_vs_xla"] = row["xla_us"] / row["kernel_us"]
-                row["kernel_gbps"] = t * hv * 128 * (2 + 2 + 1) / row["kernel_us"] / 1e3
-            row["bf16_out_us"] = timed(lambda c, zz, nw, b: jnp.dot(normed(c, zz, nw), b), core, z, norm_w, wb)
-            row["xla_out_us"] = timed(lambda c, zz, nw, v, s: ops.quantized_dot(gemm, normed(c, zz, nw),
-                                                                                QuantizedWeight(v, s)),
-                                      core, z, norm_w, w.values, w.scales)
-            row["fused_out_us"] = _guard("fused", lambda: timed(
-                lambda c, zz, nw, v, s: ops.gated_norm_dot(gemm, c, zz, nw, 1e-6, QuantizedWeight(v, s)),
-                core, z, norm_w, w.values, w.scales))
+                row["kernel_gbps"] = t * groups * 128 * (read + 1) / row["kernel_us"] / 1e3
+            row["bf16_out_us"] = timed(lambda *a: jnp.dot(rows_bf16(*a[:-1]), a[-1]), *args, wb)
+            row["xla_out_us"] = timed(lambda *a: ops.quantized_dot(gemm, rows_bf16(*a[:-2]), QuantizedWeight(*a[-2:])),
+                                      *args, w.values, w.scales)
+            row["fused_out_us"] = _guard("fused", lambda: timed(fused, *args, w.values, w.scales))
             if row["fused_out_us"]:
                 row["fused_vs_xla_out"] = row["xla_out_us"] / row["fused_out_us"]
                 row["fused_vs_bf16_out"] = row["bf16_out_us"] / row["fused_out_us"]
-            got = _guard("kernel result", lambda: gated_norm.gated_rms_norm_fp8(core, z, norm_w, eps=1e-6))
+            got = _guard("kernel result", lambda: kernel(*args))
             if got is not None:
-                # op by op, every rounding of the norm to bf16 as written; XLA's fusion of it (jit) skips them
-                # (excess precision), so its FP8 rows differ from both by more than the kernel's from the first
-                def composed(c, zz, nw):
-                    return fp8_matmul.quantize_rows(normed(c, zz, nw))
-
+                # op by op, every rounding to bf16 as written; XLA's fusion of it (jit) skips them (excess
+                # precision), so its FP8 rows differ from both by more than the kernel's from the first
                 for suffix, fn in (("", composed), ("_xla", jax.jit(composed))):
-                    want_q, want_s = fn(core, z, norm_w)
+                    want_q, want_s = fn(*args)
                     row[f"scale_rel_diff{suffix}"] = float(jnp.max(jnp.abs(got[1] / want_s - 1)))
                     row[f"values_differing{suffix}"] = float(jnp.mean(got[0].astype(jnp.float32)
                                                                       != want_q.astype(jnp.float32)))
-                fused = ops.gated_norm_dot(gemm, core, z, norm_w, 1e-6, w)
-                row["fused_rel_err"] = _rel(fused, ops.quantized_dot(gemm, normed(core, z, norm_w), w))
+                row["fused_rel_err"] = _rel(fused(*args, w.values, w.scales),
+                                            ops.quantized_dot(gemm, rows_bf16(*args), w))
             print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
             out.append(row)
     return out
@@ -565,10 +573,10 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,8,512,8192")
     p.add_argument("--moe-configs", default="", help="with --only moe: FP8 x FP8 expert tile configs timed beside, "
                    "comma-separated, e.g. 'default,m32 k128 w4 s4' (see _moe_config)")
-    p.add_argument("--only", choices=["dense", "moe", "gemm", "sweep", "norm"],
+    p.add_argument("--only", choices=["dense", "moe", "gemm", "sweep", "rows"],
                    help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
-    p.add_argument("--norm-tokens", default="8192,32768")
+    p.add_argument("--rows-tokens", default="8192,32768")
     p.add_argument("--gemm-configs", default=",".join(GEMM_CONFIGS), help="names from GEMM_CONFIGS to tune over")
     p.add_argument("--sweep-rows", default="1,2,8,16",
                    help="bf16 and --sweep-old's kernels at each; each SWEEP_VARIANTS entry at its rows among these")
@@ -603,19 +611,20 @@ def main() -> None:
                               [[c["kernel"], c["M"], report.fmt(c["rel_err"]), c["limit"], c["ok"]] for c in checks])
         report.write_report(args.out, "fp8_sweep", {**meta, "float64_check": checks, "rows": rows}, lines)
         return
-    if args.only == "norm":
-        rows = bench_gated_norm(tuple(int(t) for t in args.norm_tokens.split(",")))
-        cols = ["shape", "M", "bf16_norm_us", "xla_us", "kernel_us", "kernel_vs_xla", "kernel_gbps", "bf16_out_us",
+    if args.only == "rows":
+        rows = bench_fp8_rows(tuple(int(t) for t in args.rows_tokens.split(",")))
+        cols = ["shape", "M", "bf16_rows_us", "xla_us", "kernel_us", "kernel_vs_xla", "kernel_gbps", "bf16_out_us",
                 "xla_out_us", "fused_out_us", "fused_vs_xla_out", "fused_vs_bf16_out", "scale_rel_diff",
                 "values_differing", "scale_rel_diff_xla", "values_differing_xla", "fused_rel_err"]
-        _write_table(args.out, "fp8_gated_norm", "GDN gated norm for the FP8 out-projection", "kernel: "
-                     "pallas_kernels/gated_norm.py (the norm written as FP8 rows and their scales); xla: the model's "
-                     "norm then quantize_rows, as XLA fuses them; bf16_norm: the norm alone, a bf16 pass's; *_out: "
-                     "the norm and the out-projection (fused: ops.gated_norm_dot, the kernel into fp8_gemm_rows; xla: "
-                     "the norm into fp8_gemm; bf16: the norm into XLA's bf16 matmul); us per call; kernel_gbps counts "
-                     "core, z (bf16) and the FP8 rows; scale_rel_diff, values_differing: the kernel's scales and FP8 "
-                     "values against the composition run op by op (every bf16 rounding of the norm kept); *_xla: "
-                     "against XLA's fusion of it, which skips those roundings (excess precision)", cols, rows)
+        _write_table(args.out, "fp8_rows", "Producers writing FP8 rows for the FP8 GEMM", "kernel: "
+                     "pallas_kernels/fp8_rows.py (the GDN gated norm, the MLP's SwiGLU, written as FP8 rows and their "
+                     "scales); xla: the model's producer then quantize_rows, as XLA fuses them; bf16_rows: the "
+                     "producer alone, a bf16 pass's; *_out: the producer and its projection (fused: "
+                     "ops.gated_norm_dot / ops.swiglu_dot, the kernel into fp8_gemm_rows; xla: the producer into "
+                     "fp8_gemm; bf16: into XLA's bf16 matmul); us per call; kernel_gbps counts the bf16 inputs and "
+                     "the FP8 rows; scale_rel_diff, values_differing: the kernel's scales and FP8 values against the "
+                     "composition run op by op (every bf16 rounding kept); *_xla: against XLA's fusion of it, which "
+                     "skips those roundings (excess precision)", cols, rows)
         return
     if args.only == "gemm":
         rows = bench_gemm(tuple(int(m) for m in args.gemm_rows.split(",")), args.gemm_configs.split(","))

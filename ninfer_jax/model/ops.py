@@ -327,16 +327,29 @@ def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:
         fp8_gemm.supported(k, n) and fp8_gemm.available())
 
 
-def gated_norm_dot(kc: KernelConfig, core, z, norm_w, eps: float, w):
+def gated_norm_dot(kc: KernelConfig, core, z, norm_w, eps: float, w, z_source=None):
     """The GDN out-projection of its gated norm (core, z [T, Hv, Dv]) with the norm writing its rows quantized
-    straight for the FP8 GEMM (pallas_kernels/gated_norm.py) when w takes the GEMM and a value head is one
-    quantization group; None otherwise (the caller composes the norm and `quantized_dot`)."""
-    from pallas_kernels import gated_norm
+    straight for the FP8 GEMM (pallas_kernels/fp8_rows.py) when w takes the GEMM and a value head is one
+    quantization group; None otherwise (the caller composes the norm and `quantized_dot`). z_source: (the array z
+    was sliced from, z's first column), for the kernel to read z in place rather than a copy of it."""
+    from pallas_kernels import fp8_rows
 
-    if not _takes_gemm(kc, z.shape[0], w) or not gated_norm.supported(z.shape[-1]):
+    if not _takes_gemm(kc, z.shape[0], w) or not fp8_rows.norm_supported(z.shape[-1]):
         return None
-    xq, xs = gated_norm.gated_rms_norm_fp8(core, z, norm_w, eps=eps)
+    zz, col = z_source or (z, 0)
+    xq, xs = fp8_rows.gated_rms_norm_fp8(core, zz, norm_w, eps=eps, z_col=col)
     return fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=z.dtype)
+
+
+def swiglu_dot(kc: KernelConfig, gu, w):
+    """The MLP's down-projection of silu(gate) * up (gu [T, 2I]) with the product written as FP8 rows straight for
+    the FP8 GEMM (pallas_kernels/fp8_rows.py) when w takes the GEMM; None otherwise (the caller composes)."""
+    from pallas_kernels import fp8_rows
+
+    if not _takes_gemm(kc, gu.shape[0], w) or not fp8_rows.swiglu_supported(gu.shape[1] // 2):
+        return None
+    xq, xs = fp8_rows.swiglu_fp8(gu)
+    return fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=gu.dtype)
 
 
 def dequantized_dot(x, w: QuantizedWeight):

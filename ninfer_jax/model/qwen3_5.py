@@ -45,7 +45,7 @@ from ninfer_jax.model.params import ConcatWeight, GDNParams, LayerParams, MLPPar
 from ninfer_jax.model.state import PAGE, DeviceState, init_device_state
 # the norms live with the kernels' references: the kernels compute them on each row
 from pallas_kernels import kv_quant
-from pallas_kernels.reference import SharedExpert, gated_rms_norm, l2_normalize, rms_norm
+from pallas_kernels.reference import SharedExpert, gated_rms_norm, l2_normalize, rms_norm, swiglu
 
 F32 = jnp.float32
 
@@ -113,22 +113,23 @@ def rope(x, positions, cfg: ModelConfig):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
-def _mlp_act(p: MLPParams, x, kc: KernelConfig):
-    gu = dot(kc, x, p.gate_up)
-    inter = p.down.shape[0]
-    return jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+def _mlp_act(gu):
+    inter = gu.shape[-1] // 2
+    return swiglu(gu[..., :inter], gu[..., inter:])
 
 
 def mlp(p: MLPParams, x, kc: KernelConfig):
     if kc.spmd is not None and kc.spmd.splits_ffn(p):  # each device's partial down-projection, summed in f32
         def partial(p, x, *_):
-            act = _mlp_act(p, x, kc)
+            act = _mlp_act(dot(kc, x, p.gate_up))
             if ops.is_quantized(p.down):
                 return ops.quantized_dot(kc, act, p.down).astype(F32)
             return jnp.dot(act, p.down, preferred_element_type=F32)
 
         return kc.spmd.ffn(p, x, partial).astype(x.dtype)
-    return dot(kc, _mlp_act(p, x, kc), p.down, to_norm=True)
+    gu = dot(kc, x, p.gate_up)
+    fused = ops.swiglu_dot(kc, gu, p.down)  # on the FP8 GEMM, the product written as its FP8 rows
+    return fused if fused is not None else dot(kc, _mlp_act(gu), p.down, to_norm=True)
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
@@ -197,9 +198,11 @@ def _gdn_normed(p: GDNParams, core, z, cfg: ModelConfig, dtype):
     return y.reshape(y.shape[0], -1)
 
 
-def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype):
-    """The gated norm and the out-projection (on the FP8 GEMM, the norm writing its rows quantized)."""
-    fused = ops.gated_norm_dot(kc, core, z, p.norm_w, cfg.rms_norm_eps, p.out_proj)
+def _gdn_out(p: GDNParams, core, z, cfg: ModelConfig, kc: KernelConfig, dtype, proj=None):
+    """The gated norm and the out-projection (on the FP8 GEMM, the norm writing its rows quantized, reading z in
+    place from the in-projection's output proj when given)."""
+    fused = ops.gated_norm_dot(kc, core, z, p.norm_w, cfg.rms_norm_eps, p.out_proj,
+                               z_source=None if proj is None else (proj, cfg.conv_dim))
     if fused is not None:
         return fused
     return dot(kc, _gdn_normed(p, core, z, cfg, dtype), p.out_proj, to_norm=True)
@@ -259,8 +262,9 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
-    (core, z), ssm, conv = _gdn_prefill_core(p, dot(kc, x, p.in_proj), cfg, kc, ssm, conv, ctx)
-    return _gdn_out(p, core, z, cfg, kc, z.dtype), ssm, conv
+    proj = dot(kc, x, p.in_proj)
+    (core, z), ssm, conv = _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx)
+    return _gdn_out(p, core, z, cfg, kc, z.dtype, proj), ssm, conv
 
 
 def _gdn_prefill_normed(p, proj, cfg, kc, ssm, conv, ctx):
