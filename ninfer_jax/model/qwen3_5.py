@@ -155,11 +155,12 @@ def ffn(p, x, cfg, kc):
 
 # --- Gated DeltaNet pieces shared by prefill and decode ----------------------------------------------
 def _gdn_split(proj, cfg: ModelConfig):
-    """The in-projection's output [N, conv_dim + Hv Dv + 2 Hv] -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv],
-    a [N, Hv], b [N, Hv])."""
+    """The in-projection's output [N, conv_dim + Hv Dv + 2 Hv], or its two sides apart ([N, conv_dim + Hv Dv],
+    [N, 2 Hv]: `_gdn_in_dot`) -> (pre-conv qkv [N, conv_dim], z [N, Hv, Dv], a [N, Hv], b [N, Hv])."""
     cd, vd, hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
+    proj, gates = proj if isinstance(proj, tuple) else (proj, proj[:, cd + vd :])
     qkv, z = proj[:, :cd], proj[:, cd : cd + vd]
-    b, a = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+    b, a = gates[:, :hv], gates[:, hv:]
     return qkv, z.reshape(-1, hv, cfg.linear_value_head_dim), a, b
 
 
@@ -228,11 +229,12 @@ def _conv(window, conv_w):
 
 # --- prefill -----------------------------------------------------------------------------------------
 def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
-    """One lane's chunk from its in-projection rows proj [T, P] -> ((the delta rule's output, z) [T, Hv, Dv] each,
-    ssm, conv)."""
+    """One lane's chunk from its in-projection rows proj [T, P] (or its sides apart, `_gdn_split`) -> ((the delta
+    rule's output, z) [T, Hv, Dv] each, ssm, conv)."""
+    qkv, z, a, b = _gdn_split(proj, cfg)
+    proj = proj[0] if isinstance(proj, tuple) else proj  # the conv kernel reads qkv, its first columns, alone
     t = proj.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
-    qkv, z, a, b = _gdn_split(proj, cfg)
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
     history = jnp.where(fresh, 0, conv[slot]).astype(qkv.dtype)
     window = jnp.concatenate([history, qkv], axis=0)  # row r holds position base - (K-1) + r
@@ -262,9 +264,9 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
-    proj = dot(kc, x, p.in_proj)
+    proj = _gdn_in_dot(kc, x, p.in_proj, cfg, apart=True)
     (core, z), ssm, conv = _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx)
-    return _gdn_out(p, core, z, cfg, kc, z.dtype, proj), ssm, conv
+    return _gdn_out(p, core, z, cfg, kc, z.dtype, proj[0] if isinstance(proj, tuple) else proj), ssm, conv
 
 
 def _gdn_prefill_normed(p, proj, cfg, kc, ssm, conv, ctx):
@@ -422,20 +424,22 @@ def prefill(
 
 
 # --- decode ------------------------------------------------------------------------------------------
-def _gdn_decode_in_proj(cfg: ModelConfig):
-    """The decode in-projection for the fused GDN kernel: an FP8 checkpoint's products before and after b and a
-    ([qkv | z] FP8, [b | a] not) stay apart, each as `ops.quantized_dot` computes it, since joining them is a copy
-    kernel a layer; any other weight as `dot`."""
-    def in_dot(kc: KernelConfig, x, w):
-        at = cfg.conv_dim + cfg.value_dim
-        ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
-        if not kc.fuse_gdn_decode or at not in ends[:-1]:
-            return dot(kc, x, w)
-        i = int(np.searchsorted(ends, at)) + 1
-        sides = (w.parts[:i], w.parts[i:])
-        return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
+def _gdn_in_dot(kc: KernelConfig, x, w, cfg: ModelConfig, apart: bool):
+    """x @ the GDN in-projection w; with apart, an FP8 checkpoint's products before and after b and a ([qkv | z]
+    FP8, [b | a] not) stay apart, each as `ops.quantized_dot` computes it, since joining them is a copy of the whole
+    output a layer (a 27B 32k FP8 pass: 36 ms, its width not one the GEMM's stores can write whole)."""
+    at = cfg.conv_dim + cfg.value_dim
+    ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
+    if not apart or at not in ends[:-1]:
+        return dot(kc, x, w)
+    i = int(np.searchsorted(ends, at)) + 1
+    sides = (w.parts[:i], w.parts[i:])
+    return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
 
-    return in_dot
+
+def _gdn_decode_in_proj(cfg: ModelConfig):
+    """The decode in-projection: with the fused GDN kernel, which reads them so, the sides apart (`_gdn_in_dot`)."""
+    return lambda kc, x, w: _gdn_in_dot(kc, x, w, cfg, apart=kc.fuse_gdn_decode)
 
 
 def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
