@@ -1,0 +1,56 @@
+"""The model's prefill, decode and mixed steps at the released models' real widths (four layers of each: three GDN
+and one attention) lowered for the H200 without a GPU, with the engine's Pallas kernel switches and FP8 x FP8
+prefill rows taken as on a Hopper GPU. A kernel that cannot take a real shape fails here rather than on the first
+GPU that runs it (the 27B's FP8 in-projection, 16480 bf16 columns, once failed to lower so)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_support import lower_for_h200
+from ninfer_jax.benchmarks.models import model_config, pack_config
+from ninfer_jax.model import ops, qwen3_5
+from ninfer_jax.model.random_init import random_params
+from ninfer_jax.model.state import init_device_state
+from pallas_kernels import fp8_gemm
+from pallas_kernels.paged_attention import PrefillConfig
+
+PAGES, SLOTS, ROWS, LANES = 8, 2, 256, 4
+S, I32 = jax.ShapeDtypeStruct, jnp.int32
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("weights", ["fp8-dynamic", "bf16"])
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
+    lower_for_h200()
+    monkeypatch.setattr(fp8_gemm, "available", lambda: True)  # the wgmma GEMM's paths, as on a Hopper GPU
+    full = model_config(name)
+    cfg = dataclasses.replace(pack_config(full, weights), layer_types=full.layer_types[:4])
+    fp8 = weights != "bf16"
+    params = jax.eval_shape(lambda: random_params(cfg, fp8=fp8))
+    state = jax.eval_shape(lambda: init_device_state(cfg, PAGES, SLOTS, jnp.bfloat16, jnp.bfloat16))
+    kc = ops.KernelConfig("pallas", False, PrefillConfig(impl="pallas"), fuse_gdn_decode=True, fuse_add_norm=True,
+                          fuse_moe_route=True, fuse_attn_qkv=True, fuse_gdn_conv=True, fp8_activations=fp8)
+    prefill = _lower(lambda p, st, tok, nv, base, pt, slot, tp, ts: qwen3_5.prefill(p, cfg, kc, tok, nv, base, pt, slot,
+                                                                                   st, tp, ts),
+                     params, state, S((ROWS,), I32), S((), I32), S((), I32), S((PAGES,), I32), S((), I32),
+                     S((2,), I32), S((2,), I32))
+    decode = _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
+                    params, state, S((LANES,), I32), S((LANES,), I32), S((LANES, PAGES), I32), S((LANES,), I32),
+                    S((LANES,), jnp.bool_))
+    # a prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection whole)
+    p_ctx = dict(slot=S((), I32), base=S((), I32), n_valid=S((), I32), page_table=S((PAGES,), I32),
+                 tap_positions=S((2,), I32), tap_slots=S((2,), I32), rope_positions=S((3, ROWS), I32))
+    d_ctx = dict(positions=S((LANES,), I32), page_tables=S((LANES, PAGES), I32), slots=S((LANES,), I32),
+                 active=S((LANES,), jnp.bool_), rope_shift=S((LANES,), I32))
+    mixed = _lower(lambda p, st, emb, pc, tok, dc: qwen3_5.mixed(p, cfg, kc, emb, pc, tok, dc, st),
+                   params, state, S((ROWS, cfg.hidden_size), jnp.bfloat16), p_ctx, S((LANES,), I32), d_ctx)
+    # the GEMM for FP8 prefill rows (and the grouped experts' two products a layer on the 35B-A3B)
+    assert ("mosaic_gpu" in prefill) == fp8 and ("mosaic_gpu" in mixed) == fp8
+    assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
