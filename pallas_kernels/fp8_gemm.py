@@ -302,7 +302,7 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "out_cols"))
 def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None, out_cols: int | None = None):
     """`fp8_gemm` of rows already quantized as `quantize_rows` writes them (xq [M, K] float8_e4m3fn, xs [K / 128, M]
-    float32), for a producer that quantizes its own output (pallas_kernels/gated_norm.py)."""
+    float32), for a producer that quantizes its own output (pallas_kernels/fp8_rows.py)."""
     (m, k), n = xq.shape, values.shape[0]
     cfg = config or auto_config(m, n, k, _num_sms())
     _check(xq, values, scales, cfg)
