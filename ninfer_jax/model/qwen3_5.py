@@ -164,6 +164,23 @@ def _gdn_split(proj, cfg: ModelConfig):
     return qkv, z.reshape(-1, hv, cfg.linear_value_head_dim), a, b
 
 
+def _gdn_in_dot(cfg: ModelConfig):
+    """x @ the GDN in-projection w, as `_projected`'s in_dot: an FP8 checkpoint's products before and after b and a
+    ([qkv | z] FP8, [b | a] not) stay apart (`_gdn_split` and the kernels read them so), each as
+    `ops.quantized_dot` computes it, since joining them is a copy of the whole output a layer (a 27B 32k FP8 pass:
+    36 ms, its width not one the GEMM's stores write whole); any other weight as `dot`."""
+    def in_dot(kc: KernelConfig, x, w):
+        at = cfg.conv_dim + cfg.value_dim
+        ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
+        if at not in ends[:-1]:
+            return dot(kc, x, w)
+        i = int(np.searchsorted(ends, at)) + 1
+        sides = (w.parts[:i], w.parts[i:])
+        return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
+
+    return in_dot
+
+
 def _gdn_qkv(conv_out, cfg: ModelConfig):
     """Post-conv activations -> the delta rule's q, k [N, Hk, Dk] (normalised, q scaled) and v [N, Hv, Dv]."""
     kd = cfg.key_dim
@@ -264,7 +281,7 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
-    proj = _gdn_in_dot(kc, x, p.in_proj, cfg, apart=True)
+    proj = _gdn_in_dot(cfg)(kc, x, p.in_proj)
     (core, z), ssm, conv = _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx)
     return _gdn_out(p, core, z, cfg, kc, z.dtype, proj[0] if isinstance(proj, tuple) else proj), ssm, conv
 
@@ -424,28 +441,13 @@ def prefill(
 
 
 # --- decode ------------------------------------------------------------------------------------------
-def _gdn_in_dot(kc: KernelConfig, x, w, cfg: ModelConfig, apart: bool):
-    """x @ the GDN in-projection w; with apart, an FP8 checkpoint's products before and after b and a ([qkv | z]
-    FP8, [b | a] not) stay apart, each as `ops.quantized_dot` computes it, since joining them is a copy of the whole
-    output a layer (a 27B 32k FP8 pass: 36 ms, its width not one the GEMM's stores can write whole)."""
-    at = cfg.conv_dim + cfg.value_dim
-    ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
-    if not apart or at not in ends[:-1]:
-        return dot(kc, x, w)
-    i = int(np.searchsorted(ends, at)) + 1
-    sides = (w.parts[:i], w.parts[i:])
-    return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
-
-
-def _gdn_decode_in_proj(cfg: ModelConfig):
-    """The decode in-projection: with the fused GDN kernel, which reads them so, the sides apart (`_gdn_in_dot`)."""
-    return lambda kc, x, w: _gdn_in_dot(kc, x, w, cfg, apart=kc.fuse_gdn_decode)
 
 
 def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
-    """One token per lane from its in-projection rows proj [B, P], or with the fused kernel ([qkv | z], [b | a])
-    apart (`_gdn_decode_in_proj` splits them only then) -> (the out-projection's input, ssm, conv)."""
+    """One token per lane from its in-projection rows proj [B, P] (or its sides apart, `_gdn_split`) -> (the
+    out-projection's input, ssm, conv)."""
     slots, active = ctx["slots"], ctx["active"]
+    sides = proj
     proj, gates = proj if isinstance(proj, tuple) else (proj, None)
     if kc.fuse_gdn_decode:  # the rest of this function as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
@@ -454,7 +456,7 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
         # 7.4 against 33.5 us a layer at 128 lanes of the 27B (7.9 MB of rows), 1.25 ms of a 31.6 ms round
         conv = conv.at[slots].set(tail.astype(conv.dtype), unique_indices=True)
         return y.reshape(y.shape[0], -1), ssm, conv
-    qkv, z, a, b = _gdn_split(proj, cfg)
+    qkv, z, a, b = _gdn_split(sides, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
     window = jnp.concatenate([history, qkv[:, None, :]], axis=1)  # [B, K, C]
     conv_out = jax.vmap(lambda w: _conv(w, p.conv_w))(window)[:, 0]
@@ -469,7 +471,7 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
     return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj,
-                      _gdn_decode_in_proj(cfg))(kc, x, ssm, conv)
+                      _gdn_in_dot(cfg))(kc, x, ssm, conv)
 
 
 def _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx):
@@ -540,13 +542,16 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
     t = prefill_embeds.shape[0]
     p_ctx = dict(prefill_ctx, valid=jnp.arange(t) < prefill_ctx["n_valid"])
 
-    def split(prefill_core, decode_core, in_w, out_w):
+    def split(prefill_core, decode_core, in_w, out_w, in_dot=None):
+        def rows(proj, s):  # rows of the in-projection's output, or of each of its sides apart
+            return tuple(side[s] for side in proj) if isinstance(proj, tuple) else proj[s]
+
         def core(proj, *pools):
-            y_p, *pools = prefill_core(proj[:t], *pools)
-            y_d, *pools = decode_core(proj[t:], *pools)
+            y_p, *pools = prefill_core(rows(proj, slice(None, t)), *pools)
+            y_d, *pools = decode_core(rows(proj, slice(t, None)), *pools)
             return jnp.concatenate([y_p, y_d]), *pools
 
-        return _projected(core, in_w, out_w)
+        return _projected(core, in_w, out_w, in_dot)
 
     def attn_core(p, proj, k_pages, v_pages, c, ctx):
         # Every write before any read: a read of a pool between two of its writes makes XLA copy the whole pool
@@ -564,6 +569,7 @@ def mixed(params: Params, cfg: ModelConfig, kc: KernelConfig, prefill_embeds, pr
         lambda p, h, ssm, conv, cf, ctx: split(
             lambda proj, s, c: _gdn_prefill_normed(p, proj, cf, kc, s, c, ctx[0]),
             lambda proj, s, c: _gdn_decode_core(p, proj, cf, kc, s, c, ctx[1]), p.in_proj, p.out_proj,
+            _gdn_in_dot(cf),
         )(kc, h, ssm, conv),
         lambda p, h, kp, vp, cf, ctx: _projected(lambda proj, k, v: attn_core(p, proj, k, v, cf, ctx), p.qkv_proj,
                                                  p.o_proj)(kc, h, kp, vp),

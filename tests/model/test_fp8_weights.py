@@ -172,15 +172,21 @@ def test_fp8_logits_equal_the_dequantized_checkpoints(packs, preset, layout, sha
 
 
 def test_engine_on_fp8_pack_matches_dequantized_checkpoint_and_transformers(packs):
+    """One prompt alone, then two together: the second prefills in mixed steps beside the first's decode rounds
+    (the GDN in-projection's FP8 and bf16 sides apart through both kinds of rows)."""
     fp8_dir, deq_dir = packs("tiny-moe", "text", 2, "float32")
     prompts = [np.random.default_rng(s).integers(0, ORACLE_VOCAB, n).tolist() for s, n in ((1, 70), (2, 131))]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = []
     for directory in (fp8_dir, deq_dir):
         engine = Engine.from_pretrained(directory, dtype="float32", kernels="reference", max_concurrency=2,
-                                        prefill_chunk=64, max_model_len=256, kv_capacity=8 * 64, warmup=False)
+                                        prefill_chunk=64, mixed_prefill_tokens=64, max_model_len=256,
+                                        kv_capacity=8 * 64, warmup=False)
         try:
-            outputs.append([engine.generate(p, greedy).token_ids for p in prompts])
+            alone = engine.generate(prompts[0], greedy).token_ids
+            together = [out.token_ids for out in engine.generate_many([prompts[0][:40], prompts[1]], greedy)]
+            assert engine.stats()["scheduler"].get("mixed_steps", 0) > 0
+            outputs.append([alone, together[1]])
             if directory == fp8_dir:
                 assert isinstance(engine.runner.params.layers[0].ffn.down, QuantizedWeight)
         finally:

@@ -60,16 +60,16 @@ def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
 
 
 def test_b_and_a_apart_equal_the_joined_projection():
-    """An FP8 checkpoint's GDN in-projection is two products ([qkv | z] FP8, [b | a] not, a ConcatWeight): the fused
+    """An FP8 checkpoint's GDN in-projection is two products ([qkv | z] FP8, [b | a] not, a ConcatWeight): the
     decode takes them apart, never joined, and the kernel gives what it gives on the joined rows, bit for bit; the
-    fused step equals the unfused one, which joins them."""
+    fused step equals the unfused one (the composition, reading the sides apart too)."""
     cfg = ModelConfig.from_file("configs/tiny-moe.json")
     layer, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=5)
     at = cfg.conv_dim + cfg.value_dim
+    assert not isinstance(qwen3_5._gdn_in_dot(cfg)(FUSED, x, layer.in_proj), tuple)  # one weight, one product
     layer = layer.replace(in_proj=ConcatWeight((layer.in_proj[:, :at], layer.in_proj[:, at:])))
-    parts = qwen3_5._gdn_decode_in_proj(cfg)(FUSED, x, layer.in_proj)
+    parts = qwen3_5._gdn_in_dot(cfg)(FUSED, x, layer.in_proj)
     assert isinstance(parts, tuple) and parts[1].shape == (3, 2 * cfg.linear_num_value_heads)
-    assert not isinstance(qwen3_5._gdn_decode_in_proj(cfg)(UNFUSED, x, layer.in_proj), tuple)
     args = (ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w)
     kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=True)
     joined = gdn_decode_layer(jnp.concatenate(parts, axis=-1), *args, jnp.copy(ssm), ctx["slots"], **kw)
