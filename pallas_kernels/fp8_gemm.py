@@ -216,8 +216,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False,
-          groups=None, out_cols: int | None = None):
+def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False, groups=None):
     (m, k), n = xq.shape, values.shape[-2]
     cluster = 1 if cfg.cluster is None else 2
     iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
@@ -225,8 +224,7 @@ def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, int
     grouped = groups is not None
     return plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, iters=iters, grouped=grouped),
-        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, out_cols or n),
-                                      out_dtype if cfg.k_splits == 1 else jnp.float32),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
         grid=(num_sms // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
@@ -288,19 +286,16 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     return cfg
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "out_cols"))
-def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None, out_cols: int | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
+def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=None):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) with x
-    quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype).
-    out_cols (>= N): the result [M, out_cols] with the product in its first N columns and the rest unwritten, for a
-    caller that writes the others in place (a fused projection's other parts) instead of concatenating a copy."""
+    quantized per token and 128-group; float32 accumulation, the result in out_dtype (default x's dtype)."""
     _check(x, values, scales, config or DEFAULT_CONFIG)  # before the quantization reads x in 128-groups
-    return fp8_gemm_rows(*quantize_rows(x), values, scales, config=config, out_dtype=out_dtype or x.dtype,
-                         out_cols=out_cols)
+    return fp8_gemm_rows(*quantize_rows(x), values, scales, config=config, out_dtype=out_dtype or x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "out_cols"))
-def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None, out_cols: int | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
+def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None):
     """`fp8_gemm` of rows already quantized as `quantize_rows` writes them (xq [M, K] float8_e4m3fn, xs [K / 128, M]
     float32), for a producer that quantizes its own output (pallas_kernels/fp8_rows.py)."""
     (m, k), n = xq.shape, values.shape[0]
@@ -309,31 +304,31 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
     if xs.shape != (k // BLOCK, m) or xq.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_gemm_rows: xq {xq.shape} {xq.dtype} must be float8_e4m3fn, xs {xs.shape} "
                          f"[K/{BLOCK}, M]")
-    if n % cfg.cta_n:  # the warpgroups' column tiles in pairs only
-        cfg = dataclasses.replace(cfg, wg_split="m")
-    if cfg.cluster == "n" and n % (2 * cfg.cta_n):  # an odd count of column tiles: no pairs
-        cfg = dataclasses.replace(cfg, cluster=None)
+    cfg = _fit_columns(cfg, n)
     mp = _padded_rows(m, cfg)
     if mp != m:  # padding rows multiply zeros: their outputs are cut off
         xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
-    # the kernel's own output is the result: it can be the wider one where its TMA stores' 128-byte swizzle tiles
-    # the rows (the 27B's GDN in-projection, 16480 bf16 columns, does not: padded after, as a concatenation would)
-    whole = cfg.k_splits == 1 and mp == m and (out_cols or n) * jnp.dtype(out_dtype).itemsize % 128 == 0
-    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms(),
-                out_cols=out_cols if whole else None)
+    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms())
     if cfg.k_splits > 1:
         out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
-    out = out[:m] if mp != m else out
-    return out if whole or not out_cols else jnp.pad(out, ((0, 0), (0, out_cols - out.shape[1])))
+    return out[:m] if mp != m else out
+
+
+def _fit_columns(cfg: GemmConfig, n: int) -> GemmConfig:
+    """cfg for N columns: the warpgroups side by side on columns, and N clusters, only where the column tiles come
+    in pairs."""
+    if n % cfg.cta_n:
+        cfg = dataclasses.replace(cfg, wg_split="m")
+    if cfg.cluster == "n" and n % (2 * cfg.cta_n):
+        cfg = dataclasses.replace(cfg, cluster=None)
+    return cfg
 
 
 def grouped_config(n: int, config: GemmConfig | None = None) -> GemmConfig:
     """The config a grouped product runs: one K range, no M clusters (a pair of row tiles may hold two groups), the
-    N pair only where the column tiles come in pairs."""
+    column pairs as `_fit_columns` allows."""
     cfg = dataclasses.replace(config or DEFAULT_CONFIG, k_splits=1)
-    if cfg.cluster == "m" or (cfg.cluster == "n" and n % (2 * cfg.cta_n)):
-        cfg = dataclasses.replace(cfg, cluster=None)
-    return cfg
+    return _fit_columns(dataclasses.replace(cfg, cluster=None) if cfg.cluster == "m" else cfg, n)
 
 
 def group_rows(config: GemmConfig | None = None) -> int:
@@ -384,12 +379,11 @@ def lower_grouped(m: int, k: int, n: int, groups: int, config: GemmConfig | None
     return jax.jit(functools.partial(grouped_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def lower(m: int, k: int, n: int, config: GemmConfig | None = None, out_cols: int | None = None):
+def lower(m: int, k: int, n: int, config: GemmConfig | None = None):
     """The kernel lowered for the H200 (no GPU needed): catches unsupported shapes, layouts and primitives."""
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((n // BLOCK, k // BLOCK), jnp.float32))
-    return jax.jit(functools.partial(fp8_gemm, config=config, out_cols=out_cols)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    return jax.jit(functools.partial(fp8_gemm, config=config)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def reference(x, values, scales):

@@ -292,18 +292,8 @@ def quantized_dot(kc: KernelConfig, x, w):
     GPU: the FP8 x FP8 wgmma GEMM (pallas_kernels/fp8_gemm.py, 1.3-1.7x the dequantized matmul at 2048-8192 rows,
     at the activations' quantization error); otherwise the weight dequantized to x's dtype for XLA's matmul
     (docs/kernels_notes.md, "FP8 weights")."""
-    if isinstance(w, ConcatWeight):
-        first, *rest = w.parts
-        if not _takes_gemm(kc, x.shape[0], first):
-            return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
-        # the GEMM's output is the whole width and the other parts land in place: a 35B-A3B 32k pass concatenated
-        # 16.6 ms of GDN in-projections otherwise (docs/benchmarks/fp8/fp8_moe.md)
-        out = fp8_gemm.fp8_gemm(x, first.values, first.scales, out_cols=w.shape[-1])
-        col = first.values.shape[0]
-        for part in rest:
-            y = quantized_dot(kc, x, part)
-            out, col = lax.dynamic_update_slice(out, y, (0, col)), col + y.shape[1]
-        return out
+    if isinstance(w, ConcatWeight):  # the model keeps the GDN in-projection's sides apart (`qwen3_5._gdn_in_dot`)
+        return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
