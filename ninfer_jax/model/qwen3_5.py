@@ -167,8 +167,8 @@ def _gdn_split(proj, cfg: ModelConfig):
 def _gdn_in_dot(cfg: ModelConfig):
     """x @ the GDN in-projection w, as `_projected`'s in_dot: an FP8 checkpoint's products before and after b and a
     ([qkv | z] FP8, [b | a] not) stay apart (`_gdn_split` and the kernels read them so), each as
-    `ops.quantized_dot` computes it, since joining them is a copy of the whole output a layer (a 27B 32k FP8 pass:
-    36 ms, its width not one the GEMM's stores write whole); any other weight as `dot`."""
+    `ops.quantized_dot` computes it, since joining them is a copy of the whole output a layer (36 ms of a 27B 32k
+    FP8 pass); any other weight as `dot`."""
     def in_dot(kc: KernelConfig, x, w):
         at = cfg.conv_dim + cfg.value_dim
         ends = np.cumsum([part.shape[-1] for part in w.parts]) if isinstance(w, ConcatWeight) else ()
@@ -179,6 +179,11 @@ def _gdn_in_dot(cfg: ModelConfig):
         return tuple(ops.quantized_dot(kc, x, side[0] if len(side) == 1 else ConcatWeight(side)) for side in sides)
 
     return in_dot
+
+
+def _qkvz(proj):
+    """The in-projection's output, or its first side when apart: the columns from qkv through z."""
+    return proj[0] if isinstance(proj, tuple) else proj
 
 
 def _gdn_qkv(conv_out, cfg: ModelConfig):
@@ -249,7 +254,7 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
     """One lane's chunk from its in-projection rows proj [T, P] (or its sides apart, `_gdn_split`) -> ((the delta
     rule's output, z) [T, Hv, Dv] each, ssm, conv)."""
     qkv, z, a, b = _gdn_split(proj, cfg)
-    proj = proj[0] if isinstance(proj, tuple) else proj  # the conv kernel reads qkv, its first columns, alone
+    proj = _qkvz(proj)  # the conv kernel reads qkv, its first columns, alone
     t = proj.shape[0]
     slot, base, n_valid, valid = ctx["slot"], ctx["base"], ctx["n_valid"], ctx["valid"]
     fresh = base == 0  # a lane at position 0 starts from the zero state whatever its slot held
@@ -283,7 +288,7 @@ def _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx):
 def _gdn_prefill(p, x, cfg, kc, ssm, conv, ctx):
     proj = _gdn_in_dot(cfg)(kc, x, p.in_proj)
     (core, z), ssm, conv = _gdn_prefill_core(p, proj, cfg, kc, ssm, conv, ctx)
-    return _gdn_out(p, core, z, cfg, kc, z.dtype, proj[0] if isinstance(proj, tuple) else proj), ssm, conv
+    return _gdn_out(p, core, z, cfg, kc, z.dtype, _qkvz(proj)), ssm, conv
 
 
 def _gdn_prefill_normed(p, proj, cfg, kc, ssm, conv, ctx):
