@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, fp8_gemm, fp8_matmul
+from pallas_kernels import _compat, fp8_gemm, fp8_matmul, fp8_rows
 from pallas_kernels import reference as ref
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
@@ -639,14 +639,14 @@ def grouped_available(hidden: int, inter: int, interpret: bool = False) -> bool:
 def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype):
     """FP8 x FP8 prefill rows on the wgmma GEMM (`fp8_gemm.grouped_gemm`): the rows sorted by expert and each
     expert's run padded to the GEMM's row tile (`align_rows`), x's quantized rows gathered into that order (the
-    tiles' TMA loads read whole rows), gate_up, silu(gate) * up quantized per row and 128 columns with the row's
-    routing weight folded into its scales, down, then each token's rows gathered back and summed. gate and up are
-    rounded to `dtype` between the two products."""
+    tiles' TMA loads read whole rows), gate_up, silu(gate) * up written as FP8 rows by `fp8_rows.swiglu_fp8` (the
+    model's roundings in `dtype`, one pass) with the row's routing weight folded into its scales, down, then each
+    token's rows gathered back and summed."""
     rows, h = t * k, x.shape[1]
     sorted_rows, tile_expert, x_rows, x_scales = grouped_rows(x, flat_ids, k, num_experts)
     real = sorted_rows < rows
-    gu = fp8_gemm.grouped_gemm(x_rows, x_scales, tile_expert, *gate_up, out_dtype=dtype).astype(jnp.float32)
-    aq, a_scales = fp8_matmul.quantize_rows(jax.nn.silu(gu[:, :inter]) * gu[:, inter:])
+    gu = fp8_gemm.grouped_gemm(x_rows, x_scales, tile_expert, *gate_up, out_dtype=dtype)
+    aq, a_scales = fp8_rows.swiglu_fp8(gu)
     weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])[sorted_rows]  # padding slots (R) weigh 0
     y = fp8_gemm.grouped_gemm(aq, a_scales * weight, tile_expert, *down, config=GROUPED_DOWN_CONFIG, out_dtype=dtype)
     padded = jnp.arange(sorted_rows.shape[0], dtype=jnp.int32)

@@ -165,8 +165,8 @@ def test_grouped_gemm_path_matches_a_float64_reference_of_the_quantized_rows(mon
     against the same reference on the H200 by scripts/bench_fp8_kernels.py --only moe), so this pins the path's
     sort, gathers, folded routing weights and the sum back in token order, and the shared expert on the dense
     dequantized, against float64 with the same quantizations of the routed rows (float32 activations: no rounding
-    between the products)."""
-    from pallas_kernels import fp8_gemm
+    between the products). silu(gate) * up goes through the FP8 rows kernel, here in interpret mode."""
+    from pallas_kernels import fp8_gemm, fp8_rows
 
     t = 264  # 528 routed rows over 4 experts: 132 a expert, past the default 128
     x, ids, w, gate_up, down, shared = _case(t, seed=11)
@@ -174,7 +174,9 @@ def test_grouped_gemm_path_matches_a_float64_reference_of_the_quantized_rows(mon
     monkeypatch.setattr(fp8_gemm, "available", lambda: True)
     monkeypatch.setattr(fp8_gemm, "grouped_gemm", lambda *a, out_dtype, config=None: calls.append(a[0].shape)
                         or fp8_gemm.grouped_reference(*a, out_dtype=out_dtype))
+    swiglu = fp8_rows.swiglu_fp8
+    monkeypatch.setattr(fp8_rows, "swiglu_fp8", lambda gu: calls.append(gu.shape) or swiglu(gu, interpret=True))
     got = moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=True)
-    assert calls == [(1024, H), (1024, I)]  # the bound on 528 rows and 127 padding a expert, in 128-row tiles
+    assert calls == [(1024, H), (1024, 2 * I), (1024, I)]  # 528 rows and 127 padding a expert, in 128-row tiles
     assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared)) < 2e-3
     assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False, shared)) < 2**-4
