@@ -259,8 +259,21 @@ def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: 
         _compat.store(out_ref.at[rows[:, None], cols_n[None, :]], acc.T.astype(out_ref.dtype), mask=live[:, None])
 
 
+def fp8_matmul_rows(xq, xs, values, scales, *, out_dtype, config: Fp8Config | None = None, interpret: bool = False):
+    """`fp8_matmul` with quantize_activations, of rows already quantized as `quantize_rows` writes them (xq [M, K]
+    float8_e4m3fn, xs [K / 128, M] float32; 2 <= M <= dynamic_max_rows), for a producer that quantizes its own
+    output (the add + norm kernel, pallas_kernels/rms_norm.py)."""
+    cfg = config or DEFAULT_CONFIG
+    (m, k), n = xq.shape, values.shape[0]
+    if (not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK)
+            or xq.dtype != jnp.float8_e4m3fn or xs.shape != (k // BLOCK, m) or not 2 <= m <= cfg.dynamic_max_rows):
+        raise ValueError(f"fp8_matmul_rows: xq {xq.shape} {xq.dtype}, xs {xs.shape}, values {values.shape}, scales "
+                         f"{scales.shape}: xq float8_e4m3fn [M, K] with 2 <= M <= {cfg.dynamic_max_rows}, xs "
+                         f"[K/{BLOCK}, M], K and N multiples of {BLOCK}")
+    return _swap_ab((xq, xs), m, out_dtype, values, scales, cfg, interpret, "fp8")
+
+
 def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: bool):
-    (m, k), n = x.shape, values.shape[0]
     mode = "fp8" if fp8_rows else cfg.tc_mode if x.dtype == jnp.bfloat16 else "plain"
     if mode == "fp8":
         inputs = quantize_rows(x)
@@ -274,6 +287,13 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
         inputs = ((x.astype(jnp.float32) / row_scale[:, None]).astype(jnp.float16), row_scale)
     else:
         inputs = (x,)
+    return _swap_ab(inputs, x.shape[0], x.dtype, values, scales, cfg, interpret, mode)
+
+
+def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpret: bool, mode: str):
+    """The swap-AB kernel over x's rows as `mode` takes them (`_tensor_core_kernel`), the result in out_dtype."""
+    k, n = values.shape[1], values.shape[0]
+    fp8_rows = mode == "fp8"
     bn, warps = cfg.tile(m, fp8_rows)
     min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs
     sub, splits, steps = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
@@ -282,12 +302,12 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: b
                           tile_rows=max(_TC_ROWS, pl.next_power_of_2(m))),
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
-                                       jnp.float32 if splits > 1 else x.dtype),
+                                       jnp.float32 if splits > 1 else out_dtype),
         compiler_params=_compat.triton_params(warps, cfg.num_stages),
         interpret=interpret,
         name="fp8_fp8_swap_ab" if fp8_rows else "fp8_swap_ab",
     )(*inputs, values, scales)
-    return out.sum(0).astype(x.dtype) if splits > 1 else out
+    return out.sum(0).astype(out_dtype) if splits > 1 else out
 
 
 def quantize_rows(x):

@@ -1,11 +1,16 @@
-"""A residual add and the zero-centred RMSNorm that follows it, for a few rows, as one kernel.
+"""A residual add and the zero-centred RMSNorm that follows it, as one kernel, its rows optionally written as FP8.
 
     x' = x + h  (rounded to x's dtype, as the model's add);   y = x' rsqrt(mean(x'^2) + eps) (1 + w)
 
 XLA writes an RMSNorm as two kernels: the sum-of-squares reduction (with the add) and the scaling. In a one-lane
 decode round each is a launch of one or two microseconds over a single row, twice per layer (79 norms a round at
-35B-A3B). One program per row does the add, the reduction and the scaling. Rows are read whole, so the hidden
-size must be a power of two (Triton's block shapes); `qwen3_5` keeps XLA's two kernels otherwise.
+35B-A3B, 129 at 27B). One program per row does the add, the reduction and the scaling. A row is read whole as
+[groups, 128] (a power of two of 128-groups, masked past the hidden size: the 27B's 5120 in 64 groups).
+
+`add_rms_norm_fp8` also writes y quantized per token and 128-group for the FP8 x FP8 products that read it, as
+`fp8_matmul.quantize_rows` does (xs = max(|y|, 1e-12) / 448, xq = y / xs in float8_e4m3fn, from y in x's dtype).
+XLA fuses the norm into the quantization's passes and computes it again in each; here y is computed once and,
+where no product reads the bf16 rows (a projection wholly in FP8), never written.
 """
 
 from __future__ import annotations
@@ -15,27 +20,46 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels._blocks import is_pow2
+from pallas_kernels.fp8_matmul import BLOCK, FP8_MAX, quantize_rows
 from pallas_kernels.reference import rms_norm
 
 _F32 = jnp.float32
 
 
-def _kernel(*refs, eps: float, with_residual: bool):
-    # refs: x [R, H], (h [R', H], R' >= R,) w [H], (x_out [R, H],) y [R, H]; program r handles row r
+def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool, quantize: bool):
+    # refs: x [R, H], (h [R', H], R' >= R,) w [H], then the outputs: (x_out [R, H],) (y [R, H],) (xq [R, H] fp8,
+    # xs [H / 128, R] f32); program r handles row r as [groups, 128] (the lanes past H read zeros, which add nothing
+    # to the sum of squares, and store nothing)
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    h_ref = refs.pop(0) if with_residual else None
+    w_ref = refs.pop(0)
+    x_out_ref = refs.pop(0) if with_residual else None
+    y_ref = refs.pop(0) if with_rows else None
+    r, hidden = pl.program_id(0), x_ref.shape[1]
+    group = jnp.arange(groups)
+    col = group[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
+    valid = col < hidden
+    x = _compat.load(x_ref.at[r, col], mask=valid, other=0)
     if with_residual:
-        x_ref, h_ref, w_ref, x_out_ref, y_ref = refs
-    else:
-        x_ref, w_ref, y_ref = refs
-    r = pl.program_id(0)
-    x = x_ref[r, :]
-    if with_residual:
-        x = (x.astype(_F32) + h_ref[r, :].astype(_F32)).astype(x_ref.dtype)
-        x_out_ref[r, :] = x
-    y_ref[r, :] = rms_norm(x, w_ref[...], eps)
+        x = (x.astype(_F32) + _compat.load(h_ref.at[r, col], mask=valid, other=0).astype(_F32)).astype(x_ref.dtype)
+        _compat.store(x_out_ref.at[r, col], x, mask=valid)
+    xf = x.astype(_F32)
+    mean_square = jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden  # reference.rms_norm's mean, in two steps
+    w = _compat.load(w_ref.at[col], mask=valid, other=0).astype(_F32)
+    y = (xf * lax.rsqrt(mean_square + eps) * (1.0 + w)).astype(x_ref.dtype)
+    if with_rows:
+        _compat.store(y_ref.at[r, col], y, mask=valid)
+    if quantize:
+        xq_ref, xs_ref = refs
+        yf = y.astype(_F32)
+        scale = jnp.maximum(jnp.max(jnp.abs(yf), axis=1), 1e-12) / FP8_MAX  # [groups]
+        _compat.store(xq_ref.at[r, col], (yf / scale[:, None]).astype(xq_ref.dtype), mask=valid)
+        _compat.store(xs_ref.at[group, r], scale, mask=group < hidden // BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +67,51 @@ class AddNormConfig:
     """Tuning knobs (hashable)."""
 
     num_warps: int = 4
+    max_hidden: int = 8192  # the widest row a program holds (its block, a power of two)
+
+    def warps(self, block: int) -> int:
+        """Warps for a row block: 4 up to 4096 values, one more warp a 1024 past it (registers per thread)."""
+        return max(self.num_warps, block // 1024)
 
 
 DEFAULT_CONFIG = AddNormConfig()
 
 
 def supported(x: jax.Array) -> bool:
-    """Whether `add_rms_norm` takes x [R, H]: H a power of two of at least 16."""
-    h = x.shape[-1]
-    return x.ndim == 2 and is_pow2(h, 16)
+    """Whether `add_rms_norm` takes x [R, H]: 16 <= H <= max_hidden."""
+    return x.ndim == 2 and 16 <= x.shape[-1] <= DEFAULT_CONFIG.max_hidden
+
+
+def fp8_supported(x: jax.Array) -> bool:
+    """Whether `add_rms_norm_fp8` takes x [R, H]: whole 128-groups as well."""
+    return supported(x) and x.shape[-1] % BLOCK == 0
+
+
+def _call(x, h, w, eps: float, with_rows: bool, quantize: bool, interpret: bool) -> list:
+    if (not supported(x) or w.shape != x.shape[1:] or (quantize and not fp8_supported(x))
+            or (h is not None and (h.ndim != 2 or h.shape[1] != x.shape[1] or h.shape[0] < x.shape[0]))):
+        raise ValueError(f"add_rms_norm: x {x.shape} must be [R, H] with 16 <= H <= {DEFAULT_CONFIG.max_hidden} "
+                         f"({'a multiple of 128, ' if quantize else ''}h {None if h is None else h.shape} [R' >= R, "
+                         f"H], w {w.shape} [H]")
+    (rows, hidden), with_residual = x.shape, h is not None
+    row = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    inputs = (x, h, w) if with_residual else (x, w)
+    outputs = [row] * (with_residual + with_rows)
+    if quantize:
+        outputs += [jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                    jax.ShapeDtypeStruct((hidden // BLOCK, rows), _F32)]
+    groups = pl.next_power_of_2(pl.cdiv(hidden, BLOCK))
+    return list(pl.pallas_call(
+        functools.partial(_kernel, eps=eps, with_residual=with_residual, groups=groups, with_rows=with_rows,
+                          quantize=quantize),
+        grid=(rows,),
+        out_shape=outputs,
+        in_specs=[_compat.full_spec()] * len(inputs),
+        out_specs=[_compat.full_spec()] * len(outputs),
+        compiler_params=_compat.triton_params(DEFAULT_CONFIG.warps(groups * BLOCK), 1),
+        interpret=interpret,
+        name="add_rms_norm_fp8" if quantize else "add_rms_norm",
+    )(*inputs))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -63,19 +123,23 @@ def add_rms_norm(x, h, w, *, eps: float, interpret: bool = False):
     custom call's sliced operand. The sum is rounded to x's dtype before the norm, as the model's residual add; the
     norm is computed in float32 and returned in x's dtype. w: [H] (any float dtype).
     """
-    if (not supported(x) or w.shape != x.shape[1:]
-            or (h is not None and (h.ndim != 2 or h.shape[1] != x.shape[1] or h.shape[0] < x.shape[0]))):
-        raise ValueError(f"add_rms_norm: x {x.shape} must be [R, H] with H a power of two >= 16, h "
-                         f"{None if h is None else h.shape} [R' >= R, H], w {w.shape} [H]")
-    rows = x.shape[0]
-    row = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    with_residual = h is not None
-    out = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, with_residual=with_residual),
-        grid=(rows,),
-        out_shape=[row, row] if with_residual else [row],
-        compiler_params=_compat.triton_params(DEFAULT_CONFIG.num_warps, 1),
-        interpret=interpret,
-        name="add_rms_norm",
-    )(*((x, h, w) if with_residual else (x, w)))
-    return tuple(out) if with_residual else (x, out[0])
+    out = _call(x, h, w, eps, True, False, interpret)
+    return tuple(out) if h is not None else (x, out[0])
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "with_rows", "interpret"))
+def add_rms_norm_fp8(x, h, w, *, eps: float, with_rows: bool = True, interpret: bool = False):
+    """`add_rms_norm` with the norm's rows also quantized per token and 128-group (H a multiple of 128): (x + h, y
+    [R, H] or None without with_rows, xq [R, H] float8_e4m3fn, xs [H / 128, R] float32), as `reference` computes
+    it."""
+    out = _call(x, h, w, eps, with_rows, True, interpret)
+    x_new = out.pop(0) if h is not None else x
+    y = out.pop(0) if with_rows else None
+    return x_new, y, *out
+
+
+def reference(x, h, w, eps: float):
+    """What `add_rms_norm_fp8` computes, composed in jnp: the model's add and norm, then `quantize_rows`."""
+    x = x if h is None else (x.astype(_F32) + h[: x.shape[0]].astype(_F32)).astype(x.dtype)
+    y = rms_norm(x, w, eps)
+    return x, y, *quantize_rows(y)

@@ -11,6 +11,7 @@ slot ids. They are pure: pools go in, updated pools come out (the jitted step do
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Literal
 
 import jax
@@ -211,14 +212,48 @@ def gdn_conv_prefill(kc: KernelConfig, proj, history, conv_w, n_valid, cfg):
 DECODE_MAX_ROWS = 64
 
 
-def add_rms_norm(kc: KernelConfig, x, h, w, eps: float):
-    """The residual add and RMSNorm as one kernel when kc.fuse_add_norm and x [R, H] has R <= DECODE_MAX_ROWS and a
-    power-of-two H; None otherwise (the caller composes them). Returns (x + h, its norm) (h None: x, its norm)."""
-    if not kc.fuse_add_norm or x.shape[0] > DECODE_MAX_ROWS:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "xq", "xs"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Rows:
+    """A norm's rows with their FP8 quantization (`fp8_matmul.quantize_rows`' layout), written by one kernel for
+    the FP8 x FP8 product that reads them (`add_rms_norm(..., quantize_for=w)`). rows: the rows in the activations'
+    dtype, None where no product reads them. `quantized_dot` takes either form."""
+
+    rows: jax.Array | None
+    xq: jax.Array
+    xs: jax.Array
+    dtype: jnp.dtype  # the activations' (the products' output)
+
+
+def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, quantize_for=None):
+    """The residual add and RMSNorm as one kernel when kc.fuse_add_norm, x [R, H] has R <= DECODE_MAX_ROWS and the
+    kernel holds H (`rms_norm.supported`); None otherwise (the caller composes them). Returns (x + h, its norm) (h
+    None: x, its norm). quantize_for: the weight the norm's rows go to first; where its product takes FP8 rows
+    (`takes_fp8_rows`, any row count) the kernel writes them too and the norm comes as `Fp8Rows`, its bf16 rows
+    kept only for a weight with an unquantized part (the GDN in-projection's [b | a])."""
+    if not kc.fuse_add_norm:
         return None
     from pallas_kernels import rms_norm as kernel
 
+    target = _first_quantized(quantize_for)
+    if target is not None and kc.spmd is None and takes_fp8_rows(kc, x.shape[0], target) and kernel.fp8_supported(x):
+        with_rows = not isinstance(quantize_for, QuantizedWeight)
+        x, rows, xq, xs = kernel.add_rms_norm_fp8(x, h, w, eps=eps, with_rows=with_rows, interpret=kc.interpret)
+        return x, Fp8Rows(rows, xq, xs, x.dtype)
+    if x.shape[0] > DECODE_MAX_ROWS:
+        return None
     return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
+
+
+def _first_quantized(w) -> QuantizedWeight | None:
+    """w itself, or a ConcatWeight's first part, when block-FP8; else None."""
+    w = w.parts[0] if isinstance(w, ConcatWeight) else w
+    return w if isinstance(w, QuantizedWeight) else None
+
+
+def plain_rows(x):
+    """x's bf16 rows, whether x is an array or `Fp8Rows` that kept them."""
+    return x.rows if isinstance(x, Fp8Rows) else x
 
 
 def moe_route(kc: KernelConfig, x, router_w, top_k: int, shared_gate_w=None):
@@ -294,6 +329,10 @@ def quantized_dot(kc: KernelConfig, x, w):
     (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):  # the model keeps the GDN in-projection's sides apart (`qwen3_5._gdn_in_dot`)
         return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
+    if isinstance(x, Fp8Rows):
+        if isinstance(w, QuantizedWeight) and takes_fp8_rows(kc, x.xq.shape[0], w):
+            return _fp8_rows_dot(kc, x, w)
+        x = x.rows
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
@@ -305,6 +344,25 @@ def quantized_dot(kc: KernelConfig, x, w):
     if _takes_gemm(kc, x.shape[0], w):
         return fp8_gemm.fp8_gemm(x, w.values, w.scales)
     return dequantized_dot(x, w)
+
+
+def takes_fp8_rows(kc: KernelConfig, rows: int, w) -> bool:
+    """Whether `quantized_dot` multiplies rows of x @ w in FP8 x FP8, quantizing x per token and 128-group: the
+    swap-AB kernels' 2-32 decode rows, or the wgmma GEMM's."""
+    if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations:
+        return False
+    n, k = w.values.shape
+    cfg = fp8_matmul.DEFAULT_CONFIG
+    if rows <= cfg.rows_limit(True) and fp8_matmul.supported(k, n):
+        return rows > cfg.cuda_core_max_rows
+    return _takes_gemm(kc, rows, w)
+
+
+def _fp8_rows_dot(kc: KernelConfig, x: Fp8Rows, w: QuantizedWeight):
+    """x @ w of rows quantized by their producer, on the kernel `quantized_dot` takes for them."""
+    if x.xq.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
+        return fp8_matmul.fp8_matmul_rows(x.xq, x.xs, w.values, w.scales, out_dtype=x.dtype, interpret=kc.interpret)
+    return fp8_gemm.fp8_gemm_rows(x.xq, x.xs, w.values, w.scales, out_dtype=x.dtype)
 
 
 def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:

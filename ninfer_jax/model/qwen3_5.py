@@ -61,6 +61,7 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
         return ops.quantized_dot(kc, x, w)
+    x = ops.plain_rows(x)
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
     one_row = x.ndim == 2 and x.shape[0] == 1
@@ -75,10 +76,11 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
-def add_norm(kc: KernelConfig, x, h, w, eps):
+def add_norm(kc: KernelConfig, x, h, w, eps, quantize_for=None):
     """The residual stream x plus a block's output h (None: nothing to add; rows past x's are ignored, see
-    `dot`'s to_norm), and its RMSNorm: (x + h, norm)."""
-    fused = ops.add_rms_norm(kc, x, h, w, eps)
+    `dot`'s to_norm), and its RMSNorm: (x + h, norm). quantize_for: the weight the norm goes to first, for the
+    kernel to write its FP8 rows too where that product takes them (`ops.add_rms_norm`)."""
+    fused = ops.add_rms_norm(kc, x, h, w, eps, quantize_for)
     if fused is not None:
         return fused
     x = x if h is None else x + h[: x.shape[0]]
@@ -382,7 +384,8 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
     h = None  # the previous layer's FFN output, added to x with the next norm
     for layer in params.layers:
         layer: LayerParams
-        x, normed = add_norm(kc, x, h, layer.input_norm, eps)
+        mixer_in = layer.mixer.in_proj if isinstance(layer.mixer, GDNParams) else layer.mixer.qkv_proj
+        x, normed = add_norm(kc, x, h, layer.input_norm, eps, mixer_in)
         if isinstance(layer.mixer, GDNParams):
             out = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi], ctx=ctx,
                        extras=gdn_sink is not None)
@@ -393,7 +396,8 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
         else:
             h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai], ctx=ctx)
             ai += 1
-        x, normed = add_norm(kc, x, h, layer.post_norm, eps)
+        x, normed = add_norm(kc, x, h, layer.post_norm, eps,
+                             layer.ffn.gate_up if isinstance(layer.ffn, MLPParams) else None)
         h = ffn(layer.ffn, normed, cfg, kc)
     _, x = add_norm(kc, x, h, params.final_norm, eps)
     return x, DeviceState(tuple(ks), tuple(vs), tuple(ssms), tuple(convs))
@@ -589,14 +593,15 @@ def _gdn_verify(p, x, cfg, kc, ssm, conv, ctx):
     `commit_verified` advances the state to the kept row."""
     slots, counts = ctx["slots"], ctx["counts"]
     b = counts.shape[0]
-    t = x.shape[0] // b
+    rows = ops.plain_rows(x)  # the in-projection keeps them: its [b | a] side is not FP8
+    t = rows.shape[0] // b
     proj = dot(kc, x, p.in_proj).reshape(b, t, -1)
     if kc.fuse_gdn_decode:  # conv, delta rule and gated norm of every row as one kernel
         y, _ = ops.gdn_rows_layer(kc, proj, counts, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                   num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, write_state=False)
         return dot(kc, y.reshape(b * t, -1), p.out_proj, to_norm=True), ssm, conv, proj
     core, _, z, _ = gdn_rows_composed(p, proj, cfg, kc, conv, ssm[slots], slots, counts)
-    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, x.dtype), ssm, conv, proj
+    return _gdn_out(p, core.reshape(b * t, *core.shape[2:]), z, cfg, kc, rows.dtype), ssm, conv, proj
 
 
 def gdn_rows_composed(p: GDNParams, proj, cfg: ModelConfig, kc: KernelConfig, conv, states, slots, rows):

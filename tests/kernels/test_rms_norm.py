@@ -1,5 +1,5 @@
 """The residual add + RMSNorm kernel (`pallas_kernels/rms_norm.py`, interpret mode on CPU) against the model's own
-composition (`qwen3_5.rms_norm` after the add), and its Triton lowering at the 35B-A3B's hidden size."""
+composition (`qwen3_5.rms_norm` after the add), and its Triton lowering at the models' hidden sizes."""
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,9 @@ def _inputs(rows, hidden, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
-def test_add_and_norm_equal_the_models_composition(rows, dtype, residual):
-    x, h, w = _inputs(rows, 256, dtype, seed=rows)
+@pytest.mark.parametrize("hidden", [256, 80], ids=["pow2", "masked"])  # 80: a block of 128, as the 27B's 5120
+def test_add_and_norm_equal_the_models_composition(rows, dtype, residual, hidden):
+    x, h, w = _inputs(rows, hidden, dtype, seed=rows)
     got_x, got_y = rms_norm.add_rms_norm(x, h if residual else None, w, eps=EPS, interpret=INTERPRET)
     want_x = x + h if residual else x
     want_y = qwen3_5.rms_norm(want_x, w, EPS)
@@ -34,23 +35,24 @@ def test_add_and_norm_equal_the_models_composition(rows, dtype, residual):
     assert got_y.dtype == x.dtype and got_x.dtype == x.dtype
 
 
-def test_model_takes_the_kernel_only_for_decode_rows_of_a_power_of_two():
+def test_model_takes_the_kernel_only_for_decode_rows_it_holds():
     kc = ops.KernelConfig("pallas", interpret=INTERPRET, fuse_add_norm=True)
     x, h, w = _inputs(4, 64, jnp.float32)
     assert ops.add_rms_norm(kc, x, h, w, EPS) is not None
     assert ops.add_rms_norm(ops.KernelConfig("pallas", interpret=INTERPRET), x, h, w, EPS) is None  # flag off
     wide = jnp.zeros((ops.DECODE_MAX_ROWS + 1, 64), jnp.float32)
     assert ops.add_rms_norm(kc, wide, wide, w, EPS) is None  # a prefill chunk
-    odd = jnp.zeros((1, 80), jnp.float32)
-    assert ops.add_rms_norm(kc, odd, odd, jnp.zeros(80), EPS) is None  # 80 is not a power of two
-    got_x, got_y = qwen3_5.add_norm(kc, odd + 1, odd, jnp.zeros(80), EPS)  # the composition instead
+    long = rms_norm.DEFAULT_CONFIG.max_hidden + 128
+    past = jnp.zeros((1, long), jnp.float32)
+    assert ops.add_rms_norm(kc, past, past, jnp.zeros(long), EPS) is None  # a row past the widest block
+    got_x, got_y = qwen3_5.add_norm(kc, past + 1, past, jnp.zeros(long), EPS)  # the composition instead
     np.testing.assert_allclose(np.asarray(got_y), 1.0, rtol=1e-5)
 
 
 def test_rejects_shapes_it_cannot_read_whole():
-    x = jnp.zeros((2, 80), jnp.float32)
-    with pytest.raises(ValueError, match="power of two"):
-        rms_norm.add_rms_norm(x, x, jnp.zeros(80), eps=EPS, interpret=True)
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="16 <= H"):
+        rms_norm.add_rms_norm(x, x, jnp.zeros(8), eps=EPS, interpret=True)
 
 
 def test_fused_norm_needs_the_pallas_backend():
@@ -58,11 +60,12 @@ def test_fused_norm_needs_the_pallas_backend():
         ops.KernelConfig(fuse_add_norm=True)
 
 
-@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
-def test_lowers_to_triton_at_the_35b_hidden_size(residual):
+@pytest.mark.parametrize("residual,hidden", [(True, 2048), (False, 2048), (True, 5120)],
+                         ids=["35b-add", "35b-no-add", "27b-add"])
+def test_lowers_to_triton_at_the_models_hidden_sizes(residual, hidden):
     lower_for_h200()
-    row = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
-    text = rms_norm.add_rms_norm.trace(row, row if residual else None, jax.ShapeDtypeStruct((2048,), jnp.bfloat16),
+    row = jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16)
+    text = rms_norm.add_rms_norm.trace(row, row if residual else None, jax.ShapeDtypeStruct((hidden,), jnp.bfloat16),
                                        eps=EPS).lower(lowering_platforms=("cuda",)).as_text()
     assert "add_rms_norm" in text
 
@@ -81,3 +84,22 @@ def test_rows_of_h_past_xs_are_ignored():
     np.testing.assert_array_equal(np.asarray(comp_x, np.float32), np.asarray(x + h, np.float32))
     with pytest.raises(ValueError, match="R' >= R"):
         rms_norm.add_rms_norm(jnp.concatenate([x, x]), h, w, eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
+@pytest.mark.parametrize("hidden", [256, 384], ids=["pow2-groups", "masked-group"])  # 384: 3 groups in a block of 4
+def test_fp8_rows_equal_the_models_norm_then_the_rows_quantization(residual, hidden):
+    x, h, w = _inputs(8, hidden, jnp.bfloat16, seed=hidden)
+    x = x * jnp.asarray(10.0 ** np.linspace(-2, 1, 8)[:, None], jnp.bfloat16)  # rows of every scale
+    h = h if residual else None
+    got = rms_norm.add_rms_norm_fp8(x, h, w, eps=EPS, interpret=INTERPRET)
+    want = rms_norm.reference(x, h, w, EPS)
+    assert got[2].dtype == jnp.float8_e4m3fn and got[3].shape == (hidden // 128, 8)
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    x_new, rows, *quantized = rms_norm.add_rms_norm_fp8(x, h, w, eps=EPS, with_rows=False, interpret=INTERPRET)
+    assert rows is None
+    for g, e in zip([x_new, *quantized], [got[0], *got[2:]]):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    with pytest.raises(ValueError, match="a multiple of 128"):
+        rms_norm.add_rms_norm_fp8(x[:, :80], None, w[:80], eps=EPS, interpret=True)

@@ -54,3 +54,5 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     # the GEMM for FP8 prefill rows (and the grouped experts' two products a layer on the 35B-A3B)
     assert ("mosaic_gpu" in prefill) == fp8 and ("mosaic_gpu" in mixed) == fp8
     assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
+    # the norms before FP8 x FP8 products write their FP8 rows themselves, in decode rounds and prefill chunks
+    assert all(("add_rms_norm_fp8" in step) == fp8 for step in (prefill, decode, mixed))
