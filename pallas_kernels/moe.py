@@ -504,7 +504,7 @@ def _shape(w) -> tuple[int, ...]:
 @functools.partial(jax.jit, static_argnames=("config", "quantize_activations", "interpret"))
 def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, gate_up, down,
                 shared: SharedExpert | None = None, *, config: MoeConfig | None = None,
-                quantize_activations: bool = False, interpret: bool = False) -> jax.Array:
+                quantize_activations: bool = False, x_fp8: tuple | None = None, interpret: bool = False) -> jax.Array:
     """Routed experts of an MoE layer, plus its shared expert when given.
 
     Args:
@@ -522,6 +522,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
       quantize_activations: FP8 experts in the prefill layout (R > decode_max_rows) multiply FP8 x FP8: x quantized
         per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
         activation scheme), each tile's product times both scales; decode stays weight-only.
+      x_fp8: x quantized per token and 128-group by its producer (xq [T, H] float8_e4m3fn, xs [H / 128, T]:
+        `fp8_matmul.quantize_rows`' layout), read by the grouped GEMM (`takes_grouped`) instead of quantizing x;
+        the other paths read x.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
       [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
@@ -575,9 +578,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         # no float32 copy of the experts.
         (gate_up, down), x = lax.optimization_barrier(((gate_up, down), x))
         gate_up, down = (jnp.swapaxes(fp8_matmul.dequantize_rows(w, dtype), -1, -2) for w in (gate_up, down))
-    if fp8_rows and rows >= num_experts * cfg.fp8_grouped_rows_per_expert and grouped_available(h, inter, interpret):
+    if fp8_rows and _grouped(rows, num_experts, h, inter, cfg, interpret):
         out = _grouped_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter,
-                           dtype=dtype)
+                           dtype=dtype, x_fp8=x_fp8)
         return out if shared is None else out + _shared_dense(x, shared, dtype)
     if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
@@ -630,20 +633,31 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
+def _grouped(rows: int, num_experts: int, hidden: int, inter: int, cfg: MoeConfig, interpret: bool) -> bool:
+    return rows >= num_experts * cfg.fp8_grouped_rows_per_expert and grouped_available(hidden, inter, interpret)
+
+
+def takes_grouped(rows: int, num_experts: int, hidden: int, inter: int, interpret: bool = False) -> bool:
+    """Whether `rows` routed rows of FP8 x FP8 experts (quantize_activations) take the grouped GEMM, which reads
+    x's FP8 rows whole (a producer may hand them over: moe_experts' x_fp8)."""
+    cfg = default_config(rows, num_experts, fp8_rows=True)
+    return rows > cfg.decode_max_rows and _grouped(rows, num_experts, hidden, inter, cfg, interpret)
+
+
 def grouped_available(hidden: int, inter: int, interpret: bool = False) -> bool:
     """Whether FP8 x FP8 prefill rows can take `_grouped_moe` here: a Hopper GPU, whole 128-blocks."""
     return (not interpret and fp8_gemm.supported(hidden, 2 * inter) and fp8_gemm.supported(inter, hidden)
             and fp8_gemm.available())
 
 
-def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype):
+def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype, x_fp8=None):
     """FP8 x FP8 prefill rows on the wgmma GEMM (`fp8_gemm.grouped_gemm`): the rows sorted by expert and each
     expert's run padded to the GEMM's row tile (`align_rows`), x's quantized rows gathered into that order (the
     tiles' TMA loads read whole rows), gate_up, silu(gate) * up written as FP8 rows by `fp8_rows.swiglu_fp8` (the
     model's roundings in `dtype`, one pass) with the row's routing weight folded into its scales, down, then each
     token's rows gathered back and summed."""
     rows, h = t * k, x.shape[1]
-    sorted_rows, tile_expert, x_rows, x_scales = grouped_rows(x, flat_ids, k, num_experts)
+    sorted_rows, tile_expert, x_rows, x_scales = grouped_rows(x, flat_ids, k, num_experts, x_fp8)
     real = sorted_rows < rows
     gu = fp8_gemm.grouped_gemm(x_rows, x_scales, tile_expert, *gate_up, out_dtype=dtype)
     aq, a_scales = fp8_rows.swiglu_fp8(gu)
@@ -656,13 +670,14 @@ def _grouped_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter
     return y[slot].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
 
 
-def grouped_rows(x, flat_ids, top_k: int, num_experts: int):
-    """The grouped GEMM's input from x [T, H] and the routed rows' experts flat_ids [R]: (sorted_rows [P] and
-    tile_expert as `align_rows` at the GEMM's row tile, x quantized per token and 128-group with its rows in that
-    order [P, H], their scales [H / 128, P]; padding slots read token 0)."""
+def grouped_rows(x, flat_ids, top_k: int, num_experts: int, x_fp8=None):
+    """The grouped GEMM's input from x [T, H] (or its FP8 rows x_fp8, (xq, xs) as `quantize_rows` writes them) and
+    the routed rows' experts flat_ids [R]: (sorted_rows [P] and tile_expert as `align_rows` at the GEMM's row tile,
+    x quantized per token and 128-group with its rows in that order [P, H], their scales [H / 128, P]; padding
+    slots read token 0)."""
     sorted_rows, tile_expert = align_rows(flat_ids, num_experts, fp8_gemm.group_rows())
     tokens = jnp.where(sorted_rows < flat_ids.shape[0], sorted_rows // top_k, 0)
-    xq, xs = fp8_matmul.quantize_rows(x)
+    xq, xs = x_fp8 or fp8_matmul.quantize_rows(x)
     return sorted_rows, tile_expert, _take_rows(xq, tokens), xs[:, tokens]
 
 

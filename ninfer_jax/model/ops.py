@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
+from ninfer_jax.model.params import ConcatWeight, MoEParams, QuantizedWeight
 from pallas_kernels import fp8_gemm, fp8_matmul
 from pallas_kernels import reference as ref
 
@@ -216,8 +216,8 @@ DECODE_MAX_ROWS = 64
 @dataclasses.dataclass(frozen=True)
 class Fp8Rows:
     """A norm's rows with their FP8 quantization (`fp8_matmul.quantize_rows`' layout), written by one kernel for
-    the FP8 x FP8 product that reads them (`add_rms_norm(..., quantize_for=w)`). rows: the rows in the activations'
-    dtype, None where no product reads them. `quantized_dot` takes either form."""
+    the FP8 x FP8 products that read them (`add_rms_norm`'s fp8_rows). rows: the rows in the activations' dtype,
+    None where nothing reads them. `quantized_dot` and `moe_experts` take either form."""
 
     rows: jax.Array | None
     xq: jax.Array
@@ -225,30 +225,44 @@ class Fp8Rows:
     dtype: jnp.dtype  # the activations' (the products' output)
 
 
-def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, quantize_for=None):
+def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, fp8_rows: str | None = None):
     """The residual add and RMSNorm as one kernel when kc.fuse_add_norm, x [R, H] has R <= DECODE_MAX_ROWS and the
     kernel holds H (`rms_norm.supported`); None otherwise (the caller composes them). Returns (x + h, its norm) (h
-    None: x, its norm). quantize_for: the weight the norm's rows go to first; where its product takes FP8 rows
-    (`takes_fp8_rows`, any row count) the kernel writes them too and the norm comes as `Fp8Rows`, its bf16 rows
-    kept only for a weight with an unquantized part (the GDN in-projection's [b | a])."""
+    None: x, its norm). fp8_rows (`fp8_rows_for`, any row count): the kernel writes the norm's FP8 rows too and the
+    norm comes as `Fp8Rows`, with its bf16 rows ("with_rows") or without them ("only")."""
     if not kc.fuse_add_norm:
         return None
     from pallas_kernels import rms_norm as kernel
 
-    target = _first_quantized(quantize_for)
-    if target is not None and kc.spmd is None and takes_fp8_rows(kc, x.shape[0], target) and kernel.fp8_supported(x):
-        with_rows = not isinstance(quantize_for, QuantizedWeight)
-        x, rows, xq, xs = kernel.add_rms_norm_fp8(x, h, w, eps=eps, with_rows=with_rows, interpret=kc.interpret)
+    if fp8_rows is not None and kernel.fp8_supported(x):
+        x, rows, xq, xs = kernel.add_rms_norm_fp8(x, h, w, eps=eps, with_rows=fp8_rows == "with_rows",
+                                                  interpret=kc.interpret)
         return x, Fp8Rows(rows, xq, xs, x.dtype)
     if x.shape[0] > DECODE_MAX_ROWS:
         return None
     return kernel.add_rms_norm(x, h, w, eps=eps, interpret=kc.interpret) if kernel.supported(x) else None
 
 
-def _first_quantized(w) -> QuantizedWeight | None:
-    """w itself, or a ConcatWeight's first part, when block-FP8; else None."""
-    w = w.parts[0] if isinstance(w, ConcatWeight) else w
-    return w if isinstance(w, QuantizedWeight) else None
+def fp8_rows_for(kc: KernelConfig, rows: int, consumer, top_k: int = 0) -> str | None:
+    """What a norm of `rows` rows writes for the block that reads it first, `consumer`: a projection's weight, or an
+    MoE layer's params (top_k its experts a token). "only": FP8 rows (a block-FP8 weight whose product takes them,
+    `takes_fp8_rows`); "with_rows": FP8 rows and the bf16 ones (an in-projection with an unquantized part, the GDN's
+    [b | a]; an MoE layer whose experts take FP8 rows on the grouped GEMM, its router and shared expert bf16); None:
+    the bf16 rows alone. Not on a mesh (its blocks run per device on the bf16 rows)."""
+    if not kc.fuse_add_norm or kc.spmd is not None:
+        return None
+    if isinstance(consumer, MoEParams):
+        experts = consumer.gate_up
+        if not (isinstance(experts, QuantizedWeight) and kc.backend == "pallas" and kc.fp8_activations):
+            return None
+        from pallas_kernels import moe
+
+        num_experts, hidden, inter = experts.values.shape[0], experts.values.shape[2], experts.values.shape[1] // 2
+        return "with_rows" if moe.takes_grouped(rows * top_k, num_experts, hidden, inter, kc.interpret) else None
+    first = consumer.parts[0] if isinstance(consumer, ConcatWeight) else consumer
+    if not takes_fp8_rows(kc, rows, first):
+        return None
+    return "only" if isinstance(consumer, QuantizedWeight) else "with_rows"
 
 
 def plain_rows(x):
@@ -409,10 +423,11 @@ def dequantized_dot(x, w: QuantizedWeight):
 
 
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
-                shared: ref.SharedExpert | None = None):
+                shared: ref.SharedExpert | None = None, x_fp8: Fp8Rows | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
     gate_up [E, H, 2I], down [E, I, H] (plain, or block-FP8: the Pallas kernels read FP8 tiles, the reference
-    dequantizes). Returns [T, H] float32."""
+    dequantizes). x_fp8: x's FP8 rows from its norm, which the grouped GEMM reads (`fp8_rows_for`). Returns
+    [T, H] float32."""
     weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
     if any(is_quantized(w) for w in weights):
         if kc.backend == "pallas" and not all(isinstance(w, QuantizedWeight) for w in weights):
@@ -434,5 +449,5 @@ def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
             expert_ids.size <= gate_up.values.shape[0] * moe.DEFAULT_CONFIG.fp8_dynamic_rows_per_expert
             or moe.grouped_available(x.shape[1], down.values.shape[-1], kc.interpret))
         return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, quantize_activations=dynamic,
-                               interpret=kc.interpret)
+                               x_fp8=None if x_fp8 is None else (x_fp8.xq, x_fp8.xs), interpret=kc.interpret)
     return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)

@@ -76,11 +76,11 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
-def add_norm(kc: KernelConfig, x, h, w, eps, quantize_for=None):
+def add_norm(kc: KernelConfig, x, h, w, eps, fp8_rows: str | None = None):
     """The residual stream x plus a block's output h (None: nothing to add; rows past x's are ignored, see
-    `dot`'s to_norm), and its RMSNorm: (x + h, norm). quantize_for: the weight the norm goes to first, for the
-    kernel to write its FP8 rows too where that product takes them (`ops.add_rms_norm`)."""
-    fused = ops.add_rms_norm(kc, x, h, w, eps, quantize_for)
+    `dot`'s to_norm), and its RMSNorm: (x + h, norm). fp8_rows: `ops.fp8_rows_for` the block that reads the norm,
+    for the kernel to write its FP8 rows too (the norm then comes as `ops.Fp8Rows`)."""
+    fused = ops.add_rms_norm(kc, x, h, w, eps, fp8_rows)
     if fused is not None:
         return fused
     x = x if h is None else x + h[: x.shape[0]]
@@ -135,7 +135,9 @@ def mlp(p: MLPParams, x, kc: KernelConfig):
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
+    """x: the norm's rows, or `ops.Fp8Rows` with them (the experts on the grouped GEMM read its FP8 rows)."""
     def experts(p, x, expert_offset=None, shared_weight=None):  # f32
+        x, x_fp8 = ops.plain_rows(x), x if isinstance(x, ops.Fp8Rows) else None
         ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
         if expert_offset is not None:
             ids, weights = spmd.local_experts(ids, weights, expert_offset, p.gate_up.shape[0])
@@ -144,11 +146,11 @@ def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
         # The shared expert goes to the expert kernels with its gate, so a one-lane round reads it in their two
         # kernels (docs/kernels_notes.md).
         shared = SharedExpert(p.shared.gate_up, p.shared.down, gate)
-        return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared)
+        return ops.moe_experts(kc, x, ids, weights, p.gate_up, p.down, shared, x_fp8)
 
     if kc.spmd is not None and kc.spmd.splits_ffn(p):
         return kc.spmd.ffn(p, x, experts).astype(x.dtype)
-    return experts(p, x).astype(x.dtype)
+    return experts(p, x).astype(ops.plain_rows(x).dtype)
 
 
 def ffn(p, x, cfg, kc):
@@ -385,7 +387,7 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
     for layer in params.layers:
         layer: LayerParams
         mixer_in = layer.mixer.in_proj if isinstance(layer.mixer, GDNParams) else layer.mixer.qkv_proj
-        x, normed = add_norm(kc, x, h, layer.input_norm, eps, mixer_in)
+        x, normed = add_norm(kc, x, h, layer.input_norm, eps, ops.fp8_rows_for(kc, x.shape[0], mixer_in))
         if isinstance(layer.mixer, GDNParams):
             out = _mix(kc, cfg, gdn_fn, layer.mixer, normed, ssms[gi], convs[gi], ctx=ctx,
                        extras=gdn_sink is not None)
@@ -396,8 +398,9 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
         else:
             h, ks[ai], vs[ai] = _mix(kc, cfg, attn_fn, layer.mixer, normed, ks[ai], vs[ai], ctx=ctx)
             ai += 1
+        ffn_in = layer.ffn.gate_up if isinstance(layer.ffn, MLPParams) else layer.ffn
         x, normed = add_norm(kc, x, h, layer.post_norm, eps,
-                             layer.ffn.gate_up if isinstance(layer.ffn, MLPParams) else None)
+                             ops.fp8_rows_for(kc, x.shape[0], ffn_in, cfg.num_experts_per_tok))
         h = ffn(layer.ffn, normed, cfg, kc)
     _, x = add_norm(kc, x, h, params.final_norm, eps)
     return x, DeviceState(tuple(ks), tuple(vs), tuple(ssms), tuple(convs))

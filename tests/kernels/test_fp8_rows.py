@@ -135,8 +135,8 @@ def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatc
     to first where that product takes them: a decode round's 2-32 rows (the swap-AB kernel) and a prefill chunk's
     (the GEMM, here its reference; on CPU the kernels in interpret mode). The rows and products equal those of the
     norm and quantization op by op, and on CPU the composed norm's; the bf16 rows are kept only for a weight with an
-    unquantized part (the GDN in-projection's [b | a]), and one row (a weight-only product) or an MoE layer's
-    experts get plain rows."""
+    unquantized part (the GDN in-projection's [b | a]) and an MoE layer whose experts take the grouped GEMM; one row
+    (a weight-only product) gets plain rows."""
     from pallas_kernels import rms_norm
 
     kernel = rms_norm.add_rms_norm_fp8
@@ -149,7 +149,7 @@ def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatc
         kc = ops.KernelConfig("pallas", interpret=interpret, fuse_add_norm=True, fp8_activations=True)
         composed = dataclasses.replace(kc, fuse_add_norm=False)
         x, h = (jnp.asarray(rng.standard_normal((t, 256)) * 3, jnp.bfloat16) for _ in range(2))
-        x_new, normed = qwen3_5.add_norm(kc, x, h, norm_w, EPS, w)
+        x_new, normed = qwen3_5.add_norm(kc, x, h, norm_w, EPS, ops.fp8_rows_for(kc, t, w))
         want_x, plain = qwen3_5.add_norm(composed, x, h, norm_w, EPS)
         assert isinstance(normed, ops.Fp8Rows) and normed.rows is None and normed.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(x_new, np.float32), np.asarray(want_x, np.float32))
@@ -157,14 +157,19 @@ def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatc
         for got, want in ((normed.xq, xq), (normed.xs, xs), (qwen3_5.dot(kc, normed, w),
                                                              qwen3_5.dot(kc, ops.Fp8Rows(None, xq, xs, x.dtype), w))):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-        _, kept = qwen3_5.add_norm(kc, x, h, norm_w, EPS, with_plain)
+        _, kept = qwen3_5.add_norm(kc, x, h, norm_w, EPS, ops.fp8_rows_for(kc, t, with_plain))
         np.testing.assert_array_equal(np.asarray(kept.rows, np.float32), np.asarray(rows, np.float32))
         if INTERPRET:  # XLA's CPU fusions keep those roundings too (on a GPU they skip some: excess precision)
             for got, want in ((qwen3_5.dot(kc, normed, w), qwen3_5.dot(kc, plain, w)),
                               (ops.quantized_dot(kc, kept, with_plain), ops.quantized_dot(kc, plain, with_plain))):
                 np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    gate_up = _weight(256, 512, 4)
+    experts = QuantizedWeight(jnp.stack([gate_up.values] * 8), jnp.stack([gate_up.scales] * 8))  # 8 of I = 256
+    moe_layer = qwen3_5.MoEParams(router=None, gate_up=experts, down=None, shared=None, shared_gate=None)
+    assert ops.fp8_rows_for(kc, 96, moe_layer, top_k=16) == "with_rows"  # 192 rows a expert: the grouped GEMM
+    assert ops.fp8_rows_for(kc, 96, moe_layer, top_k=2) is None  # 24 a expert: the tiles quantize x themselves
     kc = ops.KernelConfig("pallas", interpret=True, fuse_add_norm=True, fp8_activations=True)
-    assert not isinstance(qwen3_5.add_norm(kc, x[:1], h[:1], norm_w, EPS, w)[1], ops.Fp8Rows)
-    assert not isinstance(qwen3_5.add_norm(kc, x[:8], h[:8], norm_w, EPS, None)[1], ops.Fp8Rows)
-    off = dataclasses.replace(kc, fp8_activations=False)
-    assert not isinstance(qwen3_5.add_norm(off, x[:8], h[:8], norm_w, EPS, w)[1], ops.Fp8Rows)
+    assert ops.fp8_rows_for(kc, 1, w) is None  # one row: weight-only
+    assert ops.fp8_rows_for(kc, 8, jnp.zeros((256, 384), jnp.bfloat16)) is None  # a bf16 weight
+    for off in (dataclasses.replace(kc, fp8_activations=False), dataclasses.replace(kc, fuse_add_norm=False)):
+        assert ops.fp8_rows_for(off, 8, w) is None

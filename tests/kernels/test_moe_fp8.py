@@ -180,3 +180,10 @@ def test_grouped_gemm_path_matches_a_float64_reference_of_the_quantized_rows(mon
     assert calls == [(1024, H), (1024, 2 * I), (1024, I)]  # 528 rows and 127 padding a expert, in 128-row tiles
     assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared)) < 2e-3
     assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False, shared)) < 2**-4
+    # x's FP8 rows from its producer (the norm before): the grouped GEMM reads them, not x (here another x's)
+    other = x[::-1]
+    assert moe.takes_grouped(t * K, E, H, I)
+    np.testing.assert_array_equal(
+        np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True,
+                                   x_fp8=fp8_matmul.quantize_rows(other))),
+        np.asarray(moe.moe_experts(other, ids, w, gate_up, down, quantize_activations=True)))

@@ -25,22 +25,33 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("weights", ["fp8-dynamic", "bf16"])
-@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
-def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
+def _setup(name: str, weights: str, monkeypatch, pages: int = PAGES):
+    """Four layers of `name` (three GDN, one attention) as shapes, the engine's kernel switches and a state."""
     lower_for_h200()
     monkeypatch.setattr(fp8_gemm, "available", lambda: True)  # the wgmma GEMM's paths, as on a Hopper GPU
     full = model_config(name)
     cfg = dataclasses.replace(pack_config(full, weights), layer_types=full.layer_types[:4])
     fp8 = weights != "bf16"
     params = jax.eval_shape(lambda: random_params(cfg, fp8=fp8))
-    state = jax.eval_shape(lambda: init_device_state(cfg, PAGES, SLOTS, jnp.bfloat16, jnp.bfloat16))
+    state = jax.eval_shape(lambda: init_device_state(cfg, pages, SLOTS, jnp.bfloat16, jnp.bfloat16))
     kc = ops.KernelConfig("pallas", False, PrefillConfig(impl="pallas"), fuse_gdn_decode=True, fuse_add_norm=True,
                           fuse_moe_route=True, fuse_attn_qkv=True, fuse_gdn_conv=True, fp8_activations=fp8)
-    prefill = _lower(lambda p, st, tok, nv, base, pt, slot, tp, ts: qwen3_5.prefill(p, cfg, kc, tok, nv, base, pt, slot,
-                                                                                   st, tp, ts),
-                     params, state, S((ROWS,), I32), S((), I32), S((), I32), S((PAGES,), I32), S((), I32),
-                     S((2,), I32), S((2,), I32))
+    return cfg, params, state, kc
+
+
+def _lower_prefill(cfg, kc, params, state, rows: int, pages: int = PAGES) -> str:
+    return _lower(lambda p, st, tok, nv, base, pt, slot, tp, ts: qwen3_5.prefill(p, cfg, kc, tok, nv, base, pt, slot,
+                                                                                st, tp, ts),
+                  params, state, S((rows,), I32), S((), I32), S((), I32), S((pages,), I32), S((), I32),
+                  S((2,), I32), S((2,), I32))
+
+
+@pytest.mark.parametrize("weights", ["fp8-dynamic", "bf16"])
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
+    cfg, params, state, kc = _setup(name, weights, monkeypatch)
+    fp8 = weights != "bf16"
+    prefill = _lower_prefill(cfg, kc, params, state, ROWS)
     decode = _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
                     params, state, S((LANES,), I32), S((LANES,), I32), S((LANES, PAGES), I32), S((LANES,), I32),
                     S((LANES,), jnp.bool_))
@@ -56,3 +67,18 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
     # the norms before FP8 x FP8 products write their FP8 rows themselves, in decode rounds and prefill chunks
     assert all(("add_rms_norm_fp8" in step) == fp8 for step in (prefill, decode, mixed))
+
+
+def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monkeypatch):
+    """A 35B-A3B FP8 prefill chunk of 4096 tokens (32768 routed rows, 128 a expert: the grouped GEMM's): every
+    norm writes its FP8 rows, the GDN in-projections' and the MoE layers' with their bf16 rows too (the [b | a]
+    side; the router and the shared expert), the attention's without."""
+    from pallas_kernels import rms_norm
+
+    tokens = 4096
+    cfg, params, state, kc = _setup("35b-a3b", "fp8-dynamic", monkeypatch, pages=tokens // 64 + 2)
+    kernel, calls = rms_norm.add_rms_norm_fp8, []
+    monkeypatch.setattr(rms_norm, "add_rms_norm_fp8", lambda *a, with_rows, **kw: calls.append(with_rows)
+                        or kernel(*a, with_rows=with_rows, **kw))
+    text = _lower_prefill(cfg, kc, params, state, tokens, tokens // 64 + 2)
+    assert "mosaic_gpu" in text and sorted(calls) == [False] + [True] * 7
