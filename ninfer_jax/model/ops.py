@@ -334,7 +334,8 @@ def block_fp8(w: QuantizedWeight) -> fp8_matmul.BlockFp8:
 
 
 def quantized_dot(kc: KernelConfig, x, w):
-    """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation.
+    """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation; x may be
+    `Fp8Rows`, whose FP8 rows an FP8 x FP8 product reads.
 
     The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's rows
     (pallas_kernels/fp8_matmul.py: up to 128 weight-only, 32 FP8 x FP8). More rows, with fp8_activations on a Hopper
@@ -343,20 +344,21 @@ def quantized_dot(kc: KernelConfig, x, w):
     (docs/kernels_notes.md, "FP8 weights")."""
     if isinstance(w, ConcatWeight):  # the model keeps the GDN in-projection's sides apart (`qwen3_5._gdn_in_dot`)
         return jnp.concatenate([quantized_dot(kc, x, p) for p in w.parts], axis=-1)
-    if isinstance(x, Fp8Rows):
-        if isinstance(w, QuantizedWeight) and takes_fp8_rows(kc, x.xq.shape[0], w):
-            return _fp8_rows_dot(kc, x, w)
-        x = x.rows
+    rows = x.xq.shape[0] if isinstance(x, Fp8Rows) else x.shape[0]
+    if takes_fp8_rows(kc, rows, w):  # x's rows in FP8: as their producer wrote them (`Fp8Rows`), or quantized here
+        fp8 = x if isinstance(x, Fp8Rows) else Fp8Rows(None, *fp8_matmul.quantize_rows(x), x.dtype)
+        if rows <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
+            return fp8_matmul.fp8_matmul_rows(fp8.xq, fp8.xs, w.values, w.scales, out_dtype=fp8.dtype,
+                                              interpret=kc.interpret)
+        return fp8_gemm.fp8_gemm_rows(fp8.xq, fp8.xs, w.values, w.scales, out_dtype=fp8.dtype)
+    x = plain_rows(x)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
         return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
     n, k = w.values.shape
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(kc.fp8_activations) and fp8_matmul.supported(k, n):
-        return fp8_matmul.fp8_matmul(x, w.values, w.scales, quantize_activations=kc.fp8_activations,
-                                     interpret=kc.interpret)
-    if _takes_gemm(kc, x.shape[0], w):
-        return fp8_gemm.fp8_gemm(x, w.values, w.scales)
+        return fp8_matmul.fp8_matmul(x, w.values, w.scales, interpret=kc.interpret)  # weight-only
     return dequantized_dot(x, w)
 
 
@@ -370,13 +372,6 @@ def takes_fp8_rows(kc: KernelConfig, rows: int, w) -> bool:
     if rows <= cfg.rows_limit(True) and fp8_matmul.supported(k, n):
         return rows > cfg.cuda_core_max_rows
     return _takes_gemm(kc, rows, w)
-
-
-def _fp8_rows_dot(kc: KernelConfig, x: Fp8Rows, w: QuantizedWeight):
-    """x @ w of rows quantized by their producer, on the kernel `quantized_dot` takes for them."""
-    if x.xq.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
-        return fp8_matmul.fp8_matmul_rows(x.xq, x.xs, w.values, w.scales, out_dtype=x.dtype, interpret=kc.interpret)
-    return fp8_gemm.fp8_gemm_rows(x.xq, x.xs, w.values, w.scales, out_dtype=x.dtype)
 
 
 def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:

@@ -130,7 +130,8 @@ def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monk
     x, values, scales, _ = _case()
     calls = []
     monkeypatch.setattr(fp8_gemm, "available", lambda: True)
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda a, v, s: calls.append(a.shape) or fp8_gemm.reference(a, v, s))
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows", lambda q, xs, v, s, out_dtype: calls.append(q.shape)
+                        or fp8_gemm.reference_rows(q, xs, v, s).astype(out_dtype))
     w = QuantizedWeight(values, scales)
     got = ops.quantized_dot(ops.KernelConfig("pallas", fp8_activations=True), x, w)
     assert calls == [(M, K)]
