@@ -152,9 +152,11 @@ def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_a
     if m > cfg.rows_limit(quantize_activations):
         raise ValueError(f"fp8_matmul: {m} rows exceed Fp8Config's limit of {cfg.rows_limit(quantize_activations)} "
                          f"(max_rows / dynamic_max_rows; dequantize or run the GEMM instead)")
-    if m <= cfg.cuda_core_max_rows and not (quantize_activations and m > 1):
+    if quantize_activations and m > 1:
+        return fp8_matmul_rows(*quantize_rows(x), values, scales, out_dtype=x.dtype, config=cfg, interpret=interpret)
+    if m <= cfg.cuda_core_max_rows:
         return _cuda_core(x, values, scales, cfg, interpret)
-    return _tensor_core(x, values, scales, cfg, interpret, quantize_activations)
+    return _tensor_core(x, values, scales, cfg, interpret)
 
 
 def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs: int):
@@ -273,11 +275,10 @@ def fp8_matmul_rows(xq, xs, values, scales, *, out_dtype, config: Fp8Config | No
     return _swap_ab((xq, xs), m, out_dtype, values, scales, cfg, interpret, "fp8")
 
 
-def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool, fp8_rows: bool):
-    mode = "fp8" if fp8_rows else cfg.tc_mode if x.dtype == jnp.bfloat16 else "plain"
-    if mode == "fp8":
-        inputs = quantize_rows(x)
-    elif mode == "f16":
+def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool):
+    """The weight-only swap-AB product of bf16 or float32 rows."""
+    mode = cfg.tc_mode if x.dtype == jnp.bfloat16 else "plain"
+    if mode == "f16":
         # bf16 rows into float16 (8 of float16's 11 mantissa bits), each row over a power of two that puts its
         # largest magnitude at or under 2**15: exact for values within 2**29 of it, smaller ones round in float16's
         # subnormals, far below the float32 accumulation's error. FP8 -> float16 is one packed conversion a pair,
