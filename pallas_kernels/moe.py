@@ -37,6 +37,10 @@ many rows a expert take `fp8_gemm.grouped_gemm` instead of the two kernels (`_gr
      of the same I rides along as one more row per token (rows go token by token, its routed experts then
      the shared one, which reads its own weights and is scaled by its gate): one lane's round reads all
      nine experts' weights in two kernels instead of the shared expert's four matmul and glue kernels.
+     Given the router's logits instead of the routing (`moe_experts_routed`), each routed program of gate_up
+     chooses its token's experts itself (`moe_route.select`, a few microseconds before its weight loads) and the
+     token's first program writes the ids, weights and shared gate down reads: the router kernel goes (a 35B-A3B
+     one-lane round 2% shorter on an H100).
   Elsewhere the shared expert, when given, is two plain matmuls added to the routed sum.
 
 Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
@@ -56,7 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, fp8_gemm, fp8_matmul, fp8_rows
+from pallas_kernels import _compat, fp8_gemm, fp8_matmul, fp8_rows, moe_route
 from pallas_kernels import reference as ref
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
@@ -333,15 +337,20 @@ def down_call(tile_expert, sorted_rows, row_weight, act, down, *, hidden, block_
     )(tile_expert, sorted_rows, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down))
 
 
-def _gemv_gate_up_kernel(expert_ids_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
-                         block_k: int, steps: int):
-    # expert_ids_ref: [T K] int32      x_ref: [T, H]
-    # refs: the gate_up weight [E, H, 2I], the shared expert's [H, 2I] when it rides along (see _Weight), part_ref
+def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
+                         block_k: int, steps: int, routes: bool = False):
+    # route_ref: [T K] int32 the rows' experts; with `routes` the router's float32 logits [T, E] instead: each routed
+    # program chooses its token's experts itself (`moe_route.select`), so the router needs no kernel of its own
+    # x_ref: [T, H]
+    # refs: the gate_up weight [E, H, 2I], the shared expert's [H, 2I] when it rides along (see _Weight), with `routes`
+    # and a shared expert its gate [H]; part_ref; with `routes` ids_ref [T, K] int32, weights_ref [T, K] f32 (and the
+    # shared expert's weight [T, 1] f32), written by the token's first program for the down kernel
     # part_ref (out): [S, T J, 2I] f32, this program writes the gate and the up columns of its block n for row r
     # (token r // J's expert r % J, see _row), summed over its split s of H (steps * block_k rows of the weights)
     gate_up, refs = _Weight.take(refs, fp8)
     shared, refs = _Weight.take(refs, fp8) if with_shared else (None, refs)
-    (part_ref,) = refs
+    gate_w_ref, refs = (refs[0], refs[1:]) if routes and with_shared else (None, refs)
+    part_ref, *route_out = refs
     n, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t, j, routed_id = _row(r, top_k, with_shared)
     inter = part_ref.shape[2] // 2
@@ -360,8 +369,21 @@ def _gemv_gate_up_kernel(expert_ids_ref, x_ref, *refs, fp8: bool, with_shared: b
         part_ref[s, r, pl.ds(n * block_n, block_n)] = g
         part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
 
-    _routed_or_shared(j, top_k, with_shared, lambda: accumulate(gate_up, expert_ids_ref[routed_id]),
-                      lambda: accumulate(shared, None))
+    def routed():
+        if not routes:
+            accumulate(gate_up, route_ref[routed_id])
+            return
+        ids, weights = moe_route.select(route_ref[t, :], top_k)
+        accumulate(gate_up, jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (top_k,), 0) == j, ids, 0)))
+
+        @pl.when((n == 0) & (s == 0) & (j == 0))
+        def _():
+            ids_ref, weights_ref, *shared_ref = route_out
+            ids_ref[t, :], weights_ref[t, :] = ids, weights
+            if with_shared:
+                shared_ref[0][t, :] = moe_route.shared_gate(x_ref[t, :], gate_w_ref[...])
+
+    _routed_or_shared(j, top_k, with_shared, routed, lambda: accumulate(shared, None))
 
 
 def _gemv_down_kernel(expert_ids_ref, route_w_ref, gu_ref, *refs, fp8: bool, with_shared: bool, top_k: int,
@@ -414,9 +436,10 @@ def _routed_or_shared(j, top_k: int, with_shared: bool, routed, shared):
 
 
 def _gemv_call(kernel, name, inputs, *, fp8, with_shared, rows, contraction, out_cols, width, block_n, block_k,
-               splits, num_warps, num_stages, interpret, **kw):
+               splits, num_warps, num_stages, interpret, extra_out=(), **kw):
     """One split-K matrix-vector kernel over weights of `contraction` rows: grid (column block of `out_cols`, row,
-    split), whole-array refs, f32 partial sums [splits, rows, width]. `inputs` are the kernel's refs in order."""
+    split), whole-array refs, f32 partial sums [splits, rows, width] (then `extra_out`'s arrays, when given). `inputs`
+    are the kernel's refs in order."""
     if contraction % block_k:
         raise ValueError(f"moe_experts: {name}: contraction {contraction} is not a multiple of block_k {block_k}")
     total = contraction // block_k
@@ -426,10 +449,11 @@ def _gemv_call(kernel, name, inputs, *, fp8, with_shared, rows, contraction, out
     steps = total // splits
     kernel = functools.partial(kernel, fp8=fp8, with_shared=with_shared, block_n=block_n, block_k=block_k,
                                steps=steps, **kw)
+    part = jax.ShapeDtypeStruct((splits, rows, width), jnp.float32)
     return pl.pallas_call(
         kernel,
         grid=(out_cols // block_n, rows, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, width), jnp.float32),
+        out_shape=(part, *extra_out) if extra_out else part,
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
@@ -534,33 +558,17 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     """
     t, h = x.shape
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
-    (num_experts, inter), gate_up_shape = _shape(down)[:2], _shape(gate_up)
+    num_experts, inter = _check_weights(h, gate_up, down, shared)
     k = expert_ids.shape[1] if expert_ids.ndim == 2 else -1
     if expert_ids.shape != (t, k) or expert_weights.shape != (t, k):
         raise ValueError(f"moe_experts: expert_ids {expert_ids.shape} and expert_weights "
                          f"{expert_weights.shape} must both be [T={t}, K]")
-    if gate_up_shape != (num_experts, h, 2 * inter) or _shape(down) != (num_experts, inter, h):
-        raise ValueError(f"moe_experts: gate_up {gate_up_shape} must be [E, H, 2I] and down {_shape(down)} "
-                         f"[E, I, H] with H={h}")
-    if fp8 != isinstance(down, fp8_matmul.BlockFp8) or (not fp8 and (
-            gate_up.dtype != down.dtype or gate_up.dtype not in (jnp.bfloat16, jnp.float32))):
-        raise ValueError("moe_experts: gate_up and down must both be block-FP8, or share dtype bf16 or f32")
-    if fp8 and (h % fp8_matmul.BLOCK or inter % fp8_matmul.BLOCK):
-        raise ValueError(f"moe_experts: FP8 experts need H={h} and I={inter} to be multiples of {fp8_matmul.BLOCK}")
     if quantize_activations and not fp8:
         raise ValueError("moe_experts: quantize_activations multiplies FP8 x FP8 and needs block-FP8 experts")
     if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"moe_experts: expert_ids must be integers, got {expert_ids.dtype}")
-    if h % 16 or inter % 16:
-        raise ValueError(f"moe_experts: H={h} and I={inter} must be multiples of 16")
-    if shared is not None:
-        si = _shape(shared.down)[0]
-        if _shape(shared.gate_up) != (h, 2 * si) or _shape(shared.down) != (si, h) or shared.weight.shape != (t,):
-            raise ValueError(f"moe_experts: shared gate_up {_shape(shared.gate_up)}, down {_shape(shared.down)}, "
-                             f"weight {shared.weight.shape} must be [H, 2Is], [Is, H], [T] with H={h}, T={t}")
-        kinds = {type(w) for w in (gate_up, shared.gate_up, shared.down)}
-        if len(kinds) != 1 or (not fp8 and {shared.gate_up.dtype, shared.down.dtype} != {gate_up.dtype}):
-            raise ValueError("moe_experts: the shared expert's weights must be of the experts' kind and dtype")
+    if shared is not None and shared.weight.shape != (t,):
+        raise ValueError(f"moe_experts: the shared expert's weight {shared.weight.shape} must be [T={t}]")
 
     rows = t * k
     cfg = default_config(rows, num_experts, fp8_rows=quantize_activations) if config is None else config
@@ -588,6 +596,66 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter, dtype=dtype,
                      cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
     return out if shared is None else out + _shared_dense(x, shared, dtype)
+
+
+def _check_weights(h: int, gate_up, down, shared: SharedExpert | None) -> tuple[int, int]:
+    """Raise unless the experts' (and the shared expert's) weights fit rows of H values; (E, I)."""
+    fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
+    (num_experts, inter), gate_up_shape = _shape(down)[:2], _shape(gate_up)
+    if gate_up_shape != (num_experts, h, 2 * inter) or _shape(down) != (num_experts, inter, h):
+        raise ValueError(f"moe_experts: gate_up {gate_up_shape} must be [E, H, 2I] and down {_shape(down)} "
+                         f"[E, I, H] with H={h}")
+    if fp8 != isinstance(down, fp8_matmul.BlockFp8) or (not fp8 and (
+            gate_up.dtype != down.dtype or gate_up.dtype not in (jnp.bfloat16, jnp.float32))):
+        raise ValueError("moe_experts: gate_up and down must both be block-FP8, or share dtype bf16 or f32")
+    if fp8 and (h % fp8_matmul.BLOCK or inter % fp8_matmul.BLOCK):
+        raise ValueError(f"moe_experts: FP8 experts need H={h} and I={inter} to be multiples of {fp8_matmul.BLOCK}")
+    if h % 16 or inter % 16:
+        raise ValueError(f"moe_experts: H={h} and I={inter} must be multiples of 16")
+    if shared is not None:
+        si = _shape(shared.down)[0]
+        if _shape(shared.gate_up) != (h, 2 * si) or _shape(shared.down) != (si, h):
+            raise ValueError(f"moe_experts: shared gate_up {_shape(shared.gate_up)} and down {_shape(shared.down)} "
+                             f"must be [H, 2Is] and [Is, H] with H={h}")
+        kinds = {type(w) for w in (gate_up, shared.gate_up, shared.down)}
+        if len(kinds) != 1 or (not fp8 and {shared.gate_up.dtype, shared.down.dtype} != {gate_up.dtype}):
+            raise ValueError("moe_experts: the shared expert's weights must be of the experts' kind and dtype")
+    return num_experts, inter
+
+
+def routes_in_gemv(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, shared_inter: int | None,
+                   config: MoeConfig | None = None) -> bool:
+    """Whether `moe_experts_routed` takes a layer: the matrix-vector path's rows (T K <= gemv_max_rows), a shared
+    expert of the experts' I or none, and what `moe_route` needs (E and K powers of two, with a shared gate H too)."""
+    cfg = DEFAULT_CONFIG if config is None else config
+    return (tokens * top_k <= cfg.gemv_max_rows and shared_inter in (None, inter) and is_pow2(num_experts)
+            and is_pow2(top_k) and top_k <= num_experts and (shared_inter is None or is_pow2(hidden, 16)))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "config", "interpret"))
+def moe_experts_routed(x: jax.Array, logits: jax.Array, gate_up, down, shared: SharedExpert | None = None,
+                       shared_gate_w: jax.Array | None = None, *, top_k: int, config: MoeConfig | None = None,
+                       interpret: bool = False):
+    """A narrow decode round's MoE layer from its router's float32 logits [T, E]: what `moe_route.route` and then
+    `moe_experts` compute, in the matrix-vector path's two kernels, the first choosing each token's experts itself
+    (one kernel fewer a layer). shared: the shared expert's gate_up and down (its `weight` unused), shared_gate_w its
+    gate [H, 1]. Only where `routes_in_gemv`. Returns (out [T, H] float32, expert ids [T, K] int32, weights
+    [T, K] float32)."""
+    t, h = x.shape
+    num_experts, inter = _check_weights(h, gate_up, down, shared)
+    shared_inter = None if shared is None else _shape(shared.down)[0]
+    cfg = DEFAULT_CONFIG if config is None else config
+    if logits.shape != (t, num_experts) or logits.dtype != jnp.float32:
+        raise ValueError(f"moe_experts_routed: logits {logits.shape} {logits.dtype} must be float32 [T={t}, "
+                         f"E={num_experts}]")
+    if (shared is None) != (shared_gate_w is None) or (shared_gate_w is not None and shared_gate_w.size != h):
+        raise ValueError("moe_experts_routed: a shared expert comes with its gate [H, 1], and only then")
+    if not routes_in_gemv(t, num_experts, top_k, h, inter, shared_inter, cfg):
+        raise ValueError(f"moe_experts_routed: {t} tokens x top_k {top_k} over {num_experts} experts (H {h}, I "
+                         f"{inter}, shared I {shared_inter}) do not take the matrix-vector path with routing")
+    dtype = x.dtype if isinstance(gate_up, fp8_matmul.BlockFp8) else gate_up.dtype
+    return _gemv_moe(x, logits, None, gate_up, down, shared, t=t, k=top_k, inter=inter, dtype=dtype, cfg=cfg,
+                     interpret=interpret, shared_gate_w=shared_gate_w)
 
 
 def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
@@ -689,26 +757,42 @@ def _take_rows(a, rows):
     return lax.bitcast_convert_type(words[rows], a.dtype).reshape(rows.shape[0], h)
 
 
-def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype, cfg, interpret):
+def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype, cfg, interpret, shared_gate_w=None):
     """Narrow decode (step 5 of the module docstring): two split-K matrix-vector kernels, the shared expert (when
-    given) as one more row per token in the same two kernels."""
+    given) as one more row per token in the same two kernels. flat_ids [T K] the rows' experts and flat_w their
+    weights; or flat_ids the router's logits [T, E] and flat_w None: the first kernel routes, the shared expert's
+    weight from shared_gate_w, and the result is (out, ids [T, K], weights [T, K])."""
     h = x.shape[1]
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
+    routes = flat_w is None
     per_token = k + (1 if shared is not None else 0)
     rows = t * per_token
     common = dict(fp8=fp8, with_shared=shared is not None, rows=rows, top_k=k, num_warps=cfg.gemv_num_warps,
                   num_stages=cfg.gemv_num_stages, interpret=interpret)
     bn, bk, dbn, dbk = _blocks(fp8, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_down_block_n, cfg.gemv_down_block_k)
     shared_gate_up = () if shared is None else _operands(shared.gate_up)
-    gu = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up),
-                    contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),
-                    block_k=_block(bk, h, "H"), splits=cfg.gemv_splits, **common)  # [S, rows, 2I] partial sums
-    shared_down = () if shared is None else (*_operands(shared.down), shared.weight.astype(jnp.float32))
+    gate_up_kw = dict(contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),
+                      block_k=_block(bk, h, "H"), splits=cfg.gemv_splits, **common)
+    shared_w = None if shared is None else shared.weight
+    if not routes:
+        gu = _gemv_call(_gemv_gate_up_kernel, "moe_gemv_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up),
+                        **gate_up_kw)  # [S, rows, 2I] partial sums
+    else:
+        extra = (jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.float32),
+                 *([jax.ShapeDtypeStruct((t, 1), jnp.float32)] if shared is not None else []))
+        gate = () if shared is None else (shared_gate_w.reshape(-1),)  # a reshape, not a slice: no copy
+        gu, ids, weights, *gates = _gemv_call(
+            _gemv_gate_up_kernel, "moe_gemv_route_gate_up", (flat_ids, x, *_operands(gate_up), *shared_gate_up, *gate),
+            extra_out=extra, routes=True, **gate_up_kw)
+        flat_ids, flat_w = ids.reshape(t * k), weights.reshape(t * k)
+        shared_w = gates[0].reshape(t) if gates else None
+    shared_down = () if shared is None else (*_operands(shared.down), shared_w.astype(jnp.float32))
     part = _gemv_call(_gemv_down_kernel, "moe_gemv_down", (flat_ids, flat_w, gu, *_operands(down), *shared_down),
                       contraction=inter, out_cols=h, width=h, block_n=_block(dbn, h, "H"),
                       block_k=_block(dbk, inter, "I"), splits=cfg.gemv_down_splits, act_dtype=dtype, **common)
     # the weighted rows' pieces [S2, T, J, H]: one reduction over splits and each token's experts
-    return part.reshape(part.shape[0], t, per_token, h).sum(axis=(0, 2))
+    out = part.reshape(part.shape[0], t, per_token, h).sum(axis=(0, 2))
+    return (out, ids, weights) if routes else out
 
 
 def _shared_dense(x, shared: SharedExpert, dtype):

@@ -8,6 +8,7 @@ renormalisation, a few kernels per MoE layer of a decode round. One program per 
 max, first index of the max, and masking it out, over the row's E probabilities in registers. Given the row and
 the shared expert's gate, it also computes that gate (a dot product over H and a sigmoid, two more XLA kernels
 otherwise). E and H must be powers of two (Triton's block shapes); `ops.moe_route` keeps the reference otherwise.
+The one-lane experts' first kernel routes by the same functions (`select`, `shared_gate`; `moe.moe_experts_routed`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,11 @@ from pallas_kernels._blocks import is_pow2
 _F32 = jnp.float32
 
 
-def _kernel(logits_ref, *refs, top_k: int):
-    # logits_ref: [T, E] f32; refs: (x_ref [T, H], gate_w_ref [H],) ids_ref (out) [T, K] int32, weights_ref (out)
-    # [T, K] f32, (shared_ref (out) [T, 1] f32: the shared expert's gate). Program t handles row t
-    with_shared = len(refs) == 5
-    if with_shared:
-        x_ref, gate_w_ref, ids_ref, weights_ref, shared_ref = refs
-    else:
-        ids_ref, weights_ref = refs
-    t = pl.program_id(0)
-    num_experts = logits_ref.shape[1]
-    p = jax.nn.softmax(logits_ref[t, :])
+def select(logits, top_k: int):
+    """One row's routing from its float32 logits [E]: (ids [K] int32, renormalised weights [K] float32). K rounds of
+    max, first index of the max and masking it out over the row's probabilities (ties to the lower expert)."""
+    num_experts = logits.shape[0]
+    p = jax.nn.softmax(logits)
     experts = lax.broadcasted_iota(jnp.int32, (num_experts,), 0)
     slots = lax.broadcasted_iota(jnp.int32, (top_k,), 0)
     ids = jnp.zeros((top_k,), jnp.int32)
@@ -47,11 +42,28 @@ def _kernel(logits_ref, *refs, top_k: int):
         ids = jnp.where(slots == k, idx, ids)
         chosen = jnp.where(slots == k, best, chosen)
         p = jnp.where(experts == idx, -1.0, p)  # probabilities are >= 0: taken experts never win again
-    ids_ref[t, :] = ids
-    weights_ref[t, :] = chosen / jnp.sum(chosen)
-    if with_shared:  # the gate's dot product, rounded to the activations' dtype as the model's matmul, then sigmoid
-        dot = jnp.sum(x_ref[t, :].astype(_F32) * gate_w_ref[...].astype(_F32), keepdims=True)  # [1]
-        shared_ref[t, :] = jax.nn.sigmoid(dot.astype(x_ref.dtype).astype(_F32))
+    return ids, chosen / jnp.sum(chosen)
+
+
+def shared_gate(x, gate_w):
+    """The shared expert's weight for one row x [H] and its gate gate_w [H]: [1] float32, the dot product rounded to
+    x's dtype as the model's matmul, then sigmoid (`reference.shared_expert_gate`)."""
+    dot = jnp.sum(x.astype(_F32) * gate_w.astype(_F32), keepdims=True)
+    return jax.nn.sigmoid(dot.astype(x.dtype).astype(_F32))
+
+
+def _kernel(logits_ref, *refs, top_k: int):
+    # logits_ref: [T, E] f32; refs: (x_ref [T, H], gate_w_ref [H],) ids_ref (out) [T, K] int32, weights_ref (out)
+    # [T, K] f32, (shared_ref (out) [T, 1] f32: the shared expert's gate). Program t handles row t
+    with_shared = len(refs) == 5
+    if with_shared:
+        x_ref, gate_w_ref, ids_ref, weights_ref, shared_ref = refs
+    else:
+        ids_ref, weights_ref = refs
+    t = pl.program_id(0)
+    ids_ref[t, :], weights_ref[t, :] = select(logits_ref[t, :], top_k)
+    if with_shared:
+        shared_ref[t, :] = shared_gate(x_ref[t, :], gate_w_ref[...])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -417,22 +417,49 @@ def dequantized_dot(x, w: QuantizedWeight):
     return lax.dot_general(x, rows, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 
 
+def _expert_weights(kc: KernelConfig, gate_up, down, shared: ref.SharedExpert | None):
+    """The experts' weights as the kernels take them: FP8 ones as `fp8_matmul.BlockFp8` (Pallas) or dequantized
+    (the reference)."""
+    weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
+    if not any(is_quantized(w) for w in weights):
+        return gate_up, down, shared
+    if kc.backend == "pallas" and not all(isinstance(w, QuantizedWeight) for w in weights):
+        raise ValueError("FP8 MoE experts run on the Pallas kernels only when every expert and shared-expert "
+                         "projection is one block-FP8 weight (H and I multiples of 128); this checkpoint's are "
+                         "not: run it with kernels='reference'")
+    convert = block_fp8 if kc.backend == "pallas" else dequantize
+    if shared is not None:
+        shared = shared._replace(gate_up=convert(shared.gate_up), down=convert(shared.down))
+    return convert(gate_up), convert(down), shared
+
+
+def moe_routed_experts(kc: KernelConfig, x, router_w, top_k: int, gate_up, down, shared: ref.SharedExpert | None,
+                       shared_gate_w=None):
+    """A narrow decode round's MoE layer, x [T, H] -> [T, H] float32, with the routing inside the experts' first
+    kernel (`moe.moe_experts_routed`: one kernel fewer a layer than `moe_route` and `moe_experts`, the same values)
+    when kc.fuse_moe_route and the matrix-vector path takes the layer; None otherwise. shared: the shared expert
+    (its weight unused), shared_gate_w its gate [H, 1]."""
+    if not (kc.fuse_moe_route and kc.backend == "pallas"):
+        return None
+    from pallas_kernels import moe
+
+    num_experts, hidden = router_w.shape
+    shared_inter = None if shared is None else shared.down.shape[0]  # logical [I, H] shapes, plain or FP8
+    if not moe.routes_in_gemv(x.shape[0], num_experts, top_k, hidden, down.shape[-2], shared_inter):
+        return None
+    gate_up, down, shared = _expert_weights(kc, gate_up, down, shared)
+    logits = ref.moe_router_logits(x, router_w)
+    return moe.moe_experts_routed(x, logits, gate_up, down, shared, shared_gate_w, top_k=top_k,
+                                  interpret=kc.interpret)[0]
+
+
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None, x_fp8: Fp8Rows | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
     gate_up [E, H, 2I], down [E, I, H] (plain, or block-FP8: the Pallas kernels read FP8 tiles, the reference
     dequantizes). x_fp8: x's FP8 rows from its norm, which the grouped GEMM reads (`fp8_rows_for`). Returns
     [T, H] float32."""
-    weights = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
-    if any(is_quantized(w) for w in weights):
-        if kc.backend == "pallas" and not all(isinstance(w, QuantizedWeight) for w in weights):
-            raise ValueError("FP8 MoE experts run on the Pallas kernels only when every expert and shared-expert "
-                             "projection is one block-FP8 weight (H and I multiples of 128); this checkpoint's are "
-                             "not: run it with kernels='reference'")
-        convert = block_fp8 if kc.backend == "pallas" else dequantize
-        gate_up, down = convert(gate_up), convert(down)
-        if shared is not None:
-            shared = shared._replace(gate_up=convert(shared.gate_up), down=convert(shared.down))
+    gate_up, down, shared = _expert_weights(kc, gate_up, down, shared)
     if kc.backend == "pallas":
         from pallas_kernels import moe
 

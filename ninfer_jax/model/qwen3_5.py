@@ -138,6 +138,11 @@ def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
     """x: the norm's rows, or `ops.Fp8Rows` with them (the experts on the grouped GEMM read its FP8 rows)."""
     def experts(p, x, expert_offset=None, shared_weight=None):  # f32
         x, x_fp8 = ops.plain_rows(x), x if isinstance(x, ops.Fp8Rows) else None
+        if expert_offset is None and shared_weight is None:
+            out = ops.moe_routed_experts(kc, x, p.router, cfg.num_experts_per_tok, p.gate_up, p.down,
+                                         SharedExpert(p.shared.gate_up, p.shared.down, None), p.shared_gate)
+            if out is not None:
+                return out
         ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
         if expert_offset is not None:
             ids, weights = spmd.local_experts(ids, weights, expert_offset, p.gate_up.shape[0])

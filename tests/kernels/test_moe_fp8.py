@@ -187,3 +187,19 @@ def test_grouped_gemm_path_matches_a_float64_reference_of_the_quantized_rows(mon
         np.asarray(moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True,
                                    x_fp8=fp8_matmul.quantize_rows(other))),
         np.asarray(moe.moe_experts(other, ids, w, gate_up, down, quantize_activations=True)))
+
+
+def test_fp8_experts_routing_in_their_first_kernel_equal_them_given_the_routing():
+    """One lane's FP8 layer from its router's logits (`moe_experts_routed`) equals the same experts given the
+    router kernel's ids, weights and shared gate, to the bit."""
+    from pallas_kernels import moe_route
+
+    x, _, _, gate_up, down, shared = _case(1, seed=5)
+    rng = np.random.default_rng(5)
+    logits = ref.moe_router_logits(x, jnp.asarray(rng.standard_normal((E, H)), jnp.float32))
+    gate_w = jnp.asarray(rng.standard_normal((H, 1)) * 0.1, jnp.float32)
+    ids, w, gate = moe_route.route(logits, x, gate_w, top_k=K, interpret=INTERPRET)
+    want = moe.moe_experts(x, ids, w, gate_up, down, shared._replace(weight=gate), interpret=INTERPRET)
+    got = moe.moe_experts_routed(x, logits, gate_up, down, shared._replace(weight=None), gate_w, top_k=K,
+                                 interpret=INTERPRET)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

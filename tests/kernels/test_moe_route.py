@@ -1,6 +1,9 @@
 """The MoE router kernel (`pallas_kernels/moe_route.py`, interpret mode on CPU) against `reference.moe_route_ref`:
 the same experts in the same order (ties to the lower expert, as lax.top_k) and the same renormalised weights; and
-its Triton lowering at the 35B-A3B's 256 experts."""
+its Triton lowering at the 35B-A3B's 256 experts; and the one-lane experts routing inside their first kernel
+(`moe.moe_experts_routed`) against the router kernel, then the experts."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ import pytest
 
 from ninfer_jax.model import ops
 from kernel_support import INTERPRET, lower_for_h200
-from pallas_kernels import moe_route
+from pallas_kernels import moe, moe_route
 from pallas_kernels import reference as ref
 
 
@@ -115,3 +118,71 @@ def test_a_shared_gate_needs_a_power_of_two_hidden_size():
     gate_w = jnp.ones((48, 1), jnp.float32) * 0.01
     np.testing.assert_allclose(np.asarray(ops.moe_route(on, x, router, 2, gate_w)[2]),
                                np.asarray(ref.shared_expert_gate(x, gate_w)))
+
+
+def _experts(rng, experts, hidden, inter, dtype):
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape) * hidden**-0.5, dtype)
+
+    return w(experts, hidden, 2 * inter), w(experts, inter, hidden), w(hidden, 2 * inter), w(inter, hidden)
+
+
+@pytest.mark.parametrize("tokens, dtype, shared", [(1, jnp.bfloat16, True), (2, jnp.float32, False)],
+                         ids=["one-lane-with-shared", "two-lanes"])
+def test_experts_routing_in_their_first_kernel_equal_the_router_kernel_then_the_experts(tokens, dtype, shared):
+    """`moe.moe_experts_routed` chooses each token's experts inside the matrix-vector gate_up kernel: the same ids,
+    weights and shared gate as `route`, and the same layer output to the bit (the same kernels' arithmetic)."""
+    rng = np.random.default_rng(tokens)
+    experts, top_k, hidden, inter = 16, 4, 64, 32
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    logits = ref.moe_router_logits(x, jnp.asarray(rng.standard_normal((experts, hidden)), dtype))
+    gate_up, down, s_gate_up, s_down = _experts(rng, experts, hidden, inter, dtype)
+    gate_w = jnp.asarray(rng.standard_normal((hidden, 1)) * 0.3, dtype) if shared else None
+    routed = moe_route.route(logits, x if shared else None, gate_w, top_k=top_k, interpret=INTERPRET)
+    ids, weights = routed[:2]
+    with_gate = ref.SharedExpert(s_gate_up, s_down, routed[2]) if shared else None
+    want = moe.moe_experts(x, ids, weights, gate_up, down, with_gate, interpret=INTERPRET)
+    no_gate = ref.SharedExpert(s_gate_up, s_down, None) if shared else None
+    out, got_ids, got_w = moe.moe_experts_routed(x, logits, gate_up, down, no_gate, gate_w, top_k=top_k,
+                                                 interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(got_w), np.asarray(weights))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    # ops takes it only when asked, and only for the matrix-vector path's rows
+    on = ops.KernelConfig("pallas", interpret=INTERPRET, fuse_moe_route=True)
+    router = jnp.asarray(rng.standard_normal((experts, hidden)), dtype)
+    got = ops.moe_routed_experts(on, x, router, top_k, gate_up, down, no_gate, gate_w)
+    ids, weights, gate = ops.moe_route(on, x, router, top_k, gate_w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(moe.moe_experts(
+        x, ids, weights, gate_up, down, ref.SharedExpert(s_gate_up, s_down, gate) if shared else None,
+        interpret=INTERPRET)))
+    assert ops.moe_routed_experts(ops.KernelConfig("pallas", interpret=INTERPRET), x, router, top_k, gate_up, down,
+                                  no_gate, gate_w) is None
+    wide = jnp.resize(x, (moe.DEFAULT_CONFIG.gemv_max_rows // top_k + 1, hidden))
+    assert ops.moe_routed_experts(on, wide, router, top_k, gate_up, down, no_gate, gate_w) is None
+
+
+def test_routed_experts_refuse_what_the_router_kernel_cannot_take():
+    rng = np.random.default_rng(0)
+    gate_up, down, s_gate_up, s_down = _experts(rng, 16, 64, 32, jnp.float32)
+    x, logits = jnp.zeros((1, 64), jnp.float32), jnp.zeros((1, 16), jnp.float32)
+    with pytest.raises(ValueError, match="logits"):
+        moe.moe_experts_routed(x, logits.astype(jnp.bfloat16), gate_up, down, top_k=4, interpret=True)
+    with pytest.raises(ValueError, match="gate"):
+        moe.moe_experts_routed(x, logits, gate_up, down, ref.SharedExpert(s_gate_up, s_down, None), top_k=4,
+                               interpret=True)
+    with pytest.raises(ValueError, match="matrix-vector"):
+        moe.moe_experts_routed(jnp.zeros((5, 64), jnp.float32), jnp.zeros((5, 16), jnp.float32), gate_up, down,
+                               top_k=4, interpret=True)
+
+
+def test_routed_experts_lower_to_triton_at_the_35b_shapes():
+    lower_for_h200()
+    spec = jax.ShapeDtypeStruct
+    e, h, i = 256, 2048, 512
+    shared = ref.SharedExpert(spec((h, 2 * i), jnp.bfloat16), spec((i, h), jnp.bfloat16), None)
+    text = moe.moe_experts_routed.trace(
+        spec((1, h), jnp.bfloat16), spec((1, e), jnp.float32), spec((e, h, 2 * i), jnp.bfloat16),
+        spec((e, i, h), jnp.bfloat16), shared, spec((h, 1), jnp.bfloat16), top_k=8).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "([^"]*)"', text)) == {"moe_gemv_route_gate_up", "moe_gemv_down"}

@@ -4,6 +4,7 @@ prefill rows taken as on a Hopper GPU. A kernel that cannot take a real shape fa
 GPU that runs it (the 27B's FP8 in-projection, 16480 bf16 columns, once failed to lower so)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,12 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
     # the norms before FP8 x FP8 products write their FP8 rows themselves, in decode rounds and prefill chunks
     assert all(("add_rms_norm_fp8" in step) == fp8 for step in (prefill, decode, mixed))
+    if cfg.num_experts:  # one lane's MoE layers route inside the experts' first kernel: no router kernel
+        one = _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
+                     params, state, S((1,), I32), S((1,), I32), S((1, PAGES), I32), S((1,), I32), S((1,), jnp.bool_))
+        kernels = re.findall(r'name = "([^"]*)"', one)
+        assert "moe_gemv_route_gate_up" in kernels and "moe_route" not in kernels
+        assert "moe_route" in re.findall(r'name = "([^"]*)"', decode)  # four lanes: the router kernel
 
 
 def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monkeypatch):
