@@ -11,6 +11,10 @@ decode round each is a launch of one or two microseconds over a single row, twic
 `fp8_matmul.quantize_rows` does (xs = max(|y|, 1e-12) / 448, xq = y / xs in float8_e4m3fn, from y in x's dtype).
 XLA fuses the norm into the quantization's passes and computes it again in each; here y is computed once and,
 where no product reads the bf16 rows (a projection wholly in FP8), never written.
+
+`add_rms_norm_router` also computes the MoE router's logits against y (a one-lane round's MoE layers, whose
+experts' first kernel routes from them: `moe.moe_experts_routed`): E / router_block_e programs a row, each
+normalizing the row and reading its experts' rows of the router.
 """
 
 from __future__ import annotations
@@ -44,14 +48,10 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
     group = jnp.arange(groups)
     col = group[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
     valid = col < hidden
-    x = _compat.load(x_ref.at[r, col], mask=valid, other=0)
-    if with_residual:
-        x = (x.astype(_F32) + _compat.load(h_ref.at[r, col], mask=valid, other=0).astype(_F32)).astype(x_ref.dtype)
-        _compat.store(x_out_ref.at[r, col], x, mask=valid)
+    x = _row(x_ref, h_ref, x_out_ref, r, col, valid, x_ref.dtype)
     xf = x.astype(_F32)
     mean_square = jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden  # reference.rms_norm's mean, in two steps
-    w = _compat.load(w_ref.at[col], mask=valid, other=0).astype(_F32)
-    y = (xf * lax.rsqrt(mean_square + eps) * (1.0 + w)).astype(x_ref.dtype)
+    y = _scaled(x, lax.rsqrt(mean_square + eps), w_ref, col, valid, x_ref.dtype)
     if with_rows:
         _compat.store(y_ref.at[r, col], y, mask=valid)
     if quantize:
@@ -62,12 +62,64 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
         _compat.store(xs_ref.at[group, r], scale, mask=group < hidden // BLOCK)
 
 
+def _row(x_ref, h_ref, x_out_ref, r, col, valid, dtype):
+    """Row r's x (+ h, rounded to x's dtype as the model's add) at columns col; x_out_ref, when given, gets it."""
+    x = _compat.load(x_ref.at[r, col], mask=valid, other=0)
+    if h_ref is not None:
+        x = (x.astype(_F32) + _compat.load(h_ref.at[r, col], mask=valid, other=0).astype(_F32)).astype(dtype)
+    if x_out_ref is not None:
+        _compat.store(x_out_ref.at[r, col], x, mask=valid)
+    return x
+
+
+def _scaled(x, inv, w_ref, col, valid, dtype):
+    """The norm's rows at columns col: x times the row's inverse RMS inv and (1 + w), in `dtype`."""
+    w = _compat.load(w_ref.at[col], mask=valid, other=0).astype(_F32)
+    return (x.astype(_F32) * inv * (1.0 + w)).astype(dtype)
+
+
+def _router_kernel(*refs, eps: float, with_residual: bool, groups: int, block_e: int):
+    # refs: x [R, H], (h [R', H],) w [H], router [E, H], then the outputs x_out [R, H] (with h), y [R, H], logits
+    # [R, E] f32. Program (r, b) normalizes row r (each program of the row alike), program (r, 0) writes x' and y,
+    # and each writes the logits of experts [b BE, (b + 1) BE): its [BE, groups, 128] tile of the router read in one
+    # load (a loop over the groups ran one latency after another: 10 us)
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    h_ref = refs.pop(0) if with_residual else None
+    w_ref, router_ref = refs.pop(0), refs.pop(0)
+    x_out_ref = refs.pop(0) if with_residual else None
+    y_ref, logits_ref = refs
+    r, b, hidden = pl.program_id(0), pl.program_id(1), x_ref.shape[1]
+    col = jnp.arange(groups)[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
+    valid = col < hidden
+    experts = b * block_e + jnp.arange(block_e)
+    tile = _compat.load(router_ref.at[experts[:, None, None], col[None]], mask=valid[None], other=0)
+    x = _row(x_ref, h_ref, None, r, col, valid, x_ref.dtype)
+    xf = x.astype(_F32)
+    y = _scaled(x, lax.rsqrt(jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden + eps), w_ref, col, valid,
+                y_ref.dtype)
+
+    @pl.when(b == 0)
+    def _():
+        if x_out_ref is not None:
+            _compat.store(x_out_ref.at[r, col], x, mask=valid)
+        _compat.store(y_ref.at[r, col], y, mask=valid)
+
+    # bf16 x bf16 products are exact in float32
+    _compat.store(logits_ref.at[r, experts], jnp.sum(jnp.sum(y.astype(_F32)[None] * tile.astype(_F32), axis=2), axis=1))
+
+
 @dataclasses.dataclass(frozen=True)
 class AddNormConfig:
     """Tuning knobs (hashable)."""
 
     num_warps: int = 4
     max_hidden: int = 8192  # the widest row a program holds (its block, a power of two)
+    # `add_rms_norm_router`: experts a program and its warps. 4 on 8 warps gave the shortest one-lane 35B-A3B MoE layer
+    # on an H100 (32.0 us against 32.1 for 8 experts on 8 warps, 32.7 on 4; 16 experts 33.8: the norm, then XLA's
+    # router matmul, 34.0)
+    router_block_e: int = 4
+    router_num_warps: int = 8
 
     def warps(self, block: int) -> int:
         """Warps for a row block: 4 up to 4096 values, one more warp a 1024 past it (registers per thread)."""
@@ -136,6 +188,43 @@ def add_rms_norm_fp8(x, h, w, *, eps: float, with_rows: bool = True, interpret: 
     x_new = out.pop(0) if h is not None else x
     y = out.pop(0) if with_rows else None
     return x_new, y, *out
+
+
+def router_supported(x: jax.Array, router_w: jax.Array) -> bool:
+    """Whether `add_rms_norm_router` takes x [R, H] and a router [E, H]: what `add_rms_norm` takes, E a multiple
+    of the config's router_block_e."""
+    return (supported(x) and router_w.ndim == 2 and router_w.shape[1] == x.shape[1]
+            and router_w.shape[0] % DEFAULT_CONFIG.router_block_e == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rms_norm_router(x, h, w, router_w, *, eps: float, interpret: bool = False):
+    """`add_rms_norm` and the MoE router's logits after it in one kernel: (x + h, y, y @ router_w.T [R, E] float32,
+    the bf16 products accumulated in float32 as `reference.moe_router_logits`, in another order). In a one-lane
+    round the router's matmul is a launch of about 2.5 us a layer of its own; here E / router_block_e programs a row
+    read the router beside the norm (each normalizing the row again: it is 4 KB)."""
+    if not router_supported(x, router_w) or w.shape != x.shape[1:] or (
+            h is not None and (h.ndim != 2 or h.shape[1] != x.shape[1] or h.shape[0] < x.shape[0])):
+        raise ValueError(f"add_rms_norm_router: x {x.shape} must be [R, H] with 16 <= H <= "
+                         f"{DEFAULT_CONFIG.max_hidden}, h {None if h is None else h.shape} [R' >= R, H], w {w.shape} "
+                         f"[H] and the router {router_w.shape} [E, H] with E a multiple of "
+                         f"{DEFAULT_CONFIG.router_block_e}")
+    (rows, hidden), with_residual = x.shape, h is not None
+    row = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    inputs = (x, h, w, router_w) if with_residual else (x, w, router_w)
+    outputs = [row] * (1 + with_residual) + [jax.ShapeDtypeStruct((rows, router_w.shape[0]), _F32)]
+    groups, block_e = pl.next_power_of_2(pl.cdiv(hidden, BLOCK)), DEFAULT_CONFIG.router_block_e
+    out = pl.pallas_call(
+        functools.partial(_router_kernel, eps=eps, with_residual=with_residual, groups=groups, block_e=block_e),
+        grid=(rows, router_w.shape[0] // block_e),
+        out_shape=outputs,
+        in_specs=[_compat.full_spec()] * len(inputs),
+        out_specs=[_compat.full_spec()] * len(outputs),
+        compiler_params=_compat.triton_params(DEFAULT_CONFIG.router_num_warps, 1),
+        interpret=interpret,
+        name="add_rms_norm_router",
+    )(*inputs)
+    return tuple(out) if with_residual else (x, *out)
 
 
 def reference(x, h, w, eps: float):

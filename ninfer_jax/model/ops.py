@@ -225,15 +225,29 @@ class Fp8Rows:
     dtype: jnp.dtype  # the activations' (the products' output)
 
 
-def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, fp8_rows: str | None = None):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "logits"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RoutedRows:
+    """A norm's rows with the MoE router's float32 logits [R, E] against them, written by one kernel
+    (`router_for`); `moe_routed_experts` takes them instead of computing the logits."""
+
+    rows: jax.Array
+    logits: jax.Array
+
+
+def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, fp8_rows: str | None = None, router_w=None):
     """The residual add and RMSNorm as one kernel when kc.fuse_add_norm, x [R, H] has R <= DECODE_MAX_ROWS and the
     kernel holds H (`rms_norm.supported`); None otherwise (the caller composes them). Returns (x + h, its norm) (h
     None: x, its norm). fp8_rows (`fp8_rows_for`, any row count): the kernel writes the norm's FP8 rows too and the
-    norm comes as `Fp8Rows`, with its bf16 rows ("with_rows") or without them ("only")."""
+    norm comes as `Fp8Rows`, with its bf16 rows ("with_rows") or without them ("only"). router_w (`router_for`):
+    the kernel computes the router's logits too and the norm comes as `RoutedRows`."""
     if not kc.fuse_add_norm:
         return None
     from pallas_kernels import rms_norm as kernel
 
+    if router_w is not None and fp8_rows is None and kernel.router_supported(x, router_w):
+        x, rows, logits = kernel.add_rms_norm_router(x, h, w, router_w, eps=eps, interpret=kc.interpret)
+        return x, RoutedRows(rows, logits)
     if fp8_rows is not None and kernel.fp8_supported(x):
         x, rows, xq, xs = kernel.add_rms_norm_fp8(x, h, w, eps=eps, with_rows=fp8_rows == "with_rows",
                                                   interpret=kc.interpret)
@@ -266,8 +280,29 @@ def fp8_rows_for(kc: KernelConfig, rows: int, consumer, top_k: int = 0) -> str |
 
 
 def plain_rows(x):
-    """x's bf16 rows, whether x is an array or `Fp8Rows` that kept them."""
-    return x.rows if isinstance(x, Fp8Rows) else x
+    """x's bf16 rows, whether x is an array, `Fp8Rows` that kept them or `RoutedRows`."""
+    return x.rows if isinstance(x, (Fp8Rows, RoutedRows)) else x
+
+
+def router_for(kc: KernelConfig, rows: int, consumer, top_k: int = 0):
+    """The router weight [E, H] a norm of `rows` rows computes the logits of, for the block that reads it: an MoE
+    layer that `moe_routed_experts` takes (a one-lane round's); None otherwise, and on a mesh."""
+    if not (kc.fuse_add_norm and kc.spmd is None and isinstance(consumer, MoEParams)
+            and _routes_in_gemv(kc, rows, consumer.router, top_k, consumer.down, consumer.shared.down)):
+        return None
+    return consumer.router
+
+
+def _routes_in_gemv(kc: KernelConfig, tokens: int, router_w, top_k: int, down, shared_down) -> bool:
+    """Whether an MoE layer of `tokens` rows runs as `moe.moe_experts_routed` (logical [E, I, H] / [I, H] shapes of
+    down, plain or FP8)."""
+    if not (kc.fuse_moe_route and kc.backend == "pallas"):
+        return False
+    from pallas_kernels import moe
+
+    num_experts, hidden = router_w.shape
+    return moe.routes_in_gemv(tokens, num_experts, top_k, hidden, down.shape[-2],
+                              None if shared_down is None else shared_down.shape[0])
 
 
 def moe_route(kc: KernelConfig, x, router_w, top_k: int, shared_gate_w=None):
@@ -435,21 +470,18 @@ def _expert_weights(kc: KernelConfig, gate_up, down, shared: ref.SharedExpert | 
 
 def moe_routed_experts(kc: KernelConfig, x, router_w, top_k: int, gate_up, down, shared: ref.SharedExpert | None,
                        shared_gate_w=None):
-    """A narrow decode round's MoE layer, x [T, H] -> [T, H] float32, with the routing inside the experts' first
-    kernel (`moe.moe_experts_routed`: one kernel fewer a layer than `moe_route` and `moe_experts`, the same values)
-    when kc.fuse_moe_route and the matrix-vector path takes the layer; None otherwise. shared: the shared expert
-    (its weight unused), shared_gate_w its gate [H, 1]."""
-    if not (kc.fuse_moe_route and kc.backend == "pallas"):
+    """A narrow decode round's MoE layer, x [T, H] (or `RoutedRows` with the router's logits) -> [T, H] float32, with
+    the routing inside the experts' first kernel (`moe.moe_experts_routed`: one kernel fewer a layer than
+    `moe_route` and `moe_experts`, the same values) when kc.fuse_moe_route and the matrix-vector path takes the
+    layer; None otherwise. shared: the shared expert (its weight unused), shared_gate_w its gate [H, 1]."""
+    rows = plain_rows(x)
+    if not _routes_in_gemv(kc, rows.shape[0], router_w, top_k, down, None if shared is None else shared.down):
         return None
     from pallas_kernels import moe
 
-    num_experts, hidden = router_w.shape
-    shared_inter = None if shared is None else shared.down.shape[0]  # logical [I, H] shapes, plain or FP8
-    if not moe.routes_in_gemv(x.shape[0], num_experts, top_k, hidden, down.shape[-2], shared_inter):
-        return None
+    logits = x.logits if isinstance(x, RoutedRows) else ref.moe_router_logits(rows, router_w)
     gate_up, down, shared = _expert_weights(kc, gate_up, down, shared)
-    logits = ref.moe_router_logits(x, router_w)
-    return moe.moe_experts_routed(x, logits, gate_up, down, shared, shared_gate_w, top_k=top_k,
+    return moe.moe_experts_routed(rows, logits, gate_up, down, shared, shared_gate_w, top_k=top_k,
                                   interpret=kc.interpret)[0]
 
 

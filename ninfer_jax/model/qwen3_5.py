@@ -76,11 +76,12 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
-def add_norm(kc: KernelConfig, x, h, w, eps, fp8_rows: str | None = None):
+def add_norm(kc: KernelConfig, x, h, w, eps, fp8_rows: str | None = None, router_w=None):
     """The residual stream x plus a block's output h (None: nothing to add; rows past x's are ignored, see
     `dot`'s to_norm), and its RMSNorm: (x + h, norm). fp8_rows: `ops.fp8_rows_for` the block that reads the norm,
-    for the kernel to write its FP8 rows too (the norm then comes as `ops.Fp8Rows`)."""
-    fused = ops.add_rms_norm(kc, x, h, w, eps, fp8_rows)
+    for the kernel to write its FP8 rows too (the norm then comes as `ops.Fp8Rows`); router_w: `ops.router_for` it,
+    for the kernel to compute the router's logits too (as `ops.RoutedRows`)."""
+    fused = ops.add_rms_norm(kc, x, h, w, eps, fp8_rows, router_w)
     if fused is not None:
         return fused
     x = x if h is None else x + h[: x.shape[0]]
@@ -135,14 +136,15 @@ def mlp(p: MLPParams, x, kc: KernelConfig):
 
 
 def moe(p: MoEParams, x, cfg: ModelConfig, kc: KernelConfig):
-    """x: the norm's rows, or `ops.Fp8Rows` with them (the experts on the grouped GEMM read its FP8 rows)."""
+    """x: the norm's rows, or `ops.Fp8Rows` with them (the experts on the grouped GEMM read its FP8 rows), or
+    `ops.RoutedRows` with the router's logits."""
     def experts(p, x, expert_offset=None, shared_weight=None):  # f32
-        x, x_fp8 = ops.plain_rows(x), x if isinstance(x, ops.Fp8Rows) else None
         if expert_offset is None and shared_weight is None:
             out = ops.moe_routed_experts(kc, x, p.router, cfg.num_experts_per_tok, p.gate_up, p.down,
                                          SharedExpert(p.shared.gate_up, p.shared.down, None), p.shared_gate)
             if out is not None:
                 return out
+        x, x_fp8 = ops.plain_rows(x), x if isinstance(x, ops.Fp8Rows) else None
         ids, weights, gate = ops.moe_route(kc, x, p.router, cfg.num_experts_per_tok, p.shared_gate)
         if expert_offset is not None:
             ids, weights = spmd.local_experts(ids, weights, expert_offset, p.gate_up.shape[0])
@@ -405,7 +407,8 @@ def _run_layers(params: Params, cfg: ModelConfig, kc: KernelConfig, x, state: De
             ai += 1
         ffn_in = layer.ffn.gate_up if isinstance(layer.ffn, MLPParams) else layer.ffn
         x, normed = add_norm(kc, x, h, layer.post_norm, eps,
-                             ops.fp8_rows_for(kc, x.shape[0], ffn_in, cfg.num_experts_per_tok))
+                             ops.fp8_rows_for(kc, x.shape[0], ffn_in, cfg.num_experts_per_tok),
+                             ops.router_for(kc, x.shape[0], layer.ffn, cfg.num_experts_per_tok))
         h = ffn(layer.ffn, normed, cfg, kc)
     _, x = add_norm(kc, x, h, params.final_norm, eps)
     return x, DeviceState(tuple(ks), tuple(vs), tuple(ssms), tuple(convs))

@@ -103,3 +103,30 @@ def test_fp8_rows_equal_the_models_norm_then_the_rows_quantization(residual, hid
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
     with pytest.raises(ValueError, match="a multiple of 128"):
         rms_norm.add_rms_norm_fp8(x[:, :80], None, w[:80], eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("rows, hidden, residual", [(1, 256, True), (2, 80, False)], ids=["one-lane", "masked"])
+def test_the_norm_also_writes_the_router_logits_against_its_rows(rows, hidden, residual):
+    """`add_rms_norm_router`: x + h and the norm equal `add_rms_norm`'s to the bit; the logits are the float64 dot
+    products of the norm's bf16 rows with the router's rows, to float32 accumulation (the products are exact)."""
+    x, h, w = (a.astype(jnp.bfloat16) for a in _inputs(rows, hidden, jnp.float32, seed=hidden))
+    router = jnp.asarray(np.random.default_rng(1).standard_normal((16, hidden)) * 0.1, jnp.bfloat16)
+    h = h if residual else None
+    got_x, got_y, logits = rms_norm.add_rms_norm_router(x, h, w, router, eps=EPS, interpret=INTERPRET)
+    want_x, want_y = rms_norm.add_rms_norm(x, h, w, eps=EPS, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32))
+    want = np.asarray(want_y, np.float64) @ np.asarray(router, np.float64).T
+    assert logits.shape == (rows, 16) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="multiple of"):
+        rms_norm.add_rms_norm_router(x, h, w, router[:6], eps=EPS, interpret=True)
+
+
+def test_router_logits_kernel_lowers_to_triton_at_the_35b_shapes():
+    lower_for_h200()
+    spec = jax.ShapeDtypeStruct
+    text = rms_norm.add_rms_norm_router.trace(
+        spec((1, 2048), jnp.bfloat16), spec((2, 2048), jnp.bfloat16), spec((2048,), jnp.bfloat16),
+        spec((256, 2048), jnp.bfloat16), eps=EPS).lower(lowering_platforms=("cuda",)).as_text()
+    assert "add_rms_norm_router" in text

@@ -73,7 +73,9 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
                      params, state, S((1,), I32), S((1,), I32), S((1, PAGES), I32), S((1,), I32), S((1,), jnp.bool_))
         kernels = re.findall(r'name = "([^"]*)"', one)
         assert "moe_gemv_route_gate_up" in kernels and "moe_route" not in kernels
-        assert "moe_route" in re.findall(r'name = "([^"]*)"', decode)  # four lanes: the router kernel
+        assert "add_rms_norm_router" in kernels  # the logits written by the norm before the layer
+        four = re.findall(r'name = "([^"]*)"', decode)  # four lanes: the router kernel, the norm without logits
+        assert "moe_route" in four and "add_rms_norm_router" not in four
 
 
 def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monkeypatch):
