@@ -43,7 +43,8 @@ class KernelConfig:
     # turns it on with the pallas backend
     fuse_add_norm: bool = False
     # The MoE router's softmax, top-k and renormalisation of up to `DECODE_MAX_ROWS` rows as one kernel
-    # (pallas_kernels/moe_route.py); the engine turns it on with the pallas backend
+    # (pallas_kernels/moe_route.py), or at one or two lanes inside the experts' first kernel, with the logits from the
+    # norm before (`moe_routed_experts`, `router_for`); the engine turns it on with the pallas backend
     fuse_moe_route: bool = False
     # The attention mixer's decode between its qkv projection and the attention kernel (q/k norms, RoPE, the KV
     # writes) as one kernel (pallas_kernels/attn_decode_qkv.py); the engine turns it on with the pallas backend
