@@ -148,10 +148,12 @@ class GdnDecodeLayerConfig:
 
 
 DEFAULT_CONFIG = GdnDecodeLayerConfig()
-# Several rows a program: 8 warps spill at 8 lanes x 4 rows of whole 128-column heads (27B: 214 against 65 us for
-# the kernel alone on the H200, `bench_speculative.py --sweep-rows-kernel`); 4 warps were within noise elsewhere.
-# Wide rounds take it too: from 2048 (lane, head) programs 4 warps run the step in half the time of 8 (35B-A3B heads
-# at 64 / 256 lanes: 105 / 358 us against 208 / 796 us; docs/kernels_notes.md, "GDN decode at many lanes").
+# Several rows a program, or several lanes: 8 warps spill at 8 lanes x 4 rows of whole 128-column heads (27B: 214
+# against 65 us for the kernel alone on the H200, `bench_speculative.py --sweep-rows-kernel`), and a one-row round of
+# 8 lanes of the 35B-A3B's heads ran its step in 15.6 against 30.2 us on an H100 (two programs a SM in place of one);
+# one lane keeps 8 (docs/kernels_notes.md). Wide rounds take 4 warps too: from 2048 (lane, head) programs 4 warps run
+# the step in half the time of 8 (35B-A3B heads at 64 / 256 lanes: 105 / 358 us against 208 / 796 us;
+# docs/kernels_notes.md, "GDN decode at many lanes").
 ROWS_CONFIG = GdnDecodeLayerConfig(num_warps=4)
 WIDE_PROGRAMS = 2048
 # One-row wide rounds: 4 warps as above, and the 27B's three value heads of a key head in one program, in turn (the
@@ -209,7 +211,8 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
     """
     lanes, t = proj.shape[:2]
     if config is None:
-        config = ROWS_CONFIG if t > 1 else DEFAULT_CONFIG if lanes * ssm_pool.shape[1] < WIDE_PROGRAMS else WIDE_CONFIG
+        wide = t == 1 and lanes * ssm_pool.shape[1] >= WIDE_PROGRAMS
+        config = DEFAULT_CONFIG if lanes * t == 1 else WIDE_CONFIG if wide else ROWS_CONFIG
     taps, channels = conv_w.shape
     hv, dk, dv = ssm_pool.shape[1:]
     width = channels + hv * dv + (0 if gates is not None else 2 * hv)
