@@ -49,9 +49,7 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
     col = group[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
     valid = col < hidden
     x = _row(x_ref, h_ref, x_out_ref, r, col, valid, x_ref.dtype)
-    xf = x.astype(_F32)
-    mean_square = jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden  # reference.rms_norm's mean, in two steps
-    y = _scaled(x, lax.rsqrt(mean_square + eps), w_ref, col, valid, x_ref.dtype)
+    y = _scaled(x, _inv_rms(x, hidden, eps), w_ref, col, valid, x_ref.dtype)
     if with_rows:
         _compat.store(y_ref.at[r, col], y, mask=valid)
     if quantize:
@@ -70,6 +68,13 @@ def _row(x_ref, h_ref, x_out_ref, r, col, valid, dtype):
     if x_out_ref is not None:
         _compat.store(x_out_ref.at[r, col], x, mask=valid)
     return x
+
+
+def _inv_rms(x, hidden: int, eps: float):
+    """rsqrt(mean(x^2) + eps) of a row held as [groups, 128] (zeros past H): reference.rms_norm's mean, in two
+    steps."""
+    xf = x.astype(_F32)
+    return lax.rsqrt(jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden + eps)
 
 
 def _scaled(x, inv, w_ref, col, valid, dtype):
@@ -95,9 +100,7 @@ def _router_kernel(*refs, eps: float, with_residual: bool, groups: int, block_e:
     experts = b * block_e + jnp.arange(block_e)
     tile = _compat.load(router_ref.at[experts[:, None, None], col[None]], mask=valid[None], other=0)
     x = _row(x_ref, h_ref, None, r, col, valid, x_ref.dtype)
-    xf = x.astype(_F32)
-    y = _scaled(x, lax.rsqrt(jnp.sum(jnp.sum(xf * xf, axis=1), axis=0) / hidden + eps), w_ref, col, valid,
-                y_ref.dtype)
+    y = _scaled(x, _inv_rms(x, hidden, eps), w_ref, col, valid, y_ref.dtype)
 
     @pl.when(b == 0)
     def _():
