@@ -45,9 +45,7 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
     x_out_ref = refs.pop(0) if with_residual else None
     y_ref = refs.pop(0) if with_rows else None
     r, hidden = pl.program_id(0), x_ref.shape[1]
-    group = jnp.arange(groups)
-    col = group[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
-    valid = col < hidden
+    group, col, valid = _columns(groups, hidden)
     x = _row(x_ref, h_ref, x_out_ref, r, col, valid, x_ref.dtype)
     y = _scaled(x, _inv_rms(x, hidden, eps), w_ref, col, valid, x_ref.dtype)
     if with_rows:
@@ -58,6 +56,13 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
         scale = jnp.maximum(jnp.max(jnp.abs(yf), axis=1), 1e-12) / FP8_MAX  # [groups]
         _compat.store(xq_ref.at[r, col], (yf / scale[:, None]).astype(xq_ref.dtype), mask=valid)
         _compat.store(xs_ref.at[group, r], scale, mask=group < hidden // BLOCK)
+
+
+def _columns(groups: int, hidden: int):
+    """A row as [groups, 128]: the group index [groups], each lane's column [groups, 128] and whether it is < H."""
+    group = jnp.arange(groups)
+    col = group[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
+    return group, col, col < hidden
 
 
 def _row(x_ref, h_ref, x_out_ref, r, col, valid, dtype):
@@ -95,8 +100,7 @@ def _router_kernel(*refs, eps: float, with_residual: bool, groups: int, block_e:
     x_out_ref = refs.pop(0) if with_residual else None
     y_ref, logits_ref = refs
     r, b, hidden = pl.program_id(0), pl.program_id(1), x_ref.shape[1]
-    col = jnp.arange(groups)[:, None] * BLOCK + jnp.arange(BLOCK)[None, :]
-    valid = col < hidden
+    _, col, valid = _columns(groups, hidden)
     experts = b * block_e + jnp.arange(block_e)
     tile = _compat.load(router_ref.at[experts[:, None, None], col[None]], mask=valid[None], other=0)
     x = _row(x_ref, h_ref, None, r, col, valid, x_ref.dtype)
@@ -142,9 +146,14 @@ def fp8_supported(x: jax.Array) -> bool:
     return supported(x) and x.shape[-1] % BLOCK == 0
 
 
+def _fits(x, h, w) -> bool:
+    """Whether h (None, or [R' >= R, H]) and w [H] go with x [R, H]."""
+    return w.shape == x.shape[1:] and (h is None or (h.ndim == 2 and h.shape[1] == x.shape[1]
+                                                     and h.shape[0] >= x.shape[0]))
+
+
 def _call(x, h, w, eps: float, with_rows: bool, quantize: bool, interpret: bool) -> list:
-    if (not supported(x) or w.shape != x.shape[1:] or (quantize and not fp8_supported(x))
-            or (h is not None and (h.ndim != 2 or h.shape[1] != x.shape[1] or h.shape[0] < x.shape[0]))):
+    if not supported(x) or not _fits(x, h, w) or (quantize and not fp8_supported(x)):
         raise ValueError(f"add_rms_norm: x {x.shape} must be [R, H] with 16 <= H <= {DEFAULT_CONFIG.max_hidden} "
                          f"({'a multiple of 128, ' if quantize else ''}h {None if h is None else h.shape} [R' >= R, "
                          f"H], w {w.shape} [H]")
@@ -206,8 +215,7 @@ def add_rms_norm_router(x, h, w, router_w, *, eps: float, interpret: bool = Fals
     the bf16 products accumulated in float32 as `reference.moe_router_logits`, in another order). In a one-lane
     round the router's matmul is a launch of about 2.5 us a layer of its own; here E / router_block_e programs a row
     read the router beside the norm (each normalizing the row again: it is 4 KB)."""
-    if not router_supported(x, router_w) or w.shape != x.shape[1:] or (
-            h is not None and (h.ndim != 2 or h.shape[1] != x.shape[1] or h.shape[0] < x.shape[0])):
+    if not router_supported(x, router_w) or not _fits(x, h, w):
         raise ValueError(f"add_rms_norm_router: x {x.shape} must be [R, H] with 16 <= H <= "
                          f"{DEFAULT_CONFIG.max_hidden}, h {None if h is None else h.shape} [R' >= R, H], w {w.shape} "
                          f"[H] and the router {router_w.shape} [E, H] with E a multiple of "
