@@ -139,14 +139,20 @@ def supported(k: int, n: int) -> bool:
     return k % BLOCK == 0 and n % BLOCK == 0
 
 
+def _weight_fits(k: int, values, scales) -> bool:
+    """Whether values [N, K] and scales [N / 128, K / 128] are a whole-block FP8 weight for rows of K values."""
+    n = values.shape[0]
+    return supported(k, n) and values.shape[1] == k and scales.shape == (n // BLOCK, k // BLOCK)
+
+
 def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_activations: bool = False,
                interpret: bool = False):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) for
     M <= config.rows_limit(quantize_activations), in x's dtype with float32 accumulation; quantize_activations: x in
     FP8 too (see above)."""
     cfg = config or DEFAULT_CONFIG
-    (m, k), n = x.shape, values.shape[0]
-    if not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK):
+    m, k = x.shape
+    if not _weight_fits(k, values, scales):
         raise ValueError(f"fp8_matmul: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
     if m > cfg.rows_limit(quantize_activations):
@@ -266,9 +272,9 @@ def fp8_matmul_rows(xq, xs, values, scales, *, out_dtype, config: Fp8Config | No
     float8_e4m3fn, xs [K / 128, M] float32; 2 <= M <= dynamic_max_rows), for a producer that quantizes its own
     output (the add + norm kernel, pallas_kernels/rms_norm.py)."""
     cfg = config or DEFAULT_CONFIG
-    (m, k), n = xq.shape, values.shape[0]
-    if (not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK)
-            or xq.dtype != jnp.float8_e4m3fn or xs.shape != (k // BLOCK, m) or not 2 <= m <= cfg.dynamic_max_rows):
+    m, k = xq.shape
+    if (not _weight_fits(k, values, scales) or xq.dtype != jnp.float8_e4m3fn or xs.shape != (k // BLOCK, m)
+            or not 2 <= m <= cfg.dynamic_max_rows):
         raise ValueError(f"fp8_matmul_rows: xq {xq.shape} {xq.dtype}, xs {xs.shape}, values {values.shape}, scales "
                          f"{scales.shape}: xq float8_e4m3fn [M, K] with 2 <= M <= {cfg.dynamic_max_rows}, xs "
                          f"[K/{BLOCK}, M], K and N multiples of {BLOCK}")
