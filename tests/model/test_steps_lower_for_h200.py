@@ -47,15 +47,19 @@ def _lower_prefill(cfg, kc, params, state, rows: int, pages: int = PAGES) -> str
                   S((2,), I32), S((2,), I32))
 
 
+def _lower_decode(cfg, kc, params, state, lanes: int) -> str:
+    return _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
+                  params, state, S((lanes,), I32), S((lanes,), I32), S((lanes, PAGES), I32), S((lanes,), I32),
+                  S((lanes,), jnp.bool_))
+
+
 @pytest.mark.parametrize("weights", ["fp8-dynamic", "bf16"])
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
 def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     cfg, params, state, kc = _setup(name, weights, monkeypatch)
     fp8 = weights != "bf16"
     prefill = _lower_prefill(cfg, kc, params, state, ROWS)
-    decode = _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
-                    params, state, S((LANES,), I32), S((LANES,), I32), S((LANES, PAGES), I32), S((LANES,), I32),
-                    S((LANES,), jnp.bool_))
+    decode = _lower_decode(cfg, kc, params, state, LANES)
     # a prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection whole)
     p_ctx = dict(slot=S((), I32), base=S((), I32), n_valid=S((), I32), page_table=S((PAGES,), I32),
                  tap_positions=S((2,), I32), tap_slots=S((2,), I32), rope_positions=S((3, ROWS), I32))
@@ -69,9 +73,7 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     # the norms before FP8 x FP8 products write their FP8 rows themselves, in decode rounds and prefill chunks
     assert all(("add_rms_norm_fp8" in step) == fp8 for step in (prefill, decode, mixed))
     if cfg.num_experts:  # one lane's MoE layers route inside the experts' first kernel: no router kernel
-        one = _lower(lambda p, st, tok, pos, pt, slots, act: qwen3_5.decode(p, cfg, kc, tok, pos, pt, slots, act, st),
-                     params, state, S((1,), I32), S((1,), I32), S((1, PAGES), I32), S((1,), I32), S((1,), jnp.bool_))
-        kernels = re.findall(r'name = "([^"]*)"', one)
+        kernels = re.findall(r'name = "([^"]*)"', _lower_decode(cfg, kc, params, state, 1))
         assert "moe_gemv_route_gate_up" in kernels and "moe_route" not in kernels
         assert "add_rms_norm_router" in kernels  # the logits written by the norm before the layer
         four = re.findall(r'name = "([^"]*)"', decode)  # four lanes: the router kernel, the norm without logits
