@@ -5,8 +5,8 @@ Default mode, on one idle engine per model: the runner's decode round at 1 and a
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
 time to dispatch one round, beside the jitted step's alone by how its per-round inputs arrive; then a jax profiler
 trace of back-to-back one-lane rounds, its device kernels summed by name per round, so the slowest kernels are
-named with their share. `--engine`: the scheduler's steps under
-cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
+named with their share, and the same rounds' host events (XLA's and the runtime's) by name. `--engine`: the
+scheduler's steps under cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
 
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/profile_decode.py --models 35b-a3b --engine --out /tmp/decode
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ninfer_jax.benchmarks import report
 from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, random_engine
-from ninfer_jax.benchmarks.profiling import ROUND_DISPATCH, dispatch_by_input, kernel_table, time_rounds
+from ninfer_jax.benchmarks.profiling import (ROUND_DISPATCH, dispatch_by_input, host_event_table, kernel_table,
+                                             time_rounds)
 
 
 def worker_profile(engine, name: str, tokens: int, clock, top: int) -> dict:
@@ -100,6 +101,9 @@ def round_profile(engine, name: str, args) -> dict:
     result["kernels_1lane"] = kernel_table(trace_dir, args.trace_rounds, args.top)
     for r in result["kernels_1lane"]:
         print(f"[{name}] {r['us_per_round']:9.1f} us {r['launches_per_round']:6.1f}x  {r['kernel']}", flush=True)
+    result["host_1lane"] = host_event_table(trace_dir, args.trace_rounds, args.host_top)
+    for r in result["host_1lane"]:
+        print(f"[{name}] host {r['us_per_round']:9.1f} us {r['per_round']:6.1f}x  {r['event']}", flush=True)
     return result
 
 
@@ -139,7 +143,12 @@ def write_report(rows: list[dict], args, out: Path) -> None:
                 "", f"One-lane round, device kernels per round (top {args.top}):", "",
                 *report.table(["us per round", "launches per round", "kernel"],
                               [[f"{k['us_per_round']:.1f}", f"{k['launches_per_round']:.1f}", f"`{k['kernel']}`"]
-                               for k in r["kernels_1lane"]]), ""]
+                               for k in r["kernels_1lane"]]), "",
+                f"The same rounds' host events per round (top {args.host_top}; XLA's and the runtime's, nested ones "
+                "each counting their own span):", "",
+                *report.table(["us per round", "per round", "event"],
+                              [[f"{k['us_per_round']:.1f}", f"{k['per_round']:.1f}", f"`{k['event']}`"]
+                               for k in r["host_1lane"]]), ""]
         else:
             lines += [f"## {r['model']}, the engine's scheduler under cProfile", "",
                       f"- one lane: {r['engine_1lane_tok_s']:.1f} tok/s; profiled on the wall clock "
@@ -163,6 +172,7 @@ def main() -> int:
     p.add_argument("--trace-rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128, help="--engine: decode tokens per request")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--host-top", type=int, default=20, help="rows of the one-lane round's host events")
     p.add_argument("--trace-dir", default=str(Path(tempfile.gettempdir()) / "ninfer_decode_trace"))
     p.add_argument("--engine", action="store_true", help="profile the engine's scheduler while it decodes instead")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on CPU, few rounds")

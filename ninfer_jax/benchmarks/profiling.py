@@ -42,11 +42,7 @@ def summarize_device_trace(path: Path, top: int | None = 15) -> dict:
     lines): its busy time with overlaps merged and its span from first start to last end, so span - busy is
     the time that line sat idle (a host-bound loop shows it on the compute stream).
     """
-    with gzip.open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, names = _trace_events(path)
     threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     devices = ({pid for pid, name in names.items() if name.startswith("/device:")}
@@ -64,6 +60,30 @@ def summarize_device_trace(path: Path, top: int | None = 15) -> dict:
     lines.sort(key=lambda line: line["busy_us"], reverse=True)
     return {"busy_us": sum(totals.values()), "events": sum(counts.values()),
             "top": [{"name": n, "us": totals[n], "count": counts[n]} for n in ranked], "threads": lines[:8]}
+
+
+def _trace_events(path: Path) -> tuple[list, dict]:
+    """A perfetto trace's events and its process names by pid."""
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return events, {e["pid"]: e.get("args", {}).get("name", "") for e in events
+                    if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def host_event_table(folder: str | Path, rounds: int, top: int) -> list[dict]:
+    """The host side of the trace under `folder` per round: the runtime's and XLA's events outside the device
+    processes by name, the most time first (`top` rows). The Python tracer's frames ("$"-named) are left out
+    (cProfile covers Python: profile_decode's --engine); nested events each count their own span."""
+    events, names = _trace_events(perfetto_trace(folder))
+    totals, counts = {}, {}
+    for e in events:
+        if (e.get("ph") == "X" and not names.get(e.get("pid"), "").startswith("/device:")
+                and not e["name"].startswith("$")):
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0)
+            counts[e["name"]] = counts.get(e["name"], 0) + 1
+    return [{"event": name[:120], "us_per_round": totals[name] / rounds, "per_round": counts[name] / rounds}
+            for name in sorted(totals, key=totals.get, reverse=True)[:top]]
 
 
 def kernel_table(folder: str | Path, rounds: int, top: int) -> list[dict]:

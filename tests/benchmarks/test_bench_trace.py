@@ -272,6 +272,25 @@ def test_the_device_trace_summary_counts_only_device_events(tmp_path):
         {"name": "Stream #7", "events": 1, "busy_us": 500.0, "span_us": 500.0}]
 
 
+def test_the_host_event_table_leaves_out_device_events_and_python_frames(tmp_path):
+    import gzip
+
+    from ninfer_jax.benchmarks.profiling import host_event_table
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "fusion.12", "ts": 0.0, "dur": 500.0},
+              {"ph": "X", "pid": 3, "tid": 1, "name": "PjitFunction(decode_step)", "ts": 0.0, "dur": 2000.0},
+              {"ph": "X", "pid": 3, "tid": 1, "name": "PjitFunction(decode_step)", "ts": 5000.0, "dur": 1000.0},
+              {"ph": "X", "pid": 3, "tid": 1, "name": "ThunkExecutor::Execute", "ts": 10.0, "dur": 400.0},
+              {"ph": "X", "pid": 3, "tid": 1, "name": "$runner.py:431 _decode_packed", "ts": 0.0, "dur": 9000.0}]
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert host_event_table(tmp_path, rounds=2, top=5) == [
+        {"event": "PjitFunction(decode_step)", "us_per_round": 1500.0, "per_round": 1.0},
+        {"event": "ThunkExecutor::Execute", "us_per_round": 200.0, "per_round": 0.5}]
+
+
 def test_a_deadline_too_short_for_the_first_arm_is_refused_before_any_work(tmp_path):
     from ninfer_jax.benchmarks.prefix_cache import main
 
