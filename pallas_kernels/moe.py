@@ -802,7 +802,7 @@ def _shared_dense(x, shared: SharedExpert, dtype, interpret: bool = False):
     rows) on its kernels, which read the weights once; more rows dequantize them first (on the FP8 x FP8 GEMM, with
     its rows' quantization passes, a 35B-A3B layer's shared expert took 1.8x as long at 32768 tokens;
     docs/kernels_notes.md)."""
-    if (isinstance(shared.gate_up, fp8_matmul.BlockFp8) and x.dtype == dtype == jnp.bfloat16
+    if (isinstance(shared.gate_up, fp8_matmul.BlockFp8) and dtype == jnp.bfloat16
             and x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(*_shape(shared.down))):
         def product(a, w):
             return fp8_matmul.fp8_matmul(a, *w, out_dtype=jnp.float32, interpret=interpret)
