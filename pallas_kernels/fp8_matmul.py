@@ -146,13 +146,12 @@ def _weight_fits(k: int, values, scales) -> bool:
 
 
 def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_activations: bool = False,
-               out_dtype=None, interpret: bool = False):
+               interpret: bool = False):
     """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) for
-    M <= config.rows_limit(quantize_activations), in out_dtype (None: x's) with float32 accumulation;
-    quantize_activations: x in FP8 too (see above)."""
+    M <= config.rows_limit(quantize_activations), in x's dtype with float32 accumulation; quantize_activations: x in
+    FP8 too (see above)."""
     cfg = config or DEFAULT_CONFIG
     m, k = x.shape
-    out_dtype = x.dtype if out_dtype is None else out_dtype
     if not _weight_fits(k, values, scales):
         raise ValueError(f"fp8_matmul: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
@@ -160,10 +159,10 @@ def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_a
         raise ValueError(f"fp8_matmul: {m} rows exceed Fp8Config's limit of {cfg.rows_limit(quantize_activations)} "
                          f"(max_rows / dynamic_max_rows; dequantize or run the GEMM instead)")
     if quantize_activations and m > 1:
-        return fp8_matmul_rows(*quantize_rows(x), values, scales, out_dtype=out_dtype, config=cfg, interpret=interpret)
+        return fp8_matmul_rows(*quantize_rows(x), values, scales, out_dtype=x.dtype, config=cfg, interpret=interpret)
     if m <= cfg.cuda_core_max_rows:
-        return _cuda_core(x, values, scales, cfg, out_dtype, interpret)
-    return _tensor_core(x, values, scales, cfg, out_dtype, interpret)
+        return _cuda_core(x, values, scales, cfg, interpret)
+    return _tensor_core(x, values, scales, cfg, interpret)
 
 
 def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs: int):
@@ -213,7 +212,7 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, blo
             out_ref[r, pl.ds(n * block_n, block_n)] = total.astype(out_ref.dtype)
 
 
-def _cuda_core(x, values, scales, cfg: Fp8Config, out_dtype, interpret: bool):
+def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     (m, k), n = x.shape, values.shape[0]
     bn = cfg.cuda_core_block_n
     sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, 0)
@@ -221,12 +220,12 @@ def _cuda_core(x, values, scales, cfg: Fp8Config, out_dtype, interpret: bool):
         functools.partial(_cuda_core_kernel, steps=steps, sub=sub, block_n=bn),
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
-                                       jnp.float32 if splits > 1 else out_dtype),
+                                       jnp.float32 if splits > 1 else x.dtype),
         compiler_params=_compat.triton_params(cfg.cuda_core_warps, cfg.cuda_core_stages),
         interpret=interpret,
         name="fp8_gemv",
     )(x, values, scales)
-    return out.sum(0).astype(out_dtype) if splits > 1 else out
+    return out.sum(0).astype(x.dtype) if splits > 1 else out
 
 
 def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: str, tile_rows: int):
@@ -282,7 +281,7 @@ def fp8_matmul_rows(xq, xs, values, scales, *, out_dtype, config: Fp8Config | No
     return _swap_ab((xq, xs), m, out_dtype, values, scales, cfg, interpret, "fp8")
 
 
-def _tensor_core(x, values, scales, cfg: Fp8Config, out_dtype, interpret: bool):
+def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     """The weight-only swap-AB product of bf16 or float32 rows."""
     mode = cfg.tc_mode if x.dtype == jnp.bfloat16 else "plain"
     if mode == "f16":
@@ -295,7 +294,7 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, out_dtype, interpret: bool):
         inputs = ((x.astype(jnp.float32) / row_scale[:, None]).astype(jnp.float16), row_scale)
     else:
         inputs = (x,)
-    return _swap_ab(inputs, x.shape[0], out_dtype, values, scales, cfg, interpret, mode)
+    return _swap_ab(inputs, x.shape[0], x.dtype, values, scales, cfg, interpret, mode)
 
 
 def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpret: bool, mode: str):

@@ -41,8 +41,7 @@ many rows a expert take `fp8_gemm.grouped_gemm` instead of the two kernels (`_gr
      chooses its token's experts itself (`moe_route.select`, a few microseconds before its weight loads) and the
      token's first program writes the ids, weights and shared gate down reads: the router kernel goes (a 35B-A3B
      one-lane round 2% shorter on an H100).
-  Elsewhere the shared expert, when given, is two products added to the routed sum (`_shared_dense`: FP8 weights
-  and a decode round's bf16 rows on `fp8_matmul`'s kernels, otherwise matmuls).
+  Elsewhere the shared expert, when given, is two plain matmuls added to the routed sum.
 
 Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
 and index ref is passed whole and indexed inside the kernel with ids loaded from an index array; block
@@ -590,13 +589,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     if fp8_rows and _grouped(rows, num_experts, h, inter, cfg, interpret):
         out = _grouped_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter,
                            dtype=dtype, x_fp8=x_fp8)
-        return out if shared is None else out + _shared_dense(x, shared, dtype, interpret)
+        return out if shared is None else out + _shared_dense(x, shared, dtype)
     if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)
     out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter, dtype=dtype,
                      cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
-    return out if shared is None else out + _shared_dense(x, shared, dtype, interpret)
+    return out if shared is None else out + _shared_dense(x, shared, dtype)
 
 
 def _check_weights(h: int, gate_up, down, shared: SharedExpert | None) -> tuple[int, int]:
@@ -796,25 +795,20 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype,
     return (out, ids, weights) if routes else out
 
 
-def _shared_dense(x, shared: SharedExpert, dtype, interpret: bool = False):
-    """The shared expert as two products (the paths whose kernels have no rows for it): float32 results, act rounded
-    to `dtype` as the routed rows' is. FP8 weights: bf16 rows of a decode round (up to `fp8_matmul`'s weight-only
-    rows) on its kernels, which read the weights once; more rows dequantize them first (on the FP8 x FP8 GEMM, with
-    its rows' quantization passes, a 35B-A3B layer's shared expert took 1.8x as long at 32768 tokens;
+def _shared_dense(x, shared: SharedExpert, dtype):
+    """The shared expert as plain matmuls (the paths whose kernels have no rows for it): float32 products,
+    act rounded to `dtype` as the routed rows' is (FP8 weights dequantized to it first: on the FP8 x FP8 GEMM, with
+    its rows' quantization passes, a 35B-A3B layer's shared expert took 1.8x as long at 32768 tokens, and on
+    `fp8_matmul`'s weight-only kernels the 35B-A3B's 16- and 64-lane decode rounds ran 0.6-0.7% longer;
     docs/kernels_notes.md)."""
-    if (isinstance(shared.gate_up, fp8_matmul.BlockFp8) and dtype == jnp.bfloat16
-            and x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.max_rows and fp8_matmul.supported(*_shape(shared.down))):
-        def product(a, w):
-            return fp8_matmul.fp8_matmul(a, *w, out_dtype=jnp.float32, interpret=interpret)
-    else:
-        def product(a, w):
-            w = fp8_matmul.dequantize(w).astype(dtype) if isinstance(w, fp8_matmul.BlockFp8) else w
-            return jnp.dot(a, w, preferred_element_type=jnp.float32)
+    def plain(w):
+        return fp8_matmul.dequantize(w).astype(dtype) if isinstance(w, fp8_matmul.BlockFp8) else w
 
-    inter = _shape(shared.down)[0]
-    gu = product(x.astype(dtype), shared.gate_up)
+    gate_up, down = plain(shared.gate_up), plain(shared.down)
+    inter = down.shape[0]
+    gu = jnp.dot(x.astype(dtype), gate_up, preferred_element_type=jnp.float32)
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
-    return product(act, shared.down) * shared.weight[:, None]
+    return jnp.dot(act, down, preferred_element_type=jnp.float32) * shared.weight[:, None]
 
 
 # The plain-jnp reference these kernels match lives with the others in `reference.py`.
