@@ -109,7 +109,11 @@ def test_default_config_follows_the_rows_per_expert():
     assert moe.default_config(2048 * 8, e) is moe.MID_PREFILL_CONFIG  # 64
     assert moe.default_config(4096 * 8, e) is moe.DEFAULT_CONFIG  # 128
     assert moe.default_config(8192 * 8, e) is moe.DEFAULT_CONFIG  # 256
-    # FP8 x FP8 tiles: one config for every prefill row count; a decode round's rows stay weight-only
+    # FP8 x FP8 tiles: 16 rows up to 8 rows per expert (a wide decode round), 32 from there; a decode round's rows
+    # up to decode_max_rows stay weight-only
+    assert moe.default_config(64 * 8, e, fp8_rows=True) is moe.FP8_NARROW_ROWS_CONFIG  # 2 per expert
+    assert moe.default_config(256 * 8, e, fp8_rows=True) is moe.FP8_NARROW_ROWS_CONFIG  # 8
+    assert moe.default_config(256 * 8 + 1, e, fp8_rows=True) is moe.FP8_ROWS_CONFIG
     assert moe.default_config(512 * 8, e, fp8_rows=True) is moe.FP8_ROWS_CONFIG
     assert moe.default_config(32768 * 8, e, fp8_rows=True) is moe.FP8_ROWS_CONFIG
     assert moe.default_config(64, e, fp8_rows=True) is moe.WIDE_DECODE_CONFIG

@@ -131,13 +131,15 @@ def _rel(got, want):
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
-def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows():
-    """quantize_activations in the prefill layout (80 routed rows): x quantized per token and 128-group, act per row
-    and 128 columns in the gate_up kernel, every product FP8 x FP8. Against float64 with the same two quantizations
-    it differs only where act's float32 and float64 values round to neighbouring e4m3 codes (one code: 2^-4 of an
-    element, rare); against the unquantized activations by the two quantizations' error (about 2^-5 relative)."""
+@pytest.mark.parametrize("config", [None, moe.FP8_NARROW_ROWS_CONFIG], ids=["32-row-tiles", "16-row-tiles"])
+def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config):
+    """quantize_activations in the prefill layout (80 routed rows) on 32- and 16-row tiles: x quantized per token and
+    128-group, act per row and 128 columns in the gate_up kernel, every product FP8 x FP8. Against float64 with the
+    same two quantizations it differs only where act's float32 and float64 values round to neighbouring e4m3 codes
+    (one code: 2^-4 of an element, rare); against the unquantized activations by the two quantizations' error (about
+    2^-5 relative)."""
     x, ids, w, gate_up, down, _ = _case(40, seed=5)
-    got = moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, interpret=INTERPRET)
+    got = moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, config=config, interpret=INTERPRET)
     assert _rel(got, _experts64(x, ids, w, gate_up, down, True)) < 2e-3
     assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False)) < 2**-4
     with pytest.raises(ValueError, match="needs block-FP8 experts"):
