@@ -59,7 +59,8 @@ def _layer_kernel(
     dt_bias_ref,  # [Hv] float32
     norm_w_ref,  # [Dv]
     ssm_ref,  # [S, Hv, Dk, Dv] float32 (aliased with ssm_out_ref when the state is written)
-    y_ref,  # out [B, T, Hv, Dv] activations' dtype: the gated norm's output, or o when a program has part of Dv
+    y_ref,  # out [B, T, Hv, Dv] activations' dtype: the gated norm's output, or o (a program has part of Dv, or norm
+    #         is off)
     tail_ref,  # out [B, K-1, C] activations' dtype: the lane's conv history after its rows
     *ssm_out,  # out [S, Hv, Dk, Dv] float32, the same buffer as ssm_ref; absent when the state is only read
     num_key_heads: int,
@@ -69,6 +70,7 @@ def _layer_kernel(
     block_v: int,
     heads_per_program: int,
     gates_col: int,
+    norm: bool,
 ):
     lane, hg, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h0 = hg * heads_per_program  # the program's first value head; all of its heads share key head kh
@@ -127,7 +129,7 @@ def _layer_kernel(
             g = -jnp.exp(a_log) * jax.nn.softplus(gates_ref[lane, r, a0 + h].astype(_F32) + dt_bias) * masks[r]
             beta = jax.nn.sigmoid(gates_ref[lane, r, b0 + h].astype(_F32)) * masks[r]
             o, state = delta_rule_step(state, qs[r], ks[r], v, g, beta)  # [block_v]
-            if block_v < dv:  # the norm needs all of Dv: the caller's fusion
+            if block_v < dv or not norm:  # the norm needs all of Dv: the caller's, or the out-projection's
                 y_ref[lane, r, h, vcols] = o.astype(act)
             else:
                 y_ref[lane, r, h, :] = gated_rms_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
@@ -164,11 +166,12 @@ WIDE_PROGRAMS = 2048
 WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=3)
 
 
-@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config", "norm"))
 def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *,
                      num_key_heads: int, eps: float, interpret: bool = False,
-                     config: GdnDecodeLayerConfig | None = None, gates=None):
-    """One GDN decode step for each of B lanes, from the in-projection's output to the gated norm's.
+                     config: GdnDecodeLayerConfig | None = None, gates=None, norm: bool = True):
+    """One GDN decode step for each of B lanes, from the in-projection's output to the gated norm's (norm False:
+    to the delta rule's output o, for an out-projection that normalizes it, `gdn_out_proj`).
 
     Args:
       proj: [B, C + Hv Dv + 2 Hv], the in-projection's output whole: the pre-conv channels qkv (C = 2 Hk Dk +
@@ -181,19 +184,20 @@ def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ss
       argument to avoid a copy). slots: [B] int32, distinct.
       num_key_heads: Hk. eps: the gated norm's epsilon.
     Returns:
-      (y [B, Hv, Dv] in proj's dtype, updated ssm_pool, new conv histories [B, K-1, C] in proj's dtype).
+      (y [B, Hv, Dv] in proj's dtype (o when not norm), updated ssm_pool, new conv histories [B, K-1, C] in
+      proj's dtype).
     """
     y, tail, ssm_pool = gdn_rows_layer(proj[:, None], active.astype(jnp.int32), hist_pool, conv_w, a_log, dt_bias,
                                        norm_w, ssm_pool, slots, num_key_heads=num_key_heads, eps=eps,
                                        write_state=True, interpret=interpret, config=config,
-                                       gates=None if gates is None else gates[:, None])
+                                       gates=None if gates is None else gates[:, None], norm=norm)
     return y[:, 0], ssm_pool, tail
 
 
-@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config", "norm"))
 def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *, num_key_heads: int,
                    eps: float, write_state: bool, interpret: bool = False, config: GdnDecodeLayerConfig | None = None,
-                   gates=None):
+                   gates=None, norm: bool = True):
     """T tokens of each of B lanes in order from its state slot (a speculative verify round, or its commit), from
     the in-projection's output to the gated norm's.
 
@@ -240,7 +244,7 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
     out = pl.pallas_call(
         functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=group, taps=taps, eps=eps,
                           block_v=block_v, heads_per_program=hp,
-                          gates_col=0 if gates is not None else channels + hv * dv),
+                          gates_col=0 if gates is not None else channels + hv * dv, norm=norm),
         grid=(lanes, hv // hp, dv // block_v),
         in_specs=[full] * 10,
         out_specs=[full] * len(out_shape),
@@ -252,7 +256,7 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
     )(slots.astype(jnp.int32), rows.astype(jnp.int32), proj, proj if gates is None else gates, hist_pool, conv_w,
       a_log, dt_bias, norm_w, ssm_pool)
     y = out[0]
-    if block_v < dv:  # y holds o
+    if block_v < dv and norm:  # y holds o
         z = proj[:, :, channels:channels + hv * dv].reshape(lanes, t, hv, dv)
         y = gated_rms_norm(y, z, norm_w, eps)
     return (y, *out[1:])

@@ -53,6 +53,9 @@ class KernelConfig:
     # norms, the padding's zeros) as one kernel (pallas_kernels/gdn_conv.py); the engine turns it on with the pallas
     # backend
     fuse_gdn_conv: bool = False
+    # A one-lane decode round's GDN out-projection with its gated norm inside, on bf16 or float32 weights
+    # (pallas_kernels/gdn_out_proj.py: two kernels a layer in place of four); `gdn_out_fused` decides
+    fuse_gdn_out: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
@@ -64,7 +67,8 @@ class KernelConfig:
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
-        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv"):
+        for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv",
+                     "fuse_gdn_out"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -154,14 +158,16 @@ def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
 
 
 def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
-                     num_key_heads: int, eps: float, gates=None):
+                     num_key_heads: int, eps: float, gates=None, norm: bool = True):
     """The fused GDN decode step (kc.fuse_gdn_decode): the in-projection's output [B, C + Hv Dv + 2 Hv] (qkv, z, b,
-    a; or b and a apart in gates [B, 2 Hv]) -> gated-norm outputs [B, Hv, Dv], the state pool updated in place and
-    the lanes' new conv histories [B, K-1, C] (for the caller to scatter)."""
+    a; or b and a apart in gates [B, 2 Hv]) -> gated-norm outputs [B, Hv, Dv] (norm False: the delta rule's, before
+    the norm), the state pool updated in place and the lanes' new conv histories [B, K-1, C] (for the caller to
+    scatter)."""
     from pallas_kernels import gdn_decode_layer as kernel
 
     return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
-                                   num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret, gates=gates)
+                                   num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret, gates=gates,
+                                   norm=norm)
 
 
 def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
@@ -234,6 +240,39 @@ class RoutedRows:
 
     rows: jax.Array
     logits: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["o", "z_source", "norm_w"],
+                   meta_fields=["z_col", "eps"])
+@dataclasses.dataclass(frozen=True)
+class GatedRows:
+    """The GDN's delta-rule output o [R, Hv, Dv] before its gated norm, with what the norm reads (z at column z_col
+    of the in-projection's output z_source, norm_w, eps), for an out-projection that normalizes it itself
+    (`gdn_out_fused`, `gated_rows_dot`)."""
+
+    o: jax.Array
+    z_source: jax.Array
+    norm_w: jax.Array
+    z_col: int
+    eps: float
+
+
+def gdn_out_fused(kc: KernelConfig, rows: int, hv: int, dv: int, w) -> bool:
+    """Whether a GDN decode step of `rows` rows hands its out-projection w the un-normed `GatedRows`: with
+    kc.fuse_gdn_out, one row (more re-read w per row: XLA's matmul is better) and a plain weight the kernel holds."""
+    if not (kc.fuse_gdn_out and rows == 1 and kc.spmd is None and isinstance(w, jax.Array)):
+        return False
+    from pallas_kernels import gdn_out_proj
+
+    return gdn_out_proj.supported((rows, hv, dv), w.shape)
+
+
+def gated_rows_dot(kc: KernelConfig, x: GatedRows, w):
+    """x's gated norm @ w as one kernel (pallas_kernels/gdn_out_proj.py), in o's dtype."""
+    from pallas_kernels import gdn_out_proj
+
+    return gdn_out_proj.gdn_out_proj(x.o, x.z_source, x.norm_w, w, z_col=x.z_col, eps=x.eps,
+                                     interpret=kc.interpret)
 
 
 def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, fp8_rows: str | None = None, router_w=None):

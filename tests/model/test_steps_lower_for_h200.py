@@ -93,3 +93,13 @@ def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monk
                         or kernel(*a, with_rows=with_rows, **kw))
     text = _lower_prefill(cfg, kc, params, state, tokens, tokens // 64 + 2)
     assert "mosaic_gpu" in text and sorted(calls) == [False] + [True] * 7
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_a_one_lane_gdn_out_projection_normalizes_its_input_with_fuse_gdn_out(name, monkeypatch):
+    """fuse_gdn_out: each GDN layer of a one-lane round hands the delta rule's output to `gdn_out_proj`, which
+    lowers at the real widths; four lanes keep XLA's norm and matmul."""
+    cfg, params, state, kc = _setup(name, "bf16", monkeypatch)
+    kc = dataclasses.replace(kc, fuse_gdn_out=True)
+    assert "gdn_out_proj" in re.findall(r'name = "([^"]*)"', _lower_decode(cfg, kc, params, state, 1))
+    assert "gdn_out_proj" not in _lower_decode(cfg, kc, params, state, LANES)
