@@ -1,0 +1,93 @@
+"""A/B of the kernel switches (`ops.KernelConfig` fields) in one engine's decode rounds, in one process.
+
+One engine on random weights at a real shape; then, --reps times, each variant in turn: the runner's KernelConfig
+replaced by the variant's (a static argument of the steps, so they are traced and compiled again), one untimed round
+at each lane count, then --rounds rounds back to back (`profiling.time_rounds`). The report is each variant's median
+ms a round and its ratio to the first variant. One process spares the engine's start per side (a minute at the real
+shapes) and alternating spreads the machine's drift over every variant; `ab_decode.py` compares two checkouts.
+
+    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=1' --lanes 1,8
+    python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=1' --lanes 1
+    python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's bf16 weights on an H100
+
+
+def parse_variant(text: str, kernel_config) -> dict:
+    """'base' or comma-separated KernelConfig field=value (0 / 1 for switches) -> the fields to replace."""
+    if text.strip() == "base":
+        return {}
+    fields = [f.name for f in dataclasses.fields(kernel_config)]
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.strip().partition("=")
+        if name not in fields or not value:
+            raise SystemExit(f"--variants: {item!r} is not KernelConfig field=value (fields: {', '.join(fields)})")
+        out[name] = bool(int(value)) if value in ("0", "1") else value
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="35b-a3b")
+    p.add_argument("--weights", default="bf16")
+    p.add_argument("--variants", default="base;fuse_gdn_out=1", help="';'-separated, the first the baseline")
+    p.add_argument("--lanes", default="1,8")
+    p.add_argument("--rounds", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    if args.smoke:
+        args.model, args.lanes, args.rounds, args.reps = "tiny-moe", "1", 2, 1
+
+    import jax
+
+    from ninfer_jax import SamplingParams
+    from ninfer_jax.benchmarks.models import random_engine
+    from ninfer_jax.benchmarks.profiling import time_rounds
+    from ninfer_jax.model.state import PAGE
+
+    lanes = [int(x) for x in args.lanes.split(",")]
+    pages = max(lanes) * -(-1025 // PAGE) + 2 * -(-8192 // PAGE)
+    start = time.perf_counter()
+    engine, _ = random_engine(args.model, weights=args.weights, max_concurrency=max(lanes), max_model_len=8192,
+                              kv_capacity=max(65536, pages * PAGE), no_prefix_reuse=True)
+    engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    print(f"engine {args.model} {args.weights}: {time.perf_counter() - start:.1f} s", flush=True)
+    base = engine.runner.kernels
+    variants = [(v.strip(), dataclasses.replace(base, **parse_variant(v, base))) for v in args.variants.split(";")]
+    ms = {(name, n): [] for name, _ in variants for n in lanes}
+    try:
+        for rep in range(args.reps):
+            for name, kc in variants:
+                engine.runner.kernels = kc
+                for n in lanes:
+                    start = time.perf_counter()
+                    time_rounds(engine, n, 1, False)
+                    first = time.perf_counter() - start
+                    ms[(name, n)].append(time_rounds(engine, n, args.rounds, False) * 1e3)
+                    print(f"rep {rep} [{name}] {n} lanes: {ms[(name, n)][-1]:.3f} ms a round (first round "
+                          f"{first:.1f} s)", flush=True)
+    finally:
+        engine.runner.kernels = base
+        engine.stop()
+    print(f"{args.model} {args.weights} on {jax.devices()[0].device_kind}, medians of {args.reps}:")
+    for n in lanes:
+        ref = statistics.median(ms[(variants[0][0], n)])
+        print(f"  {n} lanes: " + ", ".join(f"[{name}] {statistics.median(ms[(name, n)]):.3f} ms "
+                                          f"({statistics.median(ms[(name, n)]) / ref:.4f}x)" for name, _ in variants))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
