@@ -258,9 +258,10 @@ class GatedRows:
 
 
 def gdn_out_fused(kc: KernelConfig, rows: int, hv: int, dv: int, w) -> bool:
-    """Whether a GDN decode step of `rows` rows hands its out-projection w the un-normed `GatedRows`: with
-    kc.fuse_gdn_out, one row (more re-read w per row: XLA's matmul is better) and a plain weight the kernel holds."""
-    if not (kc.fuse_gdn_out and rows == 1 and kc.spmd is None and isinstance(w, jax.Array)):
+    """Whether a decode round's GDN step of `rows` rows (the fused decode kernel's) hands its out-projection w the
+    un-normed `GatedRows`: with kc.fuse_gdn_out, one row (more re-read w per row: XLA's matmul is better) and a plain
+    weight the kernel holds. A mixed step's decode rows share the out-projection with its chunk's: never."""
+    if not (kc.fuse_gdn_out and kc.fuse_gdn_decode and rows == 1 and kc.spmd is None and isinstance(w, jax.Array)):
         return False
     from pallas_kernels import gdn_out_proj
 

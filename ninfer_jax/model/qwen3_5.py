@@ -465,15 +465,14 @@ def prefill(
 # --- decode ------------------------------------------------------------------------------------------
 
 
-def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
+def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx, out_norms: bool = False):
     """One token per lane from its in-projection rows proj [B, P] (or its sides apart, `_gdn_split`) -> (the
-    out-projection's input, ssm, conv)."""
+    out-projection's input, ssm, conv). out_norms (`ops.gdn_out_fused`): that input is the delta rule's output as
+    `ops.GatedRows`, for the out-projection to normalize."""
     slots, active = ctx["slots"], ctx["active"]
     sides = proj
     proj, gates = proj if isinstance(proj, tuple) else (proj, None)
     if kc.fuse_gdn_decode:  # the rest of this function as one kernel
-        out_norms = ops.gdn_out_fused(kc, proj.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim,
-                                      p.out_proj)
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, gates=gates,
                                             norm=not out_norms)
@@ -497,8 +496,10 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx):
 
 
 def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
-    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx), p.in_proj, p.out_proj,
-                      _gdn_in_dot(cfg))(kc, x, ssm, conv)
+    out_norms = ops.gdn_out_fused(kc, ctx["slots"].shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                                  p.out_proj)
+    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx, out_norms), p.in_proj,
+                      p.out_proj, _gdn_in_dot(cfg))(kc, x, ssm, conv)
 
 
 def _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx):

@@ -53,6 +53,17 @@ def _lower_decode(cfg, kc, params, state, lanes: int) -> str:
                   S((lanes,), jnp.bool_))
 
 
+def _lower_mixed(cfg, kc, params, state, lanes: int) -> str:
+    """A prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection
+    whole)."""
+    p_ctx = dict(slot=S((), I32), base=S((), I32), n_valid=S((), I32), page_table=S((PAGES,), I32),
+                 tap_positions=S((2,), I32), tap_slots=S((2,), I32), rope_positions=S((3, ROWS), I32))
+    d_ctx = dict(positions=S((lanes,), I32), page_tables=S((lanes, PAGES), I32), slots=S((lanes,), I32),
+                 active=S((lanes,), jnp.bool_), rope_shift=S((lanes,), I32))
+    return _lower(lambda p, st, emb, pc, tok, dc: qwen3_5.mixed(p, cfg, kc, emb, pc, tok, dc, st),
+                  params, state, S((ROWS, cfg.hidden_size), jnp.bfloat16), p_ctx, S((lanes,), I32), d_ctx)
+
+
 @pytest.mark.parametrize("weights", ["fp8-dynamic", "bf16"])
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
 def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
@@ -61,12 +72,7 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     prefill = _lower_prefill(cfg, kc, params, state, ROWS)
     decode = _lower_decode(cfg, kc, params, state, LANES)
     # a prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection whole)
-    p_ctx = dict(slot=S((), I32), base=S((), I32), n_valid=S((), I32), page_table=S((PAGES,), I32),
-                 tap_positions=S((2,), I32), tap_slots=S((2,), I32), rope_positions=S((3, ROWS), I32))
-    d_ctx = dict(positions=S((LANES,), I32), page_tables=S((LANES, PAGES), I32), slots=S((LANES,), I32),
-                 active=S((LANES,), jnp.bool_), rope_shift=S((LANES,), I32))
-    mixed = _lower(lambda p, st, emb, pc, tok, dc: qwen3_5.mixed(p, cfg, kc, emb, pc, tok, dc, st),
-                   params, state, S((ROWS, cfg.hidden_size), jnp.bfloat16), p_ctx, S((LANES,), I32), d_ctx)
+    mixed = _lower_mixed(cfg, kc, params, state, LANES)
     # the GEMM for FP8 prefill rows (and the grouped experts' two products a layer on the 35B-A3B)
     assert ("mosaic_gpu" in prefill) == fp8 and ("mosaic_gpu" in mixed) == fp8
     assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
@@ -98,8 +104,10 @@ def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monk
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
 def test_a_one_lane_gdn_out_projection_normalizes_its_input_with_fuse_gdn_out(name, monkeypatch):
     """fuse_gdn_out: each GDN layer of a one-lane round hands the delta rule's output to `gdn_out_proj`, which
-    lowers at the real widths; four lanes keep XLA's norm and matmul."""
+    lowers at the real widths; four lanes, and a mixed step's one decode lane (its out-projection takes the chunk's
+    rows too), keep XLA's norm and matmul."""
     cfg, params, state, kc = _setup(name, "bf16", monkeypatch)
     kc = dataclasses.replace(kc, fuse_gdn_out=True)
     assert "gdn_out_proj" in re.findall(r'name = "([^"]*)"', _lower_decode(cfg, kc, params, state, 1))
     assert "gdn_out_proj" not in _lower_decode(cfg, kc, params, state, LANES)
+    assert "gdn_out_proj" not in _lower_mixed(cfg, kc, params, state, 1)
