@@ -52,17 +52,11 @@ def main() -> int:
 
     import jax
 
-    from ninfer_jax import SamplingParams
-    from ninfer_jax.benchmarks.models import random_engine
-    from ninfer_jax.benchmarks.profiling import time_rounds
-    from ninfer_jax.model.state import PAGE
+    from ninfer_jax.benchmarks.profiling import round_engine, time_rounds
 
     lanes = [int(x) for x in args.lanes.split(",")]
-    pages = max(lanes) * -(-1025 // PAGE) + 2 * -(-8192 // PAGE)
     start = time.perf_counter()
-    engine, _ = random_engine(args.model, weights=args.weights, max_concurrency=max(lanes), max_model_len=8192,
-                              kv_capacity=max(65536, pages * PAGE), no_prefix_reuse=True)
-    engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    engine = round_engine(args.model, max(lanes), weights=args.weights)
     print(f"engine {args.model} {args.weights}: {time.perf_counter() - start:.1f} s", flush=True)
     base = engine.runner.kernels
     variants = [(v.strip(), dataclasses.replace(base, **parse_variant(v, base))) for v in args.variants.split(";")]

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from ninfer_jax.benchmarks import report
-from ninfer_jax.benchmarks.models import MODELS, WEIGHTS, random_engine
+from ninfer_jax.benchmarks.models import MODELS, WEIGHTS
 from ninfer_jax.benchmarks.profiling import (ROUND_DISPATCH, dispatch_by_input, host_event_table, kernel_table,
-                                             time_rounds)
+                                             round_engine, time_rounds)
 
 
 def worker_profile(engine, name: str, tokens: int, clock, top: int) -> dict:
@@ -108,16 +108,9 @@ def round_profile(engine, name: str, args) -> dict:
 
 
 def profile(name: str, kv_dtype: str, args) -> dict:
-    from ninfer_jax import SamplingParams
-    from ninfer_jax.model.state import PAGE
-
-    # Every lane's pages at --position, disjoint (decode_inputs), and room for the warm-up request.
-    pages = args.lanes * -(-(args.position + 1) // PAGE) + 2 * -(-args.max_model_len // PAGE)
-    engine, _ = random_engine(name, kernels=args.kernels, weights=args.weights, max_concurrency=args.lanes,
-                              prefill_chunk=2048, max_model_len=args.max_model_len,
-                              kv_capacity=max(65536, pages * PAGE), kv_dtype=kv_dtype, no_prefix_reuse=True)
+    engine = round_engine(name, args.lanes, position=args.position, max_model_len=args.max_model_len,
+                          kernels=args.kernels, weights=args.weights, prefill_chunk=2048, kv_dtype=kv_dtype)
     try:
-        engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         mode = engine_profile if args.engine else round_profile
         return {"model": name, "weights": args.weights, "kv_dtype": kv_dtype, "position": args.position,
                 "max_model_len": args.max_model_len, **mode(engine, f"{name}-{kv_dtype}", args)}

@@ -154,6 +154,25 @@ def decode_inputs(engine, lanes: int, position: int) -> tuple:
             np.arange(c, dtype=np.int32), active, SamplerInputs.empty(c).arrays())
 
 
+def round_engine(name: str, lanes: int, *, position: int = 1024, max_model_len: int = 8192, **options):
+    """An engine on random weights (`models.random_engine`, `options` its) whose KV pool holds `decode_inputs`'
+    disjoint pages for `lanes` lanes at `position` beside room for a warm-up request, which it has run (the rounds
+    `time_rounds` times then compile nothing else)."""
+    from ninfer_jax import SamplingParams
+    from ninfer_jax.benchmarks.models import random_engine
+    from ninfer_jax.model.state import PAGE
+
+    pages = lanes * -(-(position + 1) // PAGE) + 2 * -(-max_model_len // PAGE)
+    engine, _ = random_engine(name, max_concurrency=lanes, max_model_len=max_model_len,
+                              kv_capacity=max(65536, pages * PAGE), no_prefix_reuse=True, **options)
+    try:
+        engine.generate(list(range(100, 1124)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
 def time_rounds(engine, lanes: int, rounds: int, sync: bool, position: int = 1024) -> float:
     """Seconds per decode round of the runner: `sync` reads each round's tokens back before the next is
     dispatched (as the scheduler once did); else rounds go back to back (device time plus launch)."""
