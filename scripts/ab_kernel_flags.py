@@ -6,8 +6,8 @@ at each lane count, then --rounds rounds back to back (`profiling.time_rounds`).
 ms a round and its ratio to the first variant. One process spares the engine's start per side (a minute at the real
 shapes) and alternating spreads the machine's drift over every variant; `ab_decode.py` compares two checkouts.
 
-    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=1' --lanes 1,8
-    python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=1' --lanes 1
+    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=0' --lanes 1,8
+    python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=0' --lanes 1
     python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
 """
 
@@ -41,7 +41,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="35b-a3b")
     p.add_argument("--weights", default="bf16")
-    p.add_argument("--variants", default="base;fuse_gdn_out=1", help="';'-separated, the first the baseline")
+    p.add_argument("--variants", default="base;fuse_gdn_out=0", help="';'-separated, the first the baseline")
     p.add_argument("--lanes", default="1,8")
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)

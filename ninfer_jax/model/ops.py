@@ -28,6 +28,15 @@ if TYPE_CHECKING:  # the kernels' module is imported where a kernel runs, not by
 
 PAGE = ref.PAGE
 
+# XLA's GPU compiler rewrites a vector x matrix dot into multiply + reduce (its DotStrengthReduction pass) when
+# (N + 1) x K is under this many elements.
+_XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
+
+
+def xla_rewrites_one_row(w_shape) -> bool:
+    """Whether XLA would run one row x w [K, N] as multiply + reduce (the model then hands it two rows instead)."""
+    return (w_shape[1] + 1) * w_shape[0] < _XLA_GEMV_REWRITE_ELEMENTS
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -54,7 +63,8 @@ class KernelConfig:
     # backend
     fuse_gdn_conv: bool = False
     # A one-lane decode round's GDN out-projection with its gated norm inside, on bf16 or float32 weights
-    # (pallas_kernels/gdn_out_proj.py: two kernels a layer in place of four); `gdn_out_fused` decides
+    # (pallas_kernels/gdn_out_proj.py: two kernels a layer in place of four); `gdn_out_fused` decides where; the engine
+    # turns it on with the pallas backend
     fuse_gdn_out: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
@@ -259,9 +269,12 @@ class GatedRows:
 
 def gdn_out_fused(kc: KernelConfig, rows: int, hv: int, dv: int, w) -> bool:
     """Whether a decode round's GDN step of `rows` rows (the fused decode kernel's) hands its out-projection w the
-    un-normed `GatedRows`: with kc.fuse_gdn_out, one row (more re-read w per row: XLA's matmul is better) and a plain
-    weight the kernel holds. A mixed step's decode rows share the out-projection with its chunk's: never."""
-    if not (kc.fuse_gdn_out and kc.fuse_gdn_decode and rows == 1 and kc.spmd is None and isinstance(w, jax.Array)):
+    un-normed `GatedRows`: with kc.fuse_gdn_out, one row (more re-read w per row: XLA's matmul is better), a plain
+    weight the kernel holds, and one XLA would run as the doubled-row matmul (a 35B-A3B one-lane round 1.4% shorter
+    on an H100; against the 27B's one-row cuBLAS call the kernel made the round 0.7% longer: docs/kernels_notes.md).
+    A mixed step's decode rows share the out-projection with its chunk's: never."""
+    if not (kc.fuse_gdn_out and kc.fuse_gdn_decode and rows == 1 and kc.spmd is None and isinstance(w, jax.Array)
+            and xla_rewrites_one_row(w.shape)):
         return False
     from pallas_kernels import gdn_out_proj
 

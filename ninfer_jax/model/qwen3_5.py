@@ -51,11 +51,6 @@ F32 = jnp.float32
 
 
 # --- small pieces ------------------------------------------------------------------------------------
-# XLA's GPU compiler rewrites a vector x matrix dot into multiply + reduce (its DotStrengthReduction pass) when
-# (N + 1) x K is under this many elements.
-_XLA_GEMV_REWRITE_ELEMENTS = 10_000_000
-
-
 def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
@@ -67,7 +62,7 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
     one_row = x.ndim == 2 and x.shape[0] == 1
-    if one_row and (w.shape[1] + 1) * w.shape[0] < _XLA_GEMV_REWRITE_ELEMENTS:
+    if one_row and ops.xla_rewrites_one_row(w.shape):
         # XLA rewrites a one-row dot into a form that writes the [K, N] product out before reducing it, a large part
         # of a one-lane decode round (docs/kernels_notes.md). Two rows make it a matmul again; the barrier keeps the
         # simplifier from folding the copy back. The second row reads no extra weight bytes. Cutting it off is a
