@@ -42,9 +42,10 @@ def _case(t: int, seed: int):
     return x, ids, w, gate_up, down, shared
 
 
-@pytest.mark.parametrize("t,config", [(1, None), (12, moe.DEFAULT_CONFIG), (40, None),
-                                      (40, moe.MoeConfig(fp8_dequantize_rows_per_expert=8))],
-                         ids=["gemv-with-shared", "tiled-decode", "prefill", "long-prefill-dequantized"])
+@pytest.mark.parametrize("t,config", [(1, None), (1, moe.MoeConfig(gemv_mma=True)), (12, moe.DEFAULT_CONFIG),
+                                      (40, None), (40, moe.MoeConfig(fp8_dequantize_rows_per_expert=8))],
+                         ids=["gemv-with-shared", "gemv-tensor-core-tiles", "tiled-decode", "prefill",
+                              "long-prefill-dequantized"])
 def test_fp8_experts_match_the_dequantized_reference(t, config):
     x, ids, w, gate_up, down, shared = _case(t, seed=t)
     got = moe.moe_experts(x, ids, w, gate_up, down, shared, config=config, interpret=INTERPRET)
