@@ -223,7 +223,7 @@ class _Weight:
 
     def row(self, xv, e, k0, c0, block_k: int, block_n: int, mma_dtype=None):
         """`vec`, or with mma_dtype the same products on the tensor cores: xv rounded to it as the first row of a
-        [16, BK] tile of zeros, the product [16, BN] float32 (its rows past the first zero; `row_sum` takes it)."""
+        [16, BK] tile of zeros, the product [16, BN] float32 (its rows past the first zero; `_row_sum` takes it)."""
         if mma_dtype is None:
             return self.vec(xv, e, k0, c0, block_k, block_n)
         first = lax.broadcasted_iota(jnp.int32, (_DECODE_BLOCK_M, block_k), 0) == 0
@@ -384,7 +384,6 @@ def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, 
     t, j, routed_id = _row(r, top_k, with_shared)
     inter = part_ref.shape[2] // 2
     cdt = x_ref.dtype if fp8 else gate_up.ref.dtype
-
     mma_dtype = cdt if mma else None
 
     def accumulate(weight, e):
