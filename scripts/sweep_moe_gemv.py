@@ -43,6 +43,9 @@ VARIANTS = {
     "mma s8 bn64": _R(_B, gemv_mma=True, gemv_splits=8, gemv_block_n=64),
     "mma s8 d4": _R(_B, gemv_mma=True, gemv_splits=8, gemv_down_splits=4),
     "mma s8 d4 dbk128": _R(_B, gemv_mma=True, gemv_splits=8, gemv_down_splits=4, gemv_down_block_k=128),
+    "mma s4 bn64": _R(_B, gemv_mma=True, gemv_splits=4, gemv_block_n=64),
+    "mma s4 st3": _R(_B, gemv_mma=True, gemv_splits=4, gemv_num_stages=3),
+    "mma s4 d4": _R(_B, gemv_mma=True, gemv_splits=4, gemv_down_splits=4),
 }
 
 
