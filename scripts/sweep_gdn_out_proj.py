@@ -6,7 +6,8 @@ norm, the row doubled for a two-row matmul, the matmul: `qwen3_5.dot`) at the 35
 HBM; microseconds a layer, medians of --reps, each variant's largest difference from XLA's output. Chose nothing yet:
 `gdn_out_proj.DEFAULT_CONFIG` was set before any device time.
 
-    python scripts/sweep_gdn_out_proj.py      # one GPU, about a minute
+    python scripts/sweep_gdn_out_proj.py          # one GPU, about a minute
+    python scripts/sweep_gdn_out_proj.py --smoke  # two layers in interpret mode (CPU): the script runs
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pallas_kernels.gdn_out_proj import GdnOutConfig, gdn_out_proj
 from pallas_kernels.reference import gated_rms_norm
 
 HV, DV, N, LAYERS, EPS = 32, 128, 2048, 30, 1e-6
+INTERPRET = False
 CONFIGS = {
     f"n{block_n} s{splits} w{warps} st{stages}": GdnOutConfig(block_n, splits, warps, stages)
     for block_n, splits, warps, stages in [
@@ -43,7 +45,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="two layers, 256 columns, interpret mode")
     args = p.parse_args()
+    if args.smoke:
+        global N, LAYERS, INTERPRET
+        N, LAYERS, INTERPRET = 256, 2, True
+        args.reps, args.calls = 1, 1
     print(jax.devices()[0].device_kind, flush=True)
     keys = jax.random.split(jax.random.PRNGKey(0), 3 * LAYERS)
     ws = [(jax.random.normal(keys[i], (HV * DV, N), jnp.float32) * 0.02).astype(jnp.bfloat16) for i in range(LAYERS)]
@@ -62,7 +69,8 @@ def main() -> None:
 
     variants = {"xla": chain(lambda o, z, w: xla(o, z, norm_w, w))}
     for name, cfg in CONFIGS.items():
-        variants[name] = chain(lambda o, z, w, cfg=cfg: gdn_out_proj(o, z, norm_w, w, z_col=0, eps=EPS, config=cfg))
+        variants[name] = chain(lambda o, z, w, cfg=cfg: gdn_out_proj(o, z, norm_w, w, z_col=0, eps=EPS, config=cfg,
+                                                                          interpret=INTERPRET))
     want = None
     fns = {}
     for name, fn in variants.items():

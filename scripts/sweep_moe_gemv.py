@@ -9,6 +9,7 @@ variant and the fastest as `moe.DEFAULT_CONFIG` (the steps traced again), 32 rou
 
     python scripts/sweep_moe_gemv.py --engine                  # one GPU, about 4 minutes
     python scripts/sweep_moe_gemv.py --variants 'base;mma s8'  # named variants only
+    python scripts/sweep_moe_gemv.py --smoke                   # tiny shapes in interpret mode (CPU): the script runs
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pallas_kernels import fp8_matmul, moe  # noqa: E402
 from pallas_kernels.reference import SharedExpert  # noqa: E402
 
 E, K, H, I, LAYERS = 256, 8, 2048, 512, 8  # noqa: E741 (the module docstrings' names)
+INTERPRET = False
 _B, _R = moe.DEFAULT_CONFIG, dataclasses.replace
 VARIANTS = {
     "base": _B,
@@ -76,7 +78,8 @@ def sweep(fp8: bool, names: list[str], reps: int, calls: int = 20) -> dict[str, 
     for name in names:
         def chain(x, layers, logits, cfg=VARIANTS[name]):
             for (gate_up, down, shared, gate), lg in zip(layers, logits):
-                out = moe.moe_experts_routed(x, lg, gate_up, down, shared, gate, top_k=K, config=cfg)[0]
+                out = moe.moe_experts_routed(x, lg, gate_up, down, shared, gate, top_k=K, config=cfg,
+                                             interpret=INTERPRET)[0]
                 x = (out * 0.5 + x.astype(jnp.float32)).astype(jnp.bfloat16)
             return x
         start = time.perf_counter()
@@ -136,7 +139,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-fp8", action="store_true", help="bf16 weights only")
     p.add_argument("--engine", action="store_true", help="then the one-lane round: the first and the fastest")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (FP8's 128-blocks) in interpret mode, no engine")
     args = p.parse_args()
+    if args.smoke:
+        global E, K, H, I, LAYERS, INTERPRET  # noqa: E741
+        E, K, H, I, LAYERS, INTERPRET = 8, 2, 128, 128, 2, True  # noqa: E741
+        args.reps, args.engine = 1, False
     names = args.variants.split(";")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
