@@ -48,6 +48,8 @@ VARIANTS = {
     "mma s4 bn64": _R(_B, gemv_mma=True, gemv_splits=4, gemv_block_n=64),
     "mma s4 st3": _R(_B, gemv_mma=True, gemv_splits=4, gemv_num_stages=3),
     "mma s4 d4": _R(_B, gemv_mma=True, gemv_splits=4, gemv_down_splits=4),
+    "mma s16 w1": _R(_B, gemv_mma=True, gemv_num_warps=1),  # one warp holds a 16-row tile's MMA
+    "mma s8 w1": _R(_B, gemv_mma=True, gemv_splits=8, gemv_num_warps=1),
 }
 
 
