@@ -1,6 +1,6 @@
-"""The prefix cache in every KV profile (spec §3.1, §11.2, §13.3) on the tiny model (fp32, 4 layers): inside a
-profile, a resumed request (a Device tap, a Device endpoint with its tail, a Host-only restore, a persisted file
-after a restart) and the §13.3 scenarios that write and read pages (multi-turn copy-on-write tails, a shared
+"""The prefix cache in the KV profiles' page layouts (spec §3.1, §11.2, §13.3) on the tiny model (fp32, 4 layers):
+inside a profile, a resumed request (a Device tap, a Device endpoint with its tail, a Host-only restore, a persisted
+file after a restart) and the §13.3 scenarios that write and read pages (multi-turn copy-on-write tails, a shared
 preamble among concurrent sessions, identical prompts together, a cancelled prefill's published blocks) give the
 tokens and first logprobs the same profile gives without reuse, and the pages' bytes move unchanged."""
 
@@ -28,14 +28,14 @@ LONG = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=
 NO_REUSE = dataclasses.replace(GREEDY, prefix_cache=False)
 SMALL = {"max_concurrency": 1, "prefill_chunk": 128, "max_model_len": 512, "output_window": 64,
          "kv_capacity": 16 * 64, "host_cache_mib": 4, "warmup": False}
-# One attention layer of 2 KV heads of 64 dims. Per token and head, K + V: bfloat16 2 x 128 B; int8 2 x (64 + 2 B
-# of one float16 scale, its group capped at 64); fp8 the same (one float16 scale for the 64-value row); k8v4 the
-# FP8 K (64 + 2) + the NVFP4 V (32 B of nibbles + 4 FP8 scales); nvfp4 2 x (32 + 4). Times 2 heads.
-BYTES_PER_TOKEN = {"bfloat16": 512, "int8": 264, "fp8": 264, "k8v4": 204, "nvfp4": 144}
-# The quantized profiles run the resumes and scenarios below: bfloat16 pages move as raw bytes as the activations'
-# dtype's do, whose resumes and scenarios are the rest of tests/engine_cache/ (and bf16 pages move bit-exactly in
-# test_host_tier.py)
-QUANTIZED = [p for p in BYTES_PER_TOKEN if p != "bfloat16"]
+# The page layouts the resumes and scenarios below run in, with their bytes. One attention layer of 2 KV heads of 64
+# dims; per token and head, K + V: int8 2 x (64 + 2 B of one float16 scale, its group capped at 64); k8v4 the FP8 K
+# (64 + 2) + the NVFP4 V (32 B of nibbles + 4 FP8 scales); nvfp4 2 x (32 + 4). Times 2 heads. fp8's pages at these
+# heads are int8's layout (one float16 scale for the 64-value row; the two codecs are tests/kernels/test_kv_quant.py's);
+# bfloat16 pages move as raw bytes as the activations' dtype's do, whose resumes and scenarios are the rest of
+# tests/engine_cache/ (and bf16 pages move bit-exactly in test_host_tier.py). Every profile's page bytes:
+# test_auto_capacity_and_the_host_slabs_take_the_profiles_page_bytes.
+BYTES_PER_TOKEN = {"int8": 264, "k8v4": 204, "nvfp4": 144}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def same_as_without_reuse(engine, prompt, cached, source, host):
     assert_same_output(resumed, engine.generate(prompt, NO_REUSE))
 
 
-@pytest.mark.parametrize("profile", QUANTIZED)
+@pytest.mark.parametrize("profile", list(BYTES_PER_TOKEN))
 def test_resumes_inside_a_profile_equal_its_runs_without_reuse(checkpoint, tmp_path, profile):
     path = tmp_path / "prefix.cache"
     engine = Engine.from_pretrained(checkpoint, kv_dtype=profile, prefix_cache_file=str(path), **SMALL)
@@ -83,7 +83,7 @@ WIDE = {"max_concurrency": 4, "prefill_chunk": 128, "max_model_len": 1024, "outp
         "tap_min_gap_tokens": 128, "device_snapshot_slots": 12, "warmup": False}
 
 
-@pytest.mark.parametrize("profile", QUANTIZED)
+@pytest.mark.parametrize("profile", list(BYTES_PER_TOKEN))
 def test_the_page_writing_scenarios_inside_a_profile_equal_its_runs_without_reuse(checkpoint, profile):
     engine = Engine.from_pretrained(checkpoint, kv_dtype=profile, **WIDE)
 
