@@ -12,11 +12,12 @@ import pytest
 
 from kernel_support import lower_for_h200
 from ninfer_jax.benchmarks.models import model_config, pack_config
-from ninfer_jax.model import ops, qwen3_5
+from ninfer_jax.model import qwen3_5
 from ninfer_jax.model.random_init import random_params
 from ninfer_jax.model.state import init_device_state
+from ninfer_jax.runtime import startup
+from ninfer_jax.runtime.options import EngineOptions
 from pallas_kernels import fp8_gemm
-from pallas_kernels.paged_attention import PrefillConfig
 
 PAGES, SLOTS, ROWS, LANES = 8, 2, 256, 4
 S, I32 = jax.ShapeDtypeStruct, jnp.int32
@@ -35,9 +36,8 @@ def _setup(name: str, weights: str, monkeypatch, pages: int = PAGES):
     fp8 = weights != "bf16"
     params = jax.eval_shape(lambda: random_params(cfg, fp8=fp8))
     state = jax.eval_shape(lambda: init_device_state(cfg, pages, SLOTS, jnp.bfloat16, jnp.bfloat16))
-    kc = ops.KernelConfig("pallas", False, PrefillConfig(impl="pallas"), fuse_gdn_decode=True, fuse_add_norm=True,
-                          fuse_moe_route=True, fuse_attn_qkv=True, fuse_gdn_conv=True, fuse_gdn_out=True,
-                          fp8_activations=fp8)
+    kc = startup.kernel_config(EngineOptions(kernels="pallas", prefill_attention="pallas",
+                                             fp8_activations="dynamic" if fp8 else "weight-only"))
     return cfg, params, state, kc
 
 
