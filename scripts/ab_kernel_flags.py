@@ -52,7 +52,7 @@ def main() -> int:
 
     import jax
 
-    from ninfer_jax.benchmarks.profiling import round_engine, time_rounds
+    from ninfer_jax.benchmarks.profiling import alternate_rounds, round_engine
 
     lanes = [int(x) for x in args.lanes.split(",")]
     start = time.perf_counter()
@@ -60,18 +60,10 @@ def main() -> int:
     print(f"engine {args.model} {args.weights}: {time.perf_counter() - start:.1f} s", flush=True)
     base = engine.runner.kernels
     variants = [(v.strip(), dataclasses.replace(base, **parse_variant(v, base))) for v in args.variants.split(";")]
-    ms = {(name, n): [] for name, _ in variants for n in lanes}
     try:
-        for rep in range(args.reps):
-            for name, kc in variants:
-                engine.runner.kernels = kc
-                for n in lanes:
-                    start = time.perf_counter()
-                    time_rounds(engine, n, 1, False)
-                    first = time.perf_counter() - start
-                    ms[(name, n)].append(time_rounds(engine, n, args.rounds, False) * 1e3)
-                    print(f"rep {rep} [{name}] {n} lanes: {ms[(name, n)][-1]:.3f} ms a round (first round "
-                          f"{first:.1f} s)", flush=True)
+        # KernelConfig is a static argument of the steps: a new one traces and compiles them again
+        ms = alternate_rounds(engine, [(name, lambda kc=kc: setattr(engine.runner, "kernels", kc))
+                                       for name, kc in variants], lanes, args.rounds, args.reps)
     finally:
         engine.runner.kernels = base
         engine.stop()

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ninfer_jax.benchmarks.profiling import alternate_calls, first_calls
 from pallas_kernels.gdn_out_proj import GdnOutConfig, gdn_out_proj
 from pallas_kernels.reference import gated_rms_norm
 
@@ -71,28 +71,13 @@ def main() -> None:
     for name, cfg in CONFIGS.items():
         variants[name] = chain(lambda o, z, w, cfg=cfg: gdn_out_proj(o, z, norm_w, w, z_col=0, eps=EPS, config=cfg,
                                                                           interpret=INTERPRET))
-    want = None
-    fns = {}
-    for name, fn in variants.items():
-        start = time.perf_counter()
-        try:
-            out = np.asarray(fn(ws, os_, zs), np.float32)
-        except Exception as error:  # a config Triton cannot compile: reported, the sweep goes on
-            print(f"[{name}] failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            continue
-        want = out if want is None else want
-        fns[name] = fn
-        print(f"[{name}] compiled and ran in {time.perf_counter() - start:.1f} s; max |diff| from xla "
-              f"{np.abs(out - want).max():.3e} (|out| {np.abs(want).max():.2e})", flush=True)
-    times = {name: [] for name in fns}
-    for _ in range(args.reps):
-        for name, fn in fns.items():
-            fn(ws, os_, zs).block_until_ready()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                y = fn(ws, os_, zs)
-            y.block_until_ready()
-            times[name].append((time.perf_counter() - start) / args.calls / LAYERS * 1e6)
+    ran = first_calls(variants, ws, os_, zs)
+    want = next(iter(ran.values()))[0] if ran else None  # XLA's output, unless it failed
+    for name, (out, seconds) in ran.items():
+        print(f"[{name}] compiled and ran in {seconds:.1f} s; max |diff| from xla {np.abs(out - want).max():.3e} "
+              f"(|out| {np.abs(want).max():.2e})", flush=True)
+    times = alternate_calls({name: variants[name] for name in ran}, ws, os_, zs, reps=args.reps, calls=args.calls)
+    times = {name: [t / LAYERS * 1e6 for t in ts] for name, ts in times.items()}
     base = statistics.median(times["xla"]) if "xla" in times else None
     gb = HV * DV * N * 2 / 1e9
     for name, t in times.items():

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's bf16 weights on an H100 (--engine)
 
@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ninfer_jax.benchmarks.profiling import alternate_calls, alternate_rounds, first_calls, round_engine  # noqa: E402
 from pallas_kernels import fp8_matmul, moe  # noqa: E402
 from pallas_kernels.reference import SharedExpert  # noqa: E402
 
@@ -76,33 +77,23 @@ def sweep(fp8: bool, names: list[str], reps: int, calls: int = 20) -> dict[str, 
     logits = [jax.random.normal(jax.random.PRNGKey(100 + i), (1, E), jnp.float32) for i in range(LAYERS)]
     x0 = jax.random.normal(jax.random.PRNGKey(7), (1, H), jnp.float32).astype(jnp.bfloat16)
     kind = "fp8" if fp8 else "bf16"
-    fns, outs = {}, {}
-    for name in names:
-        def chain(x, layers, logits, cfg=VARIANTS[name]):
-            for (gate_up, down, shared, gate), lg in zip(layers, logits):
-                out = moe.moe_experts_routed(x, lg, gate_up, down, shared, gate, top_k=K, config=cfg,
-                                             interpret=INTERPRET)[0]
-                x = (out * 0.5 + x.astype(jnp.float32)).astype(jnp.bfloat16)
-            return x
-        start = time.perf_counter()
-        try:
-            outs[name] = np.asarray(jax.jit(chain)(x0, layers, logits), np.float32)
-        except Exception as error:  # a config Triton cannot compile: reported, the sweep goes on
-            print(f"{kind} [{name}] failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            continue
-        fns[name] = jax.jit(chain)
-        diff = np.abs(outs[name] - outs[names[0]]).max() if names[0] in outs else float("nan")
-        print(f"{kind} [{name}] compiled and ran in {time.perf_counter() - start:.1f} s; max |diff| from "
-              f"[{names[0]}] {diff:.3e}", flush=True)
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            fn(x0, layers, logits).block_until_ready()
-            start = time.perf_counter()
-            for _ in range(calls):
-                y = fn(x0, layers, logits)
-            y.block_until_ready()
-            times[name].append((time.perf_counter() - start) / calls / LAYERS * 1e6)
+
+    def chain(x, layers, logits, cfg):
+        for (gate_up, down, shared, gate), lg in zip(layers, logits):
+            out = moe.moe_experts_routed(x, lg, gate_up, down, shared, gate, top_k=K, config=cfg,
+                                         interpret=INTERPRET)[0]
+            x = (out * 0.5 + x.astype(jnp.float32)).astype(jnp.bfloat16)
+        return x
+
+    print(f"{kind} weights, {LAYERS} layers chained:", flush=True)
+    fns = {name: jax.jit(functools.partial(chain, cfg=VARIANTS[name])) for name in names}
+    ran = first_calls(fns, x0, layers, logits)
+    for name, (out, seconds) in ran.items():
+        diff = np.abs(out - ran[names[0]][0]).max() if names[0] in ran else float("nan")
+        print(f"{kind} [{name}] compiled and ran in {seconds:.1f} s; max |diff| from [{names[0]}] {diff:.3e}",
+              flush=True)
+    times = alternate_calls({name: fns[name] for name in ran}, x0, layers, logits, reps=reps, calls=calls)
+    times = {name: [t / LAYERS * 1e6 for t in ts] for name, ts in times.items()}
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians.get(names[0])
     for name, us in medians.items():
@@ -114,24 +105,19 @@ def sweep(fp8: bool, names: list[str], reps: int, calls: int = 20) -> dict[str, 
 
 def engine_rounds(names: list[str], reps: int) -> None:
     """The 35B-A3B's one-lane round with each named variant as `moe.DEFAULT_CONFIG`, alternated."""
-    from ninfer_jax.benchmarks.profiling import round_engine, time_rounds
+    def apply(name):
+        moe.DEFAULT_CONFIG = VARIANTS[name]
+        jax.clear_caches()  # the config is read while tracing
 
     engine = round_engine("35b-a3b", 1)
-    ms = {name: [] for name in names}
     try:
-        for rep in range(reps):
-            for name in names:
-                moe.DEFAULT_CONFIG = VARIANTS[name]
-                jax.clear_caches()  # the config is read while tracing
-                time_rounds(engine, 1, 1, False)
-                ms[name].append(time_rounds(engine, 1, 32, False) * 1e3)
-                print(f"rep {rep} [{name}] one-lane round {ms[name][-1]:.3f} ms", flush=True)
+        ms = alternate_rounds(engine, [(name, functools.partial(apply, name)) for name in names], [1], 32, reps)
     finally:
         moe.DEFAULT_CONFIG = _B
         engine.stop()
-    base = statistics.median(ms[names[0]])
+    base = statistics.median(ms[(names[0], 1)])
     for name in names:
-        m = statistics.median(ms[name])
+        m = statistics.median(ms[(name, 1)])
         print(f"round [{name}] {m:.3f} ms ({m / base:.4f}x)", flush=True)
 
 

@@ -190,6 +190,58 @@ def time_rounds(engine, lanes: int, rounds: int, sync: bool, position: int = 102
     return (time.perf_counter() - start) / rounds
 
 
+def alternate_rounds(engine, variants, lanes: list[int], rounds: int, reps: int) -> dict:
+    """Milliseconds a round, back to back, of each variant at each lane count: variants are (name, apply) pairs,
+    apply() putting that variant in place before its rounds (one untimed round at each lane count compiles what it
+    changed), taken in turn `reps` times so the machine's drift spreads over all. Returns {(name, lanes): [ms]}."""
+    ms = {(name, n): [] for name, _ in variants for n in lanes}
+    for rep in range(reps):
+        for name, apply in variants:
+            apply()
+            for n in lanes:
+                start = time.perf_counter()
+                time_rounds(engine, n, 1, False)
+                first = time.perf_counter() - start
+                ms[(name, n)].append(time_rounds(engine, n, rounds, False) * 1e3)
+                print(f"rep {rep} [{name}] {n} lanes: {ms[(name, n)][-1]:.3f} ms a round (first round {first:.1f} s)",
+                      flush=True)
+    return ms
+
+
+def first_calls(fns: dict, *args) -> dict:
+    """Each function's first call on `args` (its compile), as {name: (output as a float32 numpy array, seconds)} for
+    those that ran; one that raises (a config its compiler refuses) is reported and left out."""
+    import numpy as np
+
+    ran = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        try:
+            out = np.asarray(fn(*args), np.float32)
+        except Exception as error:  # a sweep goes on past a variant that does not build
+            print(f"[{name}] failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            continue
+        ran[name] = (out, time.perf_counter() - start)
+    return ran
+
+
+def alternate_calls(fns: dict, *args, reps: int, calls: int) -> dict[str, list[float]]:
+    """Seconds a call of each function on `args`: `calls` of them dispatched back to back and waited for once, after
+    an untimed one, the functions taken in turn `reps` times. Returns {name: [seconds a call, one a rep]}."""
+    import jax
+
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            jax.block_until_ready(fn(*args))
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / calls)
+    return times
+
+
 ROUND_DISPATCH = "the runner's whole round (packing and output copies included)"
 # How `dispatch_by_input` hands the step alone its two per-round inputs: each a numpy array transferred by the call,
 # one device buffer reused by every call, or a new device buffer each call (placed before the timed call).
