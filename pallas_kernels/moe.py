@@ -17,7 +17,9 @@ many rows a expert take `fp8_gemm.grouped_gemm` instead of the two kernels (`_gr
      row, so XLA runs a single-operand sort) and pads each expert's run to a multiple of BM. Decode
      (1-8 lanes, R <= 64): `_rows_as_tiles` gives every routed row a 16-row tile of its own (row r, then
      padding): no sort, and each tile streams exactly its row's expert (the 15 padding rows ride along
-     free on the tensor cores), so HBM traffic is the used experts' bytes. Results: `sorted_rows` [P]
+     free on the tensor cores), an expert two rows use twice; with `MoeConfig.decode_share_tiles` the kernels
+     find the rows of each tile's expert themselves (`_tile`) and one tile takes them all, so HBM traffic is
+     the used experts' bytes, with no layout kernel. Results: `sorted_rows` [P]
      (the source row r of each slot, R for padding) and `tile_expert` [P / BM] (the one expert of each
      row tile, -1 past the used tiles). Prefill P has the static bound R + min(E, R) * (BM - 1), so no
      tile straddles two experts and no shape depends on the routing.
@@ -91,6 +93,9 @@ class MoeConfig:
     decode_down_block_k: int = 256
     decode_num_warps: int = 4
     decode_num_stages: int = 4
+    # Decode rows routed to one expert share its tiles (`_tile`), so a round reads each used expert once; off: every
+    # row streams its expert alone (8 lanes of the 35B-A3B route 64 rows to about 57 experts)
+    decode_share_tiles: bool = True
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
     # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
     # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
@@ -119,7 +124,7 @@ class MoeConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 0:
+            if not isinstance(v, int) or v < 0:  # bools are ints
                 raise ValueError(f"MoeConfig.{f.name} must be a non-negative int, got {v!r}")
             if "block" in f.name and not is_pow2(v, 16):
                 raise ValueError(f"MoeConfig.{f.name} must be a power of two >= 16, got {v}")
@@ -251,22 +256,20 @@ def _operands(w) -> tuple:
 # Kernels: grouped matmul over row tiles of one expert each.
 
 
-def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, fp8_rows: bool, top_k: int,
-                    num_rows: int, block_m: int, block_n: int, block_k: int):
-    # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32 (source row r, or R for padding)
-    # x_ref: [T, H]                       refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
+def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int, block_m: int, block_n: int,
+                    block_k: int, share_tiles: bool):
+    # the layout refs (`_tile`), then x_ref: [T, H]; refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
     #   weight [E, H, 2I] (see _Weight); then act_ref, and with fp8_rows act_scale_ref
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
     #   row's BN columns over its scale act_scale_ref[P, I / BN] (largest magnitude at 448)
+    n, m = pl.program_id(0), pl.program_id(1)
+    e, rows, (x_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles)
     x_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
     gate_up, (act_ref, *act_scale_ref) = _Weight.take(refs, fp8)
-    n, m = pl.program_id(0), pl.program_id(1)
-    e = tile_expert_ref[m]
     hidden, inter = x_ref.shape[1], act_ref.shape[1]
 
     @pl.when(e >= 0)
     def _():
-        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM]
         tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding rows read token 0
 
         def body(i, acc):
@@ -292,14 +295,15 @@ def _gate_up_kernel(tile_expert_ref, sorted_rows_ref, x_ref, *refs, fp8: bool, f
             act_ref[tile] = act.astype(act_ref.dtype)
 
 
-def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n,
-                 block_k, num_warps, num_stages, interpret, x_scales=None):
+def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n, block_k, num_warps,
+                 num_stages, interpret, x_scales=None):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
-    (act FP8 [P, I], its scales [P, I / block_n])."""
-    num_tiles = tile_expert.shape[0]
+    (act FP8 [P, I], its scales [P, I / block_n]). layout: (tile_expert, sorted_rows), or (expert ids,) (`_tile`)."""
+    num_tiles = layout[0].shape[0]
     fp8_rows = x_scales is not None
     kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
-                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
+                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
+                               share_tiles=len(layout) == 1)
     act = jax.ShapeDtypeStruct((num_tiles * block_m, inter), jnp.float8_e4m3fn if fp8_rows else act_dtype)
     scales = [jax.ShapeDtypeStruct((num_tiles * block_m, inter // block_n), jnp.float32)] if fp8_rows else []
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
@@ -312,25 +316,23 @@ def gate_up_call(tile_expert, sorted_rows, x, gate_up, *, act_dtype, top_k, num_
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_gate_up_fp8_rows" if fp8_rows else "moe_gate_up",
-    )(tile_expert, sorted_rows, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
+    )(*layout, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
 
 
-def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *refs, fp8: bool, fp8_rows: bool,
-                 num_rows: int, block_m: int, block_n: int, block_k: int):
-    # tile_expert_ref: [P / BM] int32     sorted_rows_ref: [P] int32     row_weight_ref: [R + 1] f32 (0 at R)
+def _down_kernel(*refs, fp8: bool, fp8_rows: bool, num_rows: int, block_m: int, block_n: int, block_k: int,
+                 share_tiles: bool):
+    # the layout refs (`_tile`), then row_weight_ref: [R + 1] f32 (0 at R)
     # act_ref: [P, I] (FP8 with fp8_rows) refs: with fp8_rows act's scales [P, I / G] first (G a multiple of BK);
     #   the down weight [E, I, H] (see _Weight), then y_ref
     # y_ref (out): [R + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
+    n, m = pl.program_id(0), pl.program_id(1)
+    e, rows, (row_weight_ref, act_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles)
     act_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
     down, (y_ref,) = _Weight.take(refs, fp8)
-    n, m = pl.program_id(0), pl.program_id(1)
-    e = tile_expert_ref[m]
     inter = act_ref.shape[1]
 
     @pl.when(e >= 0)
     def _():
-        rows = sorted_rows_ref[pl.ds(m * block_m, block_m)]  # [BM], R marks padding
-
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
@@ -346,14 +348,16 @@ def _down_kernel(tile_expert_ref, sorted_rows_ref, row_weight_ref, act_ref, *ref
         y_ref[rows, pl.ds(n * block_n, block_n)] = (acc * weight[:, None]).astype(y_ref.dtype)
 
 
-def down_call(tile_expert, sorted_rows, row_weight, act, down, *, hidden, block_m, block_n, block_k,
-              num_warps, num_stages, interpret, act_scales=None, out_dtype=None):
-    """y [R + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G])."""
-    num_tiles = tile_expert.shape[0]
+def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_k, num_warps, num_stages, interpret,
+              act_scales=None, out_dtype=None):
+    """y [R + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
+    `gate_up_call`'s."""
+    num_tiles = layout[0].shape[0]
     num_rows = row_weight.shape[0] - 1
     fp8_rows = act_scales is not None
     kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
-                               num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k)
+                               num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
+                               share_tiles=len(layout) == 1)
     # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
@@ -363,7 +367,7 @@ def down_call(tile_expert, sorted_rows, row_weight, act, down, *, hidden, block_
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_down_fp8_rows" if fp8_rows else "moe_down",
-    )(tile_expert, sorted_rows, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down))
+    )(*layout, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down))
 
 
 def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
@@ -523,6 +527,27 @@ def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
     tile_expert = jnp.sum(padded_end[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile_expert < num_experts, tile_expert, -1)
     return sorted_rows, tile_expert
+
+
+def _tile(refs, m, block_m: int, num_rows: int, share_tiles: bool):
+    """Row tile m's expert (-1: the tile holds no rows), its BM source rows (R marks padding) and the refs after the
+    layout's. The layout refs: (tile_expert, sorted_rows) as `align_rows` or `_rows_as_tiles` give them; with
+    share_tiles the decode rows' experts [R] alone (R a power of two): tile m holds row m and the next BM - 1 rows of
+    its expert, in row order, where m's rank among that expert's rows is a multiple of BM; the other tiles hold none.
+    Every row then lies in exactly one tile, and each used expert is read once per BM of its rows."""
+    if not share_tiles:
+        tile_expert_ref, sorted_rows_ref, *rest = refs
+        return tile_expert_ref[m], sorted_rows_ref[pl.ds(m * block_m, block_m)], rest
+    ids_ref, *rest = refs
+    e = ids_ref[m]
+    same = (ids_ref[...] == e).astype(jnp.int32)  # [R]
+    rank = jnp.cumsum(same) - 1  # each of e's rows' rank among them
+    row = lax.broadcasted_iota(jnp.int32, (num_rows,), 0)
+    first = jnp.sum(jnp.where(row == m, rank, 0))
+    wanted = lax.broadcasted_iota(jnp.int32, (block_m, num_rows), 0) + first  # [BM, R]
+    hit = (same[None, :] == 1) & (rank[None, :] == wanted)
+    rows = jnp.min(jnp.where(hit, row[None, :], num_rows), axis=1)
+    return jnp.where(first % block_m == 0, e, -1), rows, rest
 
 
 def _rows_as_tiles(flat_ids: jax.Array, block_m: int):
@@ -702,13 +727,13 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
-        sorted_rows, tile_expert = _rows_as_tiles(flat_ids, block_m)
+        layout = (flat_ids,) if cfg.decode_share_tiles and is_pow2(rows) else _rows_as_tiles(flat_ids, block_m)[::-1]
         bn, bk, dbn, dbk = _blocks(fp8, cfg.decode_block_n, cfg.decode_block_k, cfg.decode_down_block_n,
                                    cfg.decode_down_block_k)
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_m = cfg.block_m
-        sorted_rows, tile_expert = align_rows(flat_ids, num_experts, block_m)
+        layout = align_rows(flat_ids, num_experts, block_m)[::-1]
         bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
     bn = _block(bn, inter, "I")
@@ -718,14 +743,14 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
         x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
         dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
     act = gate_up_call(
-        tile_expert, sorted_rows, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
+        layout, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
         block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
         num_stages=stages, interpret=interpret, x_scales=x_scales)
     if fp8_rows:
         act, act_scales = act
     row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
     y = down_call(
-        tile_expert, sorted_rows, row_weight, act, down, hidden=h, block_m=block_m,
+        layout, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret, act_scales=act_scales, out_dtype=dtype)
     return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)

@@ -8,7 +8,11 @@ shapes) and alternating spreads the machine's drift over every variant; `ab_deco
 
     python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=0' --lanes 1,8
     python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=0' --lanes 1
+    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;moe.decode_share_tiles=1' --lanes 4,8
     python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
+
+A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from (they are read
+while tracing, so jax's caches are cleared and the steps traced again).
 """
 
 from __future__ import annotations
@@ -23,18 +27,29 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's bf16 weights on an H100
 
 
-def parse_variant(text: str, kernel_config) -> dict:
-    """'base' or comma-separated KernelConfig field=value (0 / 1 for switches) -> the fields to replace."""
+def parse_variant(text: str, kernel_config, moe_config) -> tuple[dict, dict]:
+    """'base' or comma-separated KernelConfig field=value and moe.MoeConfig-field=value items (0 / 1 for switches,
+    integers as such) -> (the KernelConfig fields to replace, the MoeConfig fields to replace)."""
+    kc, mc = {}, {}
     if text.strip() == "base":
-        return {}
-    fields = [f.name for f in dataclasses.fields(kernel_config)]
-    out = {}
+        return kc, mc
     for item in text.split(","):
         name, _, value = item.strip().partition("=")
+        into, config = (mc, moe_config) if name.startswith("moe.") else (kc, kernel_config)
+        name = name.removeprefix("moe.")
+        fields = [f.name for f in dataclasses.fields(config)]
         if name not in fields or not value:
-            raise SystemExit(f"--variants: {item!r} is not KernelConfig field=value (fields: {', '.join(fields)})")
-        out[name] = bool(int(value)) if value in ("0", "1") else value
-    return out
+            raise SystemExit(f"--variants: {item!r} is not [moe.]field=value (fields: {', '.join(fields)})")
+        into[name] = bool(int(value)) if value in ("0", "1") else int(value) if value.isdigit() else value
+    return kc, mc
+
+
+def moe_configs(fields: dict, base: dict) -> None:
+    """Put base's MoeConfigs back in `pallas_kernels.moe`, each with `fields` replaced."""
+    from pallas_kernels import moe
+
+    for name, config in base.items():
+        setattr(moe, name, dataclasses.replace(config, **fields))
 
 
 def main() -> int:
@@ -58,20 +73,32 @@ def main() -> int:
     start = time.perf_counter()
     engine = round_engine(args.model, max(lanes), weights=args.weights)
     print(f"engine {args.model} {args.weights}: {time.perf_counter() - start:.1f} s", flush=True)
+    from pallas_kernels import moe
+
     base = engine.runner.kernels
-    variants = [(v.strip(), dataclasses.replace(base, **parse_variant(v, base))) for v in args.variants.split(";")]
-    try:
+    moe_base = {name: c for name, c in vars(moe).items() if isinstance(c, moe.MoeConfig)}
+    variants = [(v.strip(), *parse_variant(v, base, moe.DEFAULT_CONFIG)) for v in args.variants.split(";")]
+    retrace = any(mc for _, _, mc in variants)
+
+    def apply(kc, mc):
         # KernelConfig is a static argument of the steps: a new one traces and compiles them again
-        ms = alternate_rounds(engine, [(name, lambda kc=kc: setattr(engine.runner, "kernels", kc))
-                                       for name, kc in variants], lanes, args.rounds, args.reps)
+        engine.runner.kernels = dataclasses.replace(base, **kc)
+        if retrace:
+            moe_configs(mc, moe_base)
+            jax.clear_caches()
+
+    try:
+        ms = alternate_rounds(engine, [(name, lambda kc=kc, mc=mc: apply(kc, mc)) for name, kc, mc in variants],
+                              lanes, args.rounds, args.reps)
     finally:
         engine.runner.kernels = base
+        moe_configs({}, moe_base)
         engine.stop()
     print(f"{args.model} {args.weights} on {jax.devices()[0].device_kind}, medians of {args.reps}:")
     for n in lanes:
         ref = statistics.median(ms[(variants[0][0], n)])
         print(f"  {n} lanes: " + ", ".join(f"[{name}] {statistics.median(ms[(name, n)]):.3f} ms "
-                                          f"({statistics.median(ms[(name, n)]) / ref:.4f}x)" for name, _ in variants))
+                                          f"({statistics.median(ms[(name, n)]) / ref:.4f}x)" for name, *_ in variants))
     return 0
 
 

@@ -143,11 +143,11 @@ def stage_times(cfg, sets, gate_up, down, interpret, reps):
     glue = jax.jit(lambda ids: moe.align_rows(ids.reshape(-1), e, bm))
     metas = [glue(s[1]) for s in sets]
     gu = jax.jit(lambda sr, te, x, w: moe.gate_up_call(
-        te, sr, x, w, act_dtype=w.dtype, top_k=k, num_rows=x.shape[0] * k, inter=inter, block_m=bm, block_n=bn,
+        (te, sr), x, w, act_dtype=w.dtype, top_k=k, num_rows=x.shape[0] * k, inter=inter, block_m=bm, block_n=bn,
         block_k=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret))
     acts = [gu(*m, s[0], gate_up) for m, s in zip(metas, sets)]
     dn = jax.jit(lambda sr, te, rw, act, w: moe.down_call(
-        te, sr, rw, act, w, hidden=h, block_m=bm, block_n=dbn, block_k=dbk,
+        (te, sr), rw, act, w, hidden=h, block_m=bm, block_n=dbn, block_k=dbk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret))
     rws = [jnp.concatenate([s[2].reshape(-1), jnp.zeros((1,), jnp.float32)]) for s in sets]
     return {  # weights are arguments, never closed-over constants

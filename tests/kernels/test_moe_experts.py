@@ -23,9 +23,11 @@ from pallas_kernels import reference as ref
 
 E, K, H, I = 8, 2, 64, 32
 
-# Prefill path with 16-row tiles (several tiles per expert, padding in most); the tiled decode path.
+# Prefill path with 16-row tiles (several tiles per expert, padding in most); the tiled decode path, its rows sharing
+# their experts' tiles (the default) or a tile each.
 PREFILL = moe.MoeConfig(block_m=16, decode_max_rows=0, gemv_max_rows=0)
 DECODE = moe.MoeConfig(gemv_max_rows=0)
+ROW_TILES = moe.MoeConfig(gemv_max_rows=0, decode_share_tiles=False)
 
 
 def _inputs(seed: int, t: int, dtype, routing: str):
@@ -86,7 +88,7 @@ def test_prefill_path_matches_reference(t, routing, dtype):
 @pytest.mark.parametrize("routing", ["router", "one_expert"])
 @pytest.mark.parametrize("t", [1, 8])
 def test_decode_path_matches_reference(t, routing, dtype):
-    _check(DECODE, t, dtype, routing)
+    _check(ROW_TILES, t, dtype, routing)
 
 
 @pytest.mark.parametrize("t,routing,dtype", [(40, "router", jnp.bfloat16), (13, "one_expert", jnp.float32)])
@@ -122,6 +124,27 @@ def test_default_config_follows_the_rows_per_expert():
 @pytest.mark.parametrize("routing", ["router", "one_expert"])
 def test_wide_decode_config(routing):
     _check(moe.WIDE_DECODE_CONFIG, 8, jnp.bfloat16, routing)
+
+
+@pytest.mark.parametrize("t,routing,dtype", [(8, "router", jnp.float32), (8, "one_expert", jnp.bfloat16),
+                                             (16, "one_expert", jnp.float32), (6, "router", jnp.float32)],
+                         ids=["router", "one-tile-full", "two-tiles-an-expert", "rows-not-a-power-of-two"])
+def test_decode_rows_of_one_expert_share_its_tiles(t, routing, dtype):
+    """decode_share_tiles: 16 rows on one expert fill one tile, 32 take two, R = 12 keeps a tile a row."""
+    _check(DECODE, t, dtype, routing)
+
+
+def test_shared_decode_tiles_lower_to_triton_at_35b_a3b_shapes():
+    """Eight lanes' 64 rows with `_tile`'s in-kernel layout (a cumsum and a [16, R] match) lower to Triton IR, with
+    no layout kernel beside them."""
+    lower_for_h200()
+    e, k, h, i, t = 256, 8, 2048, 512, 8
+    spec = jax.ShapeDtypeStruct
+    args = (spec((t, h), jnp.bfloat16), spec((t, k), jnp.int32), spec((t, k), jnp.float32),
+            spec((e, h, 2 * i), jnp.bfloat16), spec((e, i, h), jnp.bfloat16))
+    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    assert text.count(target) == 2 and "sort" not in text
 
 
 def test_ops_dispatch():
