@@ -108,9 +108,6 @@ class MoeConfig:
     gemv_down_splits: int = 8  # pieces of the I contraction in down
     gemv_num_warps: int = 2
     gemv_num_stages: int = 4
-    # The matrix-vector kernels' products as 16-row tensor-core tiles (the row, then 15 zero rows) instead of
-    # multiply + reduce on the CUDA cores
-    gemv_mma: bool = False
     # FP8 experts with at least this many routed rows per expert (on average) are dequantized to bf16 first
     fp8_dequantize_rows_per_expert: int = 128
     # The model's FP8 x FP8 tiles (fp8_activations, FP8_ROWS_CONFIG) up to this many routed rows per expert: a 35B-A3B
@@ -225,26 +222,6 @@ class _Weight:
         tile = self.ref[(*lead, pl.ds(c0, block_n), pl.ds(k0, block_k))].astype(jnp.float32)  # [BN, BK]
         scale = self.scales[(*lead, c0 // fp8_matmul.BLOCK, k0 // fp8_matmul.BLOCK)]
         return jnp.sum(tile * xv[None, :], axis=1) * scale
-
-    def row(self, xv, e, k0, c0, block_k: int, block_n: int, mma_dtype=None):
-        """`vec`, or with mma_dtype the same products on the tensor cores: xv rounded to it as the first row of a
-        [16, BK] tile of zeros, the product [16, BN] float32 (its rows past the first zero; `_row_sum` takes it)."""
-        if mma_dtype is None:
-            return self.vec(xv, e, k0, c0, block_k, block_n)
-        first = lax.broadcasted_iota(jnp.int32, (_DECODE_BLOCK_M, block_k), 0) == 0
-        xt = jnp.where(first, xv[None, :], 0.0).astype(mma_dtype)
-        return self.dot(xt, e, k0, c0, block_k, block_n)
-
-
-def _row_zero(block_n: int, mma: bool):
-    """The float32 accumulator of `_Weight.row`'s products: [BN], or [16, BN] for its tensor-core tiles."""
-    return jnp.zeros((_DECODE_BLOCK_M, block_n) if mma else (block_n,), jnp.float32)
-
-
-def _row_sum(acc):
-    """The [BN] row of an accumulator of `_Weight.row`'s products: a tile's rows past the first are zeros, so their
-    sum is that row exactly."""
-    return jnp.sum(acc, axis=0) if acc.ndim == 2 else acc
 
 
 def _operands(w) -> tuple:
@@ -371,7 +348,7 @@ def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_
 
 
 def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
-                         block_k: int, steps: int, mma: bool, routes: bool = False):
+                         block_k: int, steps: int, routes: bool = False):
     # route_ref: [T K] int32 the rows' experts; with `routes` the router's float32 logits [T, E] instead: each routed
     # program chooses its token's experts itself (`moe_route.select`), so the router needs no kernel of its own
     # x_ref: [T, H]
@@ -388,20 +365,19 @@ def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, 
     t, j, routed_id = _row(r, top_k, with_shared)
     inter = part_ref.shape[2] // 2
     cdt = x_ref.dtype if fp8 else gate_up.ref.dtype
-    mma_dtype = cdt if mma else None
 
     def accumulate(weight, e):
         def body(i, acc):
             acc_g, acc_u = acc
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
             xv = x_ref[t, pl.ds(k0, block_k)].astype(cdt).astype(jnp.float32)  # [BK]
-            return (acc_g + weight.row(xv, e, k0, n * block_n, block_k, block_n, mma_dtype),
-                    acc_u + weight.row(xv, e, k0, inter + n * block_n, block_k, block_n, mma_dtype))
+            return (acc_g + weight.vec(xv, e, k0, n * block_n, block_k, block_n),
+                    acc_u + weight.vec(xv, e, k0, inter + n * block_n, block_k, block_n))
 
-        zero = _row_zero(block_n, mma)
+        zero = jnp.zeros((block_n,), jnp.float32)
         g, u = lax.fori_loop(0, steps, body, (zero, zero))
-        part_ref[s, r, pl.ds(n * block_n, block_n)] = _row_sum(g)
-        part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = _row_sum(u)
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = g
+        part_ref[s, r, pl.ds(inter + n * block_n, block_n)] = u
 
     def routed():
         if not routes:
@@ -421,7 +397,7 @@ def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, 
 
 
 def _gemv_down_kernel(expert_ids_ref, route_w_ref, gu_ref, *refs, fp8: bool, with_shared: bool, top_k: int,
-                      block_n: int, block_k: int, steps: int, mma: bool, act_dtype):
+                      block_n: int, block_k: int, steps: int, act_dtype):
     # expert_ids_ref, route_w_ref: [T K] int32 / f32    gu_ref: [S, T J, 2I] f32, the gate_up kernel's partial sums
     # refs: the down weight [E, I, H], with the shared expert its down [I, H] (see _Weight) and shared_w_ref [T]
     # f32, then part_ref (out): [S2, T J, H] f32, this program writes row r's column block n summed over split s
@@ -441,10 +417,10 @@ def _gemv_down_kernel(expert_ids_ref, route_w_ref, gu_ref, *refs, fp8: bool, wit
             g = jnp.sum(gu_ref[:, r, pl.ds(k0, block_k)], axis=0)  # [BK]
             u = jnp.sum(gu_ref[:, r, pl.ds(inter + k0, block_k)], axis=0)
             av = (g * jax.nn.sigmoid(g) * u).astype(act_dtype).astype(jnp.float32)  # act rounded as the tiles'
-            return acc + weight.row(av, e, k0, n * block_n, block_k, block_n, act_dtype if mma else None)
+            return acc + weight.vec(av, e, k0, n * block_n, block_k, block_n)
 
-        acc = lax.fori_loop(0, steps, body, _row_zero(block_n, mma))
-        part_ref[s, r, pl.ds(n * block_n, block_n)] = _row_sum(acc) * row_weight
+        acc = lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
+        part_ref[s, r, pl.ds(n * block_n, block_n)] = acc * row_weight
 
     _routed_or_shared(j, top_k, with_shared,
                       lambda: accumulate(down, expert_ids_ref[routed_id], route_w_ref[routed_id]),
@@ -823,7 +799,7 @@ def _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, inter, dtype,
     per_token = k + (1 if shared is not None else 0)
     rows = t * per_token
     common = dict(fp8=fp8, with_shared=shared is not None, rows=rows, top_k=k, num_warps=cfg.gemv_num_warps,
-                  num_stages=cfg.gemv_num_stages, mma=cfg.gemv_mma, interpret=interpret)
+                  num_stages=cfg.gemv_num_stages, interpret=interpret)
     bn, bk, dbn, dbk = _blocks(fp8, cfg.gemv_block_n, cfg.gemv_block_k, cfg.gemv_down_block_n, cfg.gemv_down_block_k)
     shared_gate_up = () if shared is None else _operands(shared.gate_up)
     gate_up_kw = dict(contraction=h, out_cols=inter, width=2 * inter, block_n=_block(bn, inter, "I"),

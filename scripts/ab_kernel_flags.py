@@ -8,7 +8,7 @@ shapes) and alternating spreads the machine's drift over every variant; `ab_deco
 
     python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=0' --lanes 1,8
     python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=0' --lanes 1
-    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;moe.decode_share_tiles=1' --lanes 4,8
+    python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;moe.decode_share_tiles=0' --lanes 4,8
     python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
 
 A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from (they are read

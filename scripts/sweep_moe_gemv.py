@@ -8,7 +8,7 @@ bf16 weights, then block-FP8 (--fp8). --engine: `profiling.round_engine`, then -
 variant and the fastest as `moe.DEFAULT_CONFIG` (the steps traced again), 32 rounds back to back each.
 
     python scripts/sweep_moe_gemv.py --engine                  # one GPU, about 4 minutes
-    python scripts/sweep_moe_gemv.py --variants 'base;mma s8'  # named variants only
+    python scripts/sweep_moe_gemv.py --variants 'base;s8'  # named variants only
     python scripts/sweep_moe_gemv.py --smoke                   # tiny shapes in interpret mode (CPU): the script runs
 """
 
@@ -35,22 +35,20 @@ INTERPRET = False
 _B, _R = moe.DEFAULT_CONFIG, dataclasses.replace
 VARIANTS = {
     "base": _B,
-    "mma s16": _R(_B, gemv_mma=True),
-    "mma s8": _R(_B, gemv_mma=True, gemv_splits=8),
-    "mma s4": _R(_B, gemv_mma=True, gemv_splits=4),
-    "mma s8 w4": _R(_B, gemv_mma=True, gemv_splits=8, gemv_num_warps=4),
-    "mma s4 w4": _R(_B, gemv_mma=True, gemv_splits=4, gemv_num_warps=4),
-    "mma s8 st3": _R(_B, gemv_mma=True, gemv_splits=8, gemv_num_stages=3),
-    "mma s8 bk128": _R(_B, gemv_mma=True, gemv_splits=8, gemv_block_k=128),
-    "mma s4 bk128 w4": _R(_B, gemv_mma=True, gemv_splits=4, gemv_block_k=128, gemv_num_warps=4),
-    "mma s8 bn64": _R(_B, gemv_mma=True, gemv_splits=8, gemv_block_n=64),
-    "mma s8 d4": _R(_B, gemv_mma=True, gemv_splits=8, gemv_down_splits=4),
-    "mma s8 d4 dbk128": _R(_B, gemv_mma=True, gemv_splits=8, gemv_down_splits=4, gemv_down_block_k=128),
-    "mma s4 bn64": _R(_B, gemv_mma=True, gemv_splits=4, gemv_block_n=64),
-    "mma s4 st3": _R(_B, gemv_mma=True, gemv_splits=4, gemv_num_stages=3),
-    "mma s4 d4": _R(_B, gemv_mma=True, gemv_splits=4, gemv_down_splits=4),
-    "mma s16 w1": _R(_B, gemv_mma=True, gemv_num_warps=1),  # one warp holds a 16-row tile's MMA
-    "mma s8 w1": _R(_B, gemv_mma=True, gemv_splits=8, gemv_num_warps=1),
+    "s8": _R(_B, gemv_splits=8),
+    "s32": _R(_B, gemv_splits=32),
+    "w4": _R(_B, gemv_num_warps=4),
+    "w1": _R(_B, gemv_num_warps=1),
+    "st2": _R(_B, gemv_num_stages=2),
+    "st3": _R(_B, gemv_num_stages=3),
+    "bn64": _R(_B, gemv_block_n=64),
+    "bn256": _R(_B, gemv_block_n=256),
+    "bk32": _R(_B, gemv_block_k=32),
+    "bk128 s8": _R(_B, gemv_block_k=128, gemv_splits=8),
+    "d4": _R(_B, gemv_down_splits=4),
+    "d16": _R(_B, gemv_down_splits=16),
+    "dbn64": _R(_B, gemv_down_block_n=64),
+    "dbn256": _R(_B, gemv_down_block_n=256),
 }
 
 

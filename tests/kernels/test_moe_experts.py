@@ -222,12 +222,6 @@ def test_gemv_path_runs_the_shared_expert_as_more_rows(t, dtype):
     _check(dataclasses.replace(GEMV, gemv_max_rows=t * K), t, dtype, "router", shared_inter=I)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_gemv_products_on_tensor_core_tiles_match_reference(dtype):
-    """gemv_mma: each product the first row of a 16-row tile of zeros, the shared expert riding along."""
-    _check(dataclasses.replace(GEMV, gemv_max_rows=K, gemv_mma=True), 1, dtype, "router", shared_inter=I)
-
-
 @pytest.mark.parametrize("cfg, t, shared_inter", [(GEMV, 1, 2 * I), (DECODE, 3, I), (PREFILL, 24, I)],
                          ids=["gemv-other-width", "tiled-decode", "prefill"])
 def test_other_paths_add_the_shared_expert(cfg, t, shared_inter):
