@@ -96,6 +96,9 @@ class MoeConfig:
     # Decode rows routed to one expert share its tiles (`_tile`), so a round reads each used expert once; off: every
     # row streams its expert alone (8 lanes of the 35B-A3B route 64 rows to about 57 experts)
     decode_share_tiles: bool = True
+    # With shared tiles, a shared expert of the experts' I as one more tile of both kernels (one row per token) instead
+    # of two matmuls and their glue
+    decode_shared_tile: bool = False
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
     # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
     # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
@@ -234,20 +237,23 @@ def _operands(w) -> tuple:
 
 
 def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int, block_m: int, block_n: int,
-                    block_k: int, share_tiles: bool):
+                    block_k: int, share_tiles: bool, shared_rows: int):
     # the layout refs (`_tile`), then x_ref: [T, H]; refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
-    #   weight [E, H, 2I] (see _Weight); then act_ref, and with fp8_rows act_scale_ref
+    #   weight [E, H, 2I] (see _Weight), with shared_rows the shared expert's [H, 2I]; then act_ref, and with fp8_rows
+    #   act_scale_ref. Rows: R routed (row r = t K + k), then shared_rows shared ones (row R + t), num_rows in all
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
     #   row's BN columns over its scale act_scale_ref[P, I / BN] (largest magnitude at 448)
     n, m = pl.program_id(0), pl.program_id(1)
-    e, rows, (x_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles)
+    e, rows, (x_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles, shared_rows)
     x_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
-    gate_up, (act_ref, *act_scale_ref) = _Weight.take(refs, fp8)
+    gate_up, refs = _Weight.take(refs, fp8)
+    shared, (act_ref, *act_scale_ref) = _Weight.take(refs, fp8) if shared_rows else (None, refs)
     hidden, inter = x_ref.shape[1], act_ref.shape[1]
+    routed = num_rows - shared_rows
 
-    @pl.when(e >= 0)
-    def _():
-        tokens = jnp.where(rows < num_rows, lax.div(rows, top_k), 0)  # padding rows read token 0
+    def tile(gate_up, e):
+        # padding rows read token 0
+        tokens = jnp.where(rows < routed, lax.div(rows, top_k), jnp.where(rows < num_rows, rows - routed, 0))
 
         def body(i, acc):
             acc_g, acc_u = acc
@@ -263,24 +269,28 @@ def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int,
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, hidden // block_k, body, (zero, zero))
         act = g * jax.nn.sigmoid(g) * u
-        tile = (pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n))
+        out = (pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n))
         if fp8_rows:
             scale = jnp.maximum(jnp.max(jnp.abs(act), axis=1), 1e-12) / fp8_matmul.FP8_MAX
-            act_ref[tile] = (act / scale[:, None]).astype(act_ref.dtype)
+            act_ref[out] = (act / scale[:, None]).astype(act_ref.dtype)
             act_scale_ref[0][pl.ds(m * block_m, block_m), n] = scale
         else:
-            act_ref[tile] = act.astype(act_ref.dtype)
+            act_ref[out] = act.astype(act_ref.dtype)
+
+    _routed_or_shared_tile(e, tile, gate_up, shared)
 
 
 def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n, block_k, num_warps,
-                 num_stages, interpret, x_scales=None):
+                 num_stages, interpret, x_scales=None, shared=None):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
-    (act FP8 [P, I], its scales [P, I / block_n]). layout: (tile_expert, sorted_rows), or (expert ids,) (`_tile`)."""
-    num_tiles = layout[0].shape[0]
+    (act FP8 [P, I], its scales [P, I / block_n]). layout: (tile_expert, sorted_rows), or (expert ids,) (`_tile`);
+    shared: with the expert ids, the shared expert's gate_up, one more tile (`_tile`) of T rows past num_rows."""
+    shared_rows = 0 if shared is None else x.shape[0]
+    num_tiles = layout[0].shape[0] + (shared is not None)
     fp8_rows = x_scales is not None
     kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
-                               top_k=top_k, num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
-                               share_tiles=len(layout) == 1)
+                               top_k=top_k, num_rows=num_rows + shared_rows, block_m=block_m, block_n=block_n,
+                               block_k=block_k, share_tiles=len(layout) == 1, shared_rows=shared_rows)
     act = jax.ShapeDtypeStruct((num_tiles * block_m, inter), jnp.float8_e4m3fn if fp8_rows else act_dtype)
     scales = [jax.ShapeDtypeStruct((num_tiles * block_m, inter // block_n), jnp.float32)] if fp8_rows else []
     # Grid (column block n, row tile m): n varies fastest, so the programs sharing a row tile's x rows
@@ -293,23 +303,24 @@ def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_gate_up_fp8_rows" if fp8_rows else "moe_gate_up",
-    )(*layout, x, *([x_scales] if fp8_rows else []), *_operands(gate_up))
+    )(*layout, x, *([x_scales] if fp8_rows else []), *_operands(gate_up),
+      *(() if shared is None else _operands(shared)))
 
 
 def _down_kernel(*refs, fp8: bool, fp8_rows: bool, num_rows: int, block_m: int, block_n: int, block_k: int,
-                 share_tiles: bool):
-    # the layout refs (`_tile`), then row_weight_ref: [R + 1] f32 (0 at R)
+                 share_tiles: bool, shared_rows: int):
+    # the layout refs (`_tile`), then row_weight_ref: [N + 1] f32 (0 at N = num_rows, the rows as in _gate_up_kernel)
     # act_ref: [P, I] (FP8 with fp8_rows) refs: with fp8_rows act's scales [P, I / G] first (G a multiple of BK);
-    #   the down weight [E, I, H] (see _Weight), then y_ref
-    # y_ref (out): [R + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
+    #   the down weight [E, I, H] (see _Weight), with shared_rows the shared expert's [I, H], then y_ref
+    # y_ref (out): [N + 1, H], this program writes its tile's BM rows (scattered to rows r) x BN columns
     n, m = pl.program_id(0), pl.program_id(1)
-    e, rows, (row_weight_ref, act_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles)
+    e, rows, (row_weight_ref, act_ref, *refs) = _tile(refs, m, block_m, num_rows, share_tiles, shared_rows)
     act_scale_ref, refs = (refs[0], refs[1:]) if fp8_rows else (None, refs)
-    down, (y_ref,) = _Weight.take(refs, fp8)
+    down, refs = _Weight.take(refs, fp8)
+    shared, (y_ref,) = _Weight.take(refs, fp8) if shared_rows else (None, refs)
     inter = act_ref.shape[1]
 
-    @pl.when(e >= 0)
-    def _():
+    def tile(down, e):
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             at = act_ref[pl.ds(m * block_m, block_m), pl.ds(k0, block_k)]  # [BM, BK]
@@ -321,20 +332,22 @@ def _down_kernel(*refs, fp8: bool, fp8_rows: bool, num_rows: int, block_m: int, 
 
         acc = lax.fori_loop(0, inter // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         weight = row_weight_ref[rows]  # [BM]
-        # Padding rows all land on the spare row R (never read back); real rows are unique.
+        # Padding rows all land on the spare row N (never read back); real rows are unique.
         y_ref[rows, pl.ds(n * block_n, block_n)] = (acc * weight[:, None]).astype(y_ref.dtype)
+
+    _routed_or_shared_tile(e, tile, down, shared)
 
 
 def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_k, num_warps, num_stages, interpret,
-              act_scales=None, out_dtype=None):
-    """y [R + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
-    `gate_up_call`'s."""
-    num_tiles = layout[0].shape[0]
+              act_scales=None, out_dtype=None, shared=None, shared_rows: int = 0):
+    """y [N + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
+    `gate_up_call`'s; shared: its shared expert's down, for the last shared_rows of the N rows row_weight weighs."""
+    num_tiles = layout[0].shape[0] + (shared is not None)
     num_rows = row_weight.shape[0] - 1
     fp8_rows = act_scales is not None
     kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
                                num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
-                               share_tiles=len(layout) == 1)
+                               share_tiles=len(layout) == 1, shared_rows=shared_rows if shared is not None else 0)
     # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
@@ -344,7 +357,8 @@ def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_
         compiler_params=_compat.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="moe_down_fp8_rows" if fp8_rows else "moe_down",
-    )(*layout, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down))
+    )(*layout, row_weight, act, *([act_scales] if fp8_rows else []), *_operands(down),
+      *(() if shared is None else _operands(shared)))
 
 
 def _gemv_gate_up_kernel(route_ref, x_ref, *refs, fp8: bool, with_shared: bool, top_k: int, block_n: int,
@@ -505,25 +519,43 @@ def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
     return sorted_rows, tile_expert
 
 
-def _tile(refs, m, block_m: int, num_rows: int, share_tiles: bool):
-    """Row tile m's expert (-1: the tile holds no rows), its BM source rows (R marks padding) and the refs after the
-    layout's. The layout refs: (tile_expert, sorted_rows) as `align_rows` or `_rows_as_tiles` give them; with
-    share_tiles the decode rows' experts [R] alone (R a power of two): tile m holds row m and the next BM - 1 rows of
-    its expert, in row order, where m's rank among that expert's rows is a multiple of BM; the other tiles hold none.
-    Every row then lies in exactly one tile, and each used expert is read once per BM of its rows."""
+_SHARED_TILE = 2**30  # `_tile`'s expert for the shared expert's tile
+
+
+def _tile(refs, m, block_m: int, num_rows: int, share_tiles: bool, shared_rows: int = 0):
+    """Row tile m's expert (-1: the tile holds no rows; `_SHARED_TILE`: the shared expert's), its BM source rows
+    (num_rows marks padding) and the refs after the layout's. The layout refs: (tile_expert, sorted_rows) as
+    `align_rows` or `_rows_as_tiles` give them; with share_tiles the decode rows' experts [R] alone (R a power of two):
+    tile m < R holds row m and the next BM - 1 rows of its expert, in row order, where m's rank among that expert's
+    rows is a multiple of BM, and none otherwise; with shared_rows (<= BM) tile R holds the shared expert's rows R,
+    R + 1, ... Every row then lies in exactly one tile, and each used expert is read once per BM of its rows."""
     if not share_tiles:
         tile_expert_ref, sorted_rows_ref, *rest = refs
         return tile_expert_ref[m], sorted_rows_ref[pl.ds(m * block_m, block_m)], rest
     ids_ref, *rest = refs
-    e = ids_ref[m]
+    routed = ids_ref.shape[0]
+    e = ids_ref[jnp.minimum(m, routed - 1)]
     same = (ids_ref[...] == e).astype(jnp.int32)  # [R]
     rank = jnp.cumsum(same) - 1  # each of e's rows' rank among them
-    row = lax.broadcasted_iota(jnp.int32, (num_rows,), 0)
+    row = lax.broadcasted_iota(jnp.int32, (routed,), 0)
     first = jnp.sum(jnp.where(row == m, rank, 0))
-    wanted = lax.broadcasted_iota(jnp.int32, (block_m, num_rows), 0) + first  # [BM, R]
+    wanted = lax.broadcasted_iota(jnp.int32, (block_m, routed), 0) + first  # [BM, R]
     hit = (same[None, :] == 1) & (rank[None, :] == wanted)
     rows = jnp.min(jnp.where(hit, row[None, :], num_rows), axis=1)
-    return jnp.where(first % block_m == 0, e, -1), rows, rest
+    e = jnp.where(first % block_m == 0, e, -1)
+    if shared_rows:
+        slot = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+        rows = jnp.where(m == routed, jnp.where(slot < shared_rows, routed + slot, num_rows), rows)
+        e = jnp.where(m == routed, _SHARED_TILE, e)
+    return e, rows, rest
+
+
+def _routed_or_shared_tile(e, tile, weight, shared):
+    """Run a tile program: tile(weight, e) for a routed expert's tile, tile(shared, None) for the shared expert's
+    (`_tile`), nothing for an empty one."""
+    pl.when((e >= 0) & (e < _SHARED_TILE))(lambda: tile(weight, e))
+    if shared is not None:
+        pl.when(e == _SHARED_TILE)(lambda: tile(shared, None))
 
 
 def _rows_as_tiles(flat_ids: jax.Array, block_m: int):
@@ -624,9 +656,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
     if rows <= cfg.gemv_max_rows and (shared is None or _shape(shared.down) == _shape(down)[1:]):
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)
-    out = _tiled_moe(x, flat_ids, flat_w, gate_up, down, t=t, k=k, num_experts=num_experts, inter=inter, dtype=dtype,
-                     cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
-    return out if shared is None else out + _shared_dense(x, shared, dtype)
+    return _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, num_experts=num_experts, inter=inter,
+                      dtype=dtype, cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
 
 
 def _check_weights(h: int, gate_up, down, shared: SharedExpert | None) -> tuple[int, int]:
@@ -694,16 +725,22 @@ def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
     return tuple(min(b, fp8_matmul.BLOCK) if fp8 else b for b in sides)
 
 
-def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, dtype, cfg, interpret,
+def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts, inter, dtype, cfg, interpret,
                fp8_rows=False):
-    """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles;
-    fp8_rows (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
+    """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles, the
+    shared expert (when given) one more tile of them (`MoeConfig.decode_shared_tile`) or two matmuls added; fp8_rows
+    (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
     h = x.shape[1]
     rows = t * k
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
+    in_tiles = None
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
-        layout = (flat_ids,) if cfg.decode_share_tiles and is_pow2(rows) else _rows_as_tiles(flat_ids, block_m)[::-1]
+        share = cfg.decode_share_tiles and is_pow2(rows)
+        layout = (flat_ids,) if share else _rows_as_tiles(flat_ids, block_m)[::-1]
+        if (share and cfg.decode_shared_tile and shared is not None and t <= block_m
+                and _shape(shared.down) == _shape(down)[1:]):
+            in_tiles, shared = shared, None
         bn, bk, dbn, dbk = _blocks(fp8, cfg.decode_block_n, cfg.decode_block_k, cfg.decode_down_block_n,
                                    cfg.decode_down_block_k)
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
@@ -721,15 +758,21 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, *, t, k, num_experts, inter, 
     act = gate_up_call(
         layout, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
         block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
-        num_stages=stages, interpret=interpret, x_scales=x_scales)
+        num_stages=stages, interpret=interpret, x_scales=x_scales,
+        shared=None if in_tiles is None else in_tiles.gate_up)
     if fp8_rows:
         act, act_scales = act
-    row_weight = jnp.concatenate([flat_w, jnp.zeros((1,), jnp.float32)])  # spare row R weighs 0
+    weights = [flat_w] if in_tiles is None else [flat_w, in_tiles.weight.astype(jnp.float32)]
+    row_weight = jnp.concatenate([*weights, jnp.zeros((1,), jnp.float32)])  # the spare row weighs 0
     y = down_call(
         layout, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
-        interpret=interpret, act_scales=act_scales, out_dtype=dtype)
-    return y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+        interpret=interpret, act_scales=act_scales, out_dtype=dtype,
+        shared=None if in_tiles is None else in_tiles.down, shared_rows=t)
+    out = y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
+    if in_tiles is not None:
+        out = out + y[rows:rows + t].astype(jnp.float32)
+    return out if shared is None else out + _shared_dense(x, shared, dtype)
 
 
 def _grouped(rows: int, num_experts: int, hidden: int, inter: int, cfg: MoeConfig, interpret: bool) -> bool:

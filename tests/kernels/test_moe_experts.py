@@ -134,17 +134,29 @@ def test_decode_rows_of_one_expert_share_its_tiles(t, routing, dtype):
     _check(DECODE, t, dtype, routing)
 
 
+@pytest.mark.parametrize("t,dtype", [(8, jnp.float32), (8, jnp.bfloat16), (32, jnp.float32)],
+                         ids=["f32", "bf16", "tokens-past-a-tile"])
+def test_the_shared_expert_rides_in_the_decode_tiles(t, dtype):
+    """decode_shared_tile: the shared expert one more tile of both kernels, its gate the rows' weight; 32 tokens do
+    not fit one tile and take the two matmuls."""
+    _check(dataclasses.replace(DECODE, decode_shared_tile=True), t, dtype, "router", shared_inter=I)
+
+
 def test_shared_decode_tiles_lower_to_triton_at_35b_a3b_shapes():
     """Eight lanes' 64 rows with `_tile`'s in-kernel layout (a cumsum and a [16, R] match) lower to Triton IR, with
-    no layout kernel beside them."""
+    no layout kernel beside them, and with the shared expert as one more tile."""
     lower_for_h200()
     e, k, h, i, t = 256, 8, 2048, 512, 8
     spec = jax.ShapeDtypeStruct
     args = (spec((t, h), jnp.bfloat16), spec((t, k), jnp.int32), spec((t, k), jnp.float32),
             spec((e, h, 2 * i), jnp.bfloat16), spec((e, i, h), jnp.bfloat16))
-    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+    text = moe.moe_experts.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(target) == 2 and "sort" not in text
+    shared = ref.SharedExpert(spec((h, 2 * i), jnp.bfloat16), spec((i, h), jnp.bfloat16), spec((t,), jnp.float32))
+    cfg = dataclasses.replace(moe.WIDE_DECODE_CONFIG, decode_shared_tile=True)
+    text = moe.moe_experts.trace(*args, shared, config=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(target) == 2 and "stablehlo.dot_general" not in text  # the shared expert inside the kernels
 
 
 def test_ops_dispatch():

@@ -42,9 +42,9 @@ def _case(t: int, seed: int):
     return x, ids, w, gate_up, down, shared
 
 
-@pytest.mark.parametrize("t,config", [(1, None), (16, moe.DEFAULT_CONFIG),
+@pytest.mark.parametrize("t,config", [(1, None), (16, moe.MoeConfig(decode_shared_tile=True)),
                                       (40, None), (40, moe.MoeConfig(fp8_dequantize_rows_per_expert=8))],
-                         ids=["gemv-with-shared", "tiled-decode-shared-tiles", "prefill",
+                         ids=["gemv-with-shared", "tiled-decode-shared-tiles-and-expert", "prefill",
                               "long-prefill-dequantized"])
 def test_fp8_experts_match_the_dequantized_reference(t, config):
     x, ids, w, gate_up, down, shared = _case(t, seed=t)
