@@ -603,8 +603,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         `fp8_matmul.BlockFp8` (values [E, 2I, H] and [E, H, I], 128-block scales; H and I multiples of 128).
       shared: the shared expert (`reference.SharedExpert`: gate_up [H, 2Is], down [Is, H], weight [T], of the
         experts' kind) or None. Narrow decode runs it as T more rows of its two kernels (one lane's round then
-        reads its weights in the same kernels as the routed experts'; Is must equal I); the other paths add it as
-        two matmuls.
+        reads its weights in the same kernels as the routed experts'; Is must equal I), the tiled decode with
+        `MoeConfig.decode_shared_tile` as one more tile of its two (T <= 16, Is = I); the other paths add it as two
+        matmuls.
       config: tuning knobs; None takes `default_config(T * K, E, quantize_activations)`.
       quantize_activations: FP8 experts in the prefill layout (R > decode_max_rows) multiply FP8 x FP8: x quantized
         per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
