@@ -339,15 +339,16 @@ def _down_kernel(*refs, fp8: bool, fp8_rows: bool, num_rows: int, block_m: int, 
 
 
 def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_k, num_warps, num_stages, interpret,
-              act_scales=None, out_dtype=None, shared=None, shared_rows: int = 0):
+              act_scales=None, out_dtype=None, shared=None):
     """y [N + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
-    `gate_up_call`'s; shared: its shared expert's down, for the last shared_rows of the N rows row_weight weighs."""
+    `gate_up_call`'s; shared: its shared expert's down, for the N rows row_weight weighs past the routed ones."""
     num_tiles = layout[0].shape[0] + (shared is not None)
     num_rows = row_weight.shape[0] - 1
+    shared_rows = 0 if shared is None else num_rows - layout[0].shape[0]
     fp8_rows = act_scales is not None
     kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
                                num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
-                               share_tiles=len(layout) == 1, shared_rows=shared_rows if shared is not None else 0)
+                               share_tiles=len(layout) == 1, shared_rows=shared_rows)
     # Grid (column block n of H, row tile m), n fastest as in `gate_up_call`.
     # No BlockSpecs: whole-array refs indexed in the kernel (expert id, scattered output rows).
     return pl.pallas_call(
@@ -769,7 +770,7 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
         layout, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret, act_scales=act_scales, out_dtype=dtype,
-        shared=None if in_tiles is None else in_tiles.down, shared_rows=t)
+        shared=None if in_tiles is None else in_tiles.down)
     out = y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
     if in_tiles is not None:
         out = out + y[rows:rows + t].astype(jnp.float32)

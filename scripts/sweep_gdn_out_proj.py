@@ -3,8 +3,8 @@ norm, the row doubled for a two-row matmul, the matmul: `qwen3_5.dot`) at the 35
 [4096, 2048] bf16: each `GdnOutConfig` side by side on one GPU.
 
 30 layers chained in one jit (the 35B-A3B's GDN layers), each with a weight of its own so that the weights come from
-HBM; microseconds a layer, medians of --reps, each variant's largest difference from XLA's output. Chose nothing yet:
-`gdn_out_proj.DEFAULT_CONFIG` was set before any device time.
+HBM; microseconds a layer, medians of --reps, each variant's largest difference from XLA's output. The first config
+is `gdn_out_proj.DEFAULT_CONFIG`, the fastest of these on an H100 (docs/kernels_notes.md).
 
     python scripts/sweep_gdn_out_proj.py          # one GPU, about a minute
     python scripts/sweep_gdn_out_proj.py --smoke  # two layers in interpret mode (CPU): the script runs
