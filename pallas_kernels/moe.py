@@ -752,13 +752,13 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
         bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
     bn = _block(bn, inter, "I")
-    x_scales = act_scales = None
+    x_rows, x_scales, act_scales = x, None, None  # x stays for the shared expert's matmuls
     if fp8_rows:
-        x, x_scales = fp8_matmul.quantize_rows(x)
+        x_rows, x_scales = fp8_matmul.quantize_rows(x)
         x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
         dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
     act = gate_up_call(
-        layout, x, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
+        layout, x_rows, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
         block_m=block_m, block_n=bn, block_k=_block(bk, h, "H"), num_warps=warps,
         num_stages=stages, interpret=interpret, x_scales=x_scales,
         shared=None if in_tiles is None else in_tiles.gate_up)

@@ -132,17 +132,20 @@ def _rel(got, want):
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("config", [None, moe.FP8_NARROW_ROWS_CONFIG], ids=["32-row-tiles", "16-row-tiles"])
-def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config):
+@pytest.mark.parametrize("config,with_shared", [(None, False), (moe.FP8_NARROW_ROWS_CONFIG, True)],
+                         ids=["32-row-tiles", "16-row-tiles-and-shared-expert"])
+def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config, with_shared):
     """quantize_activations in the prefill layout (80 routed rows) on 32- and 16-row tiles: x quantized per token and
-    128-group, act per row and 128 columns in the gate_up kernel, every product FP8 x FP8. Against float64 with the
-    same two quantizations it differs only where act's float32 and float64 values round to neighbouring e4m3 codes
-    (one code: 2^-4 of an element, rare); against the unquantized activations by the two quantizations' error (about
-    2^-5 relative)."""
-    x, ids, w, gate_up, down, _ = _case(40, seed=5)
-    got = moe.moe_experts(x, ids, w, gate_up, down, quantize_activations=True, config=config, interpret=INTERPRET)
-    assert _rel(got, _experts64(x, ids, w, gate_up, down, True)) < 2e-3
-    assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False)) < 2**-4
+    128-group, act per row and 128 columns in the gate_up kernel, every product FP8 x FP8; the shared expert's
+    matmuls take x as it is. Against float64 with the same two quantizations it differs only where act's float32 and
+    float64 values round to neighbouring e4m3 codes (one code: 2^-4 of an element, rare); against the unquantized
+    activations by the two quantizations' error (about 2^-5 relative)."""
+    x, ids, w, gate_up, down, shared = _case(40, seed=5)
+    shared = shared if with_shared else None
+    got = moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=True, config=config,
+                          interpret=INTERPRET)
+    assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared)) < 2e-3
+    assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False, shared)) < 2**-4
     with pytest.raises(ValueError, match="needs block-FP8 experts"):
         moe.moe_experts(x, jnp.asarray(ids), jnp.asarray(w, jnp.float32), fp8_matmul.dequantize(gate_up),
                         fp8_matmul.dequantize(down), quantize_activations=True, interpret=INTERPRET)
@@ -150,7 +153,8 @@ def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config)
 
 def test_model_takes_fp8_activation_tiles_up_to_their_rows_per_expert(monkeypatch):
     """ops.moe_experts with fp8_activations: FP8 x FP8 tiles while the routed rows per expert stay within
-    `fp8_dynamic_rows_per_expert`, the converted FP8 tiles past it and without fp8_activations."""
+    `fp8_dynamic_rows_per_expert`, the converted FP8 tiles past it (too few a expert for the grouped GEMM) and
+    without fp8_activations."""
     from ninfer_jax.model import ops
     from ninfer_jax.model.params import QuantizedWeight
 
