@@ -882,9 +882,9 @@ def _shared_dense(x, shared: SharedExpert, dtype):
 
     gate_up, down = plain(shared.gate_up), plain(shared.down)
     inter = down.shape[0]
-    gu = jnp.dot(x.astype(dtype), gate_up, preferred_element_type=jnp.float32)
+    gu = dot(x.astype(dtype), gate_up)  # float32 rows in IEEE products, as the kernels' (a GPU's default is TF32)
     act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(dtype)
-    return jnp.dot(act, down, preferred_element_type=jnp.float32) * shared.weight[:, None]
+    return dot(act, down) * shared.weight[:, None]
 
 
 # The plain-jnp reference these kernels match lives with the others in `reference.py`.

@@ -51,7 +51,8 @@ def test_fp8_experts_match_the_dequantized_reference(t, config):
     got = moe.moe_experts(x, ids, w, gate_up, down, shared, config=config, interpret=INTERPRET)
     plain = ref.SharedExpert(fp8_matmul.dequantize(shared.gate_up), fp8_matmul.dequantize(shared.down),
                              shared.weight)
-    want = ref.moe_experts_ref(x, ids, w, fp8_matmul.dequantize(gate_up), fp8_matmul.dequantize(down), plain)
+    with jax.default_matmul_precision("highest"):  # a GPU's default float32 matmul is TF32
+        want = ref.moe_experts_ref(x, ids, w, fp8_matmul.dequantize(gate_up), fp8_matmul.dequantize(down), plain)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
