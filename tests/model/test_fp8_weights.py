@@ -1,5 +1,6 @@
 """Block-FP8 checkpoints (Qwen's FP8 packs): refusals naming the field, the loader's FP8 weights and scales, and the
-model on them against the same weights dequantized by numpy (our forward and engine, and transformers)."""
+model on them against the same weights dequantized by numpy (our forward and engine, and transformers; with dynamic
+FP8 activations, within their rounding)."""
 
 import json
 import shutil
@@ -227,3 +228,27 @@ def test_fp8_activations_dynamic_is_refused_without_fp8_weights_or_pallas():
                for a in ("dynamic", "weight-only"))
     assert kernel_config(on).fp8_activations and not kernel_config(off).fp8_activations
 
+
+
+def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path):
+    """fp8_activations 'dynamic' through the Pallas kernels (a tiny MoE of whole 128-blocks: FP8 x FP8 expert tiles
+    beside the shared expert's matmuls) against transformers on the numpy-dequantized pack, all 256 positions.
+
+    The bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by the
+    model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round and
+    more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
+    with 2 for second-order terms and rounding that is not independent."""
+    config = oracle_config("tiny-moe", "text", moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", config, seed=21, fp8=True)
+    deq_dir = dequantized_copy(fp8_dir, tmp_path / "dequantized")
+    tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
+    with torch.no_grad():
+        theirs = hf_model(deq_dir)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy().astype(np.float64)
+
+    def rel_error(dtype, **kc):
+        cfg, params = load_checkpoint(fp8_dir, dtype)
+        ours = np.asarray(forward(params, cfg, tokens, KernelConfig("pallas", interpret=True, **kc)), np.float64)
+        return np.sqrt(np.mean(np.square(ours - theirs)) / np.mean(np.square(theirs)))
+
+    fp8, bf16 = rel_error("float32", fp8_activations=True), rel_error("bfloat16")
+    assert 1e-3 < fp8 < 2 * 16 * bf16, (fp8, bf16)  # above 1e-3: quantized (f32 weight-only rows are 3e-7 off)
