@@ -76,3 +76,19 @@ def checkpoint_factory(tmp_path_factory):
 
     return make
 
+
+@pytest.fixture
+def gemm_on_cpu(monkeypatch):
+    """The FP8 GEMM taken as on a Hopper GPU, with the kernels' jnp references standing in (Mosaic GPU does not run
+    on CPU); returns the producer kernels' calls."""
+    from pallas_kernels import fp8_gemm, fp8_rows
+
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "available", lambda: True)
+    monkeypatch.setattr(fp8_rows, "gated_rms_norm_fp8", lambda c, z, w, eps, z_col: calls.append(("norm", z_col))
+                        or fp8_rows.norm_reference(c, z[:, z_col:z_col + c.shape[1] * c.shape[2]].reshape(c.shape), w,
+                                                   eps))
+    monkeypatch.setattr(fp8_rows, "swiglu_fp8", lambda gu: calls.append(("swiglu",)) or fp8_rows.swiglu_reference(gu))
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows",
+                        lambda q, s, v, sc, out_dtype: fp8_gemm.reference_rows(q, s, v, sc).astype(out_dtype))
+    return calls

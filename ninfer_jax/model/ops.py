@@ -466,7 +466,7 @@ def takes_fp8_rows(kc: KernelConfig, rows: int, w) -> bool:
 def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:
     """Whether rows of x @ w run on the FP8 x FP8 wgmma GEMM: more rows than the decode kernels take,
     fp8_activations, a Hopper GPU."""
-    if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations or kc.interpret:
+    if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations:
         return False
     n, k = w.values.shape
     return (rows > fp8_matmul.DEFAULT_CONFIG.rows_limit(True) or not fp8_matmul.supported(k, n)) and (

@@ -13,7 +13,7 @@ from kernel_support import INTERPRET, lower_for_h200
 from ninfer_jax.model import ops, qwen3_5
 from ninfer_jax.model.params import ConcatWeight, QuantizedWeight
 from ninfer_jax.model.tiny import quantize_fp8_blocks
-from pallas_kernels import fp8_gemm, fp8_rows
+from pallas_kernels import fp8_rows
 
 EPS = 1e-6
 
@@ -84,20 +84,6 @@ def test_lowers_for_h200_at_real_shapes(kernel):
         fn = jax.jit(fp8_rows.swiglu_fp8)
     assert f"{'gated_rms_norm' if kernel == 'norm' else 'swiglu'}_fp8" in fn.trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.fixture
-def gemm_on_cpu(monkeypatch):
-    """The FP8 GEMM taken as on a Hopper GPU, with the kernels' jnp references standing in (Mosaic GPU does not run
-    on CPU); returns the producer kernels' calls."""
-    calls = []
-    monkeypatch.setattr(fp8_gemm, "available", lambda: True)
-    monkeypatch.setattr(fp8_rows, "gated_rms_norm_fp8", lambda c, z, w, eps, z_col: calls.append(("norm", z_col))
-                        or fp8_rows.norm_reference(c, z[:, z_col:z_col + c.shape[1] * 128].reshape(c.shape), w, eps))
-    monkeypatch.setattr(fp8_rows, "swiglu_fp8", lambda gu: calls.append(("swiglu",)) or fp8_rows.swiglu_reference(gu))
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows",
-                        lambda q, s, v, sc, out_dtype: fp8_gemm.reference_rows(q, s, v, sc).astype(out_dtype))
-    return calls
 
 
 def _weight(k, n, seed):

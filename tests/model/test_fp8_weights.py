@@ -229,17 +229,19 @@ def test_fp8_activations_dynamic_is_refused_without_fp8_weights_or_pallas():
     assert kernel_config(on).fp8_activations and not kernel_config(off).fp8_activations
 
 
-
-def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path):
-    """fp8_activations 'dynamic' through the Pallas kernels (a tiny MoE of whole 128-blocks: FP8 x FP8 expert tiles
-    beside the shared expert's matmuls) against transformers on the numpy-dequantized pack, all 256 positions.
+@pytest.mark.parametrize("preset,sizes", [("tiny-dense", {}), ("tiny-moe", dict(moe_intermediate_size=128,
+                                                                               shared_expert_intermediate_size=128))],
+                         ids=["dense", "moe"])
+def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, preset, sizes):
+    """fp8_activations 'dynamic' through the Pallas kernels on a tiny pack of whole 128-blocks, all 256 positions
+    against transformers on the numpy-dequantized pack: every projection on the FP8 x FP8 GEMM (its jnp reference on
+    CPU), the MoE's experts on the FP8 x FP8 tiles beside the shared expert's matmuls.
 
     The bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by the
     model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round and
     more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
     with 2 for second-order terms and rounding that is not independent."""
-    config = oracle_config("tiny-moe", "text", moe_intermediate_size=128, shared_expert_intermediate_size=128)
-    fp8_dir = write_random_checkpoint(tmp_path / "fp8", config, seed=21, fp8=True)
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(preset, "text", **sizes), seed=21, fp8=True)
     deq_dir = dequantized_copy(fp8_dir, tmp_path / "dequantized")
     tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
     with torch.no_grad():
