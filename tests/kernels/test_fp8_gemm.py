@@ -122,8 +122,9 @@ def test_grouped_gemm_lowers_for_h200_at_the_35b_a3b_experts(k, n):
 
 
 def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monkeypatch):
-    """ops.quantized_dot: on a Hopper GPU with fp8_activations, more rows than a decode round go through the GEMM;
-    without fp8_activations (weight-only's bf16 rounding promise) or in interpret mode they stay dequantized."""
+    """ops.quantized_dot: on a Hopper GPU with fp8_activations, more rows than a decode round go through the GEMM,
+    also with the other kernels in interpret mode; without fp8_activations (weight-only's bf16 rounding promise) they
+    stay dequantized."""
     from ninfer_jax.model import ops
     from ninfer_jax.model.params import QuantizedWeight
 
@@ -137,5 +138,6 @@ def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monk
     assert calls == [(M, K)]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(fp8_gemm.reference(x, values, scales)))
     ops.quantized_dot(ops.KernelConfig("pallas"), x, w)
-    ops.quantized_dot(ops.KernelConfig("pallas", interpret=True, fp8_activations=True), x, w)
     assert calls == [(M, K)]
+    ops.quantized_dot(ops.KernelConfig("pallas", interpret=True, fp8_activations=True), x, w)
+    assert calls == [(M, K)] * 2
