@@ -229,10 +229,12 @@ def test_fp8_activations_dynamic_is_refused_without_fp8_weights_or_pallas():
     assert kernel_config(on).fp8_activations and not kernel_config(off).fp8_activations
 
 
-@pytest.mark.parametrize("preset,sizes", [("tiny-dense", {}), ("tiny-moe", dict(moe_intermediate_size=128,
-                                                                               shared_expert_intermediate_size=128))],
-                         ids=["dense", "moe"])
-def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, preset, sizes):
+@pytest.mark.parametrize("preset,layout,sizes", [
+    ("tiny-dense", "text", {}),
+    ("tiny-moe", "vlm", dict(moe_intermediate_size=128, shared_expert_intermediate_size=128)),
+], ids=["dense-text", "moe-vlm"])
+def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, preset, layout,
+                                                                             sizes):
     """fp8_activations 'dynamic' through the Pallas kernels on a tiny pack of whole 128-blocks, all 256 positions
     against transformers on the numpy-dequantized pack: every projection on the FP8 x FP8 GEMM (its jnp reference on
     CPU), the MoE's experts on the FP8 x FP8 tiles beside the shared expert's matmuls.
@@ -241,11 +243,11 @@ def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_
     model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round and
     more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
     with 2 for second-order terms and rounding that is not independent."""
-    fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(preset, "text", **sizes), seed=21, fp8=True)
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(preset, layout, **sizes), seed=21, fp8=True)
     deq_dir = dequantized_copy(fp8_dir, tmp_path / "dequantized")
     tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
     with torch.no_grad():
-        theirs = hf_model(deq_dir)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy().astype(np.float64)
+        theirs = hf_model(deq_dir, layout)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy().astype(np.float64)
 
     def rel_error(dtype, **kc):
         cfg, params = load_checkpoint(fp8_dir, dtype)
