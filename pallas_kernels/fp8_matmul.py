@@ -66,23 +66,25 @@ def dequantize(w: BlockFp8) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """Tuning knobs (hashable: a static jit argument); tuned on the H200 at the 27B's projections
-    (docs/kernels_notes.md, "FP8 weights"). block_n: W rows per program (<= 128, so a tile has one scale);
-    block_k: contraction per loop step (128-blocks, each with its own scale); splits: at most this many programs
-    share one block of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer; with
-    one split the kernel writes the result itself, otherwise XLA adds the splits' float32 partials. tc_mode: the
-    weight-only tensor-core product's operands for bf16 rows, "f16" or "bf16". dynamic_*: the FP8 x FP8
-    product's. max_rows / dynamic_max_rows: the most rows the weight-only / FP8 x FP8 kernels take (the model's
-    dispatch reads them; past them it dequantizes or runs the wgmma GEMM). At the 27B's projections on the H200
-    the swap-AB kernels beat dequantize + bf16 2-3x at 32-128 rows, and the FP8 x FP8 kernel beats the wgmma GEMM
-    1.0-2.0x at 32 rows but not at 64-128 (docs/benchmarks/fp8/fp8_sweep.md). wide_tiles: the weight-only tiles
-    past 16 rows, (most rows, block_n, num_warps) in rising rows (block_n / num_warps below and past them): every
-    program reads all of x's rows from L2 for its block_n weight rows, so wider rounds take wider blocks (at the
-    27B's projections 1.31x at 32 rows with 64, 1.11x at 64 rows with 128 and 8 warps, fp8_sweep.md)."""
+    (docs/kernels_notes.md, "FP8 weights"). block_n: W rows per program (<= 128, so a tile has one scale); block_k:
+    contraction per loop step (128-blocks, each with its own scale); splits: at most this many programs share one block
+    of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer (0: the most;
+    cuda_core_min_programs is the one-row kernel's: at 264-1024 the 27B's FP8 one-lane round ran 1.12-1.20x longer on an
+    H100, kernels_notes.md); with one split the kernel writes the result itself, otherwise XLA adds the splits' float32
+    partials. tc_mode: the weight-only tensor-core product's operands for bf16 rows, "f16" or "bf16". dynamic_*: the FP8
+    x FP8 product's. max_rows / dynamic_max_rows: the most rows the weight-only / FP8 x FP8 kernels take (the model's
+    dispatch reads them; past them it dequantizes or runs the wgmma GEMM). At the 27B's projections on the H200 the
+    swap-AB kernels beat dequantize + bf16 2-3x at 32-128 rows, and the FP8 x FP8 kernel beats the wgmma GEMM 1.0-2.0x
+    at 32 rows but not at 64-128 (docs/benchmarks/fp8/fp8_sweep.md). wide_tiles: the weight-only tiles past 16 rows,
+    (most rows, block_n, num_warps) in rising rows (block_n / num_warps below and past them): every program reads all of
+    x's rows from L2 for its block_n weight rows, so wider rounds take wider blocks (at the 27B's projections 1.31x at
+    32 rows with 64, 1.11x at 64 rows with 128 and 8 warps, fp8_sweep.md)."""
 
     cuda_core_max_rows: int = 1
     max_rows: int = 128
     dynamic_max_rows: int = 32
     cuda_core_splits: int = 16
+    cuda_core_min_programs: int = 0
     cuda_core_block_n: int = 32
     cuda_core_block_k: int = 256
     cuda_core_warps: int = 4
@@ -215,7 +217,7 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, blo
 def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     (m, k), n = x.shape, values.shape[0]
     bn = cfg.cuda_core_block_n
-    sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, 0)
+    sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, cfg.cuda_core_min_programs)
     out = pl.pallas_call(
         functools.partial(_cuda_core_kernel, steps=steps, sub=sub, block_n=bn),
         grid=(n // bn, splits),

@@ -9,10 +9,12 @@ shapes) and alternating spreads the machine's drift over every variant; `ab_deco
     python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;fuse_gdn_out=0' --lanes 1,8
     python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fuse_gdn_out=0' --lanes 1
     python scripts/ab_kernel_flags.py --model 35b-a3b --variants 'base;moe.decode_share_tiles=0' --lanes 4,8
+    python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --variants 'base;fp8.cuda_core_splits=1'
     python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
 
-A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from (they are read
-while tracing, so jax's caches are cleared and the steps traced again).
+A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from, an
+`fp8.FIELD=value` item that `Fp8Config` field of `pallas_kernels.fp8_matmul` (they are read while tracing, so jax's
+caches are cleared and the steps traced again).
 """
 
 from __future__ import annotations
@@ -27,29 +29,41 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's bf16 weights on an H100
 
 
-def parse_variant(text: str, kernel_config, moe_config) -> tuple[dict, dict]:
-    """'base' or comma-separated KernelConfig field=value and moe.MoeConfig-field=value items (0 / 1 for switches,
-    integers as such) -> (the KernelConfig fields to replace, the MoeConfig fields to replace)."""
-    kc, mc = {}, {}
+def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict, dict]:
+    """'base' or comma-separated items, KernelConfig field=value or PREFIX.field=value of a kernel module's config
+    (module_configs: prefix -> that config; 0 / 1 for switches, integers as such) -> (the KernelConfig fields to
+    replace, {prefix: that config's fields to replace})."""
+    kc, mods = {}, {prefix: {} for prefix in module_configs}
     if text.strip() == "base":
-        return kc, mc
+        return kc, mods
     for item in text.split(","):
         name, _, value = item.strip().partition("=")
-        into, config = (mc, moe_config) if name.startswith("moe.") else (kc, kernel_config)
-        name = name.removeprefix("moe.")
+        prefix, dot, field = name.partition(".")
+        if dot and prefix in module_configs:
+            into, config, name = mods[prefix], module_configs[prefix], field
+        else:
+            into, config = kc, kernel_config
         fields = [f.name for f in dataclasses.fields(config)]
         if name not in fields or not value:
-            raise SystemExit(f"--variants: {item!r} is not [moe.]field=value (fields: {', '.join(fields)})")
+            raise SystemExit(f"--variants: {item!r} is not [{'|'.join(module_configs)}.]field=value "
+                             f"(fields: {', '.join(fields)})")
         into[name] = bool(int(value)) if value in ("0", "1") else int(value) if value.isdigit() else value
-    return kc, mc
+    return kc, mods
 
 
-def moe_configs(fields: dict, base: dict) -> None:
-    """Put base's MoeConfigs back in `pallas_kernels.moe`, each with `fields` replaced."""
-    from pallas_kernels import moe
+def module_configs() -> dict:
+    """prefix -> (the kernel module, its config class): the configs a `PREFIX.field=value` item replaces, every
+    instance of the class in the module (they are read while tracing)."""
+    from pallas_kernels import fp8_matmul, moe
 
-    for name, config in base.items():
-        setattr(moe, name, dataclasses.replace(config, **fields))
+    return {"moe": (moe, moe.MoeConfig), "fp8": (fp8_matmul, fp8_matmul.Fp8Config)}
+
+
+def put_configs(fields: dict, base: dict) -> None:
+    """Put base's configs ({prefix: {name: config}}) back in their modules, each with fields[prefix] replaced."""
+    for prefix, (module, _) in module_configs().items():
+        for name, config in base[prefix].items():
+            setattr(module, name, dataclasses.replace(config, **fields.get(prefix, {})))
 
 
 def main() -> int:
@@ -73,18 +87,18 @@ def main() -> int:
     start = time.perf_counter()
     engine = round_engine(args.model, max(lanes), weights=args.weights)
     print(f"engine {args.model} {args.weights}: {time.perf_counter() - start:.1f} s", flush=True)
-    from pallas_kernels import moe
-
     base = engine.runner.kernels
-    moe_base = {name: c for name, c in vars(moe).items() if isinstance(c, moe.MoeConfig)}
-    variants = [(v.strip(), *parse_variant(v, base, moe.DEFAULT_CONFIG)) for v in args.variants.split(";")]
-    retrace = any(mc for _, _, mc in variants)
+    config_base = {prefix: {name: c for name, c in vars(module).items() if isinstance(c, cls)}
+                   for prefix, (module, cls) in module_configs().items()}
+    defaults = {prefix: module.DEFAULT_CONFIG for prefix, (module, _) in module_configs().items()}
+    variants = [(v.strip(), *parse_variant(v, base, defaults)) for v in args.variants.split(";")]
+    retrace = any(any(mc.values()) for _, _, mc in variants)
 
     def apply(kc, mc):
         # KernelConfig is a static argument of the steps: a new one traces and compiles them again
         engine.runner.kernels = dataclasses.replace(base, **kc)
         if retrace:
-            moe_configs(mc, moe_base)
+            put_configs(mc, config_base)
             jax.clear_caches()
 
     try:
@@ -92,7 +106,7 @@ def main() -> int:
                               lanes, args.rounds, args.reps)
     finally:
         engine.runner.kernels = base
-        moe_configs({}, moe_base)
+        put_configs({}, config_base)
         engine.stop()
     print(f"{args.model} {args.weights} on {jax.devices()[0].device_kind}, medians of {args.reps}:")
     for n in lanes:
