@@ -789,6 +789,13 @@ def takes_grouped(rows: int, num_experts: int, hidden: int, inter: int, interpre
     return rows > cfg.decode_max_rows and _grouped(rows, num_experts, hidden, inter, cfg, interpret)
 
 
+def takes_dynamic(rows: int, num_experts: int, hidden: int, inter: int, interpret: bool = False) -> bool:
+    """Whether `rows` routed rows of block-FP8 experts multiply FP8 x FP8 (quantize_activations) in the model: within
+    `fp8_dynamic_rows_per_expert` (the tiles), or where the grouped GEMM takes them."""
+    return (rows <= num_experts * DEFAULT_CONFIG.fp8_dynamic_rows_per_expert
+            or takes_grouped(rows, num_experts, hidden, inter, interpret))
+
+
 def grouped_available(hidden: int, inter: int, interpret: bool = False) -> bool:
     """Whether FP8 x FP8 prefill rows can take `_grouped_moe` here: a Hopper GPU, whole 128-blocks."""
     return (not interpret and fp8_gemm.supported(hidden, 2 * inter) and fp8_gemm.supported(inter, hidden)

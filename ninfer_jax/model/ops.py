@@ -539,16 +539,6 @@ def moe_routed_experts(kc: KernelConfig, x, router_w, top_k: int, gate_up, down,
                                   interpret=kc.interpret)[0]
 
 
-def _fp8_dynamic_experts(rows: int, hidden: int, gate_up, down, interpret: bool) -> bool:
-    """Whether `rows` routed rows of block-FP8 experts multiply FP8 x FP8: within `fp8_dynamic_rows_per_expert` (the
-    tiles), or where the grouped GEMM takes them."""
-    from pallas_kernels import moe
-
-    num_experts = gate_up.values.shape[0]
-    return (rows <= num_experts * moe.DEFAULT_CONFIG.fp8_dynamic_rows_per_expert
-            or moe.takes_grouped(rows, num_experts, hidden, down.values.shape[-1], interpret))
-
-
 def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None, x_fp8: Fp8Rows | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
@@ -562,9 +552,8 @@ def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
         # FP8 x FP8 products (the packs' dynamic activation scheme) where they measured faster than converting the
         # FP8 tiles: the tiles at a wide decode round's or a short pass's few rows per expert, on a Hopper GPU the
         # grouped wgmma GEMM at many
-        fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
-        dynamic = kc.fp8_activations and fp8 and _fp8_dynamic_experts(expert_ids.size, x.shape[1], gate_up, down,
-                                                                      kc.interpret)
+        dynamic = kc.fp8_activations and isinstance(gate_up, fp8_matmul.BlockFp8) and moe.takes_dynamic(
+            expert_ids.size, gate_up.values.shape[0], x.shape[1], down.values.shape[-1], kc.interpret)
         return moe.moe_experts(x, expert_ids, expert_weights, gate_up, down, shared, quantize_activations=dynamic,
                                x_fp8=None if x_fp8 is None else (x_fp8.xq, x_fp8.xs), interpret=kc.interpret)
     return ref.moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, shared)
