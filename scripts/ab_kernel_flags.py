@@ -45,7 +45,7 @@ def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict,
             into, config = kc, kernel_config
         fields = [f.name for f in dataclasses.fields(config)]
         if name not in fields or not value:
-            raise SystemExit(f"--variants: {item!r} is not [{'|'.join(module_configs)}.]field=value "
+            raise SystemExit(f"--variants: {item!r} is not [{'|'.join(f'{p}.' for p in module_configs)}]field=value "
                              f"(fields: {', '.join(fields)})")
         into[name] = bool(int(value)) if value in ("0", "1") else int(value) if value.isdigit() else value
     return kc, mods
