@@ -191,7 +191,7 @@ def _w_tile(w_ref, n, block_n: int, kb):
     return w_ref[pl.ds(n * block_n, block_n), pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)]
 
 
-def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, total: int, sub: int, block_n: int):
+def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, all_steps: int, sub: int, block_n: int):
     # x_ref [M, K]   w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
     # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. summed over split s of K)
     #   or [M, N] in x's dtype (one split)
@@ -212,7 +212,7 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, total: int, s
                 accs[r] = accs[r] + w * (x_ref[r, pl.ds(k0, BLOCK)].astype(jnp.float32) * scale)[None, :]
         return tuple(accs)
 
-    count = steps if total % steps == 0 else jnp.minimum(steps, total - s * steps)  # ragged: the last split shorter
+    count = steps if all_steps % steps == 0 else jnp.minimum(steps, all_steps - s * steps)  # ragged: the last shorter
     accs = lax.fori_loop(0, count, body, tuple(jnp.zeros((block_n, BLOCK), jnp.float32) for _ in range(rows)))
     for r, acc in enumerate(accs):
         total = jnp.sum(acc, axis=1)
@@ -225,10 +225,10 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, total: int, s
 def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     (m, k), n = x.shape, values.shape[0]
     bn = cfg.cuda_core_block_n
-    sub, splits, steps, total = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits,
-                                      cfg.cuda_core_min_programs, cfg.cuda_core_ragged)
+    sub, splits, steps, all_steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits,
+                                          cfg.cuda_core_min_programs, cfg.cuda_core_ragged)
     out = pl.pallas_call(
-        functools.partial(_cuda_core_kernel, steps=steps, total=total, sub=sub, block_n=bn),
+        functools.partial(_cuda_core_kernel, steps=steps, all_steps=all_steps, sub=sub, block_n=bn),
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
                                        jnp.float32 if splits > 1 else x.dtype),
