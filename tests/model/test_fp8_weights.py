@@ -4,6 +4,8 @@ FP8 activations, within their rounding)."""
 
 import json
 import shutil
+import sysconfig
+from pathlib import Path
 
 import chex
 import jax
@@ -229,23 +231,50 @@ def test_fp8_activations_dynamic_is_refused_without_fp8_weights_or_pallas():
     assert kernel_config(on).fp8_activations and not kernel_config(off).fp8_activations
 
 
-@pytest.mark.parametrize("preset,layout,sizes", [
-    ("tiny-dense", "text", {}),
-    ("tiny-moe", "vlm", dict(moe_intermediate_size=128, shared_expert_intermediate_size=128)),
-], ids=["dense-text", "moe-vlm"])
-def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, preset, layout,
-                                                                             sizes):
+def _trained_at_whole_blocks(directory):
+    """The trained tiny model (hidden 48) as an FP8 pack of hidden 128: zeros fill the new columns of every weight
+    that reads the residual stream and the new rows of every one that writes it, so those 80 dimensions stay zero,
+    and the norms over it scale by sqrt(48 / 128) to keep their outputs (its logits move by 6e-5 of their RMS). Its
+    MTP layer is left out. Prompt: the standard library's json/decoder.py, text of the training domain."""
+    from safetensors import safe_open
+
+    from ninfer_jax.frontend.tokenizer import load_tokenizer
+    from ninfer_jax.model.tiny import TRAINED_DIR, preset_config, trained_checkpoint, write_checkpoint
+
+    h0, h = 48, 128
+    tensors = {}
+    with safe_open(str(TRAINED_DIR / "model.safetensors"), framework="numpy") as stored:
+        for name in (n for n in stored.keys() if not n.startswith("mtp.")):
+            w = np.asarray(stored.get_tensor(name), np.float32)
+            if w.shape == (h0,):  # zero-centred: (1 + w) is the scale
+                tensors[name] = np.concatenate([(1 + w) * np.sqrt(h0 / h) - 1, np.zeros(h - h0, np.float32)])
+            else:
+                tensors[name] = np.pad(w, [(0, h - n if n == h0 else 0) for n in w.shape])
+    config = preset_config("tiny-trained", "text", hidden_size=h, mtp_num_hidden_layers=0)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()
+    tokens = np.asarray(load_tokenizer(trained_checkpoint()).encode(text)[:256])
+    return write_checkpoint(directory, config, tensors, fp8=True), tokens
+
+
+@pytest.mark.parametrize("pack,layout", [("trained-dense", "text"), ("tiny-moe", "vlm")],
+                         ids=["trained-dense-text", "random-moe-vlm"])
+def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, pack, layout):
     """fp8_activations 'dynamic' through the Pallas kernels on a tiny pack of whole 128-blocks, all 256 positions
     against transformers on the numpy-dequantized pack: every projection on the FP8 x FP8 GEMM (its jnp reference on
-    CPU), the MoE's experts on the FP8 x FP8 tiles beside the shared expert's matmuls.
+    CPU), the MoE's experts on the FP8 x FP8 tiles beside the shared expert's matmuls. Dense: the trained model on
+    Python source (its activations as training shaped them); MoE: random weights, I = 128, on random tokens.
 
     The bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by the
     model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round and
     more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
     with 2 for second-order terms and rounding that is not independent."""
-    fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(preset, layout, **sizes), seed=21, fp8=True)
+    if pack == "trained-dense":
+        fp8_dir, tokens = _trained_at_whole_blocks(tmp_path / "fp8")
+    else:
+        fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(
+            pack, layout, moe_intermediate_size=128, shared_expert_intermediate_size=128), seed=21, fp8=True)
+        tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
     deq_dir = dequantized_copy(fp8_dir, tmp_path / "dequantized")
-    tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
     with torch.no_grad():
         theirs = hf_model(deq_dir, layout)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy().astype(np.float64)
 
