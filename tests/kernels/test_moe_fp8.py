@@ -117,12 +117,13 @@ def _experts64(x, ids, w, gate_up, down, quantize: bool, shared=None):
         act = (gu[:I] / (1 + np.exp(-gu[:I])) * gu[I:])[None]
         return ((_fp8_rows64(act, I) if quantize else act) @ d)[0]
 
+    if shared is not None:
+        sg, sd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (shared.gate_up, shared.down))
     out = np.zeros((x_rows.shape[0], H))
     for t in range(x_rows.shape[0]):
         for j in range(K):
             out[t] += w[t, j] * expert(x_rows[t], wg[ids[t, j]], wd[ids[t, j]])
         if shared is not None:
-            sg, sd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (shared.gate_up, shared.down))
             out[t] += float(shared.weight[t]) * expert(np.asarray(x[t], np.float64), sg, sd, quantize=False)
     return out
 
