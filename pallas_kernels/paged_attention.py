@@ -10,7 +10,8 @@ prefetch): row r of a key block of `pages_per_block` pages is token r % 64 of pa
     splits, so a short context still runs many programs). The program holds the whole query
     group of its KV head (padded to 16 rows for the matrix units), runs an online softmax over its pages
     and writes (o, max, sum) partials of the group's real rows (the padding rows share one spare row);
-    a small jnp combine merges the splits (flash-decoding).
+    a small jnp combine merges the splits (flash-decoding), or one kernel that also applies the attention's output
+    gate (`paged_decode_attention_gated`).
   prefill: one program per (block of queries, query head), flash attention over the lane's keys
     [0, base + T): blocks wholly below the causal diagonal without a mask, the rest masked by absolute
     position. `PrefillConfig.impl = "cudnn"` instead runs cuDNN flash attention (GPU only) on gathered keys:
@@ -447,9 +448,12 @@ class DecodeConfig:
     # whether the lane's keys reach it or not: one lane of 2 KV heads with a 33k-token max_model_len took 256
     # splits, 8 MB of partials per layer for a lane of a thousand keys (docs/kernels_notes.md)
     min_pages_per_split: int = 4
+    # splits a program of the gated combine (`paged_decode_attention_gated`) merges at once: 32 x D = 256 floats of
+    # partial outputs are 64 a thread on its 4 warps
+    combine_block: int = 32
 
     def __post_init__(self):
-        for name in ("pages_per_block", "num_warps"):
+        for name in ("pages_per_block", "num_warps", "combine_block"):
             x = getattr(self, name)
             if not is_pow2(x):
                 raise ValueError(f"DecodeConfig.{name} must be a power of 2, got {x}")
@@ -540,8 +544,60 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
         interpret=interpret,
         name="paged_decode_attention",
     )(kv_lengths, page_tables, q, *kv_quant.planes(k_pages), *kv_quant.planes(v_pages))
-    o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]  # slices fused into the combine
-    return _combine_splits(o, m, l).reshape(lanes, hq, d)  # [B, Hkv, group, D] -> [B, Hq, D]
+    return o, m, l
+
+
+def _combine_kernel(o_ref, m_ref, l_ref, gate_ref, out_ref, *, group: int, num_splits: int, block_s: int,
+                    gate_col: int, gate_stride: int):
+    # o_ref [B, NS, Hkv, G', D], m_ref / l_ref [B, NS, Hkv, G'] f32: the decode kernel's partials
+    # gate_ref [B, P]: head h's gate at columns gate_col + h gate_stride (the qkv projection's output, read in place)
+    # out_ref [C, B, Hq D]: program (b, h) writes head h's gated output into each of the C copies of row b
+    b, h = pl.program_id(0), pl.program_id(1)
+    kvh, g = h // group, h % group
+    d = o_ref.shape[-1]
+    cols = jnp.arange(d, dtype=jnp.int32)
+
+    def stats(first):
+        splits = first + jnp.arange(block_s, dtype=jnp.int32)
+        live = splits < num_splits
+        return (splits, live, _compat.load(m_ref.at[b, splits, kvh, g], mask=live, other=_NEG),
+                _compat.load(l_ref.at[b, splits, kvh, g], mask=live, other=0.0))
+
+    chunks = -(-num_splits // block_s)
+    # the largest max first, then each chunk's weights exp(m - max), as `_combine_splits` takes them
+    m_all = lax.fori_loop(0, chunks, lambda c, mx: jnp.maximum(mx, jnp.max(stats(c * block_s)[2])),
+                          jnp.full((), _NEG, _F32))
+
+    def body(c, carry):
+        num, den = carry
+        splits, live, m, l = stats(c * block_s)
+        w = jnp.exp(m - m_all)
+        o = _compat.load(o_ref.at[b, splits[:, None], kvh, g, cols[None, :]], mask=live[:, None], other=0.0)
+        return num + jnp.sum(o * w[:, None], axis=0), den + jnp.sum(l * w)
+
+    num, den = lax.fori_loop(0, chunks, body, (jnp.zeros((d,), _F32), jnp.zeros((), _F32)))
+    dtype = out_ref.dtype
+    gate = gate_ref[b, pl.ds(gate_col + h * gate_stride, d)]
+    # the roundings of `_attn_gated`'s XLA ops: the output and the sigmoid each in the gate's dtype, then their product
+    y = ((num / den).astype(dtype).astype(_F32) * jax.nn.sigmoid(gate.astype(_F32)).astype(dtype).astype(_F32))
+    for c in range(out_ref.shape[0]):
+        out_ref[c, b, pl.ds(h * d, d)] = y.astype(dtype)
+
+
+def _combine_gated(o, m, l, gate_source, *, group: int, gate_col: int, gate_stride: int, copies: int, block: int,
+                   interpret):
+    lanes, num_splits, hkv, _, d = o.shape
+    block_s = min(pl.next_power_of_2(num_splits), block)
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, group=group, num_splits=num_splits, block_s=block_s, gate_col=gate_col,
+                          gate_stride=gate_stride),
+        grid=(lanes, hkv * group),
+        out_shape=jax.ShapeDtypeStruct((copies, lanes, hkv * group * d), gate_source.dtype),
+        compiler_params=_compat.triton_params(4, 1),
+        interpret=interpret,
+        name="paged_decode_combine",
+    )(o, m, l, gate_source)
+    return out.reshape(copies * lanes, hkv * group * d)
 
 
 def _check_pool(q, k_pages, v_pages):
@@ -568,18 +624,45 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
     Returns:
       [B, Hq, D] float32.
     """
+    o, m, l = _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret)
+    group = q.shape[1] // k_pages.shape[2]
+    o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]  # slices fused into the combine
+    return _combine_splits(o, m, l).reshape(q.shape)  # [B, Hkv, group, D] -> [B, Hq, D]
+
+
+@functools.partial(jax.jit, static_argnames=("gate_col", "gate_stride", "copies", "interpret", "config"))
+def paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, gate_source, *, gate_col: int,
+                                 gate_stride: int, copies: int = 1, interpret=False, config=None):
+    """`paged_decode_attention` times sigmoid(gate), its splits merged by a kernel that applies the gate too (one
+    kernel in place of XLA's three for the merge and one for the gate).
+
+    Args:
+      q, k_pages, v_pages, page_tables, kv_lengths: as `paged_decode_attention`'s.
+      gate_source: [B, P] in the activations' dtype; head h's gate [D] at columns gate_col + h gate_stride (read in
+        place: a slice handed to a kernel would be a copy).
+      copies: each lane's row written this many times in a row block of its own ([C B, Hq D]): 2 hands a one-lane
+        out-projection the two rows `qwen3_5.dot` would concatenate.
+    Returns:
+      [copies B, Hq D] in gate_source's dtype.
+    """
+    lanes, hq, d = q.shape
+    if (gate_source.ndim != 2 or gate_source.shape[0] != lanes
+            or gate_col + (hq - 1) * gate_stride + d > gate_source.shape[1] or copies < 1):
+        raise ValueError(f"paged_decode_attention_gated: gate_source {gate_source.shape} does not hold {hq} gates of "
+                         f"{d} from column {gate_col} every {gate_stride} for {lanes} lanes (copies {copies})")
+    config = config or default_decode_config(k_pages, v_pages)
+    o, m, l = _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret)
+    return _combine_gated(o, m, l, gate_source, group=hq // k_pages.shape[2], gate_col=gate_col,
+                          gate_stride=gate_stride, copies=copies, block=config.combine_block, interpret=interpret)
+
+
+def _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret):
+    """The decode kernel's flash-decoding partials (o, m, l) after the arguments' checks (config None: the pools')."""
     _check_pool(q, k_pages, v_pages)
     if page_tables.ndim != 2 or page_tables.shape[0] != q.shape[0] or kv_lengths.shape != (q.shape[0],):
         raise ValueError(f"page_tables {page_tables.shape} / kv_lengths {kv_lengths.shape} do not match q {q.shape}")
-    return _paged_decode_call(
-        q,
-        k_pages,
-        v_pages,
-        page_tables.astype(jnp.int32),
-        kv_lengths.astype(jnp.int32),
-        config=config or default_decode_config(k_pages, v_pages),
-        interpret=interpret,
-    )
+    return _paged_decode_call(q, k_pages, v_pages, page_tables.astype(jnp.int32), kv_lengths.astype(jnp.int32),
+                              config=config or default_decode_config(k_pages, v_pages), interpret=interpret)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,6 +66,10 @@ class KernelConfig:
     # (pallas_kernels/gdn_out_proj.py: two kernels a layer in place of four); `gdn_out_fused` decides where; the engine
     # turns it on with the pallas backend
     fuse_gdn_out: bool = False
+    # Attention decode's split combine and output gate as one kernel (`paged_attention.paged_decode_attention_gated`),
+    # at one lane writing the out-projection's doubled row too (`attention_decode_gated`); built and tested, off in the
+    # engine until it is timed (`scripts/ab_kernel_flags.py --variants 'base;fuse_attn_out=1'`)
+    fuse_attn_out: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
@@ -78,7 +82,7 @@ class KernelConfig:
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
         for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv",
-                     "fuse_gdn_out"):
+                     "fuse_gdn_out", "fuse_attn_out"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -401,6 +405,32 @@ def attention_decode(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_leng
             q, k_pages, v_pages, page_tables, kv_lengths, interpret=kc.interpret
         )
     return ref.paged_decode_attention_ref(q, k_pages, v_pages, page_tables, kv_lengths)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DoubledRow:
+    """One lane's out-projection input written twice by its kernel [2, K]: `qwen3_5.dot`'s two-row matmul for a
+    weight XLA would run one row of as multiply + reduce, without the concatenate that doubles it."""
+
+    rows: jax.Array
+
+
+def attention_decode_gated(kc: KernelConfig, q, k_pages, v_pages, page_tables, kv_lengths, proj, out_w):
+    """With kc.fuse_attn_out, each lane's attention times sigmoid(gate) [B, Hq D] in proj's dtype as one kernel after
+    the attention's, the gate read in place from the qkv projection's output proj (head h's query then its gate, D
+    columns each, `qwen3_5._attn_split`); one lane whose out-projection out_w XLA would run as multiply + reduce gets
+    it as `DoubledRow`. None otherwise (and on a mesh)."""
+    if not (kc.fuse_attn_out and kc.spmd is None):
+        return None
+    from pallas_kernels import paged_attention
+
+    d = q.shape[2]
+    doubled = q.shape[0] == 1 and isinstance(out_w, jax.Array) and xla_rewrites_one_row(out_w.shape)
+    y = paged_attention.paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, proj, gate_col=d,
+                                                     gate_stride=2 * d, copies=2 if doubled else 1,
+                                                     interpret=kc.interpret)
+    return DoubledRow(y) if doubled else y
 
 
 def is_quantized(w) -> bool:

@@ -56,6 +56,9 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
     if isinstance(x, ops.GatedRows):  # a one-lane GDN step's output, normalized by its out-projection
         return ops.gated_rows_dot(kc, x, w)
+    if isinstance(x, ops.DoubledRow):  # the two rows below, written so by the kernel before
+        out = jnp.dot(x.rows, w, preferred_element_type=x.rows.dtype)
+        return out if to_norm else out[:1]
     if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
         return ops.quantized_dot(kc, x, w)
     x = ops.plain_rows(x)
@@ -522,6 +525,10 @@ def _attn_decode_core(p, proj, cfg, kc, k_pages, v_pages, ctx):
     """One token per lane from its qkv-projection rows proj [B, P] -> (the out-projection's input, k_pages,
     v_pages)."""
     q, gate, k_pages, v_pages = _attn_decode_write(p, proj, cfg, kc, k_pages, v_pages, ctx)
+    fused = ops.attention_decode_gated(kc, q, k_pages, v_pages, ctx["page_tables"], ctx["positions"] + 1, proj,
+                                       p.o_proj)
+    if fused is not None:
+        return fused, k_pages, v_pages
     return _attn_decode_read(kc, q, gate, k_pages, v_pages, ctx, proj.dtype), k_pages, v_pages
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.model import ops
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels import kv_quant, paged_attention
 from pallas_kernels import reference as ref
 
@@ -43,6 +43,16 @@ def poison(pool, tables, lengths):
     return out
 
 
+def decode_case(r, hq, hkv, d, lengths, max_pages):
+    """A decode round's inputs: tables (each lane max_pages of its own), pools (and poisoned copies) and queries."""
+    lanes = len(lengths)
+    n_pages = lanes * max_pages + 5
+    tables = r.permutation(n_pages)[: lanes * max_pages].reshape(lanes, max_pages).astype(np.int32)
+    k, v = make_pool(r, n_pages, hkv, d)
+    q = r.standard_normal((lanes, hq, d)).astype(np.float32)
+    return tables, k, v, poison(k, tables, lengths), poison(v, tables, lengths), q
+
+
 @pytest.mark.parametrize(
     "hq,hkv,d,lengths,max_pages,config",
     [
@@ -57,18 +67,54 @@ def poison(pool, tables, lengths):
 )
 def test_decode_matches_reference(rng, hq, hkv, d, lengths, max_pages, config):
     r, seed = rng
-    lanes = len(lengths)
-    n_pages = lanes * max_pages + 5
-    tables = r.permutation(n_pages)[: lanes * max_pages].reshape(lanes, max_pages).astype(np.int32)
-    k, v = make_pool(r, n_pages, hkv, d)
-    kp, vp = poison(k, tables, lengths), poison(v, tables, lengths)
-    q = r.standard_normal((lanes, hq, d)).astype(np.float32)
+    tables, k, v, kp, vp, q = decode_case(r, hq, hkv, d, lengths, max_pages)
     args = (jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32))
     out = np.asarray(paged_attention.paged_decode_attention(*args, interpret=True, config=config))
     assert np.isfinite(out).all(), f"seed={seed}: NaN leaked or output unwritten"
     expect = np.asarray(ref.paged_decode_attention_ref(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)))
     np.testing.assert_allclose(out, expect, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+
+
+def _attention64(q, k, v, tables, lengths):
+    """Each lane's softmax attention over its first lengths[b] keys, in float64 (numpy): [B, Hq, D]."""
+    out = np.zeros(q.shape)
+    group = q.shape[1] // k.shape[2]
+    for b, (table, n) in enumerate(zip(tables, lengths)):
+        keys = np.concatenate([k[page] for page in table])[:n].astype(np.float64)  # [n, Hkv, D]
+        values = np.concatenate([v[page] for page in table])[:n].astype(np.float64)
+        for h in range(q.shape[1]):
+            s = keys[:, h // group] @ q[b, h].astype(np.float64) / np.sqrt(q.shape[2])
+            p = np.exp(s - s.max())
+            out[b, h] = p @ values[:, h // group] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,lengths,max_pages,config,copies",
+    [
+        (4, 2, 32, [1, 64, 65, 300], 6, None, 1),
+        (8, 2, 16, [700], 24, paged_attention.DecodeConfig(num_splits=13, combine_block=4), 2),  # 4 chunks, 1 ragged
+        (6, 2, 16, [130, 7], 3, paged_attention.DecodeConfig(num_splits=1), 1),
+    ],
+    ids=["lanes", "one-lane-doubled-chunked", "one-split-group-of-3"],
+)
+def test_gated_decode_merges_the_splits_and_gates_as_float64(rng, hq, hkv, d, lengths, max_pages, config, copies):
+    """`paged_decode_attention_gated`: attention times sigmoid(gate), the gate read from its columns of a wider
+    projection, each lane's row written `copies` times, against float64 (one or several splits, chunks of the
+    combine with a ragged last one, query groups padded to a spare row); compiled too on a GPU."""
+    r, seed = rng
+    lanes = len(lengths)
+    tables, k, v, kp, vp, q = decode_case(r, hq, hkv, d, lengths, max_pages)
+    proj = r.standard_normal((lanes, hq * 2 * d + 7)).astype(np.float32)  # head h: its query, then its gate
+    out = np.asarray(paged_attention.paged_decode_attention_gated(
+        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(proj), gate_col=d, gate_stride=2 * d, copies=copies, interpret=INTERPRET, config=config))
+    gate = proj[:, : hq * 2 * d].reshape(lanes, hq, 2, d)[:, :, 1].astype(np.float64)
+    want = (_attention64(q, k, v, tables, lengths) / (1 + np.exp(-gate))).reshape(lanes, hq * d)
+    assert out.shape == (copies * lanes, hq * d) and np.isfinite(out).all(), f"seed={seed}"
+    tol = 1e-5 if INTERPRET else 2e-3  # compiled on a GPU the attention's float32 products are TF32
+    np.testing.assert_allclose(out, np.tile(want, (copies, 1)), rtol=tol, atol=tol, err_msg=f"seed={seed}")
 
 
 @pytest.mark.parametrize(
@@ -127,6 +173,10 @@ def test_rejects_bad_inputs():
         paged_attention.paged_decode_attention(jnp.zeros((1, 4, 32)), jnp.zeros((3, 32, 2, 32)),
                                                jnp.zeros((3, 32, 2, 32)), jnp.zeros((1, 2), jnp.int32),
                                                jnp.ones((1,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="does not hold 4 gates"):  # the last head's gate past the projection's end
+        paged_attention.paged_decode_attention_gated(
+            jnp.zeros((1, 4, 32)), jnp.zeros((3, 64, 2, 32)), jnp.zeros((3, 64, 2, 32)), jnp.zeros((1, 2), jnp.int32),
+            jnp.ones((1,), jnp.int32), jnp.zeros((1, 255)), gate_col=32, gate_stride=64, interpret=True)
     with pytest.raises(ValueError, match="impl"):
         paged_attention.PrefillConfig(impl="flash")
     with pytest.raises(ValueError, match="by_groups"):

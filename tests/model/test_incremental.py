@@ -133,7 +133,8 @@ def test_greedy_decode_matches_transformers_generate(model):
 def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes, fused):
     """The decode step on the Pallas kernels (interpret mode): one lane takes the MoE matrix-vector kernels with
     the shared expert as an extra row, attention and GDN their decode kernels (fused: the GDN layer's one kernel, the
-    add + norm kernels, the router kernel and at one lane the GDN out-projection normalizing its input); the logits
+    add + norm kernels, the router kernel, the attention's gated merge and at one lane the GDN out-projection
+    normalizing its input and the attention's out-projection row written twice); the logits
     equal the references' over a few steps, each path carrying its own state."""
     _, cfg, params = model
     rng = np.random.default_rng(lanes)
@@ -149,7 +150,8 @@ def test_decode_with_the_pallas_kernels_matches_the_references(model, lanes, fus
     states = {"reference": state, "pallas": state}
     kernels = {"reference": REFERENCE, "pallas": KernelConfig("pallas", interpret=True, fuse_gdn_decode=fused,
                                                           fuse_add_norm=fused, fuse_moe_route=fused,
-                                                          fuse_attn_qkv=fused, fuse_gdn_out=fused)}
+                                                          fuse_attn_qkv=fused, fuse_gdn_out=fused,
+                                                          fuse_attn_out=fused)}
     for _ in range(3):
         out = {}
         for name, kc in kernels.items():

@@ -71,12 +71,15 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     cfg, params, state, kc = _setup(name, weights, monkeypatch)
     fp8 = weights != "bf16"
     prefill = _lower_prefill(cfg, kc, params, state, ROWS)
+    kc = dataclasses.replace(kc, fuse_attn_out=True)  # built, off in the engine until timed
     decode = _lower_decode(cfg, kc, params, state, LANES)
     # a prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection whole)
     mixed = _lower_mixed(cfg, kc, params, state, LANES)
     # the GEMM for FP8 prefill rows (and the grouped experts' two products a layer on the 35B-A3B)
     assert ("mosaic_gpu" in prefill) == fp8 and ("mosaic_gpu" in mixed) == fp8
     assert "gdn_chunk" in prefill and "gdn_decode_layer" in decode and "gdn_chunk" in mixed
+    # a decode round's attention merges its splits and gates in one kernel; a mixed step's rows keep XLA's merge
+    assert "paged_decode_combine" in decode and "paged_decode_combine" not in mixed
     # the norms before FP8 x FP8 products write their FP8 rows themselves, in decode rounds and prefill chunks
     assert all(("add_rms_norm_fp8" in step) == fp8 for step in (prefill, decode, mixed))
     if cfg.num_experts:  # one lane's MoE layers route inside the experts' first kernel: no router kernel
