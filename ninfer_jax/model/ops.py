@@ -67,8 +67,8 @@ class KernelConfig:
     # turns it on with the pallas backend
     fuse_gdn_out: bool = False
     # Attention decode's split combine and output gate as one kernel (`paged_attention.paged_decode_attention_gated`),
-    # at one lane writing the out-projection's doubled row too (`attention_decode_gated`); built and tested, off in the
-    # engine until it is timed (`scripts/ab_kernel_flags.py --variants 'base;fuse_attn_out=1'`)
+    # at one lane writing the out-projection's doubled row too (`attention_decode_gated`); the engine turns it on with
+    # the pallas backend (docs/kernels_notes.md)
     fuse_attn_out: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the

@@ -71,7 +71,6 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
     cfg, params, state, kc = _setup(name, weights, monkeypatch)
     fp8 = weights != "bf16"
     prefill = _lower_prefill(cfg, kc, params, state, ROWS)
-    kc = dataclasses.replace(kc, fuse_attn_out=True)  # built, off in the engine until timed
     decode = _lower_decode(cfg, kc, params, state, LANES)
     # a prefill chunk and a decode round in one pass: the projections over both rows (the GDN in-projection whole)
     mixed = _lower_mixed(cfg, kc, params, state, LANES)
