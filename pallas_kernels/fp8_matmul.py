@@ -70,8 +70,7 @@ class Fp8Config:
     contraction per loop step (128-blocks, each with its own scale); splits: at most this many programs share one block
     of rows' K (a divisor of the steps), fewer where min_programs are reached with fewer (0: the most;
     cuda_core_min_programs is the one-row kernel's: at 264-1024 the 27B's FP8 one-lane round ran 1.12-1.20x longer on an
-    H100, kernels_notes.md; cuda_core_ragged: its splits need not divide the steps, the last one shorter, so a K with
-    few divisors, as the 27B's 17408, still gets cuda_core_splits); with one split the kernel writes the result itself,
+    H100, kernels_notes.md); with one split the kernel writes the result itself,
     otherwise XLA adds the splits' float32 partials. tc_mode: the weight-only tensor-core product's operands for bf16
     rows, "f16" or "bf16". dynamic_*: the FP8 x FP8 product's. max_rows / dynamic_max_rows: the most rows the
     weight-only / FP8 x FP8 kernels take (the model's dispatch reads them; past them it dequantizes or runs the wgmma
@@ -87,7 +86,6 @@ class Fp8Config:
     dynamic_max_rows: int = 32
     cuda_core_splits: int = 16
     cuda_core_min_programs: int = 0
-    cuda_core_ragged: bool = False
     cuda_core_block_n: int = 32
     cuda_core_block_k: int = 256
     cuda_core_warps: int = 4
@@ -170,28 +168,24 @@ def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_a
     return _tensor_core(x, values, scales, cfg, interpret)
 
 
-def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs: int, ragged: bool = False):
-    """(128-blocks per step, splits of K, steps per split, steps in all): the most splits <= `splits` that divide
-    the steps, or the fewest that still give min_programs programs (fewer partial sums to write and add); ragged:
-    up to `splits` of ceil(steps / splits) steps each, the last one shorter."""
+def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs: int):
+    """(128-blocks per step, splits of K, steps per split): the most splits <= `splits` that divide the steps, or
+    the fewest that still give min_programs programs (fewer partial sums to write and add)."""
     sub, k_blocks = block_k // BLOCK, k // BLOCK
     while k_blocks % sub:
         sub //= 2
     steps = k_blocks // sub
-    if ragged:
-        per = -(-steps // min(splits, steps))
-        return sub, -(-steps // per), per, steps
     fits = [d for d in range(1, min(splits, steps) + 1) if steps % d == 0]
     enough = [d for d in fits if n // block_n * d >= min_programs]
     chosen = min(enough) if min_programs and enough else max(fits)
-    return sub, chosen, steps // chosen, steps
+    return sub, chosen, steps // chosen
 
 
 def _w_tile(w_ref, n, block_n: int, kb):
     return w_ref[pl.ds(n * block_n, block_n), pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)]
 
 
-def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, all_steps: int, sub: int, block_n: int):
+def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, block_n: int):
     # x_ref [M, K]   w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
     # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. summed over split s of K)
     #   or [M, N] in x's dtype (one split)
@@ -212,8 +206,7 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, all_steps: in
                 accs[r] = accs[r] + w * (x_ref[r, pl.ds(k0, BLOCK)].astype(jnp.float32) * scale)[None, :]
         return tuple(accs)
 
-    count = steps if all_steps % steps == 0 else jnp.minimum(steps, all_steps - s * steps)  # ragged: the last shorter
-    accs = lax.fori_loop(0, count, body, tuple(jnp.zeros((block_n, BLOCK), jnp.float32) for _ in range(rows)))
+    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((block_n, BLOCK), jnp.float32) for _ in range(rows)))
     for r, acc in enumerate(accs):
         total = jnp.sum(acc, axis=1)
         if len(out_ref.shape) == 3:
@@ -225,10 +218,9 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, all_steps: in
 def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
     (m, k), n = x.shape, values.shape[0]
     bn = cfg.cuda_core_block_n
-    sub, splits, steps, all_steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits,
-                                          cfg.cuda_core_min_programs, cfg.cuda_core_ragged)
+    sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, cfg.cuda_core_min_programs)
     out = pl.pallas_call(
-        functools.partial(_cuda_core_kernel, steps=steps, all_steps=all_steps, sub=sub, block_n=bn),
+        functools.partial(_cuda_core_kernel, steps=steps, sub=sub, block_n=bn),
         grid=(n // bn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n),
                                        jnp.float32 if splits > 1 else x.dtype),
@@ -314,7 +306,7 @@ def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpre
     fp8_rows = mode == "fp8"
     bn, warps = cfg.tile(m, fp8_rows)
     min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs
-    sub, splits, steps, _ = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
+    sub, splits, steps = _grid(k, n, bn, cfg.block_k, cfg.splits, min_programs)
     out = pl.pallas_call(
         functools.partial(_tensor_core_kernel, steps=steps, sub=sub, block_n=bn, mode=mode,
                           tile_rows=max(_TC_ROWS, pl.next_power_of_2(m))),
