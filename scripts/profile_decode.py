@@ -4,13 +4,14 @@ kernel.
 Default mode, on one idle engine per model: the runner's decode round at 1 and all lanes, synchronous (each
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
 time to dispatch one round, beside the jitted step's alone by how its per-round inputs arrive; then a jax profiler
-trace of back-to-back one-lane rounds, its device kernels summed by name per round, so the slowest kernels are
+trace of back-to-back rounds at --trace-lanes (one by default), its device kernels summed by name per round, so the slowest kernels are
 named with their share, and the same rounds' host events (XLA's and the runtime's) by name. `--engine`: the
 scheduler's steps under cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
 
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/profile_decode.py --models 35b-a3b --engine --out /tmp/decode
     python scripts/profile_decode.py --models 27b --weights fp8 --out docs/benchmarks/fp8   # an FP8 pack's round
+    python scripts/profile_decode.py --models 35b-a3b --weights fp8-dynamic --lanes 64 --trace-lanes 64 --out /tmp/w
     python scripts/profile_decode.py --models 35b-a3b --kv-dtype bfloat16,int8,nvfp4 --position 30720 \
         --max-model-len 32768 --out /tmp/kv   # each KV profile's round at a long context
     python scripts/profile_decode.py --smoke          # the tiny shape on CPU, a temporary folder
@@ -75,7 +76,7 @@ def engine_profile(engine, name: str, args) -> dict:
 
 
 def round_profile(engine, name: str, args) -> dict:
-    """The runner's decode round timed and its one-lane kernels mapped."""
+    """The runner's decode round timed, and its kernels and host events at --trace-lanes mapped."""
     import jax
 
     from ninfer_jax.benchmarks.profiling import decode_inputs
@@ -92,17 +93,18 @@ def round_profile(engine, name: str, args) -> dict:
         for label, ms in by_input.items():
             print(f"[{name}] decode {lanes} lanes, {label}: {ms:.3f} ms to dispatch", flush=True)
     trace_dir = Path(args.trace_dir) / name
-    inputs = decode_inputs(engine, 1, args.position)
+    inputs = decode_inputs(engine, args.trace_lanes, args.position)
     jax.block_until_ready(engine.runner.decode(*inputs))
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(args.trace_rounds):
             out = engine.runner.decode(*inputs)
         jax.block_until_ready(out)
-    result["kernels_1lane"] = kernel_table(trace_dir, args.trace_rounds, args.top)
-    for r in result["kernels_1lane"]:
+    result["trace_lanes"] = args.trace_lanes
+    result["kernels"] = kernel_table(trace_dir, args.trace_rounds, args.top)
+    for r in result["kernels"]:
         print(f"[{name}] {r['us_per_round']:9.1f} us {r['launches_per_round']:6.1f}x  {r['kernel']}", flush=True)
-    result["host_1lane"] = host_event_table(trace_dir, args.trace_rounds, args.host_top)
-    for r in result["host_1lane"]:
+    result["host"] = host_event_table(trace_dir, args.trace_rounds, args.host_top)
+    for r in result["host"]:
         print(f"[{name}] host {r['us_per_round']:9.1f} us {r['per_round']:6.1f}x  {r['event']}", flush=True)
     return result
 
@@ -123,7 +125,7 @@ def write_report(rows: list[dict], args, out: Path) -> None:
     lines = report.header("Decode profile", meta, f"random {args.weights} weights, kernels {args.kernels}, "
                           f"{args.lanes} lanes, max_model_len {args.max_model_len}, rounds at position {args.position}")
     for r in rows:
-        if "kernels_1lane" in r:
+        if "kernels" in r:
             lanes = args.lanes
             lines += [f"## {r['model']}, KV {r['kv_dtype']}", "", *report.table(
                 ["lanes", "synchronous ms/round", "back to back ms/round", "dispatch ms"],
@@ -133,15 +135,15 @@ def write_report(rows: list[dict], args, out: Path) -> None:
                 *report.table(["inputs", *(f"{n} lanes" for n in (1, lanes))],
                               [[label, *(f"{r[f'{n}lane_dispatch_by_input'][label]:.3f}" for n in (1, lanes))]
                                for label in r["1lane_dispatch_by_input"]]),
-                "", f"One-lane round, device kernels per round (top {args.top}):", "",
+                "", f"{r['trace_lanes']}-lane round, device kernels per round (top {args.top}):", "",
                 *report.table(["us per round", "launches per round", "kernel"],
                               [[f"{k['us_per_round']:.1f}", f"{k['launches_per_round']:.1f}", f"`{k['kernel']}`"]
-                               for k in r["kernels_1lane"]]), "",
+                               for k in r["kernels"]]), "",
                 f"The same rounds' host events per round (top {args.host_top}; XLA's and the runtime's, nested ones "
                 "each counting their own span):", "",
                 *report.table(["us per round", "per round", "event"],
                               [[f"{k['us_per_round']:.1f}", f"{k['per_round']:.1f}", f"`{k['event']}`"]
-                               for k in r["host_1lane"]]), ""]
+                               for k in r["host"]]), ""]
         else:
             lines += [f"## {r['model']}, the engine's scheduler under cProfile", "",
                       f"- one lane: {r['engine_1lane_tok_s']:.1f} tok/s; profiled on the wall clock "
@@ -163,6 +165,7 @@ def main() -> int:
     p.add_argument("--position", type=int, default=1024, help="every lane's context in the timed rounds")
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--trace-rounds", type=int, default=8)
+    p.add_argument("--trace-lanes", type=int, default=1, help="the traced round's lanes (at most --lanes)")
     p.add_argument("--tokens", type=int, default=128, help="--engine: decode tokens per request")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--host-top", type=int, default=20, help="rows of the one-lane round's host events")
@@ -174,6 +177,8 @@ def main() -> int:
     if args.smoke:
         args.models, args.kernels, args.lanes, args.max_model_len = "tiny-dense", "reference", 2, 2048
         args.rounds, args.trace_rounds, args.tokens, args.top = 2, 2, 8, 10
+    if not 1 <= args.trace_lanes <= args.lanes:
+        p.error(f"--trace-lanes {args.trace_lanes} is not within 1..--lanes ({args.lanes})")
     out = Path(args.out or (tempfile.mkdtemp(prefix="decode_smoke-") if args.smoke else report.DOCS))
     rows = [profile(m, kv, args) for m in args.models.split(",") for kv in args.kv_dtype.split(",")]
     write_report(rows, args, out)
