@@ -4,9 +4,10 @@ kernel.
 Default mode, on one idle engine per model: the runner's decode round at 1 and all lanes, synchronous (each
 round's tokens read back before the next is dispatched) and back to back (device time plus launch); the host
 time to dispatch one round, beside the jitted step's alone by how its per-round inputs arrive; then a jax profiler
-trace of back-to-back rounds at --trace-lanes (one by default), its device kernels summed by name per round, so the slowest kernels are
-named with their share, and the same rounds' host events (XLA's and the runtime's) by name. `--engine`: the
-scheduler's steps under cProfile while the engine decodes one lane, on the wall clock and on the thread's CPU clock.
+trace of back-to-back rounds at --trace-lanes (one by default), its device kernels summed by name per round, so the
+slowest kernels are named with their share, and the same rounds' host events (XLA's and the runtime's) by name.
+`--engine`: the scheduler's steps under cProfile while the engine decodes one lane, on the wall clock and on the
+thread's CPU clock.
 
     python scripts/profile_decode.py --models 27b,35b-a3b --out docs/benchmarks
     python scripts/profile_decode.py --models 35b-a3b --engine --out /tmp/decode
