@@ -43,7 +43,8 @@ many rows a expert take `fp8_gemm.grouped_gemm` instead of the two kernels (`_gr
      chooses its token's experts itself (`moe_route.select`, a few microseconds before its weight loads) and the
      token's first program writes the ids, weights and shared gate down reads: the router kernel goes (a 35B-A3B
      one-lane round 2% shorter on an H100).
-  Elsewhere the shared expert, when given, is two plain matmuls added to the routed sum.
+  In the tiled layouts a shared expert of the experts' I can ride along as more row tiles (`_tile`,
+  `shared_tiles_layout`); elsewhere it is two plain matmuls added to the routed sum.
 
 Pallas notes (see DESIGN.md "Pallas"): GPU lowers through Triton (no scalar prefetch), so every weight
 and index ref is passed whole and indexed inside the kernel with ids loaded from an index array; block
@@ -100,6 +101,12 @@ class MoeConfig:
     # of two matmuls and their glue: the 35B-A3B's 4- and 8-lane rounds 0.970x / 0.982x on an H100, FP8 dynamic 0.909x /
     # 0.940x (docs/kernels_notes.md)
     decode_shared_tile: bool = True
+    # The tiled layout (R > decode_max_rows) with a shared expert of the experts' I and at most this many tokens: the
+    # shared expert as ceil(T / block_m) more row tiles of both kernels (T rows, its gate the rows' weight) instead of
+    # two matmuls and their glue (FP8 ones dequantized every round: six XLA kernels, 18 us a 35B-A3B layer at 64
+    # lanes on an H100); 0: never. The 35B-A3B's FP8-dynamic rounds 0.986x / 0.986x / 0.991x at 64 / 128 / 256
+    # lanes on an H100, bf16 0.997x at 64 (docs/kernels_notes.md)
+    tiled_shared_max_tokens: int = 256
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
     # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
     # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
@@ -285,9 +292,10 @@ def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block
                  num_stages, interpret, x_scales=None, shared=None):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
     (act FP8 [P, I], its scales [P, I / block_n]). layout: (tile_expert, sorted_rows), or (expert ids,) (`_tile`);
-    shared: with the expert ids, the shared expert's gate_up, one more tile (`_tile`) of T rows past num_rows."""
+    shared: the shared expert's gate_up for T rows past num_rows: with the expert ids one more tile (`_tile`), with
+    (tile_expert, sorted_rows) the tiles `shared_tiles_layout` appended."""
     shared_rows = 0 if shared is None else x.shape[0]
-    num_tiles = layout[0].shape[0] + (shared is not None)
+    num_tiles = layout[0].shape[0] + (shared is not None and len(layout) == 1)
     fp8_rows = x_scales is not None
     kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
                                top_k=top_k, num_rows=num_rows + shared_rows, block_m=block_m, block_n=block_n,
@@ -340,12 +348,11 @@ def _down_kernel(*refs, fp8: bool, fp8_rows: bool, num_rows: int, block_m: int, 
 
 
 def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_k, num_warps, num_stages, interpret,
-              act_scales=None, out_dtype=None, shared=None):
+              act_scales=None, out_dtype=None, shared=None, shared_rows=0):
     """y [N + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
-    `gate_up_call`'s; shared: its shared expert's down, for the N rows row_weight weighs past the routed ones."""
-    num_tiles = layout[0].shape[0] + (shared is not None)
+    `gate_up_call`'s; shared: its shared expert's down, for the last shared_rows of the N rows row_weight weighs."""
+    num_tiles = layout[0].shape[0] + (shared is not None and len(layout) == 1)
     num_rows = row_weight.shape[0] - 1
-    shared_rows = 0 if shared is None else num_rows - layout[0].shape[0]
     fp8_rows = act_scales is not None
     kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
                                num_rows=num_rows, block_m=block_m, block_n=block_n, block_k=block_k,
@@ -486,13 +493,14 @@ def _gemv_call(kernel, name, inputs, *, fp8, with_shared, rows, contraction, out
     )(*inputs)
 
 
-def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
+def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int, pad: int | None = None):
     """Sort the R routed rows by expert and pad each expert's run to a multiple of block_m.
 
     Args:
       flat_ids: [R] int32 expert of each routed row (row r = t*K + k).
+      pad: the padding slots' row (default R).
     Returns:
-      sorted_rows [P] int32: source row of each padded slot (R for padding), grouped by expert in
+      sorted_rows [P] int32: source row of each padded slot (pad), grouped by expert in
         ascending order, rows of one expert in ascending r;
       tile_expert [P / block_m] int32: the expert of each row tile, -1 for tiles past the last used one.
     P = block_m * ((R + min(E, R) * (block_m - 1)) // block_m), a static bound on the padded rows.
@@ -512,7 +520,8 @@ def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int):
     padded_end = jnp.cumsum(padded)
     start = jnp.cumsum(counts) - counts
     dest = (padded_end - padded)[s_expert] + iota - start[s_expert]  # padded slot of sorted row j
-    sorted_rows = jnp.full((num_tiles * block_m,), r, jnp.int32).at[dest].set(s_row, unique_indices=True)
+    sorted_rows = jnp.full((num_tiles * block_m,), r if pad is None else pad, jnp.int32).at[dest].set(
+        s_row, unique_indices=True)
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     # Expert of a tile = how many padded runs end at or before its first row (compare-all: E is small,
     # and it avoids the device loop of a binary search).
@@ -558,6 +567,18 @@ def _routed_or_shared_tile(e, tile, weight, shared):
     pl.when((e >= 0) & (e < _SHARED_TILE))(lambda: tile(weight, e))
     if shared is not None:
         pl.when(e == _SHARED_TILE)(lambda: tile(shared, None))
+
+
+def shared_tiles_layout(flat_ids: jax.Array, num_experts: int, block_m: int, tokens: int):
+    """(tile_expert, sorted_rows): `align_rows`' tiles of the R routed rows, then the shared expert's rows R ..
+    R + tokens - 1 as ceil(tokens / block_m) tiles of `_SHARED_TILE`; every padding slot holds R + tokens (the
+    kernels' spare row), so no padding lands on a shared row."""
+    routed = flat_ids.shape[0]
+    sorted_rows, tile_expert = align_rows(flat_ids, num_experts, block_m, pad=routed + tokens)
+    n = -(-tokens // block_m)
+    slot = jnp.arange(n * block_m, dtype=jnp.int32)
+    rows = jnp.concatenate([sorted_rows, routed + jnp.minimum(slot, tokens)])
+    return jnp.concatenate([tile_expert, jnp.full((n,), _SHARED_TILE, jnp.int32)]), rows
 
 
 def _rows_as_tiles(flat_ids: jax.Array, block_m: int):
@@ -606,8 +627,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
       shared: the shared expert (`reference.SharedExpert`: gate_up [H, 2Is], down [Is, H], weight [T], of the
         experts' kind) or None. Narrow decode runs it as T more rows of its two kernels (one lane's round then
         reads its weights in the same kernels as the routed experts'; Is must equal I), the tiled decode with
-        `MoeConfig.decode_shared_tile` as one more tile of its two (T <= 16, Is = I); the other paths add it as two
-        matmuls.
+        `MoeConfig.decode_shared_tile` as one more tile of its two (T <= 16, Is = I), the tiled layout up to
+        `MoeConfig.tiled_shared_max_tokens` as more row tiles of its two (Is = I; with quantize_activations FP8 x
+        FP8 as the routed rows); the other paths add it as two matmuls.
       config: tuning knobs; None takes `default_config(T * K, E, quantize_activations)`.
       quantize_activations: FP8 experts in the prefill layout (R > decode_max_rows) multiply FP8 x FP8: x quantized
         per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
@@ -731,25 +753,32 @@ def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
 def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts, inter, dtype, cfg, interpret,
                fp8_rows=False):
     """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles, the
-    shared expert (when given) one more tile of them (`MoeConfig.decode_shared_tile`) or two matmuls added; fp8_rows
+    shared expert (when given) more tiles of them (`MoeConfig.decode_shared_tile`, `tiled_shared_max_tokens`) or two
+    matmuls added; fp8_rows
     (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
     h = x.shape[1]
     rows = t * k
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
     in_tiles = None
+    # a shared expert in the kernels' tiles needs the experts' I (their blocks) and kind (FP8 or not)
+    fits = (shared is not None and _shape(shared.down) == _shape(down)[1:]
+            and isinstance(shared.down, fp8_matmul.BlockFp8) == fp8)
     if rows <= cfg.decode_max_rows:
         block_m = _DECODE_BLOCK_M
         share = cfg.decode_share_tiles and is_pow2(rows)
         layout = (flat_ids,) if share else _rows_as_tiles(flat_ids, block_m)[::-1]
-        if (share and cfg.decode_shared_tile and shared is not None and t <= block_m
-                and _shape(shared.down) == _shape(down)[1:]):
+        if fits and share and cfg.decode_shared_tile and t <= block_m:
             in_tiles, shared = shared, None
         bn, bk, dbn, dbk = _blocks(fp8, cfg.decode_block_n, cfg.decode_block_k, cfg.decode_down_block_n,
                                    cfg.decode_down_block_k)
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_m = cfg.block_m
-        layout = align_rows(flat_ids, num_experts, block_m)[::-1]
+        if fits and t <= cfg.tiled_shared_max_tokens:
+            layout = shared_tiles_layout(flat_ids, num_experts, block_m, t)
+            in_tiles, shared = shared, None
+        else:
+            layout = align_rows(flat_ids, num_experts, block_m)[::-1]
         bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
     bn = _block(bn, inter, "I")
@@ -771,7 +800,7 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
         layout, row_weight, act, down, hidden=h, block_m=block_m,
         block_n=_block(dbn, h, "H"), block_k=_block(dbk, inter, "I"), num_warps=warps, num_stages=stages,
         interpret=interpret, act_scales=act_scales, out_dtype=dtype,
-        shared=None if in_tiles is None else in_tiles.down)
+        shared=None if in_tiles is None else in_tiles.down, shared_rows=0 if in_tiles is None else t)
     out = y[:rows].astype(jnp.float32).reshape(t, k, h).sum(axis=1)
     if in_tiles is not None:
         out = out + y[rows:rows + t].astype(jnp.float32)

@@ -143,6 +143,14 @@ def test_the_shared_expert_rides_in_the_decode_tiles(t, dtype):
     _check(dataclasses.replace(DECODE, decode_shared_tile=True), t, dtype, "router", shared_inter=I)
 
 
+@pytest.mark.parametrize("t,dtype,routing", [(24, jnp.float32, "router"), (13, jnp.bfloat16, "one_expert")],
+                         ids=["f32-two-tiles-one-padded", "bf16-one-expert"])
+def test_the_shared_expert_rides_in_row_tiles_of_the_tiled_layout(t, dtype, routing):
+    """tiled_shared_max_tokens: in the sorted layout (16-row tiles) the shared expert's T rows are ceil(T / 16) more
+    tiles of both kernels, their gate the rows' weight; 24 tokens fill one and half of another."""
+    _check(dataclasses.replace(PREFILL, tiled_shared_max_tokens=t), t, dtype, routing, shared_inter=I)
+
+
 def test_shared_decode_tiles_lower_to_triton_at_35b_a3b_shapes():
     """Eight lanes' 64 rows with `_tile`'s in-kernel layout (a cumsum and a [16, R] match) lower to Triton IR, with
     no layout kernel beside them, and with the shared expert as one more tile."""
@@ -187,6 +195,21 @@ def test_align_rows_invariants(block_m):
         assert (flat[real] == tile_expert[m]).all()
         assert (rows[: len(real)] == real).all() and (np.diff(real) > 0).all()
     assert (sorted_rows[~np.repeat(used, block_m)] == r).all()
+
+
+def test_shared_tiles_layout_holds_every_row_once_and_pads_past_them():
+    """The routed rows' tiles as `align_rows` lays them, then 24 shared rows in two 16-row tiles; every padding slot,
+    the routed tiles' included, is the spare row R + T (a padding slot on a shared row would race its write)."""
+    r, t, block_m = 50, 24, 16
+    flat = np.random.default_rng(secrets.randbits(32)).choice([0, 3, 7], size=r).astype(np.int32)
+    tile_expert, rows = map(np.asarray, moe.shared_tiles_layout(jnp.asarray(flat), E, block_m, t))
+    routed_rows, routed_tiles = map(np.asarray, moe.align_rows(jnp.asarray(flat), E, block_m))
+    n = routed_tiles.shape[0]
+    assert (tile_expert[:n] == routed_tiles).all() and (tile_expert[n:] == moe._SHARED_TILE).all()
+    assert tile_expert.shape == (n + 2,) and rows.shape == ((n + 2) * block_m,)
+    assert (rows[:n * block_m] == np.where(routed_rows < r, routed_rows, r + t)).all()
+    assert (rows[n * block_m:] == np.minimum(np.arange(2 * block_m), t) + r).all()
+    assert sorted(rows[rows < r + t].tolist()) == list(range(r + t))  # every row exactly once
 
 
 def test_rejects_bad_inputs():
@@ -235,10 +258,12 @@ def test_gemv_path_runs_the_shared_expert_as_more_rows(t, dtype):
     _check(dataclasses.replace(GEMV, gemv_max_rows=t * K), t, dtype, "router", shared_inter=I)
 
 
-@pytest.mark.parametrize("cfg, t, shared_inter", [(GEMV, 1, 2 * I), (DECODE, 3, I), (PREFILL, 24, I)],
-                         ids=["gemv-other-width", "tiled-decode", "prefill"])
+@pytest.mark.parametrize("cfg, t, shared_inter", [
+    (GEMV, 1, 2 * I), (DECODE, 3, I), (dataclasses.replace(PREFILL, tiled_shared_max_tokens=23), 24, I)],
+    ids=["gemv-other-width", "tiled-decode", "prefill-past-the-shared-tiles"])
 def test_other_paths_add_the_shared_expert(cfg, t, shared_inter):
-    """A shared expert of another width than the experts', or any tiled path: two matmuls added."""
+    """A shared expert of another width than the experts', or a tiled path past its tiles' limits: two matmuls
+    added."""
     _check(dataclasses.replace(cfg, gemv_max_rows=t * K) if cfg is GEMV else cfg, t, jnp.float32, "router",
            shared_inter=shared_inter)
 

@@ -6,6 +6,8 @@ Shapes are the smallest with whole 128-blocks: E=4, K=2, H=256, I=128 (two contr
 scales that differ by orders of magnitude)."""
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,8 +76,9 @@ def test_fp8_experts_off_the_block_grid_are_refused():
         moe.moe_experts(x, ids, w, gate_up, fp8_matmul.dequantize(down), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("tokens,fp8_rows", [(1, False), (8, False), (512, False), (512, True)])
+@pytest.mark.parametrize("tokens,fp8_rows", [(1, False), (8, False), (64, True), (512, False), (512, True)])
 def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows):
+    """Both kernels at each path's widths; the shared expert inside them up to `tiled_shared_max_tokens` (256)."""
     lower_for_h200()
     e, k, h, i = 256, 8, 2048, 512
     spec = jax.ShapeDtypeStruct
@@ -92,6 +95,7 @@ def test_fp8_experts_lower_to_triton_at_35b_a3b_shapes(tokens, fp8_rows):
     target = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     assert text.count(target) == 2
     assert ("moe_gate_up_fp8_rows" in text) == fp8_rows
+    assert ("stablehlo.dot_general" in text) == (tokens > 256)
 
 
 def _fp8_rows64(a, group: int):
@@ -104,10 +108,11 @@ def _fp8_rows64(a, group: int):
     return (np.asarray(codes, np.float64) * scale).reshape(r, n)
 
 
-def _experts64(x, ids, w, gate_up, down, quantize: bool, shared=None):
+def _experts64(x, ids, w, gate_up, down, quantize: bool, shared=None, quantize_shared: bool = False):
     """The routed experts (and the shared one, when given) in float64 on the dequantized weights; quantize: the
     routed rows' x per token and 128-group, act per row and 128 columns, as the FP8 x FP8 paths round them (the
-    shared expert's products take the activations as they are)."""
+    shared expert's rows too with quantize_shared: in the kernels' tiles; else it takes the activations as they
+    are)."""
     wg, wd = (np.asarray(fp8_matmul.dequantize(m), np.float64) for m in (gate_up, down))
     ids, w = np.asarray(ids), np.asarray(w, np.float64)
     x_rows = _fp8_rows64(np.asarray(x), 128) if quantize else np.asarray(x, np.float64)
@@ -124,7 +129,8 @@ def _experts64(x, ids, w, gate_up, down, quantize: bool, shared=None):
         for j in range(K):
             out[t] += w[t, j] * expert(x_rows[t], wg[ids[t, j]], wd[ids[t, j]])
         if shared is not None:
-            out[t] += float(shared.weight[t]) * expert(np.asarray(x[t], np.float64), sg, sd, quantize=False)
+            xs = x_rows[t] if quantize_shared else np.asarray(x[t], np.float64)
+            out[t] += float(shared.weight[t]) * expert(xs, sg, sd, quantize=quantize_shared)
     return out
 
 
@@ -132,19 +138,23 @@ def _rel(got, want):
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("config,with_shared", [(None, False), (moe.FP8_NARROW_ROWS_CONFIG, True)],
-                         ids=["32-row-tiles", "16-row-tiles-and-shared-expert"])
+@pytest.mark.parametrize("config,with_shared", [
+    (None, False), (dataclasses.replace(moe.FP8_NARROW_ROWS_CONFIG, tiled_shared_max_tokens=0), True),
+    (dataclasses.replace(moe.FP8_NARROW_ROWS_CONFIG, tiled_shared_max_tokens=40), True)],
+    ids=["32-row-tiles", "16-row-tiles-and-shared-matmuls", "16-row-tiles-and-shared-tiles"])
 def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config, with_shared):
     """quantize_activations in the prefill layout (80 routed rows) on 32- and 16-row tiles: x quantized per token and
     128-group, act per row and 128 columns in the gate_up kernel, every product FP8 x FP8; the shared expert's
-    matmuls take x as it is. Against float64 with the same two quantizations it differs only where act's float32 and
-    float64 values round to neighbouring e4m3 codes (one code: 2^-4 of an element, rare); against the unquantized
-    activations by the two quantizations' error (about 2^-5 relative)."""
+    matmuls take x as it is, its rows in the tiles (three of 16) are quantized as the routed ones. Against float64
+    with the same quantizations it differs only where act's float32 and float64 values round to neighbouring e4m3
+    codes (one code: 2^-4 of an element, rare); against the unquantized activations by the two quantizations' error
+    (about 2^-5 relative)."""
     x, ids, w, gate_up, down, shared = _case(40, seed=5)
     shared = shared if with_shared else None
     got = moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=True, config=config,
                           interpret=INTERPRET)
-    assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared)) < 2e-3
+    in_tiles = with_shared and config.tiled_shared_max_tokens > 0
+    assert _rel(got, _experts64(x, ids, w, gate_up, down, True, shared, quantize_shared=in_tiles)) < 2e-3
     assert 1e-3 < _rel(got, _experts64(x, ids, w, gate_up, down, False, shared)) < 2**-4
     with pytest.raises(ValueError, match="needs block-FP8 experts"):
         moe.moe_experts(x, jnp.asarray(ids), jnp.asarray(w, jnp.float32), fp8_matmul.dequantize(gate_up),
