@@ -246,7 +246,7 @@ def _operands(w) -> tuple:
 
 def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int, block_m: int, block_n: int,
                     block_k: int, share_tiles: bool, shared_rows: int):
-    # the layout refs (`_tile`), then x_ref: [T, H]; refs: with fp8_rows x's scales [T, H / 128] f32 first; the gate_up
+    # the layout refs (`_tile`), then x_ref: [T, H]; refs: with fp8_rows x's scales [H / 128, T] f32 first; the gate_up
     #   weight [E, H, 2I] (see _Weight), with shared_rows the shared expert's [H, 2I]; then act_ref, and with fp8_rows
     #   act_scale_ref. Rows: R routed (row r = t K + k), then shared_rows shared ones (row R + t), num_rows in all
     # act_ref (out): [P, I], this program writes [BM, BN] at (tile m, column block n); with fp8_rows FP8, each
@@ -270,7 +270,7 @@ def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int,
             if x_scale_ref is None:
                 xt, x_scale = xt.astype(act_ref.dtype), None
             else:  # FP8 rows as they are; their scales [BM, 1] (BK lies in one 128-group of a row)
-                x_scale = x_scale_ref[tokens, k0 // fp8_matmul.BLOCK][:, None]
+                x_scale = x_scale_ref[k0 // fp8_matmul.BLOCK, tokens][:, None]
             return (acc_g + gate_up.dot(xt, e, k0, n * block_n, block_k, block_n, x_scale),
                     acc_u + gate_up.dot(xt, e, k0, inter + n * block_n, block_k, block_n, x_scale))
 
@@ -290,7 +290,7 @@ def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int,
 
 def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n, block_k, num_warps,
                  num_stages, interpret, x_scales=None, shared=None):
-    """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [T, H / 128]) FP8 x FP8 products and
+    """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [H / 128, T]) FP8 x FP8 products and
     (act FP8 [P, I], its scales [P, I / block_n]). layout: (tile_expert, sorted_rows), or (expert ids,) (`_tile`);
     shared: the shared expert's gate_up for T rows past num_rows: with the expert ids one more tile (`_tile`), with
     (tile_expert, sorted_rows) the tiles `shared_tiles_layout` appended."""
@@ -635,8 +635,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         per token and 128-group, act per row and block_n columns in the gate_up kernel (the packs' dynamic
         activation scheme), each tile's product times both scales; decode stays weight-only.
       x_fp8: x quantized per token and 128-group by its producer (xq [T, H] float8_e4m3fn, xs [H / 128, T]:
-        `fp8_matmul.quantize_rows`' layout), read by the grouped GEMM (`takes_grouped`) instead of quantizing x;
-        the other paths read x.
+        `fp8_matmul.quantize_rows`' layout), read by the FP8 x FP8 paths (`reads_fp8_rows`: the tiles past the
+        decode layout, the grouped GEMM) instead of quantizing x; the other paths read x.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     Returns:
       [T, H] float32, sum_k w_tk * down_e(silu(gate_e x_t) * up_e x_t) with e = expert_ids[t, k], plus
@@ -682,7 +682,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, 
         return _gemv_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, inter=inter, dtype=dtype, cfg=cfg,
                          interpret=interpret)
     return _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, t=t, k=k, num_experts=num_experts, inter=inter,
-                      dtype=dtype, cfg=cfg, fp8_rows=fp8_rows, interpret=interpret)
+                      dtype=dtype, cfg=cfg, fp8_rows=fp8_rows, interpret=interpret, x_fp8=x_fp8)
 
 
 def _check_weights(h: int, gate_up, down, shared: SharedExpert | None) -> tuple[int, int]:
@@ -751,7 +751,7 @@ def _blocks(fp8: bool, *sides: int) -> tuple[int, ...]:
 
 
 def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts, inter, dtype, cfg, interpret,
-               fp8_rows=False):
+               fp8_rows=False, x_fp8=None):
     """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles, the
     shared expert (when given) more tiles of them (`MoeConfig.decode_shared_tile`, `tiled_shared_max_tokens`) or two
     matmuls added; fp8_rows
@@ -783,9 +783,8 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
         warps, stages = cfg.num_warps, cfg.num_stages
     bn = _block(bn, inter, "I")
     x_rows, x_scales, act_scales = x, None, None  # x stays for the shared expert's matmuls
-    if fp8_rows:
-        x_rows, x_scales = fp8_matmul.quantize_rows(x)
-        x_scales = x_scales.T  # [T, H / 128]: a tile's rows gather their scales as they gather x's
+    if fp8_rows:  # x's FP8 rows from its producer (the norm before the layer), or quantized here
+        x_rows, x_scales = fp8_matmul.quantize_rows(x) if x_fp8 is None else x_fp8
         dbk = min(dbk, bn)  # a step of down's contraction within one of act's scale groups (bn columns)
     act = gate_up_call(
         layout, x_rows, gate_up, act_dtype=dtype, top_k=k, num_rows=rows, inter=inter,
@@ -823,6 +822,14 @@ def takes_dynamic(rows: int, num_experts: int, hidden: int, inter: int, interpre
     `fp8_dynamic_rows_per_expert` (the tiles), or where the grouped GEMM takes them."""
     return (rows <= num_experts * DEFAULT_CONFIG.fp8_dynamic_rows_per_expert
             or takes_grouped(rows, num_experts, hidden, inter, interpret))
+
+
+def reads_fp8_rows(rows: int, num_experts: int, hidden: int, inter: int, interpret: bool = False) -> bool:
+    """Whether `rows` routed rows of block-FP8 experts in the model (`takes_dynamic`) read x's FP8 rows whole, so
+    that a producer may hand them over (moe_experts' x_fp8): past the decode layout, on the tiles or the grouped
+    GEMM."""
+    return (rows > default_config(rows, num_experts, fp8_rows=True).decode_max_rows
+            and takes_dynamic(rows, num_experts, hidden, inter, interpret))
 
 
 def grouped_available(hidden: int, inter: int, interpret: bool = False) -> bool:

@@ -319,7 +319,7 @@ def fp8_rows_for(kc: KernelConfig, rows: int, consumer, top_k: int = 0) -> str |
     """What a norm of `rows` rows writes for the block that reads it first, `consumer`: a projection's weight, or an
     MoE layer's params (top_k its experts a token). "only": FP8 rows (a block-FP8 weight whose product takes them,
     `takes_fp8_rows`); "with_rows": FP8 rows and the bf16 ones (an in-projection with an unquantized part, the GDN's
-    [b | a]; an MoE layer whose experts take FP8 rows on the grouped GEMM, its router and shared expert bf16); None:
+    [b | a]; an MoE layer whose experts read FP8 rows, `moe.reads_fp8_rows`, its router bf16); None:
     the bf16 rows alone. Not on a mesh (its blocks run per device on the bf16 rows)."""
     if not kc.fuse_add_norm or kc.spmd is not None:
         return None
@@ -330,7 +330,7 @@ def fp8_rows_for(kc: KernelConfig, rows: int, consumer, top_k: int = 0) -> str |
         from pallas_kernels import moe
 
         num_experts, hidden, inter = experts.values.shape[0], experts.values.shape[2], experts.values.shape[1] // 2
-        return "with_rows" if moe.takes_grouped(rows * top_k, num_experts, hidden, inter, kc.interpret) else None
+        return "with_rows" if moe.reads_fp8_rows(rows * top_k, num_experts, hidden, inter, kc.interpret) else None
     first = consumer.parts[0] if isinstance(consumer, ConcatWeight) else consumer
     if not takes_fp8_rows(kc, rows, first):
         return None
@@ -573,7 +573,7 @@ def moe_experts(kc: KernelConfig, x, expert_ids, expert_weights, gate_up, down,
                 shared: ref.SharedExpert | None = None, x_fp8: Fp8Rows | None = None):
     """Routed experts of an MoE layer, plus its shared expert when given: x [T, H], ids/weights [T, K],
     gate_up [E, H, 2I], down [E, I, H] (plain, or block-FP8: the Pallas kernels read FP8 tiles, the reference
-    dequantizes). x_fp8: x's FP8 rows from its norm, which the grouped GEMM reads (`fp8_rows_for`). Returns
+    dequantizes). x_fp8: x's FP8 rows from its norm, which FP8 x FP8 experts read (`fp8_rows_for`). Returns
     [T, H] float32."""
     gate_up, down, shared = _expert_weights(kc, gate_up, down, shared)
     if kc.backend == "pallas":

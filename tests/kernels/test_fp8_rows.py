@@ -120,7 +120,7 @@ def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatc
     to first where that product takes them: a decode round's 2-32 rows (the swap-AB kernel) and a prefill chunk's
     (the GEMM, here its reference; on CPU the kernels in interpret mode). The rows and products equal those of the
     norm and quantization op by op, and on CPU the composed norm's; the bf16 rows are kept only for a weight with an
-    unquantized part (the GDN in-projection's [b | a]) and an MoE layer whose experts take the grouped GEMM; one row
+    unquantized part (the GDN in-projection's [b | a]) and an MoE layer whose experts read FP8 rows; one row
     (a weight-only product) gets plain rows."""
     from pallas_kernels import rms_norm
 
@@ -152,7 +152,8 @@ def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatc
     experts = QuantizedWeight(jnp.stack([gate_up.values] * 8), jnp.stack([gate_up.scales] * 8))  # 8 of I = 256
     moe_layer = qwen3_5.MoEParams(router=None, gate_up=experts, down=None, shared=None, shared_gate=None)
     assert ops.fp8_rows_for(kc, 96, moe_layer, top_k=16) == "with_rows"  # 192 rows a expert: the grouped GEMM
-    assert ops.fp8_rows_for(kc, 96, moe_layer, top_k=2) is None  # 24 a expert: the tiles quantize x themselves
+    assert ops.fp8_rows_for(kc, 96, moe_layer, top_k=2) == "with_rows"  # 24 a expert: the FP8 x FP8 tiles
+    assert ops.fp8_rows_for(kc, 8, moe_layer, top_k=2) is None  # 16 rows: the decode layout, weight-only
     kc = ops.KernelConfig("pallas", interpret=True, fuse_add_norm=True, fp8_activations=True)
     assert ops.fp8_rows_for(kc, 1, w) is None  # one row: weight-only
     assert ops.fp8_rows_for(kc, 8, jnp.zeros((256, 384), jnp.bfloat16)) is None  # a bf16 weight

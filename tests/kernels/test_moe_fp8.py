@@ -161,6 +161,23 @@ def test_fp8_activations_match_a_float64_reference_of_the_quantized_rows(config,
                         fp8_matmul.dequantize(down), quantize_activations=True, interpret=INTERPRET)
 
 
+def test_fp8_tiles_read_the_rows_their_producer_quantized():
+    """x_fp8 (x's FP8 rows from the norm before the layer) on the FP8 x FP8 tiles, the shared expert's among them:
+    the rows `quantize_rows` gives x yield the layer on x exactly, and the tiles read them (other scales, another
+    result)."""
+    x, ids, w, gate_up, down, shared = _case(40, seed=9)
+    x = x.astype(jnp.bfloat16)
+    xq, xs = fp8_matmul.quantize_rows(x)
+
+    def run(x_fp8):
+        return np.asarray(moe.moe_experts(x, ids, w, gate_up, down, shared, quantize_activations=True, x_fp8=x_fp8,
+                                          interpret=INTERPRET))
+
+    on_x = run(None)
+    np.testing.assert_array_equal(run((xq, xs)), on_x)
+    assert _rel(run((xq, xs * 2)), on_x) > 0.1
+
+
 def test_model_takes_fp8_activation_tiles_up_to_their_rows_per_expert(monkeypatch):
     """ops.moe_experts with fp8_activations: FP8 x FP8 tiles while the routed rows per expert stay within
     `fp8_dynamic_rows_per_expert`, the converted FP8 tiles past it (too few a expert for the grouped GEMM) and

@@ -89,13 +89,13 @@ def test_steps_lower_for_h200_at_real_widths(name, weights, monkeypatch):
         assert "moe_route" in four and "add_rms_norm_router" not in four
 
 
-def test_a_long_chunks_moe_norms_hand_their_fp8_rows_to_the_grouped_experts(monkeypatch):
-    """A 35B-A3B FP8 prefill chunk of 4096 tokens (32768 routed rows, 128 a expert: the grouped GEMM's): every
-    norm writes its FP8 rows, the GDN in-projections' and the MoE layers' with their bf16 rows too (the [b | a]
-    side; the router and the shared expert), the attention's without."""
+@pytest.mark.parametrize("tokens", [4096, 256], ids=["grouped-gemm", "tiles"])
+def test_fp8_moe_norms_hand_their_rows_to_the_experts(tokens, monkeypatch):
+    """A 35B-A3B FP8 prefill chunk of 4096 tokens (32768 routed rows, 128 a expert: the grouped GEMM's) or 256 (8 a
+    expert: the FP8 x FP8 tiles', as a 256-lane round's): every norm writes its FP8 rows, the GDN in-projections'
+    and the MoE layers' with their bf16 rows too (the [b | a] side; the router), the attention's without."""
     from pallas_kernels import rms_norm
 
-    tokens = 4096
     cfg, params, state, kc = _setup("35b-a3b", "fp8-dynamic", monkeypatch, pages=tokens // 64 + 2)
     kernel, calls = rms_norm.add_rms_norm_fp8, []
     monkeypatch.setattr(rms_norm, "add_rms_norm_fp8", lambda *a, with_rows, **kw: calls.append(with_rows)
