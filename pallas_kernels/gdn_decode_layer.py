@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.fp8_matmul import BLOCK, FP8_MAX, quantize_rows
 from pallas_kernels.gdn_decode import delta_rule_step, program_blocks
 from pallas_kernels.reference import gated_rms_norm, l2_normalize
 
@@ -60,9 +61,10 @@ def _layer_kernel(
     norm_w_ref,  # [Dv]
     ssm_ref,  # [S, Hv, Dk, Dv] float32 (aliased with ssm_out_ref when the state is written)
     y_ref,  # out [B, T, Hv, Dv] activations' dtype: the gated norm's output, or o (a program has part of Dv, or norm
-    #         is off)
+    #         is off); with fp8_out the norm's output as FP8 codes, a head's Dv = 128 values one group
     tail_ref,  # out [B, K-1, C] activations' dtype: the lane's conv history after its rows
-    *ssm_out,  # out [S, Hv, Dk, Dv] float32, the same buffer as ssm_ref; absent when the state is only read
+    *outs,  # out ssm [S, Hv, Dk, Dv] float32, the same buffer as ssm_ref (absent when the state is only read); then
+    #         with fp8_out the groups' scales [Hv, B T] float32 (`fp8_matmul.quantize_rows`' layout)
     num_key_heads: int,
     group: int,
     taps: int,
@@ -71,6 +73,7 @@ def _layer_kernel(
     heads_per_program: int,
     gates_col: int,
     norm: bool,
+    fp8_out: bool,
 ):
     lane, hg, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h0 = hg * heads_per_program  # the program's first value head; all of its heads share key head kh
@@ -82,6 +85,7 @@ def _layer_kernel(
     z0, b0 = hist_ref.shape[2], gates_col  # z's and b's first columns
     a0 = b0 + ssm_ref.shape[1]
     act = proj_ref.dtype
+    ssm_out, xs_ref = (outs[:-1], outs[-1]) if fp8_out else (outs, None)
     slot = slots_ref[lane]
     n = rows_ref[lane]
     state = ssm_ref[slot, h0, :, vcols]  # [Dk, block_v]: the largest read, issued before the conv's work
@@ -132,8 +136,14 @@ def _layer_kernel(
             if block_v < dv or not norm:  # the norm needs all of Dv: the caller's, or the out-projection's
                 y_ref[lane, r, h, vcols] = o.astype(act)
             else:
-                y_ref[lane, r, h, :] = gated_rms_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)],
-                                                      norm_w_ref[...], eps)
+                y = gated_rms_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)], norm_w_ref[...], eps)
+                if fp8_out:  # quantized as `quantize_rows` quantizes the rounded rows
+                    y = y.astype(_F32)
+                    scale = jnp.maximum(jnp.max(jnp.abs(y)), 1e-12) / FP8_MAX
+                    y_ref[lane, r, h, :] = (y / scale).astype(y_ref.dtype)
+                    xs_ref[h, lane * t + r] = scale
+                else:
+                    y_ref[lane, r, h, :] = y
         if ssm_out:
             ssm_out[0][slot, h, :, vcols] = state
 
@@ -166,10 +176,10 @@ WIDE_PROGRAMS = 2048
 WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=3)
 
 
-@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config", "norm"))
+@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config", "norm", "fp8_out"))
 def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *,
                      num_key_heads: int, eps: float, interpret: bool = False,
-                     config: GdnDecodeLayerConfig | None = None, gates=None, norm: bool = True):
+                     config: GdnDecodeLayerConfig | None = None, gates=None, norm: bool = True, fp8_out: bool = False):
     """One GDN decode step for each of B lanes, from the in-projection's output to the gated norm's (norm False:
     to the delta rule's output o, for an out-projection that normalizes it, `gdn_out_proj`).
 
@@ -183,21 +193,23 @@ def gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, ss
       a_log, dt_bias: [Hv]; norm_w: [Dv]. ssm_pool: [S, Hv, Dk, Dv] float32 (alias it through a donated jit
       argument to avoid a copy). slots: [B] int32, distinct.
       num_key_heads: Hk. eps: the gated norm's epsilon.
+      fp8_out: y as the FP8 rows of an FP8 x FP8 out-projection (Dv = 128, norm on), as `gdn_rows_layer`'s.
     Returns:
-      (y [B, Hv, Dv] in proj's dtype (o when not norm), updated ssm_pool, new conv histories [B, K-1, C] in
-      proj's dtype).
+      (y [B, Hv, Dv] in proj's dtype (o when not norm; with fp8_out (codes, scales [Hv, B])), updated ssm_pool, new
+      conv histories [B, K-1, C] in proj's dtype).
     """
     y, tail, ssm_pool = gdn_rows_layer(proj[:, None], active.astype(jnp.int32), hist_pool, conv_w, a_log, dt_bias,
                                        norm_w, ssm_pool, slots, num_key_heads=num_key_heads, eps=eps,
                                        write_state=True, interpret=interpret, config=config,
-                                       gates=None if gates is None else gates[:, None], norm=norm)
-    return y[:, 0], ssm_pool, tail
+                                       gates=None if gates is None else gates[:, None], norm=norm, fp8_out=fp8_out)
+    return (y[0][:, 0], y[1]) if fp8_out else y[:, 0], ssm_pool, tail
 
 
-@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config", "norm"))
+@functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "write_state", "interpret", "config", "norm",
+                                             "fp8_out"))
 def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_pool, slots, *, num_key_heads: int,
                    eps: float, write_state: bool, interpret: bool = False, config: GdnDecodeLayerConfig | None = None,
-                   gates=None, norm: bool = True):
+                   gates=None, norm: bool = True, fp8_out: bool = False):
     """T tokens of each of B lanes in order from its state slot (a speculative verify round, or its commit), from
     the in-projection's output to the gated norm's.
 
@@ -208,10 +220,13 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         state they leave is that of row rows - 1); 0 leaves the lane as it was.
       write_state: static; True writes the state after the lane's rows into its slot (ssm_pool aliased), False
         only reads the pool (a verify round, whose kept rows are known only from its logits).
+      fp8_out: static; y as `fp8_matmul.quantize_rows` quantizes the norm's rows (a value head, Dv = 128, one
+        group): (codes [B, T, Hv, Dv] float8_e4m3fn, scales [Hv, B T] float32), written by the kernel where a
+        program holds a whole head, else quantized after the norm.
       The rest as `gdn_decode_layer`'s.
     Returns:
-      (y [B, T, Hv, Dv] in proj's dtype, the conv histories after each lane's rows [B, K-1, C], and the updated
-      ssm_pool when write_state).
+      (y [B, T, Hv, Dv] in proj's dtype (or fp8_out's pair), the conv histories after each lane's rows [B, K-1, C],
+      and the updated ssm_pool when write_state).
     """
     lanes, t = proj.shape[:2]
     if config is None:
@@ -233,18 +248,24 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         raise ValueError(f"gdn_rows_layer: slots {slots.shape}, rows {rows.shape} must be [{lanes}]")
     if hv % num_key_heads or ssm_pool.dtype != _F32:
         raise ValueError("gdn_rows_layer: value heads must be a multiple of key heads, the state float32")
+    if fp8_out and not (norm and dv == BLOCK):
+        raise ValueError(f"gdn_rows_layer: fp8_out quantizes the norm's rows a value head a group: needs norm and "
+                         f"Dv = {BLOCK}")
     full = _compat.full_spec()
     block_v = program_blocks(lanes * hv, dv, config.block_v, config.min_programs)
     group = hv // num_key_heads
     hp = config.heads_per_program if group % config.heads_per_program == 0 else 1
-    out_shape = [jax.ShapeDtypeStruct((lanes, t, hv, dv), proj.dtype),
+    in_kernel = fp8_out and block_v == dv  # a program holds a head's whole row: it quantizes the row itself
+    out_shape = [jax.ShapeDtypeStruct((lanes, t, hv, dv), jnp.float8_e4m3fn if in_kernel else proj.dtype),
                  jax.ShapeDtypeStruct((lanes, taps - 1, channels), proj.dtype)]
     if write_state:
         out_shape.append(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype))
+    if in_kernel:
+        out_shape.append(jax.ShapeDtypeStruct((hv, lanes * t), _F32))
     out = pl.pallas_call(
         functools.partial(_layer_kernel, num_key_heads=num_key_heads, group=group, taps=taps, eps=eps,
                           block_v=block_v, heads_per_program=hp,
-                          gates_col=0 if gates is not None else channels + hv * dv, norm=norm),
+                          gates_col=0 if gates is not None else channels + hv * dv, norm=norm, fp8_out=in_kernel),
         grid=(lanes, hv // hp, dv // block_v),
         in_specs=[full] * 10,
         out_specs=[full] * len(out_shape),
@@ -255,8 +276,13 @@ def gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, ssm_po
         name="gdn_rows_layer" if t > 1 else "gdn_decode_layer",
     )(slots.astype(jnp.int32), rows.astype(jnp.int32), proj, proj if gates is None else gates, hist_pool, conv_w,
       a_log, dt_bias, norm_w, ssm_pool)
-    y = out[0]
-    if block_v < dv and norm:  # y holds o
+    y, rest = out[0], out[1:]
+    if in_kernel:
+        y, rest = (y, rest[-1]), rest[:-1]
+    elif block_v < dv and norm:  # y holds o
         z = proj[:, :, channels:channels + hv * dv].reshape(lanes, t, hv, dv)
         y = gated_rms_norm(y, z, norm_w, eps)
-    return (y, *out[1:])
+        if fp8_out:
+            xq, xs = quantize_rows(y.reshape(lanes * t, hv * dv))
+            y = (xq.reshape(lanes, t, hv, dv), xs)
+    return (y, *rest)

@@ -70,6 +70,10 @@ class KernelConfig:
     # at one lane writing the out-projection's doubled row too (`attention_decode_gated`); the engine turns it on with
     # the pallas backend (docs/kernels_notes.md)
     fuse_attn_out: bool = False
+    # The fused GDN decode step writing the FP8 rows of an FP8 x FP8 out-projection itself (`gdn_fp8_rows`): 1.2-1.4%
+    # shorter FP8 rounds at 8-64 lanes on an H100 (docs/kernels_notes.md); off until its compiled rows are checked on a
+    # GPU (tests/model/test_gdn_decode_layer.py, test_fp8_rows_equal_the_norms_rows_quantized)
+    fuse_gdn_fp8_rows: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
@@ -82,7 +86,7 @@ class KernelConfig:
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
         for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv",
-                     "fuse_gdn_out", "fuse_attn_out"):
+                     "fuse_gdn_out", "fuse_attn_out", "fuse_gdn_fp8_rows"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -172,16 +176,24 @@ def gdn_decode(kc: KernelConfig, q, k, v, g, beta, state_pool, slots):
 
 
 def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
-                     num_key_heads: int, eps: float, gates=None, norm: bool = True):
+                     num_key_heads: int, eps: float, gates=None, norm: bool = True, fp8_out: bool = False):
     """The fused GDN decode step (kc.fuse_gdn_decode): the in-projection's output [B, C + Hv Dv + 2 Hv] (qkv, z, b,
     a; or b and a apart in gates [B, 2 Hv]) -> gated-norm outputs [B, Hv, Dv] (norm False: the delta rule's, before
-    the norm), the state pool updated in place and the lanes' new conv histories [B, K-1, C] (for the caller to
-    scatter)."""
+    the norm; fp8_out: as FP8 rows and their scales, `gdn_fp8_rows`), the state pool updated in place and the lanes'
+    new conv histories [B, K-1, C] (for the caller to scatter)."""
     from pallas_kernels import gdn_decode_layer as kernel
 
     return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
                                    num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret, gates=gates,
-                                   norm=norm)
+                                   norm=norm, fp8_out=fp8_out)
+
+
+def gdn_fp8_rows(kc: KernelConfig, lanes: int, value_head_dim: int, out_proj) -> bool:
+    """Whether a decode round's fused GDN step writes its output as the FP8 rows the out-projection multiplies
+    (kc.fuse_gdn_fp8_rows; `takes_fp8_rows`; a value head of 128 one quantization group): no quantization kernels
+    between them. Not on a mesh (its blocks run per device on bf16 rows)."""
+    return (kc.fuse_gdn_fp8_rows and kc.fuse_gdn_decode and kc.spmd is None and value_head_dim == fp8_matmul.BLOCK
+            and takes_fp8_rows(kc, lanes, out_proj))
 
 
 def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,

@@ -463,22 +463,26 @@ def prefill(
 # --- decode ------------------------------------------------------------------------------------------
 
 
-def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx, out_norms: bool = False):
+def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx, out_norms: bool = False, fp8_out: bool = False):
     """One token per lane from its in-projection rows proj [B, P] (or its sides apart, `_gdn_split`) -> (the
     out-projection's input, ssm, conv). out_norms (`ops.gdn_out_fused`): that input is the delta rule's output as
-    `ops.GatedRows`, for the out-projection to normalize."""
+    `ops.GatedRows`, for the out-projection to normalize; fp8_out (`ops.gdn_fp8_rows`): the norm's FP8 rows as
+    `ops.Fp8Rows`."""
     slots, active = ctx["slots"], ctx["active"]
     sides = proj
     proj, gates = proj if isinstance(proj, tuple) else (proj, None)
     if kc.fuse_gdn_decode:  # the rest of this function as one kernel
         y, ssm, tail = ops.gdn_decode_layer(kc, proj, active, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
                                             num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, gates=gates,
-                                            norm=not out_norms)
+                                            norm=not out_norms, fp8_out=fp8_out)
         # slots are distinct (`steps.pack_decode_inputs`), and saying so makes XLA's bf16 row scatter 4.5x faster:
         # 7.4 against 33.5 us a layer at 128 lanes of the 27B (7.9 MB of rows), 1.25 ms of a 31.6 ms round
         conv = conv.at[slots].set(tail.astype(conv.dtype), unique_indices=True)
         if out_norms:
             return ops.GatedRows(y, proj, p.norm_w, cfg.conv_dim, cfg.rms_norm_eps), ssm, conv
+        if fp8_out:
+            xq, xs = y
+            return ops.Fp8Rows(None, xq.reshape(xq.shape[0], -1), xs, proj.dtype), ssm, conv
         return y.reshape(y.shape[0], -1), ssm, conv
     qkv, z, a, b = _gdn_split(sides, cfg)
     history = conv[slots].astype(qkv.dtype)  # [B, K-1, C]
@@ -494,9 +498,10 @@ def _gdn_decode_core(p, proj, cfg, kc, ssm, conv, ctx, out_norms: bool = False):
 
 
 def gdn_decode_mixer(p, x, cfg, kc, ssm, conv, ctx):
-    out_norms = ops.gdn_out_fused(kc, ctx["slots"].shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim,
-                                  p.out_proj)
-    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx, out_norms), p.in_proj,
+    lanes = ctx["slots"].shape[0]
+    out_norms = ops.gdn_out_fused(kc, lanes, cfg.linear_num_value_heads, cfg.linear_value_head_dim, p.out_proj)
+    fp8_out = not out_norms and ops.gdn_fp8_rows(kc, lanes, cfg.linear_value_head_dim, p.out_proj)
+    return _projected(lambda proj, s, c: _gdn_decode_core(p, proj, cfg, kc, s, c, ctx, out_norms, fp8_out), p.in_proj,
                       p.out_proj, _gdn_in_dot(cfg))(kc, x, ssm, conv)
 
 

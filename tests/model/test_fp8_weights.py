@@ -261,7 +261,7 @@ def _trained_at_whole_blocks(directory):
 def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, pack, layout):
     """fp8_activations 'dynamic' through the Pallas kernels on a tiny pack of whole 128-blocks, all 256 positions
     against transformers on the numpy-dequantized pack: every projection on the FP8 x FP8 GEMM (its jnp reference on
-    CPU), the MoE's experts on the FP8 x FP8 tiles beside the shared expert's matmuls. Dense: the trained model on
+    CPU), the MoE's experts on the FP8 x FP8 tiles, the shared expert's rows among them. Dense: the trained model on
     Python source (its activations as training shaped them); MoE: random weights, I = 128, on random tokens.
 
     The bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by the

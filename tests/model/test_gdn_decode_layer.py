@@ -14,8 +14,9 @@ from ninfer_jax.model import ops, qwen3_5
 from ninfer_jax.model.ops import KernelConfig
 from ninfer_jax.model.params import ConcatWeight
 from ninfer_jax.model.random_init import random_params
-from kernel_support import lower_for_h200
+from kernel_support import INTERPRET, lower_for_h200
 from pallas_kernels.gdn_decode import program_blocks
+from pallas_kernels.fp8_matmul import quantize_rows
 from pallas_kernels.gdn_decode_layer import GdnDecodeLayerConfig, gdn_decode_layer, gdn_rows_layer
 
 UNFUSED = KernelConfig("pallas", interpret=True)
@@ -157,6 +158,58 @@ def test_fused_rows_equal_the_composed_rows(write_state):
         np.testing.assert_allclose(np.asarray(got[2]), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("min_programs", [0, 10**6], ids=["in-kernel", "after-the-norm"])
+def test_fp8_rows_equal_the_norms_rows_quantized(min_programs):
+    """fp8_out (a value head of 128 one group): the norm's rows quantized as `quantize_rows` quantizes the bf16 rows,
+    written by the kernel where a program holds whole heads and quantized after the norm where a head spans programs;
+    the state and the histories as without it. Bit for bit in interpret mode; compiled on a GPU (Triton's float32
+    division, XLA's fusion of the norm with the quantization) a code may land one e4m3 step away where the quotient
+    sits on a rounding boundary."""
+    cfg = dataclasses.replace(ModelConfig.from_file("configs/tiny-moe.json"), linear_value_head_dim=128)
+    layer, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=13)
+    proj = qwen3_5.dot(KernelConfig(), x, layer.in_proj)
+    args = (proj, ctx["active"], conv, layer.conv_w, layer.a_log, layer.dt_bias, layer.norm_w)
+    kw = dict(num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, interpret=INTERPRET,
+              config=GdnDecodeLayerConfig(min_programs=min_programs))
+    y, *rest = gdn_decode_layer(*args, jnp.copy(ssm), ctx["slots"], **kw)
+    (xq, xs), *rest8 = gdn_decode_layer(*args, jnp.copy(ssm), ctx["slots"], **kw, fp8_out=True)
+    want_q, want_s = quantize_rows(y.reshape(3, -1))
+    assert xq.dtype == jnp.float8_e4m3fn and xs.shape == (cfg.linear_num_value_heads, 3)
+    got, want = np.asarray(xq.reshape(3, -1), np.float32), np.asarray(want_q, np.float32)
+    if INTERPRET:
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(xs), np.asarray(want_s))
+    else:
+        np.testing.assert_allclose(np.asarray(xs), np.asarray(want_s), rtol=1e-6)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))) - 3)  # e4m3's step at each code
+        assert (np.abs(got - want) <= step).all() and np.mean(got != want) < 0.05
+    for a, b in zip(rest8, rest):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="fp8_out"):
+        gdn_decode_layer(*args, ssm, ctx["slots"], **kw, norm=False, fp8_out=True)
+
+
+def test_an_fp8_round_hands_the_norms_fp8_rows_to_the_out_projection(monkeypatch):
+    """Three lanes on FP8 x FP8 weights (value heads of 128): the fused step writes the FP8 rows its out-projection
+    multiplies (`ops.gdn_fp8_rows`), and the mixer's output, state and histories equal those with the rows quantized
+    after the kernel, bit for bit."""
+    cfg = dataclasses.replace(ModelConfig.from_file("configs/tiny-moe.json"), hidden_size=128,
+                              linear_value_head_dim=128, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    _, x, ssm, conv, ctx = _layer_inputs(cfg, jnp.bfloat16, 3, seed=17)
+    layer = random_params(cfg, seed=17, fp8=True).layers[cfg.gdn_layers[0]].mixer
+    kc = dataclasses.replace(FUSED, fp8_activations=True, fuse_gdn_fp8_rows=True)
+    assert ops.gdn_fp8_rows(kc, 3, 128, layer.out_proj) and not ops.gdn_fp8_rows(kc, 1, 128, layer.out_proj)
+    assert not ops.gdn_fp8_rows(dataclasses.replace(kc, fuse_gdn_fp8_rows=False), 3, 128, layer.out_proj)
+
+    def step():  # a new function each time: traced afresh
+        return jax.jit(lambda x, s, c, ctx: qwen3_5.gdn_decode_mixer(layer, x, cfg, kc, s, c, ctx))(x, ssm, conv, ctx)
+
+    fed = step()
+    monkeypatch.setattr(ops, "gdn_fp8_rows", lambda *a: False)
+    for a, b in zip(fed, step()):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_one_lane_spreads_its_heads_over_more_programs():
     """35B-A3B (32 value heads of 128): one lane's heads in 32-column blocks (128 programs), eight lanes' whole."""
     assert program_blocks(1 * 32, 128, 128, 128) == 32
@@ -185,6 +238,8 @@ def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
     text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "gdn_decode_layer" in text
+    fp8 = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, fp8_out=True)
+    assert "gdn_decode_layer" in fp8.lower(lowering_platforms=("cuda",)).as_text()  # the rows quantized in or after
     apart = (spec((lanes, cfg.conv_dim + hv * dv), bf16), *args[1:])  # an FP8 checkpoint's b and a apart
     assert "gdn_decode_layer" in gdn_decode_layer.trace(
         *apart, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, gates=spec((lanes, 2 * hv), bf16)
