@@ -49,7 +49,10 @@ def test_fused_gdn_decode_equals_the_unfused_step(config, dtype, lanes):
     got_y, got_ssm, got_conv = step(layer, x, cfg, FUSED, ssm, conv, ctx)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32), **tol)
-    np.testing.assert_allclose(np.asarray(got_ssm), np.asarray(want_ssm), rtol=1e-5, atol=1e-5)
+    # The state's inputs are rounded to bf16 alike on a CPU; on a GPU XLA's fusions of the unfused step (and of the
+    # interpreted kernel) keep some of them in float32, so there the state holds only to those roundings.
+    np.testing.assert_allclose(np.asarray(got_ssm), np.asarray(want_ssm), **(dict(rtol=1e-5, atol=1e-5)
+                                                                             if INTERPRET else tol))
     # Conv histories are copies of inputs: equal to the bit.
     np.testing.assert_array_equal(np.asarray(got_conv, np.float32), np.asarray(want_conv, np.float32))
     # Inactive lanes' slots and every slot no lane holds are untouched.
