@@ -113,6 +113,9 @@ def main() -> int:
         ref = statistics.median(ms[(variants[0][0], n)])
         print(f"  {n} lanes: " + ", ".join(f"[{name}] {statistics.median(ms[(name, n)]):.3f} ms "
                                           f"({statistics.median(ms[(name, n)]) / ref:.4f}x)" for name, *_ in variants))
+        # each alternation's own, so a difference can be read against the spread between compiles of one variant
+        print("    each: " + "; ".join(f"[{name}] " + " ".join(f"{v:.3f}" for v in ms[(name, n)])
+                                     for name, *_ in variants))
     return 0
 
 
