@@ -320,10 +320,17 @@ def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpre
     return out.sum(0).astype(out_dtype) if splits > 1 else out
 
 
+def group_scale(groups):
+    """The FP8 scale of each group along the last axis (float32): its largest magnitude maps to 448, the largest
+    finite e4m3 (a zero group gets 1e-12 / 448). The one rule of every per-token 128-group quantization here, in XLA
+    and inside the kernels."""
+    return jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / FP8_MAX
+
+
 def quantize_rows(x):
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [K / 128, M]): each token's 128-wide group scaled so its
     largest magnitude maps to 448, the largest finite e4m3 (a zero group keeps scale 1e-12 / 448 and zeros)."""
     m, k = x.shape
     groups = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
-    scale = jnp.maximum(jnp.max(jnp.abs(groups), axis=-1), 1e-12) / FP8_MAX
+    scale = group_scale(groups)
     return (groups / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k), scale.T

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._blocks import is_pow2
-from pallas_kernels.fp8_matmul import BLOCK, FP8_MAX, quantize_rows
+from pallas_kernels.fp8_matmul import BLOCK, group_scale, quantize_rows
 from pallas_kernels.reference import gated_rms_norm, swiglu
 
 _F32 = jnp.float32
@@ -32,7 +32,7 @@ _F32 = jnp.float32
 def _store(y, xq_ref, xs_ref, rows, group):
     """One block of rows' 128-group `group` of y, quantized into xq [T, G 128] and xs [G, T]."""
     y = y.astype(_F32)
-    scale = jnp.maximum(jnp.max(jnp.abs(y), axis=1), 1e-12) / FP8_MAX
+    scale = group_scale(y)
     xq_ref[rows, pl.ds(group * BLOCK, BLOCK)] = (y / scale[:, None]).astype(xq_ref.dtype)
     xs_ref[group, rows] = scale
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.fp8_matmul import BLOCK, FP8_MAX, quantize_rows
+from pallas_kernels.fp8_matmul import BLOCK, group_scale, quantize_rows
 from pallas_kernels.gdn_decode import delta_rule_step, program_blocks
 from pallas_kernels.reference import gated_rms_norm, l2_normalize
 
@@ -139,7 +139,7 @@ def _layer_kernel(
                 y = gated_rms_norm(o.astype(act), proj_ref[lane, r, pl.ds(z0 + h * dv, dv)], norm_w_ref[...], eps)
                 if fp8_out:  # quantized as `quantize_rows` quantizes the rounded rows
                     y = y.astype(_F32)
-                    scale = jnp.maximum(jnp.max(jnp.abs(y)), 1e-12) / FP8_MAX
+                    scale = group_scale(y)
                     y_ref[lane, r, h, :] = (y / scale).astype(y_ref.dtype)
                     xs_ref[h, lane * t + r] = scale
                 else:

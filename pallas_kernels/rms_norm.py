@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.fp8_matmul import BLOCK, FP8_MAX, quantize_rows
+from pallas_kernels.fp8_matmul import BLOCK, group_scale, quantize_rows
 from pallas_kernels.reference import rms_norm
 
 _F32 = jnp.float32
@@ -53,7 +53,7 @@ def _kernel(*refs, eps: float, with_residual: bool, groups: int, with_rows: bool
     if quantize:
         xq_ref, xs_ref = refs
         yf = y.astype(_F32)
-        scale = jnp.maximum(jnp.max(jnp.abs(yf), axis=1), 1e-12) / FP8_MAX  # [groups]
+        scale = group_scale(yf)  # [groups]
         _compat.store(xq_ref.at[r, col], (yf / scale[:, None]).astype(xq_ref.dtype), mask=valid)
         _compat.store(xs_ref.at[group, r], scale, mask=group < hidden // BLOCK)
 
