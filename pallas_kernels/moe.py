@@ -288,6 +288,12 @@ def _gate_up_kernel(*refs, fp8: bool, fp8_rows: bool, top_k: int, num_rows: int,
     _routed_or_shared_tile(e, tile, gate_up, shared)
 
 
+def _num_tiles(layout, shared) -> int:
+    """The row tiles a layout gives the two kernels: one a routed row with the expert ids (`_tile`), and the shared
+    expert's one past them; (tile_expert, sorted_rows) counts its own, any shared tiles included."""
+    return layout[0].shape[0] + (shared is not None and len(layout) == 1)
+
+
 def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block_m, block_n, block_k, num_warps,
                  num_stages, interpret, x_scales=None, shared=None):
     """act [P, I] in act_dtype; with x_scales (x FP8 [T, H], its scales [H / 128, T]) FP8 x FP8 products and
@@ -295,7 +301,7 @@ def gate_up_call(layout, x, gate_up, *, act_dtype, top_k, num_rows, inter, block
     shared: the shared expert's gate_up for T rows past num_rows: with the expert ids one more tile (`_tile`), with
     (tile_expert, sorted_rows) the tiles `shared_tiles_layout` appended."""
     shared_rows = 0 if shared is None else x.shape[0]
-    num_tiles = layout[0].shape[0] + (shared is not None and len(layout) == 1)
+    num_tiles = _num_tiles(layout, shared)
     fp8_rows = x_scales is not None
     kernel = functools.partial(_gate_up_kernel, fp8=isinstance(gate_up, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,
                                top_k=top_k, num_rows=num_rows + shared_rows, block_m=block_m, block_n=block_n,
@@ -351,7 +357,7 @@ def down_call(layout, row_weight, act, down, *, hidden, block_m, block_n, block_
               act_scales=None, out_dtype=None, shared=None, shared_rows=0):
     """y [N + 1, H] in act's dtype (out_dtype with act_scales: act FP8 [P, I], its scales [P, I / G]); layout as
     `gate_up_call`'s; shared: its shared expert's down, for the last shared_rows of the N rows row_weight weighs."""
-    num_tiles = layout[0].shape[0] + (shared is not None and len(layout) == 1)
+    num_tiles = _num_tiles(layout, shared)
     num_rows = row_weight.shape[0] - 1
     fp8_rows = act_scales is not None
     kernel = functools.partial(_down_kernel, fp8=isinstance(down, fp8_matmul.BlockFp8), fp8_rows=fp8_rows,

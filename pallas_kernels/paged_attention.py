@@ -624,7 +624,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
     Returns:
       [B, Hq, D] float32.
     """
-    o, m, l = _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret)
+    o, m, l = _partials(q, k_pages, v_pages, page_tables, kv_lengths,
+                        config or default_decode_config(k_pages, v_pages), interpret)
     group = q.shape[1] // k_pages.shape[2]
     o, m, l = o[:, :, :, :group], m[:, :, :, :group], l[:, :, :, :group]  # slices fused into the combine
     return _combine_splits(o, m, l).reshape(q.shape)  # [B, Hkv, group, D] -> [B, Hq, D]
@@ -657,12 +658,12 @@ def paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, g
 
 
 def _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret):
-    """The decode kernel's flash-decoding partials (o, m, l) after the arguments' checks (config None: the pools')."""
+    """The decode kernel's flash-decoding partials (o, m, l) after the arguments' checks."""
     _check_pool(q, k_pages, v_pages)
     if page_tables.ndim != 2 or page_tables.shape[0] != q.shape[0] or kv_lengths.shape != (q.shape[0],):
         raise ValueError(f"page_tables {page_tables.shape} / kv_lengths {kv_lengths.shape} do not match q {q.shape}")
     return _paged_decode_call(q, k_pages, v_pages, page_tables.astype(jnp.int32), kv_lengths.astype(jnp.int32),
-                              config=config or default_decode_config(k_pages, v_pages), interpret=interpret)
+                              config=config, interpret=interpret)
 
 
 # --------------------------------------------------------------------------------------------------
