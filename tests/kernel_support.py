@@ -1,9 +1,22 @@
 """Shared helpers of the kernel tests."""
 
 import jax
+import numpy as np
 
 # Kernels run in the Pallas interpreter on a CPU (CI), compiled on a GPU (`JAX_PLATFORMS=cuda pytest tests/kernels`)
 INTERPRET = jax.default_backend() == "cpu"
+
+
+def attention64(q, k, v, q_pos, kv_len):
+    """Softmax attention in float64 (numpy), the paged kernels' oracle: q [T, Hq, D], k/v [S, Hkv, D]; query i sees
+    keys j <= q_pos[i], j < kv_len."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)
+    s = np.einsum("tkgd,skd->tkgs", qg, k[:kv_len]) / np.sqrt(d)
+    s = np.where(np.arange(kv_len)[None, None, None, :] <= q_pos[:, None, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (np.einsum("tkgs,skd->tkgd", p / p.sum(-1, keepdims=True), v[:kv_len])).reshape(t, hq, d)
 
 
 def lower_for_h200():

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_jax.model import ops
-from kernel_support import INTERPRET, lower_for_h200
+from kernel_support import INTERPRET, attention64, lower_for_h200
 from pallas_kernels import kv_quant, paged_attention
 from pallas_kernels import reference as ref
 
@@ -76,20 +76,6 @@ def test_decode_matches_reference(rng, hq, hkv, d, lengths, max_pages, config):
     np.testing.assert_allclose(out, expect, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
 
 
-def _attention64(q, k, v, tables, lengths):
-    """Each lane's softmax attention over its first lengths[b] keys, in float64 (numpy): [B, Hq, D]."""
-    out = np.zeros(q.shape)
-    group = q.shape[1] // k.shape[2]
-    for b, (table, n) in enumerate(zip(tables, lengths)):
-        keys = np.concatenate([k[page] for page in table])[:n].astype(np.float64)  # [n, Hkv, D]
-        values = np.concatenate([v[page] for page in table])[:n].astype(np.float64)
-        for h in range(q.shape[1]):
-            s = keys[:, h // group] @ q[b, h].astype(np.float64) / np.sqrt(q.shape[2])
-            p = np.exp(s - s.max())
-            out[b, h] = p @ values[:, h // group] / p.sum()
-    return out
-
-
 @pytest.mark.parametrize(
     "hq,hkv,d,lengths,max_pages,config,copies",
     [
@@ -111,7 +97,10 @@ def test_gated_decode_merges_the_splits_and_gates_as_float64(rng, hq, hkv, d, le
         jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32),
         jnp.asarray(proj), gate_col=d, gate_stride=2 * d, copies=copies, interpret=INTERPRET, config=config))
     gate = proj[:, : hq * 2 * d].reshape(lanes, hq, 2, d)[:, :, 1].astype(np.float64)
-    want = (_attention64(q, k, v, tables, lengths) / (1 + np.exp(-gate))).reshape(lanes, hq * d)
+    attn = np.stack([attention64(q[b][None].astype(np.float64), k[tables[b]].reshape(-1, hkv, d).astype(np.float64),
+                                 v[tables[b]].reshape(-1, hkv, d).astype(np.float64), np.array([n - 1]), n)[0]
+                     for b, n in enumerate(lengths)])
+    want = (attn / (1 + np.exp(-gate))).reshape(lanes, hq * d)
     assert out.shape == (copies * lanes, hq * d) and np.isfinite(out).all(), f"seed={seed}"
     tol = 1e-5 if INTERPRET else 2e-3  # compiled on a GPU the attention's float32 products are TF32
     np.testing.assert_allclose(out, np.tile(want, (copies, 1)), rtol=tol, atol=tol, err_msg=f"seed={seed}")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_quant, paged_attention
-from kernel_support import INTERPRET
+from kernel_support import INTERPRET, attention64
 
 PAGE = 64
 F32_TOL = 1e-5 if INTERPRET else 2e-3  # float32 queries' products: exact on CPU, 10-bit mantissas on a GPU
@@ -28,17 +28,6 @@ def dequantize64(pool: kv_quant.QuantPages) -> np.ndarray:
     scales = np.asarray(pool.scales.astype(jnp.float32)).astype(np.float64)
     d = values.shape[-1]
     return values.astype(np.float64) * np.repeat(scales, d // scales.shape[-1], axis=-1)
-
-
-def attention64(q, k, v, q_pos, kv_len):
-    """q [T, Hq, D], k/v [S, Hkv, D] float64; query i sees keys j <= q_pos[i], j < kv_len."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(t, hkv, hq // hkv, d)
-    s = np.einsum("tkgd,skd->tkgs", qg, k[:kv_len]) / np.sqrt(d)
-    s = np.where(np.arange(kv_len)[None, None, None, :] <= q_pos[:, None, None, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (np.einsum("tkgs,skd->tkgd", p / p.sum(-1, keepdims=True), v[:kv_len])).reshape(t, hq, d)
 
 
 def quantized_pool(r, profile_fmt, n_pages, hkv, d, scale):
