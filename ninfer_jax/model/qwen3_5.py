@@ -57,8 +57,7 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     if isinstance(x, ops.GatedRows):  # a one-lane GDN step's output, normalized by its out-projection
         return ops.gated_rows_dot(kc, x, w)
     if isinstance(x, ops.DoubledRow):  # the two rows below, written so by the kernel before
-        out = jnp.dot(x.rows, w, preferred_element_type=x.rows.dtype)
-        return out if to_norm else out[:1]
+        return _two_rows_dot(x.rows, w, to_norm)
     if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
         return ops.quantized_dot(kc, x, w)
     x = ops.plain_rows(x)
@@ -70,10 +69,14 @@ def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
         # of a one-lane decode round (docs/kernels_notes.md). Two rows make it a matmul again; the barrier keeps the
         # simplifier from folding the copy back. The second row reads no extra weight bytes. Cutting it off is a
         # copy kernel when the product goes to a custom call (the add + norm kernel), which ignores it instead.
-        two = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
-        out = jnp.dot(two, w, preferred_element_type=x.dtype)
-        return out if to_norm else out[:1]
+        return _two_rows_dot(jax.lax.optimization_barrier(jnp.concatenate([x, x])), w, to_norm)
     return jnp.dot(x, w, preferred_element_type=x.dtype)
+
+
+def _two_rows_dot(two, w, to_norm: bool):
+    """A one-row product run on its row twice (`dot`): both rows for add_norm, else the first."""
+    out = jnp.dot(two, w, preferred_element_type=two.dtype)
+    return out if to_norm else out[:1]
 
 
 def add_norm(kc: KernelConfig, x, h, w, eps, fp8_rows: str | None = None, router_w=None):
