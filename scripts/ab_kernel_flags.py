@@ -13,8 +13,9 @@ shapes) and alternating spreads the machine's drift over every variant; `ab_deco
     python scripts/ab_kernel_flags.py --smoke        # the tiny MoE shape on CPU (interpret mode), 1 lane
 
 A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from, an
-`fp8.FIELD=value` item that `Fp8Config` field of `pallas_kernels.fp8_matmul` (they are read while tracing, so jax's
-caches are cleared and the steps traced again).
+`fp8.FIELD=value` item that `Fp8Config` field of `pallas_kernels.fp8_matmul`, a `gdn.FIELD=value` item that
+`GdnDecodeLayerConfig` field of `pallas_kernels.gdn_decode_layer` (they are read while tracing, so jax's caches are
+cleared and the steps traced again).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict,
 def module_configs() -> dict:
     """prefix -> (the kernel module, its config class): the configs a `PREFIX.field=value` item replaces, every
     instance of the class in the module (they are read while tracing)."""
-    from pallas_kernels import fp8_matmul, moe
+    from pallas_kernels import fp8_matmul, gdn_decode_layer, moe
 
-    return {"moe": (moe, moe.MoeConfig), "fp8": (fp8_matmul, fp8_matmul.Fp8Config)}
+    return {"moe": (moe, moe.MoeConfig), "fp8": (fp8_matmul, fp8_matmul.Fp8Config),
+            "gdn": (gdn_decode_layer, gdn_decode_layer.GdnDecodeLayerConfig)}
 
 
 def put_configs(fields: dict, base: dict) -> None:

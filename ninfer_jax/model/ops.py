@@ -70,9 +70,9 @@ class KernelConfig:
     # at one lane writing the out-projection's doubled row too (`attention_decode_gated`); the engine turns it on with
     # the pallas backend (docs/kernels_notes.md)
     fuse_attn_out: bool = False
-    # The fused GDN decode step writing the FP8 rows of an FP8 x FP8 out-projection itself (`gdn_fp8_rows`): 1.2-1.4%
-    # shorter FP8 rounds at 8-64 lanes on an H100 (docs/kernels_notes.md); off until its compiled rows are checked on a
-    # GPU (tests/model/test_gdn_decode_layer.py, test_fp8_rows_equal_the_norms_rows_quantized)
+    # The fused GDN decode step writing the FP8 rows of an FP8 x FP8 out-projection itself (`gdn_fp8_rows`): the
+    # 35B-A3B's FP8-dynamic rounds 0.989x / 0.987x at 8 / 64 lanes on an H100 (docs/kernels_notes.md); the engine
+    # turns it on with the pallas backend
     fuse_gdn_fp8_rows: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
@@ -179,13 +179,13 @@ def gdn_decode_layer(kc: KernelConfig, proj, active, hist_pool, conv_w, a_log, d
                      num_key_heads: int, eps: float, gates=None, norm: bool = True, fp8_out: bool = False):
     """The fused GDN decode step (kc.fuse_gdn_decode): the in-projection's output [B, C + Hv Dv + 2 Hv] (qkv, z, b,
     a; or b and a apart in gates [B, 2 Hv]) -> gated-norm outputs [B, Hv, Dv] (norm False: the delta rule's, before
-    the norm; fp8_out: as FP8 rows and their scales, `gdn_fp8_rows`), the state pool updated in place and the lanes'
-    new conv histories [B, K-1, C] (for the caller to scatter)."""
+    the norm; fp8_out: as FP8 rows and their scales, `gdn_fp8_rows`), the state pool and the history pool with the
+    lanes' new conv histories, both updated in place (slots distinct)."""
     from pallas_kernels import gdn_decode_layer as kernel
 
     return kernel.gdn_decode_layer(proj, active, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
                                    num_key_heads=num_key_heads, eps=eps, interpret=kc.interpret, gates=gates,
-                                   norm=norm, fp8_out=fp8_out)
+                                   norm=norm, fp8_out=fp8_out, into_pool=True)
 
 
 def gdn_fp8_rows(kc: KernelConfig, lanes: int, value_head_dim: int, out_proj) -> bool:
