@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, fp8_gemm, fp8_matmul, fp8_rows, moe_align, moe_route
+from pallas_kernels import _compat, fp8_gemm, fp8_matmul, fp8_rows, moe_route
 from pallas_kernels import reference as ref
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.reference import SharedExpert
@@ -107,9 +107,6 @@ class MoeConfig:
     # lanes on an H100); 0: never. The 35B-A3B's FP8-dynamic rounds 0.986x / 0.986x / 0.991x at 64 / 128 / 256
     # lanes on an H100, bf16 0.997x at 64 (docs/kernels_notes.md)
     tiled_shared_max_tokens: int = 256
-    # The tiled layout of up to this many routed rows as one Pallas kernel (`moe_align.tile_layout`) instead of XLA's
-    # sort and about ten glue kernels a layer; 0: never
-    layout_kernel_max_rows: int = 0
     gemv_max_rows: int = 16  # R at or below this takes the split-K matrix-vector path (0: never)
     # Many small programs: 16 splits on 2 warps gave the shortest 35B-A3B one-lane round of the sweep, one split per
     # kernel (fused epilogues, fewer programs) a far slower one; down's 8 splits, once it finished act from gate_up's
@@ -515,7 +512,7 @@ def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int, pad: int | N
     P = block_m * ((R + min(E, R) * (block_m - 1)) // block_m), a static bound on the padded rows.
     """
     r = flat_ids.shape[0]
-    num_tiles = moe_align.routed_tiles(r, num_experts, block_m)
+    num_tiles = (r + min(num_experts, r) * (block_m - 1)) // block_m
     iota = jnp.arange(r, dtype=jnp.int32)
     if num_experts * r < 2**31:
         # One int32 key per row (expert major, row minor): a single-operand sort (XLA GPU may hand it to
@@ -539,7 +536,7 @@ def align_rows(flat_ids: jax.Array, num_experts: int, block_m: int, pad: int | N
     return sorted_rows, tile_expert
 
 
-_SHARED_TILE = moe_align.SHARED_TILE  # `_tile`'s expert for the shared expert's tile
+_SHARED_TILE = 2**30  # `_tile`'s expert for the shared expert's tile
 
 
 def _tile(refs, m, block_m: int, num_rows: int, share_tiles: bool, shared_rows: int = 0):
@@ -783,16 +780,11 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
         warps, stages = cfg.decode_num_warps, cfg.decode_num_stages
     else:
         block_m = cfg.block_m
-        tokens = t if fits and t <= cfg.tiled_shared_max_tokens else 0  # the shared expert's rows as tiles
-        if rows <= cfg.layout_kernel_max_rows:
-            layout = moe_align.tile_layout(flat_ids, num_experts=num_experts, block_m=block_m, shared_tokens=tokens,
-                                           interpret=interpret)
-        elif tokens:
+        if fits and t <= cfg.tiled_shared_max_tokens:
             layout = shared_tiles_layout(flat_ids, num_experts, block_m, t)
+            in_tiles, shared = shared, None
         else:
             layout = align_rows(flat_ids, num_experts, block_m)[::-1]
-        if tokens:
-            in_tiles, shared = shared, None
         bn, bk, dbn, dbk = _blocks(fp8, cfg.block_n, cfg.block_k, cfg.down_block_n, cfg.down_block_k)
         warps, stages = cfg.num_warps, cfg.num_stages
     bn = _block(bn, inter, "I")

@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ninfer_jax.model import ops
 from kernel_support import INTERPRET, lower_for_h200
-from pallas_kernels import moe, moe_align
+from pallas_kernels import moe
 from pallas_kernels import reference as ref
 
 E, K, H, I = 8, 2, 64, 32
@@ -210,39 +210,6 @@ def test_shared_tiles_layout_holds_every_row_once_and_pads_past_them():
     assert (rows[:n * block_m] == np.where(routed_rows < r, routed_rows, r + t)).all()
     assert (rows[n * block_m:] == np.minimum(np.arange(2 * block_m), t) + r).all()
     assert sorted(rows[rows < r + t].tolist()) == list(range(r + t))  # every row exactly once
-
-
-@pytest.mark.parametrize("r,e,tokens,routing", [(300, 64, 0, "skewed"), (96, 8, 24, "uniform"), (64, 16, 7, "one")],
-                         ids=["many-chunks-and-tile-chunks", "shared-tiles", "one-expert-shared-in-one-tile"])
-def test_the_layout_kernel_equals_the_xla_layout(r, e, tokens, routing):
-    """`moe_align.tile_layout` (a counting sort in one program) gives `align_rows`' tiles, and with shared tokens
-    `shared_tiles_layout`'s, element for element: R not a multiple of the 16-row chunks, more than one 64-tile chunk
-    (300 rows over 64 experts: 78 tiles), empty experts, every row on one expert."""
-    rng = np.random.default_rng(secrets.randbits(32))
-    flat = {"skewed": np.minimum(rng.geometric(0.1, r) - 1, e - 1), "uniform": rng.integers(0, e, r),
-            "one": np.full(r, e - 1)}[routing]
-    flat = jnp.asarray(flat, jnp.int32)
-    got = moe_align.tile_layout(flat, num_experts=e, block_m=16, shared_tokens=tokens, chunk=16, interpret=INTERPRET)
-    want = moe.shared_tiles_layout(flat, e, 16, tokens) if tokens else moe.align_rows(flat, e, 16)[::-1]
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-def test_the_layout_kernel_lowers_to_triton_at_a_wide_35b_a3b_round():
-    """256 lanes' 2048 routed rows over 256 experts, the shared expert's 256 rows as tiles: one Triton kernel."""
-    lower_for_h200()
-    ids = jax.ShapeDtypeStruct((2048,), jnp.int32)
-    text = moe_align.tile_layout.trace(ids, num_experts=256, block_m=16, shared_tokens=256).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count(getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")) == 1
-    assert "sort" not in text
-
-
-@pytest.mark.parametrize("shared_inter", [None, I], ids=["routed", "shared-tiles"])
-def test_the_tiled_path_runs_on_the_layout_kernel(shared_inter):
-    """layout_kernel_max_rows: the tiled path's layout from `moe_align.tile_layout`, the shared expert's tiles too."""
-    cfg = dataclasses.replace(PREFILL, layout_kernel_max_rows=1024, tiled_shared_max_tokens=40)
-    _check(cfg, 40, jnp.float32, "router", shared_inter=shared_inter)
 
 
 def test_rejects_bad_inputs():
