@@ -176,12 +176,12 @@ DEFAULT_CONFIG = GdnDecodeLayerConfig()
 # docs/kernels_notes.md, "GDN decode at many lanes").
 ROWS_CONFIG = GdnDecodeLayerConfig(num_warps=4)
 WIDE_PROGRAMS = 2048
-# One-row wide rounds: 4 warps as above, and the 27B's three value heads of a key head in one program, in turn (the
-# key head's q, k conv and norms once; 2048 programs at 128 lanes in place of 6144): the kernel alone 2-3% faster
-# (27B heads, two runs: 270 / 276 against 277 / 282 us at 128 lanes, 146 / 147 against 152 / 149 at 64), the same
-# outputs bit for bit (docs/kernels_notes.md). A group that 3 does not divide keeps one head a program: the
-# 35B-A3B's 2 were 2-3% faster alone too (194 against 198 us at 128 lanes) but were not run through the engine.
-WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=3)
+# One-row wide rounds: 4 warps as above, and all the value heads of a key head in one program, in turn (the key head's
+# q, k conv and norms once: the 27B's 2048 programs at 128 lanes in place of 6144, the kernel alone 2-3% faster, the
+# same outputs bit for bit; the 35B-A3B's 2 heads 194 against 198 us at 128 lanes; docs/kernels_notes.md), which
+# writes the key head's histories into the pool itself: the 35B-A3B's FP8-dynamic rounds 0.990x / 0.985x at 64 / 256
+# lanes on an H100 against one head a program and the scatter.
+WIDE_CONFIG = GdnDecodeLayerConfig(num_warps=4, heads_per_program=0, history_in_place=True)
 
 
 @functools.partial(jax.jit, static_argnames=("num_key_heads", "eps", "interpret", "config", "norm", "fp8_out",
