@@ -267,9 +267,10 @@ def test_fused_gdn_decode_lowers_to_triton_at_the_real_shapes(config, lanes):
             spec((slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), bf16),
             spec((cfg.linear_conv_kernel_dim, cfg.conv_dim), bf16), spec((hv,), jnp.float32), spec((hv,), jnp.float32),
             spec((dv,), bf16), spec((slots, hv, cfg.linear_key_head_dim, dv), jnp.float32), spec((lanes,), jnp.int32))
-    text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                  into_pool=True).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_decode_layer" in text
+    assert ("scatter" in text) == (lanes < 64)  # wide rounds write the histories in place, narrower ones scatter
     fp8 = gdn_decode_layer.trace(*args, num_key_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, fp8_out=True)
     assert "gdn_decode_layer" in fp8.lower(lowering_platforms=("cuda",)).as_text()  # the rows quantized in or after
     apart = (spec((lanes, cfg.conv_dim + hv * dv), bf16), *args[1:])  # an FP8 checkpoint's b and a apart
