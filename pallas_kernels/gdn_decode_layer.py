@@ -110,10 +110,7 @@ def _layer_kernel(
                 row = window[j]
                 for m in range(1, t + 1):
                     row = jnp.where(n == m, window[j + m], row)
-                if in_place:
-                    tail_ref[slot, j, cols] = row.astype(tail_ref.dtype)
-                else:
-                    tail_ref[lane, j, cols] = row
+                tail_ref[slot if in_place else lane, j, cols] = row.astype(tail_ref.dtype)
 
         if write_tail is True:
             write()

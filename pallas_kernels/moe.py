@@ -760,8 +760,7 @@ def _tiled_moe(x, flat_ids, flat_w, gate_up, down, shared, *, t, k, num_experts,
                fp8_rows=False, x_fp8=None):
     """Prefill and wide decode (steps 1-4 of the module docstring): the two kernels over one-expert row tiles, the
     shared expert (when given) more tiles of them (`MoeConfig.decode_shared_tile`, `tiled_shared_max_tokens`) or two
-    matmuls added; fp8_rows
-    (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
+    matmuls added; fp8_rows (prefill, FP8 experts): FP8 x FP8 products (`moe_experts`' quantize_activations)."""
     h = x.shape[1]
     rows = t * k
     fp8 = isinstance(gate_up, fp8_matmul.BlockFp8)
