@@ -11,9 +11,10 @@ tile's weight block scale; a tile of at most 128 columns lies in one weight bloc
 Promoting every 128 products keeps the tensor cores' reduced-precision FP8 accumulation to 128 terms.
 
 Layout: a persistent kernel, one CTA per SM walking output tiles; per CTA a memory warpgroup streams x's
-[cta_m, 128] and W's [cta_n, 128] FP8 tiles (K-major both, as FP8 wgmma requires) plus the step's scales through
-`max_concurrent_steps` SMEM stages (TMA), and two compute warpgroups each own tile_m rows (`wg_split` "m") or tile_n
-columns ("n") of the tile.
+[cta_m, 128] and W's [cta_n, 128] FP8 tiles (K-major both, as FP8 wgmma requires) plus the step's activation
+scales through `max_concurrent_steps` SMEM stages (TMA), and two compute warpgroups each own tile_m rows (`wg_split`
+"m") or tile_n columns ("n") of the tile, each loading its step's weight block scale as one scalar (the checkpoint's
+scales as they are: no per-call layout of them).
 Shapes: K and N multiples of 128; M is padded to the CTA's rows. Mosaic GPU compiles only for a GPU; on CPU the
 wrapper's blocking and scaling are checked through `reference` (same arithmetic in jnp) and `lower`.
 """
@@ -102,8 +103,8 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
     # grouped: groups_gmem [M / cta_m] int32 first, the group (expert) of each row tile, -1 for a tile to skip
     # x_gmem [M, K] fp8 (M padded to the cluster's rows)   w_gmem [N, K] fp8 (grouped: [G, N, K])
     # xs_gmem [K / 128, M] f32: activation scale of row m's group kb
-    # ws_gmem [N / tile_n, K / 128, tile_m] f32 (grouped: [G, ...]): the weight block scale of column tile j at step
-    #   kb, repeated per row so a warpgroup loads it in the accumulator's row layout like xs
+    # ws_gmem [N / 128, K / 128] f32 (grouped: [G, ...]): the weight's block scales as the checkpoint stores them;
+    #   a compute warpgroup loads its tile's one scalar a step straight from memory (L2 after the first tile)
     # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
     groups_gmem, (x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem) = (refs[0], refs[1:]) if grouped else (None, refs)
     m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
@@ -126,8 +127,6 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
                 plgpu.BlockSpec((cta_n, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
                                 collective_axes=("cluster",) if cfg.cluster == "m" else ()),
                 plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((2, 1, tile_m), lambda k: (0, k, 0), memory_space=plgpu.SMEM) if by_cols else
-                plgpu.BlockSpec((1, tile_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -139,9 +138,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
 
     @functools.partial(
         pl.run_scoped,
-        allocs=get_pipeline(ignore, ignore).get_allocations(
-            x_gmem, w_gmem.at[0] if grouped else w_gmem, xs_gmem,
-            (ws_gmem.at[0] if grouped else ws_gmem).at[pl.ds(0, 2) if by_cols else 0]),
+        allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0] if grouped else w_gmem, xs_gmem),
         out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype, transforms=out_tiles),
         collective_axes="wg",
     )
@@ -182,9 +179,12 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], wg_out)
 
-            def step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
-                # x_smem [cta_m, 128] fp8   w_smem [cta_n, 128] fp8
-                # xs_smem [1, cta_m] f32   ws_smem [1, tile_m] f32 ("n": [2, 1, tile_m], a column tile's each)
+            # this warpgroup's columns lie in one 128-block of the weight (tile_n <= 128 and divides it)
+            w_block = (ni * cta_n + (wg * tile_n if by_cols else 0)) // BLOCK
+
+            def step(ws, idx, x_smem, w_smem, xs_smem, carry):
+                # x_smem [cta_m, 128] fp8   w_smem [cta_n, 128] fp8   xs_smem [1, cta_m] f32
+                w_scale = ws[w_block, split * k_iters + idx[0]]  # loaded before the wgmma: its latency hides there
                 w_tile = w_smem.at[pl.ds(wg * tile_n, tile_n)] if by_cols else w_smem
 
                 def product(tmp):
@@ -196,16 +196,14 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
                     return tmp[...], carry  # tmp[...] waits for this warpgroup's wgmma
 
                 d, acc = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))  # d [tile_m, tile_n]
-                scale = (plgpu.load(xs_smem.at[0, wg_rows], (), layout=row)
-                         * plgpu.load(ws_smem.at[wg, 0] if by_cols else ws_smem.at[0], (), layout=row))  # [tile_m]
+                scale = plgpu.load(xs_smem.at[0, wg_rows], (), layout=row) * w_scale  # [tile_m]
                 if cfg.overlap:
                     return acc, d, scale
                 return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
 
             def run(w, ws):
-                get_pipeline(step, compute_context)(
-                    x_gmem.at[rows, span], w.at[cols, span], xs_gmem.at[steps, rows],
-                    ws.at[pl.ds(ni * 2, 2), steps] if by_cols else ws.at[ni, steps], allocations=allocs)
+                get_pipeline(functools.partial(step, ws), compute_context)(
+                    x_gmem.at[rows, span], w.at[cols, span], xs_gmem.at[steps, rows], allocations=allocs)
 
             if groups_gmem is None:
                 run(w_gmem, ws_gmem)
@@ -216,7 +214,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False, groups=None):
+def _gemm(xq, xs, values, scales, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False, groups=None):
     (m, k), n = xq.shape, values.shape[-2]
     cluster = 1 if cfg.cluster is None else 2
     iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
@@ -232,7 +230,7 @@ def _gemm(xq, xs, values, ws_rows, cfg: GemmConfig, out_dtype, num_sms: int, int
         num_threads=3,
         thread_name="wg",
         interpret=interpret,
-    )(*((groups,) if grouped else ()), xq, values, xs, ws_rows)
+    )(*((groups,) if grouped else ()), xq, values, xs, scales.astype(jnp.float32))
 
 
 def _num_sms() -> int:
@@ -256,14 +254,6 @@ def _check(x, values, scales, cfg: GemmConfig):
 def _padded_rows(m: int, cfg: GemmConfig) -> int:
     rows = cfg.cta_m * (2 if cfg.cluster == "m" else 1)
     return -(-m // rows) * rows
-
-
-def weight_row_scales(scales, cfg: GemmConfig):
-    """scales [(G,) N / 128, K / 128] -> [(G,) N / tile_n, K / 128, tile_m]: each column tile's block scale per step,
-    repeated over a warpgroup's rows (the layout the kernel loads next to the activation scales)."""
-    per_block = BLOCK // cfg.tile_n
-    tiles = jnp.repeat(scales.astype(jnp.float32), per_block, axis=-2)
-    return jnp.broadcast_to(tiles[..., None], (*tiles.shape, cfg.tile_m))
 
 
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
@@ -308,7 +298,7 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
     mp = _padded_rows(m, cfg)
     if mp != m:  # padding rows multiply zeros: their outputs are cut off
         xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
-    out = _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms())
+    out = _gemm(xq, xs, values, scales, cfg, out_dtype, _num_sms())
     if cfg.k_splits > 1:
         out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
     return out[:m] if mp != m else out
@@ -350,7 +340,7 @@ def grouped_gemm(xq, xs, groups, values, scales, *, config: GemmConfig | None = 
     if m % cfg.cta_m or groups.shape != (m // cfg.cta_m,) or scales.shape[0] != g or xs.shape != (k // BLOCK, m):
         raise ValueError(f"grouped_gemm: rows {xq.shape}, scales {xs.shape}, groups {groups.shape}: rows must come in "
                          f"tiles of {cfg.cta_m}, one group each; weights {values.shape}, scales {scales.shape}")
-    return _gemm(xq, xs, values, weight_row_scales(scales, cfg), cfg, out_dtype, _num_sms(),
+    return _gemm(xq, xs, values, scales, cfg, out_dtype, _num_sms(),
                  groups=groups.astype(jnp.int32))
 
 

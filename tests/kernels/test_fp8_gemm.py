@@ -1,9 +1,7 @@
 """The prefill block-FP8 GEMM (pallas_kernels/fp8_gemm.py). Mosaic GPU compiles only for a GPU, so on CPU: its
-jnp reference (the kernel's blocking and scaling) against float64, the weight-scale layout the kernel loads, input
-checks, and that every tuned config lowers for the H200 at a real shape. The kernel itself is checked on the H200
+jnp reference (the kernel's blocking and scaling) against float64, input checks, the configs a wide round picks,
+and that every tuned config lowers for the H200 at a real shape. The kernel itself is checked on the H200
 against the same reference by scripts/bench_fp8_kernels.py --only gemm (the 27B's shapes at 2048 and 8192 rows)."""
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,16 +40,6 @@ def test_reference_is_the_quantized_rows_times_the_weight():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     plain = np.asarray(x, np.float64) @ exact.T
     assert 1e-3 < np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2**-5
-
-
-@pytest.mark.parametrize("tile_n", [64, 128])
-def test_weight_row_scales_give_each_column_tile_its_block_scale(tile_n):
-    _, _, scales, _ = _case()
-    cfg = dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tile_n=tile_n)
-    rows = np.asarray(fp8_gemm.weight_row_scales(scales, cfg))
-    assert rows.shape == (N // tile_n, K // 128, cfg.tile_m)
-    for j in range(N // tile_n):
-        np.testing.assert_array_equal(rows[j], np.repeat(np.asarray(scales)[j * tile_n // 128][:, None], cfg.tile_m, 1))
 
 
 def test_refuses_partial_blocks_and_other_weight_dtypes():
