@@ -4,8 +4,9 @@ bf16 weights, XLA's matmul on the FP8 weight dequantized inside the jit, our dec
 At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then one 35B-A3B MoE layer (256 experts,
 top 8, the shared expert) on bf16 against block-FP8 experts. `--only gemm`: the prefill block-FP8 GEMM
 (pallas_kernels/fp8_gemm.py, Mosaic GPU wgmma) at the 27B's projections, its configs first at two tuning points,
-then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process. `--only rows`: the
-producers writing FP8 rows (pallas_kernels/fp8_rows.py: the GDN gated norm, the MLP's SwiGLU) beside XLA's
+then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process; `--only gemm-wide`
+the same kernel at a wide decode round's 64-256 rows, its auto_config beside other tiles and K ranges. `--only rows`:
+the producers writing FP8 rows (pallas_kernels/fp8_rows.py: the GDN gated norm, the MLP's SwiGLU) beside XLA's
 composition, and the projections they feed. `--only sweep`
 (never run by default): the decode kernels' config variants (SWEEP_VARIANTS) checked against float64 at a small
 shape and against the dequantized float32 product at the real ones, and timed beside XLA's bf16 matmul and, with
@@ -17,6 +18,7 @@ of the script, not a measurement.
     python scripts/bench_fp8_kernels.py --only moe --out docs/benchmarks/fp8     # fp8_moe.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
     python scripts/bench_fp8_kernels.py --only rows --out docs/benchmarks/fp8    # fp8_rows.{json,md}
+    python scripts/bench_fp8_kernels.py --only gemm-wide --out docs/benchmarks/fp8   # fp8_gemm_wide.{json,md}
     git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
     python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
                                                                                   # fp8_sweep.{json,md}
@@ -54,6 +56,11 @@ from pallas_kernels import reference as ref  # noqa: E402
 # name -> (K, N): the 27B's MLP, GDN in-projection and attention output, the 35B-A3B's shared expert gate_up
 SHAPES = {"27b mlp gate_up": (5120, 34816), "27b mlp down": (17408, 5120), "27b gdn in [qkv|z]": (5120, 16384),
           "27b o_proj": (6144, 5120), "35b shared gate_up": (2048, 1024)}
+# the 35B-A3B's projections a wide decode round runs on the wgmma GEMM (`--only gemm-wide`)
+WIDE_SHAPES = {"35b gdn in [qkv|z]": (2048, 12288), "35b gdn out, o_proj": (4096, 2048),
+               "35b attention qkv": (2048, 9216),
+               "27b mlp gate_up": SHAPES["27b mlp gate_up"], "27b mlp down": SHAPES["27b mlp down"],
+               "27b gdn in [qkv|z]": SHAPES["27b gdn in [qkv|z]"]}
 CONFIGS = {"default": fp8_matmul.DEFAULT_CONFIG,
            "cuda-core to 2 rows": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, cuda_core_max_rows=2),
            "swap-AB bf16": dataclasses.replace(fp8_matmul.DEFAULT_CONFIG, tc_mode="bf16", cuda_core_max_rows=0),
@@ -556,6 +563,41 @@ def _torch_rowwise(m: int, k: int, n: int) -> float | None:
         return None
 
 
+def bench_gemm_wide(rows: tuple[int, ...]) -> list[dict]:
+    """The wgmma GEMM at a wide decode round's rows: `fp8_gemm.auto_config`'s choice beside column tiles of 64 and
+    128 with one, two and four K ranges (each other warpgroup split as auto_config's), us per call with the partial
+    sums' addition, and each one's error against `fp8_gemm.reference_rows` (every program compiles before its
+    timing: the error's call compiles it)."""
+    out, sms = [], fp8_gemm._num_sms()
+    for name, (k, n) in WIDE_SHAPES.items():
+        fp8 = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+        w = (fp8.values, fp8.scales)
+        for m in rows:
+            xq, xs = fp8_matmul.quantize_rows(jax.random.normal(jax.random.key(m), (m, k), jnp.float32))
+            auto = fp8_gemm.auto_config(m, n, k, sms)
+            configs = {"auto": auto}
+            for tile_n in (64, 128):
+                for splits in (1, 2, 4):
+                    cfg = dataclasses.replace(auto, tile_n=tile_n, k_splits=splits,
+                                              max_concurrent_steps=4 if splits == 1 else 3)
+                    if cfg != auto and (k // fp8_gemm.BLOCK) % splits == 0:
+                        configs[f"n{tile_n} k{splits}"] = cfg
+            run = {label: functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16, config=cfg)
+                   for label, cfg in configs.items()}
+            want = fp8_gemm.reference_rows(xq, xs, *w)
+            errs = {label: _guard(label, lambda f=f: _rel(f(xq, xs, *w), want)) for label, f in run.items()}
+            times = {label: _guard(label, lambda f=f: time_pure(f, (xq, xs, *w), chain_arg=1, unroll=10) * 1e6)
+                     for label, f in run.items()}
+            for label, us in times.items():
+                cfg = configs[label]
+                row = {"shape": name, "M": m, "config": label, "tile_n": cfg.tile_n, "k_splits": cfg.k_splits,
+                       "wg_split": cfg.wg_split, "us": us, "gbps": k * n / us / 1e3 if us else None,
+                       "vs_auto": times["auto"] / us if us and times["auto"] else None, "rel_err": errs[label]}
+                print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+                out.append(row)
+    return out
+
+
 def _write_table(out: str, name: str, title: str, note: str, cols: list[str], rows: list[dict]) -> None:
     """One section's report: its rows as a table under the run's header, and as json."""
     meta = report.run_meta(report.command_line())
@@ -571,9 +613,10 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,8,512,8192")
     p.add_argument("--moe-configs", default="", help="with --only moe: FP8 x FP8 expert tile configs timed beside, "
                    "comma-separated, e.g. 'default,m32 k128 w4 s4' (see _moe_config)")
-    p.add_argument("--only", choices=["dense", "moe", "gemm", "sweep", "rows"],
+    p.add_argument("--only", choices=["dense", "moe", "gemm", "gemm-wide", "sweep", "rows"],
                    help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
+    p.add_argument("--gemm-wide-rows", default="64,128,256")
     p.add_argument("--rows-tokens", default="8192,32768")
     p.add_argument("--gemm-configs", default=",".join(GEMM_CONFIGS), help="names from GEMM_CONFIGS to tune over")
     p.add_argument("--sweep-rows", default="1,2,8,16",
@@ -623,6 +666,15 @@ def main() -> None:
                      "the FP8 rows; scale_rel_diff, values_differing: the kernel's scales and FP8 values against the "
                      "composition run op by op (every bf16 rounding kept); *_xla: against XLA's fusion of it, which "
                      "skips those roundings (excess precision)", cols, rows)
+        return
+    if args.only == "gemm-wide":
+        cols = ["shape", "M", "config", "tile_n", "k_splits", "wg_split", "us", "gbps", "vs_auto", "rel_err"]
+        _write_table(args.out, "fp8_gemm_wide", "Block-FP8 wgmma GEMM at wide decode rounds' rows", "config: auto is "
+                     "fp8_gemm.auto_config's choice, nTILE_N kSPLITS the alternatives (K ranges summed by XLA, "
+                     "timed with them); us per call (10 calls inside one jit, median of 5 batches); gbps: FP8 weight "
+                     "bytes a second; vs_auto: auto's time over the config's; rel_err: the config's against "
+                     "fp8_gemm.reference_rows", cols,
+                     bench_gemm_wide(tuple(int(m) for m in args.gemm_wide_rows.split(","))))
         return
     if args.only == "gemm":
         rows = bench_gemm(tuple(int(m) for m in args.gemm_rows.split(",")), args.gemm_configs.split(","))
