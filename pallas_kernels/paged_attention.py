@@ -38,6 +38,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _compat, kv_quant
 from pallas_kernels._blocks import is_pow2
+from pallas_kernels.fp8_matmul import BLOCK as FP8_GROUP
+from pallas_kernels.fp8_matmul import FP8_MAX
 from pallas_kernels.reference import PAGE
 
 _F32 = jnp.float32
@@ -547,11 +549,13 @@ def _paged_decode_call(q, k_pages, v_pages, page_tables, kv_lengths, *, config, 
     return o, m, l
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, gate_ref, out_ref, *, group: int, num_splits: int, block_s: int,
-                    gate_col: int, gate_stride: int):
+def _combine_kernel(o_ref, m_ref, l_ref, gate_ref, *out_refs, group: int, num_splits: int, block_s: int,
+                    gate_col: int, gate_stride: int, dtype, fp8_out: bool):
     # o_ref [B, NS, Hkv, G', D], m_ref / l_ref [B, NS, Hkv, G'] f32: the decode kernel's partials
     # gate_ref [B, P]: head h's gate at columns gate_col + h gate_stride (the qkv projection's output, read in place)
-    # out_ref [C, B, Hq D]: program (b, h) writes head h's gated output into each of the C copies of row b
+    # out_refs: out [C, B, Hq D], program (b, h) writing head h's gated output into each of the C copies of row b;
+    # or with fp8_out xq [B, Hq D] float8_e4m3fn and xs [Hq D / 128, B] f32, that output's 128-groups quantized as
+    # `fp8_matmul.quantize_rows` quantizes them
     b, h = pl.program_id(0), pl.program_id(1)
     kvh, g = h // group, h % group
     d = o_ref.shape[-1]
@@ -576,28 +580,43 @@ def _combine_kernel(o_ref, m_ref, l_ref, gate_ref, out_ref, *, group: int, num_s
         return num + jnp.sum(o * w[:, None], axis=0), den + jnp.sum(l * w)
 
     num, den = lax.fori_loop(0, chunks, body, (jnp.zeros((d,), _F32), jnp.zeros((), _F32)))
-    dtype = out_ref.dtype
     gate = gate_ref[b, pl.ds(gate_col + h * gate_stride, d)]
     # the roundings of `_attn_gated`'s XLA ops: the output and the sigmoid each in the gate's dtype, then their product
     y = ((num / den).astype(dtype).astype(_F32) * jax.nn.sigmoid(gate.astype(_F32)).astype(dtype).astype(_F32))
-    for c in range(out_ref.shape[0]):
-        out_ref[c, b, pl.ds(h * d, d)] = y.astype(dtype)
+    if not fp8_out:
+        (out_ref,) = out_refs
+        for c in range(out_ref.shape[0]):
+            out_ref[c, b, pl.ds(h * d, d)] = y.astype(dtype)
+        return
+    xq_ref, xs_ref = out_refs
+    yf = y.astype(dtype).astype(_F32)  # the rows as the out-projection would read them
+    group_of = cols // FP8_GROUP
+    scale = jnp.zeros((d,), _F32)
+    for i in range(d // FP8_GROUP):  # a head's few groups by masks: no reshape of the row in Triton
+        s_i = jnp.maximum(jnp.max(jnp.where(group_of == i, jnp.abs(yf), 0.0)), 1e-12) / FP8_MAX
+        xs_ref[h * (d // FP8_GROUP) + i, b] = s_i
+        scale = jnp.where(group_of == i, s_i, scale)
+    xq_ref[b, pl.ds(h * d, d)] = (yf / scale).astype(xq_ref.dtype)
 
 
 def _combine_gated(o, m, l, gate_source, *, group: int, gate_col: int, gate_stride: int, copies: int, block: int,
-                   interpret):
+                   fp8_out: bool, interpret):
     lanes, num_splits, hkv, _, d = o.shape
     block_s = min(pl.next_power_of_2(num_splits), block)
+    width = hkv * group * d
+    out_shape = ([jax.ShapeDtypeStruct((lanes, width), jnp.float8_e4m3fn),
+                  jax.ShapeDtypeStruct((width // FP8_GROUP, lanes), _F32)] if fp8_out else
+                 [jax.ShapeDtypeStruct((copies, lanes, width), gate_source.dtype)])
     out = pl.pallas_call(
         functools.partial(_combine_kernel, group=group, num_splits=num_splits, block_s=block_s, gate_col=gate_col,
-                          gate_stride=gate_stride),
+                          gate_stride=gate_stride, dtype=gate_source.dtype, fp8_out=fp8_out),
         grid=(lanes, hkv * group),
-        out_shape=jax.ShapeDtypeStruct((copies, lanes, hkv * group * d), gate_source.dtype),
+        out_shape=out_shape,
         compiler_params=_compat.triton_params(4, 1),
         interpret=interpret,
-        name="paged_decode_combine",
+        name="paged_decode_combine_fp8" if fp8_out else "paged_decode_combine",
     )(o, m, l, gate_source)
-    return out.reshape(copies * lanes, hkv * group * d)
+    return tuple(out) if fp8_out else out[0].reshape(copies * lanes, width)
 
 
 def _check_pool(q, k_pages, v_pages):
@@ -631,9 +650,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, kv_lengths, *, inte
     return _combine_splits(o, m, l).reshape(q.shape)  # [B, Hkv, group, D] -> [B, Hq, D]
 
 
-@functools.partial(jax.jit, static_argnames=("gate_col", "gate_stride", "copies", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("gate_col", "gate_stride", "copies", "fp8_out", "interpret", "config"))
 def paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, gate_source, *, gate_col: int,
-                                 gate_stride: int, copies: int = 1, interpret=False, config=None):
+                                 gate_stride: int, copies: int = 1, fp8_out: bool = False, interpret=False,
+                                 config=None):
     """`paged_decode_attention` times sigmoid(gate), its splits merged by a kernel that applies the gate too (one
     kernel in place of XLA's three for the merge and one for the gate).
 
@@ -643,18 +663,25 @@ def paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, g
         place: a slice handed to a kernel would be a copy).
       copies: each lane's row written this many times in a row block of its own ([C B, Hq D]): 2 hands a one-lane
         out-projection the two rows `qwen3_5.dot` would concatenate.
+      fp8_out: the rows as an FP8 x FP8 out-projection reads them instead, quantized per token and 128-group in
+        gate_source's dtype's values (D a multiple of 128, one copy).
     Returns:
-      [copies B, Hq D] in gate_source's dtype.
+      [copies B, Hq D] in gate_source's dtype; with fp8_out `fp8_matmul.quantize_rows`' pair of those rows (xq [B,
+      Hq D] float8_e4m3fn, xs [Hq D / 128, B] float32).
     """
     lanes, hq, d = q.shape
     if (gate_source.ndim != 2 or gate_source.shape[0] != lanes
             or gate_col + (hq - 1) * gate_stride + d > gate_source.shape[1] or copies < 1):
         raise ValueError(f"paged_decode_attention_gated: gate_source {gate_source.shape} does not hold {hq} gates of "
                          f"{d} from column {gate_col} every {gate_stride} for {lanes} lanes (copies {copies})")
+    if fp8_out and (d % FP8_GROUP or copies != 1):
+        raise ValueError(f"paged_decode_attention_gated: fp8_out needs a head dim that is a multiple of {FP8_GROUP} "
+                         f"and one copy, got {d} and {copies}")
     config = config or default_decode_config(k_pages, v_pages)
     o, m, l = _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret)
     return _combine_gated(o, m, l, gate_source, group=hq // k_pages.shape[2], gate_col=gate_col,
-                          gate_stride=gate_stride, copies=copies, block=config.combine_block, interpret=interpret)
+                          gate_stride=gate_stride, copies=copies, block=config.combine_block, fp8_out=fp8_out,
+                          interpret=interpret)
 
 
 def _partials(q, k_pages, v_pages, page_tables, kv_lengths, config, interpret):

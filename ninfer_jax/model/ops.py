@@ -74,6 +74,10 @@ class KernelConfig:
     # 35B-A3B's FP8-dynamic rounds 0.989x / 0.987x at 8 / 64 lanes on an H100 (docs/kernels_notes.md); the engine
     # turns it on with the pallas backend
     fuse_gdn_fp8_rows: bool = False
+    # Attention decode's merge kernel (fuse_attn_out) writing the FP8 rows of an FP8 x FP8 out-projection itself
+    # (`attention_decode_gated`): no quantization kernels between them. Checked in interpret mode and lowered for
+    # the H200; off until it is compiled and timed on a GPU (docs/kernels_notes.md)
+    fuse_attn_fp8_rows: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
@@ -86,7 +90,7 @@ class KernelConfig:
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
         for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv",
-                     "fuse_gdn_out", "fuse_attn_out", "fuse_gdn_fp8_rows"):
+                     "fuse_gdn_out", "fuse_attn_out", "fuse_gdn_fp8_rows", "fuse_attn_fp8_rows"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -432,16 +436,20 @@ def attention_decode_gated(kc: KernelConfig, q, k_pages, v_pages, page_tables, k
     """With kc.fuse_attn_out, each lane's attention times sigmoid(gate) [B, Hq D] in proj's dtype as one kernel after
     the attention's, the gate read in place from the qkv projection's output proj (head h's query then its gate, D
     columns each, `qwen3_5._attn_split`); one lane whose out-projection out_w XLA would run as multiply + reduce gets
-    it as `DoubledRow`. None otherwise (and on a mesh)."""
+    it as `DoubledRow`; with kc.fuse_attn_fp8_rows an out_w that multiplies FP8 rows (`takes_fp8_rows`) gets them as
+    `Fp8Rows`. None otherwise (and on a mesh)."""
     if not (kc.fuse_attn_out and kc.spmd is None):
         return None
     from pallas_kernels import paged_attention
 
-    d = q.shape[2]
-    doubled = q.shape[0] == 1 and isinstance(out_w, jax.Array) and xla_rewrites_one_row(out_w.shape)
+    lanes, _, d = q.shape
+    doubled = lanes == 1 and isinstance(out_w, jax.Array) and xla_rewrites_one_row(out_w.shape)
+    fp8_out = kc.fuse_attn_fp8_rows and d % fp8_matmul.BLOCK == 0 and takes_fp8_rows(kc, lanes, out_w)
     y = paged_attention.paged_decode_attention_gated(q, k_pages, v_pages, page_tables, kv_lengths, proj, gate_col=d,
-                                                     gate_stride=2 * d, copies=2 if doubled else 1,
+                                                     gate_stride=2 * d, copies=2 if doubled else 1, fp8_out=fp8_out,
                                                      interpret=kc.interpret)
+    if fp8_out:
+        return Fp8Rows(None, *y, proj.dtype)
     return DoubledRow(y) if doubled else y
 
 

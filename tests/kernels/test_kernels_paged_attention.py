@@ -7,6 +7,7 @@ outputs with NaN before the kernel runs, so unwritten rows fail the finiteness c
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -104,6 +105,44 @@ def test_gated_decode_merges_the_splits_and_gates_as_float64(rng, hq, hkv, d, le
     assert out.shape == (copies * lanes, hq * d) and np.isfinite(out).all(), f"seed={seed}"
     tol = 1e-5 if INTERPRET else 2e-3  # compiled on a GPU the attention's float32 products are TF32
     np.testing.assert_allclose(out, np.tile(want, (copies, 1)), rtol=tol, atol=tol, err_msg=f"seed={seed}")
+
+
+def test_gated_decode_writes_the_rows_quantized_as_the_out_projection_reads_them(rng):
+    """fp8_out: the gated output's FP8 rows and scales equal `quantize_rows` of the bf16 output (bit for bit in
+    interpret mode, to a code's rounding compiled), two 128-groups a head; the 35B-A3B's widths lower for the H200;
+    a head of 64 is refused."""
+    from pallas_kernels.fp8_matmul import quantize_rows
+
+    r, seed = rng
+    hq, hkv, d, lengths = 4, 2, 256, [1, 70, 300]
+    tables, _, _, kp, vp, q = decode_case(r, hq, hkv, d, lengths, 5)
+    proj = jnp.asarray(r.standard_normal((len(lengths), hq * 2 * d)) * 3, jnp.bfloat16)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16),
+            jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), proj)
+    kw = dict(gate_col=d, gate_stride=2 * d, interpret=INTERPRET)
+    rows = paged_attention.paged_decode_attention_gated(*args, **kw)
+    xq, xs = paged_attention.paged_decode_attention_gated(*args, fp8_out=True, **kw)
+    want_q, want_s = quantize_rows(rows)
+    assert xq.dtype == jnp.float8_e4m3fn and xq.shape == rows.shape and xs.shape == (hq * d // 128, len(lengths))
+    got, want = np.asarray(xq, np.float32), np.asarray(want_q, np.float32)
+    if INTERPRET:
+        np.testing.assert_array_equal(np.asarray(xs), np.asarray(want_s), err_msg=f"seed={seed}")
+        np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
+    else:  # compiled, the kernel's float32 division may round a code the other way
+        np.testing.assert_allclose(np.asarray(xs), np.asarray(want_s), rtol=1e-6, err_msg=f"seed={seed}")
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))) - 3)  # e4m3's step at each code
+        assert (np.abs(got - want) <= step).all() and np.mean(got != want) < 0.05, f"seed={seed}"
+    with pytest.raises(ValueError, match="fp8_out"):
+        paged_attention.paged_decode_attention_gated(args[0][..., :64], args[1][..., :64], args[2][..., :64],
+                                                     *args[3:], fp8_out=True, gate_col=64, gate_stride=128,
+                                                     interpret=True)
+    lower_for_h200()
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    text = jax.jit(functools.partial(paged_attention.paged_decode_attention_gated, gate_col=256, gate_stride=512,
+                                     fp8_out=True)).trace(
+        sd((64, 16, 256), bf), sd((4096, PAGE, 2, 256), bf), sd((4096, PAGE, 2, 256), bf), sd((64, 64), jnp.int32),
+        sd((64,), jnp.int32), sd((64, 9216), bf)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "paged_decode_combine_fp8" in text
 
 
 @pytest.mark.parametrize(

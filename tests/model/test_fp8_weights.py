@@ -285,3 +285,39 @@ def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_
 
     fp8, bf16 = rel_error("float32", fp8_activations=True), rel_error("bfloat16")
     assert 1e-3 < fp8 < 2 * 16 * bf16, (fp8, bf16)  # above 1e-3: quantized (f32 weight-only rows are 3e-7 off)
+
+
+def test_an_fp8_round_hands_the_attention_merges_fp8_rows_to_the_out_projection(monkeypatch):
+    """Three lanes on FP8 x FP8 weights (heads of 128): with fuse_attn_fp8_rows the attention's merge kernel writes
+    the FP8 rows its out-projection multiplies, and the mixer's output and pools equal those with the rows quantized
+    after the kernel, bit for bit."""
+    import dataclasses
+
+    from ninfer_jax.config import ModelConfig
+    from ninfer_jax.model import qwen3_5
+    from ninfer_jax.model.random_init import random_params
+    from pallas_kernels import paged_attention
+
+    cfg = dataclasses.replace(ModelConfig.from_file("configs/tiny-moe.json"), head_dim=128, linear_value_head_dim=128,
+                              moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    layer = random_params(cfg, seed=5, fp8=True).layers[cfg.attn_layers[0]].mixer
+    assert isinstance(layer.o_proj, QuantizedWeight)
+    rng = np.random.default_rng(5)
+    lanes, pages = 3, 4
+    x = jnp.asarray(rng.standard_normal((lanes, cfg.hidden_size)), jnp.bfloat16)
+    pool = (lanes * pages, 64, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [jnp.asarray(rng.standard_normal(pool), jnp.bfloat16) for _ in range(2)]
+    ctx = dict(positions=jnp.asarray([5, 130, 200], jnp.int32), active=jnp.ones(lanes, bool),
+               page_tables=jnp.asarray(rng.permutation(lanes * pages).reshape(lanes, pages), jnp.int32))
+    kc = KernelConfig("pallas", interpret=True, fp8_activations=True, fuse_attn_out=True, fuse_attn_fp8_rows=True)
+    fp8_out, gated = [], paged_attention.paged_decode_attention_gated
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_gated",
+                        lambda *a, **kw: fp8_out.append(kw["fp8_out"]) or gated(*a, **kw))
+
+    def step(kc):
+        return jax.jit(lambda x, kp, vp: qwen3_5._attn_decode(layer, x, cfg, kc, kp, vp, ctx))(x, *kv)
+
+    fed, plain = step(kc), step(KernelConfig("pallas", interpret=True, fp8_activations=True, fuse_attn_out=True))
+    assert fp8_out == [True, False]
+    for a, b in zip(fed, plain):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
