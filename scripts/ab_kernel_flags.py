@@ -15,13 +15,20 @@ shapes) and alternating spreads the machine's drift over every variant; `ab_deco
 A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas_kernels.moe` picks from, an
 `fp8.FIELD=value` item that `Fp8Config` field of `pallas_kernels.fp8_matmul`, a `gdn.FIELD=value` item that
 `GdnDecodeLayerConfig` field of `pallas_kernels.gdn_decode_layer` (they are read while tracing, so jax's caches are
-cleared and the steps traced again).
+cleared and the steps traced again). A `pallas_kernels.MODULE=PATH` item runs another version of that module (a
+copy of the file at PATH, e.g. `git show REV:pallas_kernels/fp8_gemm.py > /tmp/fp8_gemm_old.py`): the module's
+functions are replaced by the copy's, whose calls stay within the copy, for a change that no switch selects:
+
+    python scripts/ab_kernel_flags.py --model 35b-a3b --weights fp8-dynamic --lanes 64,256 \
+        --variants 'pallas_kernels.fp8_gemm=/tmp/fp8_gemm_old.py;base'
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -31,14 +38,19 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's
 
 
 def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict, dict]:
-    """'base' or comma-separated items, KernelConfig field=value or PREFIX.field=value of a kernel module's config
-    (module_configs: prefix -> that config; 0 / 1 for switches, integers as such) -> (the KernelConfig fields to
-    replace, {prefix: that config's fields to replace})."""
-    kc, mods = {}, {prefix: {} for prefix in module_configs}
+    """'base' or comma-separated items, KernelConfig field=value, PREFIX.field=value of a kernel module's config
+    (module_configs: prefix -> that config; 0 / 1 for switches, integers as such) or pallas_kernels.MODULE=PATH ->
+    (the KernelConfig fields to replace, {prefix: that config's fields to replace, "copies": {module: path}})."""
+    kc, mods = {}, {prefix: {} for prefix in module_configs} | {"copies": {}}
     if text.strip() == "base":
         return kc, mods
     for item in text.split(","):
         name, _, value = item.strip().partition("=")
+        if name.startswith("pallas_kernels."):
+            if not os.path.isfile(value):
+                raise SystemExit(f"--variants: {item!r}: no file {value!r} to run as {name}")
+            mods["copies"][name] = value
+            continue
         prefix, dot, field = name.partition(".")
         if dot and prefix in module_configs:
             into, config, name = mods[prefix], module_configs[prefix], field
@@ -68,6 +80,31 @@ def put_configs(fields: dict, base: dict) -> None:
             setattr(module, name, dataclasses.replace(config, **fields.get(prefix, {})))
 
 
+def module_copy(name: str, path: str):
+    """The file at path run as a module of its own, beside the real one `name` (loaded once)."""
+    alias = f"{name}__copy_{abs(hash(os.path.abspath(path)))}"
+    if alias not in sys.modules:
+        spec = importlib.util.spec_from_file_location(alias, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[alias] = module  # before running it: dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[alias]
+
+
+def put_functions(copies: dict, base: dict) -> None:
+    """Give each module in base ({module name: {function name: function}}) its own functions back, then those of
+    its copy (copies: {module name: path}) in their place; the copy's functions call each other, not the module's."""
+    for name, functions in base.items():
+        module = importlib.import_module(name)
+        for attr, fn in functions.items():
+            setattr(module, attr, fn)
+        if name in copies:
+            copy = module_copy(name, copies[name])
+            for attr, fn in vars(copy).items():
+                if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", None) == copy.__name__:
+                    setattr(module, attr, fn)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="35b-a3b")
@@ -95,12 +132,18 @@ def main() -> int:
     defaults = {prefix: module.DEFAULT_CONFIG for prefix, (module, _) in module_configs().items()}
     variants = [(v.strip(), *parse_variant(v, base, defaults)) for v in args.variants.split(";")]
     retrace = any(any(mc.values()) for _, _, mc in variants)
+    function_base = {}
+    for name in {name for _, _, mc in variants for name in mc["copies"]}:
+        module = importlib.import_module(name)
+        function_base[name] = {attr: fn for attr, fn in vars(module).items()
+                               if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", None) == name}
 
     def apply(kc, mc):
         # KernelConfig is a static argument of the steps: a new one traces and compiles them again
         engine.runner.kernels = dataclasses.replace(base, **kc)
         if retrace:
             put_configs(mc, config_base)
+            put_functions(mc["copies"], function_base)
             jax.clear_caches()
 
     try:
@@ -109,6 +152,7 @@ def main() -> int:
     finally:
         engine.runner.kernels = base
         put_configs({}, config_base)
+        put_functions({}, function_base)
         engine.stop()
     print(f"{args.model} {args.weights} on {jax.devices()[0].device_kind}, medians of {args.reps}:")
     for n in lanes:
