@@ -73,13 +73,16 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
 
 
 @pytest.mark.parametrize("cfg", [fp8_gemm.DEFAULT_CONFIG, fp8_gemm.GemmConfig(overlap=True),
-                                 fp8_gemm.GemmConfig(cluster="m"), fp8_gemm.GemmConfig(tile_m=128, tile_n=64),
+                                 fp8_gemm.GemmConfig(cluster="m"),
+                                 fp8_gemm.GemmConfig(tile_m=128, tile_n=64, cluster=None),
                                  fp8_gemm.GemmConfig(k_splits=4),
                                  fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3),
                                  fp8_gemm.auto_config(64, 5120, 34816, 132)],
                          ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
-    """Mosaic GPU's lowering checks the wgmma operand types, layouts, SMEM budget and pipeline without a GPU."""
+    """Mosaic GPU's lowering checks the wgmma operand types, layouts and pipeline without a GPU (not the SMEM
+    budget: 256x64 with an N cluster lowers, then needs 233,536 bytes of SMEM against 232,448 compiled on an H100;
+    the bench's 256x64 runs without a cluster)."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
 
 
