@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _compat, kv_quant
 from pallas_kernels._blocks import is_pow2
 from pallas_kernels.fp8_matmul import BLOCK as FP8_GROUP
-from pallas_kernels.fp8_matmul import FP8_MAX
+from pallas_kernels.fp8_matmul import group_scale
 from pallas_kernels.reference import PAGE
 
 _F32 = jnp.float32
@@ -593,7 +593,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, gate_ref, *out_refs, group: int, num_sp
     group_of = cols // FP8_GROUP
     scale = jnp.zeros((d,), _F32)
     for i in range(d // FP8_GROUP):  # a head's few groups by masks: no reshape of the row in Triton
-        s_i = jnp.maximum(jnp.max(jnp.where(group_of == i, jnp.abs(yf), 0.0)), 1e-12) / FP8_MAX
+        s_i = group_scale(jnp.where(group_of == i, yf, 0.0))  # the group's values alone: zeros add nothing
         xs_ref[h * (d // FP8_GROUP) + i, b] = s_i
         scale = jnp.where(group_of == i, s_i, scale)
     xq_ref[b, pl.ds(h * d, d)] = (yf / scale).astype(xq_ref.dtype)
