@@ -91,6 +91,12 @@ def module_copy(name: str, path: str):
     return sys.modules[alias]
 
 
+def own_functions(module) -> dict:
+    """{name: function} of the functions defined in module itself (jitted ones too), not imported into it."""
+    return {attr: fn for attr, fn in vars(module).items()
+            if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", None) == module.__name__}
+
+
 def put_functions(copies: dict, base: dict) -> None:
     """Give each module in base ({module name: {function name: function}}) its own functions back, then those of
     its copy (copies: {module name: path}) in their place; the copy's functions call each other, not the module's."""
@@ -99,10 +105,8 @@ def put_functions(copies: dict, base: dict) -> None:
         for attr, fn in functions.items():
             setattr(module, attr, fn)
         if name in copies:
-            copy = module_copy(name, copies[name])
-            for attr, fn in vars(copy).items():
-                if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", None) == copy.__name__:
-                    setattr(module, attr, fn)
+            for attr, fn in own_functions(module_copy(name, copies[name])).items():
+                setattr(module, attr, fn)
 
 
 def main() -> int:
@@ -132,11 +136,8 @@ def main() -> int:
     defaults = {prefix: module.DEFAULT_CONFIG for prefix, (module, _) in module_configs().items()}
     variants = [(v.strip(), *parse_variant(v, base, defaults)) for v in args.variants.split(";")]
     retrace = any(any(mc.values()) for _, _, mc in variants)
-    function_base = {}
-    for name in {name for _, _, mc in variants for name in mc["copies"]}:
-        module = importlib.import_module(name)
-        function_base[name] = {attr: fn for attr, fn in vars(module).items()
-                               if callable(fn) and not isinstance(fn, type) and getattr(fn, "__module__", None) == name}
+    function_base = {name: own_functions(importlib.import_module(name))
+                     for name in {name for _, _, mc in variants for name in mc["copies"]}}
 
     def apply(kc, mc):
         # KernelConfig is a static argument of the steps: a new one traces and compiles them again
