@@ -201,14 +201,15 @@ def gdn_fp8_rows(kc: KernelConfig, lanes: int, value_head_dim: int, out_proj) ->
 
 
 def gdn_rows_layer(kc: KernelConfig, proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots, *,
-                   num_key_heads: int, eps: float, write_state: bool):
+                   num_key_heads: int, eps: float, write_state: bool, into_pool: bool = False):
     """`gdn_decode_layer` over T rows a lane in order (proj [B, T, P]; the first rows[b] count): y [B, T, Hv, Dv],
-    the conv histories after those rows, and with write_state the state pool with their updates."""
+    the conv histories after those rows (into_pool, with write_state: the history pool with them written at the
+    distinct slots), and with write_state the state pool with their updates."""
     from pallas_kernels import gdn_decode_layer as kernel
 
     return kernel.gdn_rows_layer(proj, rows, hist_pool, conv_w, a_log, dt_bias, norm_w, state_pool, slots,
                                  num_key_heads=num_key_heads, eps=eps, write_state=write_state,
-                                 interpret=kc.interpret)
+                                 interpret=kc.interpret, into_pool=into_pool)
 
 
 def attn_decode_qkv(kc: KernelConfig, proj, q_norm, k_norm, inv_freq, positions, page_tables, active, k_pages,

@@ -704,14 +704,13 @@ def commit_verified(params: Params, cfg: ModelConfig, kc: KernelConfig, state: D
 
     def commit(p, proj, ssm, conv, c, ctx):
         rows, slots = ctx
-        if kc.fuse_gdn_decode:
-            _, history, ssm = ops.gdn_rows_layer(
+        if kc.fuse_gdn_decode:  # the kernel's wrapper writes the histories at the (distinct) slots, as decode's
+            _, conv, ssm = ops.gdn_rows_layer(
                 kc, proj, rows, conv, p.conv_w, p.a_log, p.dt_bias, p.norm_w, ssm, slots,
-                num_key_heads=c.linear_num_key_heads, eps=c.rms_norm_eps, write_state=True)
-        else:
-            _, states, _, history = gdn_rows_composed(p, proj, c, kc, conv, ssm[slots], slots, rows)
-            ssm = ssm.at[slots].set(states)
-        return ssm, conv.at[slots].set(history.astype(conv.dtype))
+                num_key_heads=c.linear_num_key_heads, eps=c.rms_norm_eps, write_state=True, into_pool=True)
+            return ssm, conv
+        _, states, _, history = gdn_rows_composed(p, proj, c, kc, conv, ssm[slots], slots, rows)
+        return ssm.at[slots].set(states), conv.at[slots].set(history.astype(conv.dtype))
 
     for j, proj in enumerate(replay):
         p = params.layers[cfg.gdn_layers[j]].mixer
