@@ -256,24 +256,32 @@ def _padded_rows(m: int, cfg: GemmConfig) -> int:
     return -(-m // rows) * rows
 
 
+def _k_splits(tiles: int, blocks: int, num_sms: int) -> int:
+    """K ranges for `tiles` output tiles: doubled while every range's CTA still has an SM of its own, up to
+    MAX_K_SPLITS, each range whole 128-blocks of K."""
+    splits = 1
+    while splits < MAX_K_SPLITS and 2 * splits * tiles <= num_sms and blocks % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """At most tile_m rows (a wide decode round of 64): the warpgroups side by side on columns (wg n, no padding
-    rows multiplied), and K in up to four ranges when the column tiles fill at most a quarter of the SMs. More rows:
-    DEFAULT_CONFIG, K in two ranges when the tiles fill at most half the SMs. Measured on the 27B's projections at
-    64-256 rows (docs/benchmarks/fp8/fp8_sweep_wide.md): wg n 1.10x on gate_up, 1.26-1.28x on down and o_proj at
-    64 rows, behind the default at 128 and 256; more than four ranges lose to the partial sums' traffic."""
+    rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs, 64-column warpgroup
+    tiles when they fill more but not all. More rows: DEFAULT_CONFIG, K in ranges while the CTAs fit the SMs.
+    Measured at 64-256 rows on the 27B's and the 35B-A3B's projections (docs/benchmarks/fp8/fp8_sweep_wide.md,
+    fp8_gemm_wide.md); more than four ranges lose to the partial sums' traffic."""
     cfg, blocks = DEFAULT_CONFIG, k // BLOCK
     if m <= cfg.tile_m and n % (2 * cfg.tile_n) == 0:
-        tiles, splits = n // (2 * cfg.tile_n), 1
-        while (4 * tiles <= num_sms and splits < MAX_K_SPLITS and 2 * splits * tiles <= num_sms
-               and blocks % (2 * splits) == 0):
-            splits *= 2
-        # the float32 output tiles of K ranges leave SMEM for three stages only
-        return dataclasses.replace(cfg, wg_split="n", k_splits=splits, max_concurrent_steps=4 if splits == 1 else 3)
+        cfg, tiles = dataclasses.replace(cfg, wg_split="n"), n // (2 * cfg.tile_n)
+        if 4 * tiles <= num_sms and (splits := _k_splits(tiles, blocks, num_sms)) > 1:
+            # the float32 output tiles of K ranges leave SMEM for three stages only
+            return dataclasses.replace(cfg, k_splits=splits, max_concurrent_steps=3)
+        if tiles < num_sms:
+            return dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
+        return cfg
     tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
-    if 2 * tiles <= num_sms and blocks % 2 == 0:
-        return dataclasses.replace(cfg, k_splits=2)
-    return cfg
+    return dataclasses.replace(cfg, k_splits=_k_splits(tiles, blocks, num_sms))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))

@@ -55,19 +55,24 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
 
 
 def test_wide_round_config_follows_the_row_and_tile_counts():
-    """At 64 rows the warpgroups split the columns, and the 27B's down and o_proj (20 column tiles) take four K
-    ranges on three stages, its gate_up (136 tiles) one on four; at 128 rows o_proj (40 row-split tiles) takes two
-    ranges; gate_up at 128 rows, every projection at 256 and an odd count of K blocks take none."""
+    """At 64 rows the warpgroups split the columns: the 27B's down and o_proj (20 tiles of 256 columns) take four K
+    ranges on three stages, its gate_up (136 tiles, every SM busy) one on four, the 35B-A3B's GDN in-projection (48
+    tiles) 64-column warpgroup tiles. At more rows K ranges double while the CTAs fit the SMs: the 27B's o_proj at
+    128 rows (40 tiles) takes two, the 35B-A3B's 2048-wide outputs four at 128 and 256, 80 tiles none."""
     cfg = fp8_gemm.auto_config(64, 5120, 17408, 132)
-    assert (cfg.wg_split, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 4, 3)
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 128, 4, 3)
     assert fp8_gemm.auto_config(33, 5120, 6144, 132).k_splits == 4
     cfg = fp8_gemm.auto_config(64, 34816, 5120, 132)
-    assert (cfg.wg_split, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 1, 4)
-    assert fp8_gemm.auto_config(64, 16384, 5120, 132).k_splits == 1
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 128, 1, 4)
+    cfg = fp8_gemm.auto_config(64, 12288, 2048, 132)
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 64, 1, 4)
     assert fp8_gemm.auto_config(64, 2048, 4096, 132).k_splits == fp8_gemm.MAX_K_SPLITS
-    assert fp8_gemm.auto_config(64, 5120, 384, 132).k_splits == 1
+    cfg = fp8_gemm.auto_config(64, 5120, 384, 132)  # three K blocks: no whole ranges, narrower tiles instead
+    assert (cfg.tile_n, cfg.k_splits) == (64, 1)
     cfg = fp8_gemm.auto_config(128, 5120, 6144, 132)
     assert (cfg.wg_split, cfg.k_splits) == ("m", 2)
+    assert fp8_gemm.auto_config(128, 2048, 4096, 132).k_splits == 4
+    assert fp8_gemm.auto_config(256, 2048, 4096, 132).k_splits == 4
     assert fp8_gemm.auto_config(128, 34816, 5120, 132) == fp8_gemm.DEFAULT_CONFIG
     assert fp8_gemm.auto_config(256, 5120, 17408, 132) == fp8_gemm.DEFAULT_CONFIG
 
@@ -77,8 +82,10 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
                                  fp8_gemm.GemmConfig(tile_m=128, tile_n=64, cluster=None),
                                  fp8_gemm.GemmConfig(k_splits=4),
                                  fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3),
-                                 fp8_gemm.auto_config(64, 5120, 34816, 132)],
-                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round"])
+                                 fp8_gemm.auto_config(64, 5120, 34816, 132),
+                                 fp8_gemm.auto_config(64, 12288, 2048, 132)],
+                         ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round",
+                              "wide_round_64_cols"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts and pipeline without a GPU (not the SMEM
     budget: 256x64 with an N cluster lowers, then needs 233,536 bytes of SMEM against 232,448 compiled on an H100;
