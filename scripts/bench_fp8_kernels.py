@@ -19,6 +19,7 @@ of the script, not a measurement.
     python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
     python scripts/bench_fp8_kernels.py --only rows --out docs/benchmarks/fp8    # fp8_rows.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm-wide --out docs/benchmarks/fp8   # fp8_gemm_wide.{json,md}
+    python scripts/bench_fp8_kernels.py --only gemm-wide --gemm-wide-rows 64 --gemm-wide-shapes '27b mlp down,6144x5120'
     git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
     python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
                                                                                   # fp8_sweep.{json,md}
@@ -57,7 +58,7 @@ from pallas_kernels import reference as ref  # noqa: E402
 SHAPES = {"27b mlp gate_up": (5120, 34816), "27b mlp down": (17408, 5120), "27b gdn in [qkv|z]": (5120, 16384),
           "27b o_proj": (6144, 5120), "35b shared gate_up": (2048, 1024)}
 # the 35B-A3B's projections a wide decode round runs on the wgmma GEMM (`--only gemm-wide`)
-WIDE_SHAPES = {"35b gdn in [qkv|z]": (2048, 12288), "35b gdn out, o_proj": (4096, 2048),
+WIDE_SHAPES = {"35b gdn in [qkv|z]": (2048, 12288), "35b gdn out | o_proj": (4096, 2048),
                "35b attention qkv": (2048, 9216),
                "27b mlp gate_up": SHAPES["27b mlp gate_up"], "27b mlp down": SHAPES["27b mlp down"],
                "27b gdn in [qkv|z]": SHAPES["27b gdn in [qkv|z]"]}
@@ -404,18 +405,22 @@ def _bf16_dot(a, b):
 
 
 def _sweep_shapes(spec: str | None, cpu: bool) -> dict[str, tuple[int, int]]:
-    """--sweep-shapes: names from SHAPES or KxN, comma-separated; by default every SHAPES entry (on a CPU, one
-    small weight)."""
+    """--sweep-shapes: by default every SHAPES entry (on a CPU, one small weight)."""
     if not spec:
         return {"x".join(map(str, SWEEP_CPU_SHAPE)): SWEEP_CPU_SHAPE} if cpu else dict(SHAPES)
+    return _shapes(spec, SHAPES, "--sweep-shapes")
+
+
+def _shapes(spec: str, table: dict, flag: str) -> dict[str, tuple[int, int]]:
+    """A shapes option: names from table or KxN, comma-separated -> {name: (K, N)}."""
     out = {}
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        if item in SHAPES:
-            out[item] = SHAPES[item]
+        if item in table:
+            out[item] = table[item]
         else:
             k, sep, n = item.partition("x")
             if not (sep and k.isdigit() and n.isdigit() and fp8_matmul.supported(int(k), int(n))):
-                raise SystemExit(f"--sweep-shapes: {item!r} is neither one of {list(SHAPES)} nor KxN in 128-blocks")
+                raise SystemExit(f"{flag}: {item!r} is neither one of {list(table)} nor KxN in 128-blocks")
             out[item] = (int(k), int(n))
     return out
 
@@ -563,13 +568,13 @@ def _torch_rowwise(m: int, k: int, n: int) -> float | None:
         return None
 
 
-def bench_gemm_wide(rows: tuple[int, ...]) -> list[dict]:
+def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -> list[dict]:
     """The wgmma GEMM at a wide decode round's rows: `fp8_gemm.auto_config`'s choice beside column tiles of 64 and
     128 with one, two and four K ranges (each other warpgroup split as auto_config's), us per call with the partial
     sums' addition, and each one's error against `fp8_gemm.reference_rows` (every program compiles before its
-    timing: the error's call compiles it)."""
+    timing: the error's call compiles it); shapes: {name: (K, N)}."""
     out, sms = [], fp8_gemm._num_sms()
-    for name, (k, n) in WIDE_SHAPES.items():
+    for name, (k, n) in shapes.items():
         fp8 = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
         w = (fp8.values, fp8.scales)
         for m in rows:
@@ -617,6 +622,8 @@ def main() -> None:
                    help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
     p.add_argument("--gemm-wide-rows", default="64,128,256")
+    p.add_argument("--gemm-wide-shapes", default=",".join(WIDE_SHAPES),
+                   help="with --only gemm-wide: names from WIDE_SHAPES or KxN, comma-separated")
     p.add_argument("--rows-tokens", default="8192,32768")
     p.add_argument("--gemm-configs", default=",".join(GEMM_CONFIGS), help="names from GEMM_CONFIGS to tune over")
     p.add_argument("--sweep-rows", default="1,2,8,16",
@@ -674,7 +681,8 @@ def main() -> None:
                      "timed with them); us per call (10 calls inside one jit, median of 5 batches); gbps: FP8 weight "
                      "bytes a second; vs_auto: auto's time over the config's; rel_err: the config's against "
                      "fp8_gemm.reference_rows", cols,
-                     bench_gemm_wide(tuple(int(m) for m in args.gemm_wide_rows.split(","))))
+                     bench_gemm_wide(tuple(int(m) for m in args.gemm_wide_rows.split(",")),
+                                     _shapes(args.gemm_wide_shapes, WIDE_SHAPES, "--gemm-wide-shapes")))
         return
     if args.only == "gemm":
         rows = bench_gemm(tuple(int(m) for m in args.gemm_rows.split(",")), args.gemm_configs.split(","))
