@@ -270,7 +270,7 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs, 64-column warpgroup
     tiles when they fill more but not all. More rows: DEFAULT_CONFIG, K in ranges while the CTAs fit the SMs.
     Measured at 64-256 rows on the 27B's and the 35B-A3B's projections (docs/benchmarks/fp8/fp8_sweep_wide.md,
-    fp8_gemm_wide.md); more than four ranges lose to the partial sums' traffic."""
+    docs/kernels_notes.md "FP8 weights"); more than four ranges lose to the partial sums' traffic."""
     cfg, blocks = DEFAULT_CONFIG, k // BLOCK
     if m <= cfg.tile_m and n % (2 * cfg.tile_n) == 0:
         cfg, tiles = dataclasses.replace(cfg, wg_split="n"), n // (2 * cfg.tile_n)
