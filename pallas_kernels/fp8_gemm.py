@@ -265,6 +265,13 @@ def _k_splits(tiles: int, blocks: int, num_sms: int) -> int:
     return splits
 
 
+def with_k_splits(cfg: GemmConfig, splits: int) -> GemmConfig:
+    """cfg with K in `splits` ranges on the stages SMEM holds: with warpgroups side by side on columns, the float32
+    output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's."""
+    stages = 3 if splits > 1 and cfg.wg_split == "n" else DEFAULT_CONFIG.max_concurrent_steps
+    return dataclasses.replace(cfg, k_splits=splits, max_concurrent_steps=stages)
+
+
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """At most tile_m rows (a wide decode round of 64): the warpgroups side by side on columns (wg n, no padding
     rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs, 64-column warpgroup
@@ -275,13 +282,12 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     if m <= cfg.tile_m and n % (2 * cfg.tile_n) == 0:
         cfg, tiles = dataclasses.replace(cfg, wg_split="n"), n // (2 * cfg.tile_n)
         if 4 * tiles <= num_sms and (splits := _k_splits(tiles, blocks, num_sms)) > 1:
-            # the float32 output tiles of K ranges leave SMEM for three stages only
-            return dataclasses.replace(cfg, k_splits=splits, max_concurrent_steps=3)
+            return with_k_splits(cfg, splits)
         if tiles < num_sms:
             return dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
         return cfg
     tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
-    return dataclasses.replace(cfg, k_splits=_k_splits(tiles, blocks, num_sms))
+    return with_k_splits(cfg, _k_splits(tiles, blocks, num_sms))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))

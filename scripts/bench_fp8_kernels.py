@@ -583,8 +583,7 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
             configs = {"auto": auto}
             for tile_n in (64, 128):
                 for splits in (1, 2, 4):
-                    cfg = dataclasses.replace(auto, tile_n=tile_n, k_splits=splits,
-                                              max_concurrent_steps=4 if splits == 1 else 3)
+                    cfg = fp8_gemm.with_k_splits(dataclasses.replace(auto, tile_n=tile_n), splits)
                     if cfg != auto and (k // fp8_gemm.BLOCK) % splits == 0:
                         configs[f"n{tile_n} k{splits}"] = cfg
             run = {label: functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16, config=cfg)
