@@ -46,7 +46,9 @@ class GemmConfig:
     float32 partial sums that XLA adds (a few rows over few column tiles, as the 27B's down projection's 40 at a wide
     decode round, leave most SMs idle otherwise); wg_split: the two compute warpgroups take a tile of 2 x tile_m rows
     ("m") or of 2 x tile_n columns ("n": a round of at most tile_m rows computes no padding rows and reads each
-    column once per its own rows)."""
+    column once per its own rows); tail_splits: the column tiles past the grid's last whole wave run as a second
+    launch with K in this many ranges (1: in a last wave of their own, most of its SMs idle while a few stream
+    whole tiles, as the 27B's gate_up's 136 tiles on 132 SMs)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -57,6 +59,7 @@ class GemmConfig:
     overlap: bool = False
     k_splits: int = 1
     wg_split: str = "m"
+    tail_splits: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -67,6 +70,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig: cluster {self.cluster!r}, grid_minor {self.grid_minor!r}")
         if self.k_splits < 1:
             raise ValueError(f"GemmConfig.k_splits must be >= 1, got {self.k_splits}")
+        if self.tail_splits < 1 or (self.tail_splits > 1 and self.k_splits > 1):
+            raise ValueError(f"GemmConfig.tail_splits {self.tail_splits} needs k_splits 1, got {self.k_splits}")
         if self.wg_split not in ("m", "n"):
             raise ValueError(f"GemmConfig.wg_split must be 'm' or 'n', got {self.wg_split!r}")
 
@@ -80,6 +85,8 @@ class GemmConfig:
 
 
 MAX_K_SPLITS = 4  # auto_config's K ranges at most: eight lost to the float32 partial sums' traffic
+MAX_TAIL_SPLITS = 8  # a tail launch's K ranges at most: its partial sums stay a few MB
+MIN_RANGE_BLOCKS = 16  # K ranges shorter than this (128-blocks) take 64-column tiles: their pipelines fill less often
 DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
 
 
@@ -99,13 +106,14 @@ def _dim(name: str):
     return 0 if name == "m" else 1
 
 
-def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
+def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, col0: int):
     # grouped: groups_gmem [M / cta_m] int32 first, the group (expert) of each row tile, -1 for a tile to skip
     # x_gmem [M, K] fp8 (M padded to the cluster's rows)   w_gmem [N, K] fp8 (grouped: [G, N, K])
     # xs_gmem [K / 128, M] f32: activation scale of row m's group kb
     # ws_gmem [N / 128, K / 128] f32 (grouped: [G, ...]): the weight's block scales as the checkpoint stores them;
     #   a compute warpgroup loads its tile's one scalar a step straight from memory (L2 after the first tile)
     # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
+    # col0: W's first column this launch computes, its output's column 0 past the first (a tail launch's)
     groups_gmem, (x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem) = (refs[0], refs[1:]) if grouped else (None, refs)
     m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
     tile_m, tile_n, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
@@ -157,6 +165,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
                 ni = ni * 2 + cta
             rows = pl.ds(mi * cta_m, cta_m)
             cols = pl.ds(ni * cta_n, cta_n)
+            w_cols = pl.ds(col0 + ni * cta_n, cta_n)
             steps = pl.ds(split * k_iters, k_iters)
             span = pl.ds(split * k_iters * BLOCK, k_iters * BLOCK)
             out_rows = pl.ds(split * x_gmem.shape[0] + mi * cta_m, cta_m)
@@ -180,7 +189,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], wg_out)
 
             # this warpgroup's columns lie in one 128-block of the weight (tile_n <= 128 and divides it)
-            w_block = (ni * cta_n + (wg * tile_n if by_cols else 0)) // BLOCK
+            w_block = (col0 + ni * cta_n + (wg * tile_n if by_cols else 0)) // BLOCK
 
             def step(ws, idx, x_smem, w_smem, xs_smem, carry):
                 # x_smem [cta_m, 128] fp8   w_smem [cta_n, 128] fp8   xs_smem [1, cta_m] f32
@@ -203,7 +212,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
 
             def run(w, ws):
                 get_pipeline(functools.partial(step, ws), compute_context)(
-                    x_gmem.at[rows, span], w.at[cols, span], xs_gmem.at[steps, rows], allocations=allocs)
+                    x_gmem.at[rows, span], w.at[w_cols, span], xs_gmem.at[steps, rows], allocations=allocs)
 
             if groups_gmem is None:
                 run(w_gmem, ws_gmem)
@@ -214,15 +223,20 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _gemm(xq, xs, values, scales, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False, groups=None):
+def _gemm(xq, xs, values, scales, cfg: GemmConfig, out_dtype, num_sms: int, interpret: bool = False, groups=None,
+          cols: tuple[int, int] | None = None):
+    """One launch over W's columns cols = (first, count) (default all): its output N columns wide when first is 0
+    (a tail launch fills the rest), else count."""
     (m, k), n = xq.shape, values.shape[-2]
+    col0, count = cols or (0, n)
     cluster = 1 if cfg.cluster is None else 2
     iters = (m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1),
-             n // cfg.cta_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
+             count // cfg.cta_n // (cluster if cfg.cluster == "n" else 1), k // BLOCK // cfg.k_splits)
     grouped = groups is not None
     return plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, iters=iters, grouped=grouped),
-        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n), out_dtype if cfg.k_splits == 1 else jnp.float32),
+        functools.partial(_kernel, cfg=cfg, iters=iters, grouped=grouped, col0=col0),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits * m, n if col0 == 0 else count),
+                                      out_dtype if cfg.k_splits == 1 else jnp.float32),
         grid=(num_sms // cluster,),
         grid_names=("cluster_grid",),
         cluster=(cluster,),
@@ -245,8 +259,9 @@ def _check(x, values, scales, cfg: GemmConfig):
     if not supported(k, n) or values.shape[1] != k or scales.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"fp8_gemm: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
-    if (k // BLOCK) % cfg.k_splits:
-        raise ValueError(f"fp8_gemm: k_splits {cfg.k_splits} does not divide K's {k // BLOCK} blocks of {BLOCK}")
+    for name, splits in (("k_splits", cfg.k_splits), ("tail_splits", cfg.tail_splits)):
+        if (k // BLOCK) % splits:
+            raise ValueError(f"fp8_gemm: {name} {splits} does not divide K's {k // BLOCK} blocks of {BLOCK}")
     if values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_gemm: values must be float8_e4m3fn, got {values.dtype}")
 
@@ -265,6 +280,30 @@ def _k_splits(tiles: int, blocks: int, num_sms: int) -> int:
     return splits
 
 
+def _whole_wave_columns(cfg: GemmConfig, m: int, n: int, num_sms: int) -> int:
+    """W's columns whose tiles (m rows, padded) fill whole waves of the persistent grid: n when all of them do or
+    they make less than one wave."""
+    cluster = 1 if cfg.cluster is None else 2
+    m_units = m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1)
+    col_unit = cfg.cta_n * (cluster if cfg.cluster == "n" else 1)
+    n_units, ctas = n // col_unit, num_sms // cluster
+    main = m_units * n_units // ctas * ctas // m_units
+    return main * col_unit if 0 < main < n_units else n
+
+
+def _with_tail(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    """cfg with the tiles past its last whole wave in K ranges when they would fill at most a quarter of it: the most
+    whole-block ranges, up to MAX_TAIL_SPLITS, whose CTAs the SMs hold at once."""
+    fitted = _fit_columns(cfg, n)
+    mp = _padded_rows(m, fitted)
+    main = _whole_wave_columns(fitted, mp, n, num_sms)
+    tail_ctas = mp // fitted.cta_m * ((n - main) // fitted.cta_n)
+    if cfg.k_splits > 1 or main == n or 4 * tail_ctas > num_sms:
+        return cfg
+    splits = max(d for d in range(1, MAX_TAIL_SPLITS + 1) if (k // BLOCK) % d == 0 and d * tail_ctas <= num_sms)
+    return dataclasses.replace(cfg, tail_splits=splits)
+
+
 def with_k_splits(cfg: GemmConfig, splits: int) -> GemmConfig:
     """cfg with K in `splits` ranges on the stages SMEM holds: with warpgroups side by side on columns, the float32
     output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's."""
@@ -274,20 +313,24 @@ def with_k_splits(cfg: GemmConfig, splits: int) -> GemmConfig:
 
 def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """At most tile_m rows (a wide decode round of 64): the warpgroups side by side on columns (wg n, no padding
-    rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs, 64-column warpgroup
+    rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs (64-column warpgroup
+    tiles, the ranges counted again, where ranges would be shorter than MIN_RANGE_BLOCKS), 64-column warpgroup
     tiles when they fill more but not all. More rows: DEFAULT_CONFIG, K in ranges while the CTAs fit the SMs.
+    Either way a last wave that tiles would fill at most half of runs as a tail launch in K ranges (`_with_tail`).
     Measured at 64-256 rows on the 27B's and the 35B-A3B's projections (docs/benchmarks/fp8/fp8_sweep_wide.md,
     docs/kernels_notes.md "FP8 weights"); more than four ranges lose to the partial sums' traffic."""
     cfg, blocks = DEFAULT_CONFIG, k // BLOCK
     if m <= cfg.tile_m and n % (2 * cfg.tile_n) == 0:
         cfg, tiles = dataclasses.replace(cfg, wg_split="n"), n // (2 * cfg.tile_n)
         if 4 * tiles <= num_sms and (splits := _k_splits(tiles, blocks, num_sms)) > 1:
+            if blocks // splits < MIN_RANGE_BLOCKS:
+                cfg, splits = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2), _k_splits(2 * tiles, blocks, num_sms)
             return with_k_splits(cfg, splits)
         if tiles < num_sms:
-            return dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
-        return cfg
+            cfg = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
+        return _with_tail(cfg, m, n, k, num_sms)
     tiles = -(-m // cfg.cta_m) * (n // cfg.cta_n)
-    return with_k_splits(cfg, _k_splits(tiles, blocks, num_sms))
+    return _with_tail(with_k_splits(cfg, _k_splits(tiles, blocks, num_sms)), m, n, k, num_sms)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
@@ -308,13 +351,19 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
     if xs.shape != (k // BLOCK, m) or xq.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_gemm_rows: xq {xq.shape} {xq.dtype} must be float8_e4m3fn, xs {xs.shape} "
                          f"[K/{BLOCK}, M]")
-    cfg = _fit_columns(cfg, n)
+    cfg, sms = _fit_columns(cfg, n), _num_sms()
     mp = _padded_rows(m, cfg)
     if mp != m:  # padding rows multiply zeros: their outputs are cut off
         xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
-    out = _gemm(xq, xs, values, scales, cfg, out_dtype, _num_sms())
+    main = _whole_wave_columns(cfg, mp, n, sms) if cfg.tail_splits > 1 else n
+    out = _gemm(xq, xs, values, scales, cfg, out_dtype, sms, cols=(0, main))
     if cfg.k_splits > 1:
         out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
+    if main < n:  # the tail's columns, each K range's partial sums added into the output in place
+        tail = _fit_columns(with_k_splits(dataclasses.replace(cfg, tail_splits=1), cfg.tail_splits), n - main)
+        part = _gemm(xq, xs, values, scales, tail, out_dtype, sms, cols=(main, n - main))
+        out = lax.dynamic_update_slice(out, part.reshape(tail.k_splits, mp, -1).sum(axis=0).astype(out_dtype),
+                                       (0, main))
     return out[:m] if mp != m else out
 
 
@@ -331,7 +380,7 @@ def _fit_columns(cfg: GemmConfig, n: int) -> GemmConfig:
 def grouped_config(n: int, config: GemmConfig | None = None) -> GemmConfig:
     """The config a grouped product runs: one K range, no M clusters (a pair of row tiles may hold two groups), the
     column pairs as `_fit_columns` allows."""
-    cfg = dataclasses.replace(config or DEFAULT_CONFIG, k_splits=1)
+    cfg = dataclasses.replace(config or DEFAULT_CONFIG, k_splits=1, tail_splits=1)
     return _fit_columns(dataclasses.replace(cfg, cluster=None) if cfg.cluster == "m" else cfg, n)
 
 

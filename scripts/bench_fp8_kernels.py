@@ -199,6 +199,7 @@ GEMM_CONFIGS = {"128x128": _G,
                 "128x128 overlap": dataclasses.replace(_G, overlap=True),
                 "256x64": dataclasses.replace(_G, tile_m=128, tile_n=64)}
 GEMM_TUNING = (("27b mlp gate_up", 2048),)
+TAIL_SPLITS = (1, 2, 4, 8, 10, 20)  # the wide GEMM's tail launch's K ranges timed beside auto_config's
 
 
 # name -> (producer, its 128-groups, the projection's output width): the GDN out-projections (value heads of Dv 128)
@@ -570,9 +571,10 @@ def _torch_rowwise(m: int, k: int, n: int) -> float | None:
 
 def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -> list[dict]:
     """The wgmma GEMM at a wide decode round's rows: `fp8_gemm.auto_config`'s choice beside column tiles of 64 and
-    128 with one, two and four K ranges (each other warpgroup split as auto_config's), us per call with the partial
-    sums' addition, and each one's error against `fp8_gemm.reference_rows` (every program compiles before its
-    timing: the error's call compiles it); shapes: {name: (K, N)}."""
+    128 with one, two and four K ranges (each other warpgroup split as auto_config's) and, where tiles overfill the
+    last wave, the tail launch's K ranges of TAIL_SPLITS, us per call with the partial sums' addition, and each
+    one's error against `fp8_gemm.reference_rows` (every program compiles before its timing: the error's call
+    compiles it); shapes: {name: (K, N)}."""
     out, sms = [], fp8_gemm._num_sms()
     for name, (k, n) in shapes.items():
         fp8 = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
@@ -583,9 +585,16 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
             configs = {"auto": auto}
             for tile_n in (64, 128):
                 for splits in (1, 2, 4):
-                    cfg = fp8_gemm.with_k_splits(dataclasses.replace(auto, tile_n=tile_n), splits)
-                    if cfg != auto and (k // fp8_gemm.BLOCK) % splits == 0:
+                    cfg = fp8_gemm.with_k_splits(dataclasses.replace(auto, tile_n=tile_n, tail_splits=1), splits)
+                    if cfg not in configs.values() and (k // fp8_gemm.BLOCK) % splits == 0:
                         configs[f"n{tile_n} k{splits}"] = cfg
+            fitted = fp8_gemm._fit_columns(auto, n)
+            if auto.k_splits == 1 and fp8_gemm._whole_wave_columns(fitted, fp8_gemm._padded_rows(m, fitted), n,
+                                                                   sms) < n:
+                for splits in TAIL_SPLITS:
+                    cfg = dataclasses.replace(auto, tail_splits=splits)
+                    if cfg not in configs.values() and (k // fp8_gemm.BLOCK) % splits == 0:
+                        configs[f"tail k{splits}"] = cfg
             run = {label: functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16, config=cfg)
                    for label, cfg in configs.items()}
             want = fp8_gemm.reference_rows(xq, xs, *w)
@@ -595,7 +604,8 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
             for label, us in times.items():
                 cfg = configs[label]
                 row = {"shape": name, "M": m, "config": label, "tile_n": cfg.tile_n, "k_splits": cfg.k_splits,
-                       "wg_split": cfg.wg_split, "us": us, "gbps": k * n / us / 1e3 if us else None,
+                       "wg_split": cfg.wg_split, "tail_splits": cfg.tail_splits, "us": us,
+                       "gbps": k * n / us / 1e3 if us else None,
                        "vs_auto": times["auto"] / us if us and times["auto"] else None, "rel_err": errs[label]}
                 print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
                 out.append(row)
@@ -674,7 +684,8 @@ def main() -> None:
                      "skips those roundings (excess precision)", cols, rows)
         return
     if args.only == "gemm-wide":
-        cols = ["shape", "M", "config", "tile_n", "k_splits", "wg_split", "us", "gbps", "vs_auto", "rel_err"]
+        cols = ["shape", "M", "config", "tile_n", "k_splits", "wg_split", "tail_splits", "us", "gbps", "vs_auto",
+                "rel_err"]
         _write_table(args.out, "fp8_gemm_wide", "Block-FP8 wgmma GEMM at wide decode rounds' rows", "config: auto is "
                      "fp8_gemm.auto_config's choice, nTILE_N kSPLITS the alternatives (K ranges summed by XLA, "
                      "timed with them); us per call (10 calls inside one jit, median of 5 batches); gbps: FP8 weight "

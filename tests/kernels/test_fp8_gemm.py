@@ -3,6 +3,8 @@ jnp reference (the kernel's blocking and scaling) against float64, input checks,
 and that every tuned config lowers for the H200 at a real shape. The kernel itself is checked on the H200
 against the same reference by scripts/bench_fp8_kernels.py --only gemm (the 27B's shapes at 2048 and 8192 rows)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,25 +57,33 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
 
 
 def test_wide_round_config_follows_the_row_and_tile_counts():
-    """At 64 rows the warpgroups split the columns: the 27B's down and o_proj (20 tiles of 256 columns) take four K
-    ranges on three stages, its gate_up (136 tiles, every SM busy) one on four, the 35B-A3B's GDN in-projection (48
-    tiles) 64-column warpgroup tiles. At more rows K ranges double while the CTAs fit the SMs: the 27B's o_proj at
-    128 rows (40 tiles) takes two, the 35B-A3B's 2048-wide outputs four at 128 and 256, 80 tiles none."""
+    """At 64 rows the warpgroups split the columns: the 27B's down (20 tiles of 256 columns) takes four K ranges on
+    three stages; its o_proj, whose four ranges would be 12 blocks long, 64-column tiles in two; its gate_up (136
+    tiles on 132 SMs) one range, the four tiles past the wave in eight; the 35B-A3B's GDN in-projection (48 tiles)
+    64-column warpgroup tiles. At more rows K ranges double while the CTAs fit the SMs, and a last wave at most a
+    quarter full runs in K ranges: gate_up's at 128 and 256 rows, the 35B-A3B's attention qkv's at 256 (12 tiles
+    past the wave), not its GDN in-projection's (60) nor a 2048-row prefill's."""
     cfg = fp8_gemm.auto_config(64, 5120, 17408, 132)
     assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 128, 4, 3)
-    assert fp8_gemm.auto_config(33, 5120, 6144, 132).k_splits == 4
+    cfg = fp8_gemm.auto_config(33, 5120, 6144, 132)
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 64, 2, 3)
     cfg = fp8_gemm.auto_config(64, 34816, 5120, 132)
-    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 128, 1, 4)
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps, cfg.tail_splits) == ("n", 128, 1, 4, 8)
     cfg = fp8_gemm.auto_config(64, 12288, 2048, 132)
-    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 64, 1, 4)
-    assert fp8_gemm.auto_config(64, 2048, 4096, 132).k_splits == fp8_gemm.MAX_K_SPLITS
+    assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps, cfg.tail_splits) == ("n", 64, 1, 4, 1)
+    cfg = fp8_gemm.auto_config(64, 2048, 4096, 132)
+    assert (cfg.tile_n, cfg.k_splits) == (64, fp8_gemm.MAX_K_SPLITS)
     cfg = fp8_gemm.auto_config(64, 5120, 384, 132)  # three K blocks: no whole ranges, narrower tiles instead
     assert (cfg.tile_n, cfg.k_splits) == (64, 1)
     cfg = fp8_gemm.auto_config(128, 5120, 6144, 132)
     assert (cfg.wg_split, cfg.k_splits) == ("m", 2)
     assert fp8_gemm.auto_config(128, 2048, 4096, 132).k_splits == 4
     assert fp8_gemm.auto_config(256, 2048, 4096, 132).k_splits == 4
-    assert fp8_gemm.auto_config(128, 34816, 5120, 132) == fp8_gemm.DEFAULT_CONFIG
+    for m in (128, 256):
+        assert fp8_gemm.auto_config(m, 34816, 5120, 132) == dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tail_splits=8)
+    assert fp8_gemm.auto_config(256, 9216, 2048, 132).tail_splits == 8
+    assert fp8_gemm.auto_config(256, 12288, 2048, 132).tail_splits == 1
+    assert fp8_gemm.auto_config(2048, 34816, 5120, 132) == fp8_gemm.DEFAULT_CONFIG
     assert fp8_gemm.auto_config(256, 5120, 17408, 132) == fp8_gemm.DEFAULT_CONFIG
 
 
@@ -83,14 +93,49 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
                                  fp8_gemm.GemmConfig(k_splits=4),
                                  fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3),
                                  fp8_gemm.auto_config(64, 5120, 34816, 132),
-                                 fp8_gemm.auto_config(64, 12288, 2048, 132)],
+                                 fp8_gemm.auto_config(64, 12288, 2048, 132),
+                                 dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tail_splits=8)],
                          ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round",
-                              "wide_round_64_cols"])
+                              "wide_round_64_cols", "tail_splits"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts and pipeline without a GPU (not the SMEM
     budget: 256x64 with an N cluster lowers, then needs 233,536 bytes of SMEM against 232,448 compiled on an H100;
     the bench's 256x64 runs without a cluster)."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
+
+
+def _launch_as_reference(xq, xs, values, scales, cfg, out_dtype, num_sms, interpret=False, groups=None, cols=None):
+    """`fp8_gemm._gemm`'s contract in jnp: W's columns cols = (first, count), float32 partial sums of each K range
+    stacked on rows; a launch from column 0 narrower than N leaves the rest of its output NaN."""
+    k, n = xq.shape[1], values.shape[0]
+    col0, count = cols or (0, n)
+    assert count % cfg.cta_n == 0 and col0 % cfg.cta_n == 0
+    r = k // 128 // cfg.k_splits
+    parts = [fp8_gemm.reference_rows(xq[:, i * r * 128:(i + 1) * r * 128], xs[i * r:(i + 1) * r],
+                                     values[col0:col0 + count, i * r * 128:(i + 1) * r * 128],
+                                     scales[col0 // 128:(col0 + count) // 128, i * r:(i + 1) * r])
+             for i in range(cfg.k_splits)]
+    out = jnp.concatenate(parts, axis=0)
+    if col0 == 0 and count < n:
+        out = jnp.pad(out, ((0, 0), (0, n - count)), constant_values=jnp.nan)
+    return out.astype(out_dtype if cfg.k_splits == 1 else jnp.float32)
+
+
+@pytest.mark.parametrize("m,n", [(64, 2304), (200, 2176)])
+def test_tiles_past_the_last_whole_wave_run_as_a_tail_in_k_ranges(monkeypatch, m, n):
+    """On 8 SMs, 2304 columns at 64 rows are nine 256-column tiles: eight fill the grid's wave, the ninth's K runs
+    as a second launch in four ranges whose partial sums land in its columns; at 200 rows (256 padded, two 128-row
+    tiles a column tile) 32 of 34 tiles fill four waves and the last column's two run in four ranges. The
+    wrapper's result equals the reference of the whole product; each launch keeps to the kernel's contract."""
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda: 8)
+    monkeypatch.setattr(fp8_gemm, "_gemm", _launch_as_reference)
+    x, values, scales, _ = _case(seed=5, m=m, k=512, n=n)
+    xq, xs = fp8_matmul.quantize_rows(x)
+    cfg = fp8_gemm.auto_config(m, n, 512, 8)
+    assert cfg.tail_splits == 4
+    got = np.asarray(fp8_gemm.fp8_gemm_rows.__wrapped__(xq, xs, values, scales, out_dtype=jnp.float32, config=cfg))
+    want = np.asarray(fp8_gemm.reference_rows(xq, xs, values, scales))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_grouped_reference_multiplies_each_row_tile_by_its_groups_weight():
