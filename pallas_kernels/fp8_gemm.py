@@ -86,6 +86,7 @@ class GemmConfig:
 
 MAX_K_SPLITS = 4  # auto_config's K ranges at most: eight lost to the float32 partial sums' traffic
 MAX_TAIL_SPLITS = 8  # a tail launch's K ranges at most: its partial sums stay a few MB
+MAX_TAIL_ROWS = 256  # auto_config's tails up to a wide decode round's rows, where they were timed (not mixed steps')
 MIN_RANGE_BLOCKS = 16  # K ranges shorter than this (128-blocks) take 64-column tiles: their pipelines fill less often
 DEFAULT_CONFIG = GemmConfig()  # the fastest at the 27B's MLP gate_up, 2048 rows (docs/benchmarks/fp8/fp8_gemm.md)
 
@@ -292,13 +293,13 @@ def _whole_wave_columns(cfg: GemmConfig, m: int, n: int, num_sms: int) -> int:
 
 
 def _with_tail(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """cfg with the tiles past its last whole wave in K ranges when they would fill at most a quarter of it: the most
-    whole-block ranges, up to MAX_TAIL_SPLITS, whose CTAs the SMs hold at once."""
+    """cfg with the tiles past its last whole wave in K ranges when they would fill at most a quarter of it (up to
+    MAX_TAIL_ROWS rows): the most whole-block ranges, up to MAX_TAIL_SPLITS, whose CTAs the SMs hold at once."""
     fitted = _fit_columns(cfg, n)
     mp = _padded_rows(m, fitted)
     main = _whole_wave_columns(fitted, mp, n, num_sms)
     tail_ctas = mp // fitted.cta_m * ((n - main) // fitted.cta_n)
-    if cfg.k_splits > 1 or main == n or 4 * tail_ctas > num_sms:
+    if cfg.k_splits > 1 or main == n or 4 * tail_ctas > num_sms or m > MAX_TAIL_ROWS:
         return cfg
     splits = max(d for d in range(1, MAX_TAIL_SPLITS + 1) if (k // BLOCK) % d == 0 and d * tail_ctas <= num_sms)
     return dataclasses.replace(cfg, tail_splits=splits)

@@ -62,7 +62,8 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
     tiles on 132 SMs) one range, the four tiles past the wave in eight; the 35B-A3B's GDN in-projection (48 tiles)
     64-column warpgroup tiles. At more rows K ranges double while the CTAs fit the SMs, and a last wave at most a
     quarter full runs in K ranges: gate_up's at 128 and 256 rows, the 35B-A3B's attention qkv's at 256 (12 tiles
-    past the wave), not its GDN in-projection's (60) nor a 2048-row prefill's."""
+    past the wave), not its GDN in-projection's (60), nor past 256 rows where no tail was timed (gate_up's 16 tiles
+    past eight waves at 512)."""
     cfg = fp8_gemm.auto_config(64, 5120, 17408, 132)
     assert (cfg.wg_split, cfg.tile_n, cfg.k_splits, cfg.max_concurrent_steps) == ("n", 128, 4, 3)
     cfg = fp8_gemm.auto_config(33, 5120, 6144, 132)
@@ -83,6 +84,7 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
         assert fp8_gemm.auto_config(m, 34816, 5120, 132) == dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tail_splits=8)
     assert fp8_gemm.auto_config(256, 9216, 2048, 132).tail_splits == 8
     assert fp8_gemm.auto_config(256, 12288, 2048, 132).tail_splits == 1
+    assert fp8_gemm.auto_config(512, 34816, 5120, 132).tail_splits == 1
     assert fp8_gemm.auto_config(2048, 34816, 5120, 132) == fp8_gemm.DEFAULT_CONFIG
     assert fp8_gemm.auto_config(256, 5120, 17408, 132) == fp8_gemm.DEFAULT_CONFIG
 
