@@ -317,7 +317,8 @@ def auto_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     rows multiplied); K in ranges when the 256-column tiles fill at most a quarter of the SMs (64-column warpgroup
     tiles, the ranges counted again, where ranges would be shorter than MIN_RANGE_BLOCKS), 64-column warpgroup
     tiles when they fill more but not all. More rows: DEFAULT_CONFIG, K in ranges while the CTAs fit the SMs.
-    Either way a last wave that tiles would fill at most half of runs as a tail launch in K ranges (`_with_tail`).
+    Either way, up to MAX_TAIL_ROWS rows, a last wave the tiles would fill at most a quarter of runs as a tail
+    launch in K ranges (`_with_tail`).
     Measured at 64-256 rows on the 27B's and the 35B-A3B's projections (docs/benchmarks/fp8/fp8_sweep_wide.md,
     docs/kernels_notes.md "FP8 weights"); more than four ranges lose to the partial sums' traffic."""
     cfg, blocks = DEFAULT_CONFIG, k // BLOCK

@@ -688,7 +688,8 @@ def main() -> None:
                 "rel_err"]
         _write_table(args.out, "fp8_gemm_wide", "Block-FP8 wgmma GEMM at wide decode rounds' rows", "config: auto is "
                      "fp8_gemm.auto_config's choice, nTILE_N kSPLITS the alternatives (K ranges summed by XLA, "
-                     "timed with them); us per call (10 calls inside one jit, median of 5 batches); gbps: FP8 weight "
+                     "timed with them), tail kSPLITS the last wave's tiles as a second launch in K ranges; us per "
+                     "call (10 calls inside one jit, median of 5 batches); gbps: FP8 weight "
                      "bytes a second; vs_auto: auto's time over the config's; rel_err: the config's against "
                      "fp8_gemm.reference_rows", cols,
                      bench_gemm_wide(tuple(int(m) for m in args.gemm_wide_rows.split(",")),

@@ -1,7 +1,8 @@
 """The prefill block-FP8 GEMM (pallas_kernels/fp8_gemm.py). Mosaic GPU compiles only for a GPU, so on CPU: its
 jnp reference (the kernel's blocking and scaling) against float64, input checks, the configs a wide round picks,
 and that every tuned config lowers for the H200 at a real shape. The kernel itself is checked on the H200
-against the same reference by scripts/bench_fp8_kernels.py --only gemm (the 27B's shapes at 2048 and 8192 rows)."""
+against the same reference by scripts/bench_fp8_kernels.py --only gemm (the 27B's shapes at 2048 and 8192 rows) and
+--only gemm-wide (64-256 rows, every K split and tail config it times)."""
 
 import dataclasses
 
