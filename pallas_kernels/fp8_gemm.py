@@ -48,7 +48,9 @@ class GemmConfig:
     ("m") or of 2 x tile_n columns ("n": a round of at most tile_m rows computes no padding rows and reads each
     column once per its own rows); tail_splits: the column tiles past the grid's last whole wave run as a second
     launch with K in this many ranges (1: in a last wave of their own, most of its SMs idle while a few stream
-    whole tiles, as the 27B's gate_up's 136 tiles on 132 SMs)."""
+    whole tiles, as the 27B's gate_up's 136 tiles on 132 SMs); step_blocks: 128-blocks of K a pipeline step loads
+    (2: 256 contiguous bytes of each weight row a copy, each block still its own product and promotion; SMEM then
+    holds about half the stages; untimed, so no auto_config takes it)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -60,6 +62,7 @@ class GemmConfig:
     k_splits: int = 1
     wg_split: str = "m"
     tail_splits: int = 1
+    step_blocks: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -72,6 +75,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.k_splits must be >= 1, got {self.k_splits}")
         if self.tail_splits < 1 or (self.tail_splits > 1 and self.k_splits > 1):
             raise ValueError(f"GemmConfig.tail_splits {self.tail_splits} needs k_splits 1, got {self.k_splits}")
+        if self.step_blocks not in (1, 2) or (self.step_blocks > 1 and self.overlap):
+            raise ValueError(f"GemmConfig.step_blocks must be 1 or 2 (2 without overlap), got {self.step_blocks}")
         if self.wg_split not in ("m", "n"):
             raise ValueError(f"GemmConfig.wg_split must be 'm' or 'n', got {self.wg_split!r}")
 
@@ -116,7 +121,8 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, 
     # out_gmem (out) [k_splits * M, N]: bf16, or float32 partial sums of each K range (k_splits > 1)
     # col0: W's first column this launch computes, its output's column 0 past the first (a tail launch's)
     groups_gmem, (x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem) = (refs[0], refs[1:]) if grouped else (None, refs)
-    m_iters, n_iters, k_iters = iters  # k_iters: 128-deep steps per K range
+    m_iters, n_iters, k_iters = iters  # k_iters: 128-deep blocks per K range
+    sb = cfg.step_blocks  # 128-blocks a pipeline step
     tile_m, tile_n, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
     by_cols = cfg.wg_split == "n"
     fp8_tiles = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))  # 128 FP8 = one 128-byte row
@@ -128,14 +134,14 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_iters,),
+            grid=(k_iters // sb,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cta_m, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if cfg.cluster == "n" else ()),
-                plgpu.BlockSpec((cta_n, BLOCK), lambda k: (0, k), transforms=fp8_tiles, memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if cfg.cluster == "m" else ()),
-                plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((cta_m, sb * BLOCK), lambda k: (0, k), transforms=fp8_tiles,
+                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster == "n" else ()),
+                plgpu.BlockSpec((cta_n, sb * BLOCK), lambda k: (0, k), transforms=fp8_tiles,
+                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if cfg.cluster == "m" else ()),
+                plgpu.BlockSpec((sb, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -193,23 +199,31 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, 
             w_block = (col0 + ni * cta_n + (wg * tile_n if by_cols else 0)) // BLOCK
 
             def step(ws, idx, x_smem, w_smem, xs_smem, carry):
-                # x_smem [cta_m, 128] fp8   w_smem [cta_n, 128] fp8   xs_smem [1, cta_m] f32
-                w_scale = ws[w_block, split * k_iters + idx[0]]  # loaded before the wgmma: its latency hides there
+                # x_smem [cta_m, sb 128] fp8   w_smem [cta_n, sb 128] fp8   xs_smem [sb, cta_m] f32; each 128-block
+                # of the step its own product, promoted with its own scales
                 w_tile = w_smem.at[pl.ds(wg * tile_n, tile_n)] if by_cols else w_smem
+                x_tile = x_smem.at[wg_rows]
+                for j in range(sb):
+                    block = pl.ds(j * BLOCK, BLOCK)
+                    # loaded before the wgmma: its latency hides there
+                    w_scale = ws[w_block, split * k_iters + (idx[0] * sb + j if sb > 1 else idx[0])]
 
-                def product(tmp):
-                    plgpu.wgmma(tmp, x_smem.at[wg_rows], plgpu.transpose_ref(w_tile, (1, 0)))
-                    if cfg.overlap:  # the FMAs run while the tensor cores do this step
-                        acc, d_prev, s_prev = carry
-                        acc = acc + d_prev * lax.broadcast_in_dim(s_prev, (tile_m, tile_n), [0])
-                        return tmp[...], acc
-                    return tmp[...], carry  # tmp[...] waits for this warpgroup's wgmma
+                    def product(tmp, block=block):
+                        x_blk = x_tile.at[:, block] if sb > 1 else x_tile
+                        w_blk = w_tile.at[:, block] if sb > 1 else w_tile
+                        plgpu.wgmma(tmp, x_blk, plgpu.transpose_ref(w_blk, (1, 0)))
+                        if cfg.overlap:  # the FMAs run while the tensor cores do this step
+                            acc, d_prev, s_prev = carry
+                            acc = acc + d_prev * lax.broadcast_in_dim(s_prev, (tile_m, tile_n), [0])
+                            return tmp[...], acc
+                        return tmp[...], carry  # tmp[...] waits for this warpgroup's wgmma
 
-                d, acc = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))  # d [tile_m, tile_n]
-                scale = plgpu.load(xs_smem.at[0, wg_rows], (), layout=row) * w_scale  # [tile_m]
-                if cfg.overlap:
-                    return acc, d, scale
-                return acc + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
+                    d, carry = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))  # [tile_m, tile_n]
+                    scale = plgpu.load(xs_smem.at[j, wg_rows], (), layout=row) * w_scale  # [tile_m]
+                    if cfg.overlap:
+                        return carry, d, scale
+                    carry = carry + d * lax.broadcast_in_dim(scale, (tile_m, tile_n), [0])
+                return carry
 
             def run(w, ws):
                 get_pipeline(functools.partial(step, ws), compute_context)(
@@ -261,8 +275,9 @@ def _check(x, values, scales, cfg: GemmConfig):
         raise ValueError(f"fp8_gemm: x {x.shape}, values {values.shape}, scales {scales.shape}: K and N must be "
                          f"multiples of {BLOCK}, values [N, K] and scales [N/{BLOCK}, K/{BLOCK}]")
     for name, splits in (("k_splits", cfg.k_splits), ("tail_splits", cfg.tail_splits)):
-        if (k // BLOCK) % splits:
-            raise ValueError(f"fp8_gemm: {name} {splits} does not divide K's {k // BLOCK} blocks of {BLOCK}")
+        if (k // BLOCK) % (splits * cfg.step_blocks):
+            raise ValueError(f"fp8_gemm: {name} {splits} ranges of {cfg.step_blocks}-block steps do not divide K's "
+                             f"{k // BLOCK} blocks of {BLOCK}")
     if values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_gemm: values must be float8_e4m3fn, got {values.dtype}")
 
@@ -307,8 +322,10 @@ def _with_tail(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int) -> GemmCon
 
 def with_k_splits(cfg: GemmConfig, splits: int) -> GemmConfig:
     """cfg with K in `splits` ranges on the stages SMEM holds: with warpgroups side by side on columns, the float32
-    output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's."""
+    output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's; two-block steps two."""
     stages = 3 if splits > 1 and cfg.wg_split == "n" else DEFAULT_CONFIG.max_concurrent_steps
+    if cfg.step_blocks > 1:  # a stage twice the bytes: two stages
+        stages = 2
     return dataclasses.replace(cfg, k_splits=splits, max_concurrent_steps=stages)
 
 

@@ -200,6 +200,7 @@ GEMM_CONFIGS = {"128x128": _G,
                 "256x64": dataclasses.replace(_G, tile_m=128, tile_n=64)}
 GEMM_TUNING = (("27b mlp gate_up", 2048),)
 TAIL_SPLITS = (1, 2, 4, 8, 10, 20)  # the wide GEMM's tail launch's K ranges timed beside auto_config's
+STEP_BLOCKS_OF = ("auto", "n128 k1", "n64 k2")  # the wide GEMM's configs timed with two-block steps beside them
 
 
 # name -> (producer, its 128-groups, the projection's output width): the GDN out-projections (value heads of Dv 128)
@@ -572,7 +573,8 @@ def _torch_rowwise(m: int, k: int, n: int) -> float | None:
 def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -> list[dict]:
     """The wgmma GEMM at a wide decode round's rows: `fp8_gemm.auto_config`'s choice beside column tiles of 64 and
     128 with one, two and four K ranges (each other warpgroup split as auto_config's) and, where tiles overfill the
-    last wave, the tail launch's K ranges of TAIL_SPLITS, us per call with the partial sums' addition, and each
+    last wave, the tail launch's K ranges of TAIL_SPLITS, and STEP_BLOCKS_OF's configs on two-block steps (their
+    tails at most as many ranges as divide K), us per call with the partial sums' addition, and each
     one's error against `fp8_gemm.reference_rows` (every program compiles before its timing: the error's call
     compiles it); shapes: {name: (K, N)}."""
     out, sms = [], fp8_gemm._num_sms()
@@ -595,6 +597,12 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
                     cfg = dataclasses.replace(auto, tail_splits=splits)
                     if cfg not in configs.values() and (k // fp8_gemm.BLOCK) % splits == 0:
                         configs[f"tail k{splits}"] = cfg
+            for label, cfg in list(configs.items()):  # two-block steps on the stages SMEM holds (lowered on CPU)
+                tails = [d for d in range(cfg.tail_splits, 0, -1) if (k // fp8_gemm.BLOCK) % (2 * d) == 0]
+                if label in STEP_BLOCKS_OF and (k // fp8_gemm.BLOCK) % (2 * cfg.k_splits) == 0 and tails:
+                    stages = 3 if cfg.tile_n == 64 else 2
+                    configs[f"{label} 2-block steps"] = dataclasses.replace(cfg, step_blocks=2, tail_splits=tails[0],
+                                                                            max_concurrent_steps=stages)
             run = {label: functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16, config=cfg)
                    for label, cfg in configs.items()}
             want = fp8_gemm.reference_rows(xq, xs, *w)

@@ -53,8 +53,12 @@ def test_refuses_partial_blocks_and_other_weight_dtypes():
         fp8_gemm.fp8_gemm(x, values.astype(jnp.bfloat16), scales)
     with pytest.raises(ValueError, match="tile_n"):
         fp8_gemm.GemmConfig(tile_n=256)
-    with pytest.raises(ValueError, match="k_splits 2 does not divide"):
+    with pytest.raises(ValueError, match="k_splits 2 ranges of 1-block steps do not divide"):
         fp8_gemm.fp8_gemm(x, values, scales, config=fp8_gemm.GemmConfig(k_splits=2))  # 3 blocks of K
+    with pytest.raises(ValueError, match="k_splits 1 ranges of 2-block steps do not divide"):
+        fp8_gemm.fp8_gemm(x, values, scales, config=fp8_gemm.GemmConfig(step_blocks=2))
+    with pytest.raises(ValueError, match="step_blocks"):
+        fp8_gemm.GemmConfig(step_blocks=2, overlap=True)
 
 
 def test_wide_round_config_follows_the_row_and_tile_counts():
@@ -97,9 +101,12 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
                                  fp8_gemm.GemmConfig(wg_split="n", k_splits=2, max_concurrent_steps=3),
                                  fp8_gemm.auto_config(64, 5120, 34816, 132),
                                  fp8_gemm.auto_config(64, 12288, 2048, 132),
-                                 dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tail_splits=8)],
+                                 dataclasses.replace(fp8_gemm.DEFAULT_CONFIG, tail_splits=8),
+                                 fp8_gemm.GemmConfig(step_blocks=2, max_concurrent_steps=2),
+                                 dataclasses.replace(fp8_gemm.auto_config(64, 34816, 5120, 132), step_blocks=2,
+                                                     max_concurrent_steps=2, tail_splits=4)],
                          ids=["default", "overlap", "cluster_m", "256x64", "k_splits", "wg_split_n", "wide_round",
-                              "wide_round_64_cols", "tail_splits"])
+                              "wide_round_64_cols", "tail_splits", "step_blocks", "wide_round_step_blocks"])
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts and pipeline without a GPU (not the SMEM
     budget: 256x64 with an N cluster lowers, then needs 233,536 bytes of SMEM against 232,448 compiled on an H100;
