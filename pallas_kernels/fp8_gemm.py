@@ -296,9 +296,11 @@ def _k_splits(tiles: int, blocks: int, num_sms: int) -> int:
     return splits
 
 
-def _whole_wave_columns(cfg: GemmConfig, m: int, n: int, num_sms: int) -> int:
-    """W's columns whose tiles (m rows, padded) fill whole waves of the persistent grid: n when all of them do or
-    they make less than one wave."""
+def whole_wave_columns(cfg: GemmConfig, m: int, n: int, num_sms: int) -> int:
+    """W's columns whose tiles (m rows, padded, cfg fitted to n columns as a call runs it) fill whole waves of the
+    persistent grid: n when all of them do or they make less than one wave; fewer, a tail launch takes the rest."""
+    cfg = _fit_columns(cfg, n)
+    m = _padded_rows(m, cfg)
     cluster = 1 if cfg.cluster is None else 2
     m_units = m // cfg.cta_m // (cluster if cfg.cluster == "m" else 1)
     col_unit = cfg.cta_n * (cluster if cfg.cluster == "n" else 1)
@@ -311,9 +313,8 @@ def _with_tail(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int) -> GemmCon
     """cfg with the tiles past its last whole wave in K ranges when they would fill at most a quarter of it (up to
     MAX_TAIL_ROWS rows): the most whole-block ranges, up to MAX_TAIL_SPLITS, whose CTAs the SMs hold at once."""
     fitted = _fit_columns(cfg, n)
-    mp = _padded_rows(m, fitted)
-    main = _whole_wave_columns(fitted, mp, n, num_sms)
-    tail_ctas = mp // fitted.cta_m * ((n - main) // fitted.cta_n)
+    main = whole_wave_columns(cfg, m, n, num_sms)
+    tail_ctas = _padded_rows(m, fitted) // fitted.cta_m * ((n - main) // fitted.cta_n)
     if cfg.k_splits > 1 or main == n or 4 * tail_ctas > num_sms or m > MAX_TAIL_ROWS:
         return cfg
     splits = max(d for d in range(1, MAX_TAIL_SPLITS + 1) if (k // BLOCK) % d == 0 and d * tail_ctas <= num_sms)
@@ -322,10 +323,11 @@ def _with_tail(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int) -> GemmCon
 
 def with_k_splits(cfg: GemmConfig, splits: int) -> GemmConfig:
     """cfg with K in `splits` ranges on the stages SMEM holds: with warpgroups side by side on columns, the float32
-    output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's; two-block steps two."""
+    output tiles of K ranges leave room for three stages only; otherwise DEFAULT_CONFIG's; two-block steps three
+    on 64-column tiles, two on wider ones."""
     stages = 3 if splits > 1 and cfg.wg_split == "n" else DEFAULT_CONFIG.max_concurrent_steps
-    if cfg.step_blocks > 1:  # a stage twice the bytes: two stages
-        stages = 2
+    if cfg.step_blocks > 1:  # a stage twice the bytes: three of 64-column tiles, two of wider ones
+        stages = 3 if cfg.tile_n == 64 else 2
     return dataclasses.replace(cfg, k_splits=splits, max_concurrent_steps=stages)
 
 
@@ -374,16 +376,19 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
     mp = _padded_rows(m, cfg)
     if mp != m:  # padding rows multiply zeros: their outputs are cut off
         xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
-    main = _whole_wave_columns(cfg, mp, n, sms) if cfg.tail_splits > 1 else n
-    out = _gemm(xq, xs, values, scales, cfg, out_dtype, sms, cols=(0, main))
-    if cfg.k_splits > 1:
-        out = out.reshape(cfg.k_splits, mp, -1).sum(axis=0).astype(out_dtype)
+    main = whole_wave_columns(cfg, mp, n, sms) if cfg.tail_splits > 1 else n
+    out = _summed(_gemm(xq, xs, values, scales, cfg, out_dtype, sms, cols=(0, main)), cfg.k_splits, out_dtype)
     if main < n:  # the tail's columns, each K range's partial sums added into the output in place
         tail = _fit_columns(with_k_splits(dataclasses.replace(cfg, tail_splits=1), cfg.tail_splits), n - main)
         part = _gemm(xq, xs, values, scales, tail, out_dtype, sms, cols=(main, n - main))
-        out = lax.dynamic_update_slice(out, part.reshape(tail.k_splits, mp, -1).sum(axis=0).astype(out_dtype),
-                                       (0, main))
+        out = lax.dynamic_update_slice(out, _summed(part, tail.k_splits, out_dtype), (0, main))
     return out[:m] if mp != m else out
+
+
+def _summed(out, splits: int, dtype):
+    """A launch's output [splits * M, N] as the product: its K ranges' float32 partial sums added (one range: as
+    it is)."""
+    return out if splits == 1 else out.reshape(splits, out.shape[0] // splits, -1).sum(axis=0).astype(dtype)
 
 
 def _fit_columns(cfg: GemmConfig, n: int) -> GemmConfig:

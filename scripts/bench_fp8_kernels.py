@@ -590,19 +590,16 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
                     cfg = fp8_gemm.with_k_splits(dataclasses.replace(auto, tile_n=tile_n, tail_splits=1), splits)
                     if cfg not in configs.values() and (k // fp8_gemm.BLOCK) % splits == 0:
                         configs[f"n{tile_n} k{splits}"] = cfg
-            fitted = fp8_gemm._fit_columns(auto, n)
-            if auto.k_splits == 1 and fp8_gemm._whole_wave_columns(fitted, fp8_gemm._padded_rows(m, fitted), n,
-                                                                   sms) < n:
+            if auto.k_splits == 1 and fp8_gemm.whole_wave_columns(auto, m, n, sms) < n:
                 for splits in TAIL_SPLITS:
                     cfg = dataclasses.replace(auto, tail_splits=splits)
                     if cfg not in configs.values() and (k // fp8_gemm.BLOCK) % splits == 0:
                         configs[f"tail k{splits}"] = cfg
-            for label, cfg in list(configs.items()):  # two-block steps on the stages SMEM holds (lowered on CPU)
+            for label, cfg in list(configs.items()):  # two-block steps on the stages with_k_splits gives them
                 tails = [d for d in range(cfg.tail_splits, 0, -1) if (k // fp8_gemm.BLOCK) % (2 * d) == 0]
                 if label in STEP_BLOCKS_OF and (k // fp8_gemm.BLOCK) % (2 * cfg.k_splits) == 0 and tails:
-                    stages = 3 if cfg.tile_n == 64 else 2
-                    configs[f"{label} 2-block steps"] = dataclasses.replace(cfg, step_blocks=2, tail_splits=tails[0],
-                                                                            max_concurrent_steps=stages)
+                    configs[f"{label} 2-block steps"] = fp8_gemm.with_k_splits(
+                        dataclasses.replace(cfg, step_blocks=2, tail_splits=tails[0]), cfg.k_splits)
             run = {label: functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16, config=cfg)
                    for label, cfg in configs.items()}
             want = fp8_gemm.reference_rows(xq, xs, *w)
