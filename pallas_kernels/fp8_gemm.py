@@ -203,6 +203,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, 
                 # of the step its own product, promoted with its own scales
                 w_tile = w_smem.at[pl.ds(wg * tile_n, tile_n)] if by_cols else w_smem
                 x_tile = x_smem.at[wg_rows]
+                # one block a step keeps the refs and the scale's index unsliced: the timed kernel's ops exactly
                 for j in range(sb):
                     block = pl.ds(j * BLOCK, BLOCK)
                     # loaded before the wgmma: its latency hides there
