@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8_matmul import BLOCK, quantize_rows
+from pallas_kernels.fp8_matmul import BLOCK, quantize_rows, sum_partials
 
 _SMS = 132  # the H200's SMs: the persistent grid when no device is there to ask (lowering on CPU)
 
@@ -363,10 +363,12 @@ def fp8_gemm(x, values, scales, *, config: GemmConfig | None = None, out_dtype=N
     return fp8_gemm_rows(*quantize_rows(x), values, scales, config=config, out_dtype=out_dtype or x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
-def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "partial_sums"))
+def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | None = None, partial_sums: bool = False):
     """`fp8_gemm` of rows already quantized as `quantize_rows` writes them (xq [M, K] float8_e4m3fn, xs [K / 128, M]
-    float32), for a producer that quantizes its own output (pallas_kernels/fp8_rows.py)."""
+    float32), for a producer that quantizes its own output (pallas_kernels/fp8_rows.py). partial_sums: where the
+    config runs K in ranges, their float32 partial sums [k_splits, M, N] unadded, for a consumer that adds them
+    itself as `sum_partials` does (pallas_kernels/rms_norm.py); otherwise the product as always."""
     (m, k), n = xq.shape, values.shape[0]
     cfg = config or auto_config(m, n, k, _num_sms())
     _check(xq, values, scales, cfg)
@@ -378,6 +380,9 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
     if mp != m:  # padding rows multiply zeros: their outputs are cut off
         xq, xs = jnp.pad(xq, ((0, mp - m), (0, 0))), jnp.pad(xs, ((0, 0), (0, mp - m)))
     main = whole_wave_columns(cfg, mp, n, sms) if cfg.tail_splits > 1 else n
+    if partial_sums and cfg.k_splits > 1:  # (K ranges and a tail exclude each other)
+        parts = _gemm(xq, xs, values, scales, cfg, out_dtype, sms).reshape(cfg.k_splits, mp, n)
+        return parts[:, :m] if mp != m else parts
     out = _summed(_gemm(xq, xs, values, scales, cfg, out_dtype, sms, cols=(0, main)), cfg.k_splits, out_dtype)
     if main < n:  # the tail's columns, each K range's partial sums added into the output in place
         tail = _fit_columns(with_k_splits(dataclasses.replace(cfg, tail_splits=1), cfg.tail_splits), n - main)
@@ -389,7 +394,7 @@ def fp8_gemm_rows(xq, xs, values, scales, *, out_dtype, config: GemmConfig | Non
 def _summed(out, splits: int, dtype):
     """A launch's output [splits * M, N] as the product: its K ranges' float32 partial sums added (one range: as
     it is)."""
-    return out if splits == 1 else out.reshape(splits, out.shape[0] // splits, -1).sum(axis=0).astype(dtype)
+    return out if splits == 1 else sum_partials(out.reshape(splits, out.shape[0] // splits, -1), dtype)
 
 
 def _fit_columns(cfg: GemmConfig, n: int) -> GemmConfig:

@@ -320,6 +320,16 @@ def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpre
     return out.sum(0).astype(out_dtype) if splits > 1 else out
 
 
+def sum_partials(parts, dtype):
+    """K ranges' float32 partial sums [S, ...] added in order, ((p0 + p1) + p2) ..., in `dtype`: the one order of
+    every split product here and of the kernels that add a product's partial sums themselves
+    (pallas_kernels/rms_norm.py), so either way gives the same bits."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.astype(dtype)
+
+
 def group_scale(groups):
     """The FP8 scale of each group along the last axis (float32): its largest magnitude maps to 448, the largest
     finite e4m3 (a zero group gets 1e-12 / 448). The one rule of every per-token 128-group quantization here, in XLA

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.fp8_matmul import BLOCK, group_scale, quantize_rows
+from pallas_kernels.fp8_matmul import BLOCK, group_scale, quantize_rows, sum_partials
 from pallas_kernels.reference import rms_norm
 
 _F32 = jnp.float32
@@ -66,9 +66,16 @@ def _columns(groups: int, hidden: int):
 
 
 def _row(x_ref, h_ref, x_out_ref, r, col, valid, dtype):
-    """Row r's x (+ h, rounded to x's dtype as the model's add) at columns col; x_out_ref, when given, gets it."""
+    """Row r's x (+ h, rounded to x's dtype as the model's add) at columns col; x_out_ref, when given, gets it. h
+    [S, R', H] float32: a product's K ranges' partial sums, added in order and rounded to x's dtype first (the
+    product's output, as `fp8_gemm`'s own sum)."""
     x = _compat.load(x_ref.at[r, col], mask=valid, other=0)
-    if h_ref is not None:
+    if h_ref is not None and len(h_ref.shape) == 3:
+        h = _compat.load(h_ref.at[0, r, col], mask=valid, other=0)
+        for s in range(1, h_ref.shape[0]):
+            h = h + _compat.load(h_ref.at[s, r, col], mask=valid, other=0)
+        x = (x.astype(_F32) + h.astype(dtype).astype(_F32)).astype(dtype)
+    elif h_ref is not None:
         x = (x.astype(_F32) + _compat.load(h_ref.at[r, col], mask=valid, other=0).astype(_F32)).astype(dtype)
     if x_out_ref is not None:
         _compat.store(x_out_ref.at[r, col], x, mask=valid)
@@ -147,9 +154,10 @@ def fp8_supported(x: jax.Array) -> bool:
 
 
 def _fits(x, h, w) -> bool:
-    """Whether h (None, or [R' >= R, H]) and w [H] go with x [R, H]."""
-    return w.shape == x.shape[1:] and (h is None or (h.ndim == 2 and h.shape[1] == x.shape[1]
-                                                     and h.shape[0] >= x.shape[0]))
+    """Whether h (None, [R' >= R, H], or float32 partial sums [S, R' >= R, H]) and w [H] go with x [R, H]."""
+    return w.shape == x.shape[1:] and (h is None or (
+        (h.ndim == 2 or (h.ndim == 3 and h.dtype == _F32)) and h.shape[-1] == x.shape[1]
+        and h.shape[-2] >= x.shape[0]))
 
 
 def _call(x, h, w, eps: float, with_rows: bool, quantize: bool, interpret: bool) -> list:
@@ -182,10 +190,12 @@ def _call(x, h, w, eps: float, with_rows: bool, quantize: bool, interpret: bool)
 def add_rms_norm(x, h, w, *, eps: float, interpret: bool = False):
     """(x + h, rms_norm(x + h) * (1 + w)) for x, h [R, H] (h may be None: then x itself and its norm).
 
-    h may have more rows than x; those are not read. A one-row projection computed as a two-row matmul (see
-    `qwen3_5.dot`) comes here whole: cutting its duplicate row off first would be a copy kernel, since XLA copies a
-    custom call's sliced operand. The sum is rounded to x's dtype before the norm, as the model's residual add; the
-    norm is computed in float32 and returned in x's dtype. w: [H] (any float dtype).
+    h may have more rows than x; those are not read. h may be a product's K ranges' float32 partial sums [S, R', H]
+    (`fp8_gemm.fp8_gemm_rows`' partial_sums), added here as `fp8_matmul.sum_partials` adds them, in place of XLA's
+    reduction kernel before this one (any kernel here takes them). A one-row projection computed as a two-row matmul
+    (see `qwen3_5.dot`) comes here whole: cutting its duplicate row off first would be a copy kernel, since XLA
+    copies a custom call's sliced operand. The sum is rounded to x's dtype before the norm, as the model's residual
+    add; the norm is computed in float32 and returned in x's dtype. w: [H] (any float dtype).
     """
     out = _call(x, h, w, eps, True, False, interpret)
     return tuple(out) if h is not None else (x, out[0])
@@ -240,6 +250,8 @@ def add_rms_norm_router(x, h, w, router_w, *, eps: float, interpret: bool = Fals
 
 def reference(x, h, w, eps: float):
     """What `add_rms_norm_fp8` computes, composed in jnp: the model's add and norm, then `quantize_rows`."""
+    if h is not None and h.ndim == 3:
+        h = sum_partials(h, x.dtype)
     x = x if h is None else (x.astype(_F32) + h[: x.shape[0]].astype(_F32)).astype(x.dtype)
     y = rms_norm(x, w, eps)
     return x, y, *quantize_rows(y)

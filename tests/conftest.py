@@ -80,8 +80,10 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture
 def gemm_on_cpu(monkeypatch):
     """The FP8 GEMM taken as on a Hopper GPU, with the kernels' jnp references standing in (Mosaic GPU does not run
-    on CPU); returns the producer kernels' calls."""
-    from pallas_kernels import fp8_gemm, fp8_rows
+    on CPU; K in two ranges where it can be, as a split product); returns the producer kernels' calls."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_gemm, fp8_matmul, fp8_rows
 
     calls = []
     monkeypatch.setattr(fp8_gemm, "available", lambda: True)
@@ -89,6 +91,13 @@ def gemm_on_cpu(monkeypatch):
                         or fp8_rows.norm_reference(c, z[:, z_col:z_col + c.shape[1] * c.shape[2]].reshape(c.shape), w,
                                                    eps))
     monkeypatch.setattr(fp8_rows, "swiglu_fp8", lambda gu: calls.append(("swiglu",)) or fp8_rows.swiglu_reference(gu))
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows",
-                        lambda q, s, v, sc, out_dtype: fp8_gemm.reference_rows(q, s, v, sc).astype(out_dtype))
+    def gemm(q, s, v, sc, out_dtype, partial_sums=False):  # K in two ranges where it has an even count of blocks
+        if q.shape[1] % 256:
+            return fp8_gemm.reference_rows(q, s, v, sc).astype(out_dtype)
+        half, blocks = q.shape[1] // 2, q.shape[1] // 256
+        parts = jnp.stack([fp8_gemm.reference_rows(q[:, :half], s[:blocks], v[:, :half], sc[:, :blocks]),
+                           fp8_gemm.reference_rows(q[:, half:], s[blocks:], v[:, half:], sc[:, blocks:])])
+        return parts if partial_sums else fp8_matmul.sum_partials(parts, out_dtype)
+
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows", gemm)
     return calls

@@ -78,6 +78,11 @@ class KernelConfig:
     # (`attention_decode_gated`): no quantization kernels between them, the 35B-A3B's FP8-dynamic rounds 0.998x /
     # 0.997x at 8 / 64 lanes on an H100 (docs/kernels_notes.md); the engine turns it on with the pallas backend
     fuse_attn_fp8_rows: bool = False
+    # A block-FP8 product run in K ranges (the FP8 GEMM at a wide decode round's rows) that goes straight to the add +
+    # norm kernel leaves its float32 partial sums for that kernel to add (`PartialSums`), not for a reduction kernel
+    # of XLA's between them: FP8-dynamic rounds 0.993x (27B, 64 and 128 lanes) and 0.998x (35B-A3B, 64) on an H100
+    # (docs/kernels_notes.md); the engine turns it on with the pallas backend
+    fuse_partial_sums: bool = False
     # Block-FP8 weights: the rows quantized to FP8 per token and 128-group for an FP8 x FP8 product, a decode
     # round's 2-32 rows (pallas_kernels/fp8_matmul.py) and on a Hopper GPU a prefill chunk's (fp8_gemm.py); the
     # engine turns it on with fp8_activations "dynamic"
@@ -90,7 +95,7 @@ class KernelConfig:
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"KernelConfig.backend must be 'reference' or 'pallas', got {self.backend!r}")
         for flag in ("fuse_gdn_decode", "fuse_add_norm", "fuse_moe_route", "fuse_attn_qkv", "fuse_gdn_conv",
-                     "fuse_gdn_out", "fuse_attn_out", "fuse_gdn_fp8_rows", "fuse_attn_fp8_rows"):
+                     "fuse_gdn_out", "fuse_attn_out", "fuse_gdn_fp8_rows", "fuse_attn_fp8_rows", "fuse_partial_sums"):
             if getattr(self, flag) and self.backend != "pallas":
                 raise ValueError(f"KernelConfig.{flag} needs the pallas backend (it has no reference of its own)")
 
@@ -263,6 +268,24 @@ class Fp8Rows:
     dtype: jnp.dtype  # the activations' (the products' output)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class PartialSums:
+    """A product's K ranges' float32 partial sums [S, R, N] (`fp8_gemm.fp8_gemm_rows`' partial_sums), on their way
+    to the add + norm kernel, which adds them itself (`add_rms_norm`); `summed` is the product."""
+
+    parts: jax.Array
+    dtype: jnp.dtype  # the product's
+
+    def summed(self):
+        return fp8_matmul.sum_partials(self.parts, self.dtype)
+
+
+def summed(h):
+    """A block's output as an array: `PartialSums` added, anything else as it is."""
+    return h.summed() if isinstance(h, PartialSums) else h
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "logits"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RoutedRows:
@@ -319,6 +342,8 @@ def add_rms_norm(kc: KernelConfig, x, h, w, eps: float, fp8_rows: str | None = N
     if not kc.fuse_add_norm:
         return None
     from pallas_kernels import rms_norm as kernel
+
+    h = h.parts if isinstance(h, PartialSums) else h  # each kernel adds them itself
 
     if router_w is not None and fp8_rows is None and kernel.router_supported(x, router_w):
         x, rows, logits = kernel.add_rms_norm_router(x, h, w, router_w, eps=eps, interpret=kc.interpret)
@@ -473,9 +498,10 @@ def block_fp8(w: QuantizedWeight) -> fp8_matmul.BlockFp8:
     return fp8_matmul.BlockFp8(w.values, w.scales)
 
 
-def quantized_dot(kc: KernelConfig, x, w):
+def quantized_dot(kc: KernelConfig, x, w, to_norm: bool = False):
     """x [R, K] @ w for a QuantizedWeight or ConcatWeight, in x's dtype with float32 accumulation; x may be
-    `Fp8Rows`, whose FP8 rows an FP8 x FP8 product reads.
+    `Fp8Rows`, whose FP8 rows an FP8 x FP8 product reads. to_norm: the product goes straight to `add_rms_norm`
+    (`qwen3_5.dot`'s), so it may come as `PartialSums`.
 
     The reference dequantizes to float32. The pallas backend reads the FP8 weight directly for a decode round's rows
     (pallas_kernels/fp8_matmul.py: up to 128 weight-only, 32 FP8 x FP8). More rows, with fp8_activations on a Hopper
@@ -490,7 +516,7 @@ def quantized_dot(kc: KernelConfig, x, w):
         if rows <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
             return fp8_matmul.fp8_matmul_rows(fp8.xq, fp8.xs, w.values, w.scales, out_dtype=fp8.dtype,
                                               interpret=kc.interpret)
-        return fp8_gemm.fp8_gemm_rows(fp8.xq, fp8.xs, w.values, w.scales, out_dtype=fp8.dtype)
+        return _gemm_rows(kc, fp8.xq, fp8.xs, w, fp8.dtype, to_norm)
     x = plain_rows(x)
     if not isinstance(w, QuantizedWeight):  # an unquantized part, multiplied as the model's `dot` does
         return jnp.dot(x, w, preferred_element_type=x.dtype)
@@ -535,18 +561,27 @@ def gated_norm_dot(kc: KernelConfig, core, z, norm_w, eps: float, w, z_source=No
         return None
     zz, col = z_source or (z, 0)
     xq, xs = fp8_rows.gated_rms_norm_fp8(core, zz, norm_w, eps=eps, z_col=col)
-    return fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=z.dtype)
+    return _gemm_rows(kc, xq, xs, w, z.dtype, to_norm=True)
 
 
 def swiglu_dot(kc: KernelConfig, gu, w):
     """The MLP's down-projection of silu(gate) * up (gu [T, 2I]) with the product written as FP8 rows straight for
-    the FP8 GEMM (pallas_kernels/fp8_rows.py) when w takes the GEMM; None otherwise (the caller composes)."""
+    the FP8 GEMM (pallas_kernels/fp8_rows.py) when w takes the GEMM; None otherwise (the caller composes). The
+    product goes to the add + norm (`_gemm_rows`' to_norm)."""
     from pallas_kernels import fp8_rows
 
     if not _takes_gemm(kc, gu.shape[0], w) or not fp8_rows.swiglu_supported(gu.shape[1] // 2):
         return None
     xq, xs = fp8_rows.swiglu_fp8(gu)
-    return fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=gu.dtype)
+    return _gemm_rows(kc, xq, xs, w, gu.dtype, to_norm=True)
+
+
+def _gemm_rows(kc: KernelConfig, xq, xs, w: QuantizedWeight, dtype, to_norm: bool):
+    """The FP8 GEMM of quantized rows; a product for the add + norm kernel (to_norm) as `PartialSums` where it runs
+    K in ranges and kc.fuse_partial_sums (not on a mesh: there the products are summed over devices first)."""
+    partial = to_norm and kc.fuse_partial_sums and kc.fuse_add_norm and kc.spmd is None
+    out = fp8_gemm.fp8_gemm_rows(xq, xs, w.values, w.scales, out_dtype=dtype, partial_sums=partial)
+    return PartialSums(out, dtype) if out.ndim == 3 else out
 
 
 def dequantized_dot(x, w: QuantizedWeight):

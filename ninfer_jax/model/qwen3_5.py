@@ -53,13 +53,14 @@ F32 = jnp.float32
 # --- small pieces ------------------------------------------------------------------------------------
 def dot(kc: KernelConfig, x, w, *, to_norm: bool = False):
     """x @ w in x's dtype. to_norm: the product goes straight to `add_norm`, which may take a one-row product with
-    the duplicate row of its two-row matmul still attached (its rows past x's are ignored)."""
+    the duplicate row of its two-row matmul still attached (its rows past x's are ignored), or a split product's
+    partial sums (`ops.PartialSums`)."""
     if isinstance(x, ops.GatedRows):  # a one-lane GDN step's output, normalized by its out-projection
         return ops.gated_rows_dot(kc, x, w)
     if isinstance(x, ops.DoubledRow):  # the two rows below, written so by the kernel before
         return _two_rows_dot(x.rows, w, to_norm)
     if ops.is_quantized(w):  # an FP8 checkpoint's weight; decided while tracing, so plain weights pay nothing
-        return ops.quantized_dot(kc, x, w)
+        return ops.quantized_dot(kc, x, w, to_norm)
     x = ops.plain_rows(x)
     # The output in x.dtype straight from the matmul (f32 accumulation inside): an f32 result converted after
     # costs a separate pass over every output (docs/benchmarks/prefill_profile.md).
@@ -87,7 +88,7 @@ def add_norm(kc: KernelConfig, x, h, w, eps, fp8_rows: str | None = None, router
     fused = ops.add_rms_norm(kc, x, h, w, eps, fp8_rows, router_w)
     if fused is not None:
         return fused
-    x = x if h is None else x + h[: x.shape[0]]
+    x = x if h is None else x + ops.summed(h)[: x.shape[0]]
     return x, rms_norm(x, w, eps)
 
 

@@ -207,7 +207,7 @@ def kernel_config(options: EngineOptions) -> KernelConfig:
     return KernelConfig(options.kernels, options.interpret, PrefillConfig(impl=options.prefill_attention),
                         fuse_gdn_decode=fused, fuse_add_norm=fused, fuse_moe_route=fused, fuse_attn_qkv=fused,
                         fuse_gdn_conv=fused, fuse_gdn_out=fused, fuse_attn_out=fused, fuse_gdn_fp8_rows=fused,
-                        fuse_attn_fp8_rows=fused,
+                        fuse_attn_fp8_rows=fused, fuse_partial_sums=fused,
                         fp8_activations=options.fp8_activations == "dynamic")
 
 

@@ -5,6 +5,7 @@ against the same reference by scripts/bench_fp8_kernels.py --only gemm (the 27B'
 --only gemm-wide (64-256 rows, every K split and tail config it times)."""
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,24 @@ def test_grouped_gemm_lowers_for_h200_at_the_35b_a3b_experts(k, n):
     assert "mosaic_gpu" in fp8_gemm.lower_grouped(8192, k, n, 256).as_text()
 
 
+def test_a_split_product_leaves_its_partial_sums_unadded_when_asked(monkeypatch):
+    """partial_sums: a product in K ranges comes as their float32 partial sums [S, M, N], which `sum_partials` adds
+    into the product's very bits; one range (more rows here), or a tail, gives the product as always."""
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda: 8)
+    monkeypatch.setattr(fp8_gemm, "_gemm", _launch_as_reference)
+    x, values, scales, _ = _case(seed=7, m=64, k=1024, n=256)
+    xq, xs = fp8_matmul.quantize_rows(x)
+    run = functools.partial(fp8_gemm.fp8_gemm_rows.__wrapped__, xq, xs, values, scales, out_dtype=jnp.bfloat16)
+    assert fp8_gemm.auto_config(64, 256, 1024, 8).k_splits == 4
+    parts, product = run(partial_sums=True), run()
+    assert parts.shape == (4, 64, 256) and parts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(fp8_matmul.sum_partials(parts, jnp.bfloat16), np.float32),
+                                  np.asarray(product, np.float32))
+    one = fp8_gemm.DEFAULT_CONFIG
+    np.testing.assert_array_equal(np.asarray(run(partial_sums=True, config=one), np.float32),
+                                  np.asarray(run(config=one), np.float32))
+
+
 def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monkeypatch):
     """ops.quantized_dot: on a Hopper GPU with fp8_activations, more rows than a decode round go through the GEMM,
     also with the other kernels in interpret mode; without fp8_activations (weight-only's bf16 rounding promise) they
@@ -184,7 +203,7 @@ def test_model_product_takes_the_gemm_for_prefill_rows_with_fp8_activations(monk
     x, values, scales, _ = _case()
     calls = []
     monkeypatch.setattr(fp8_gemm, "available", lambda: True)
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows", lambda q, xs, v, s, out_dtype: calls.append(q.shape)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_rows", lambda q, xs, v, s, out_dtype, partial_sums: calls.append(q.shape)
                         or fp8_gemm.reference_rows(q, xs, v, s).astype(out_dtype))
     w = QuantizedWeight(values, scales)
     got = ops.quantized_dot(ops.KernelConfig("pallas", fp8_activations=True), x, w)

@@ -115,6 +115,34 @@ def test_projections_on_the_gemm_take_their_producers_fp8_rows(gemm_on_cpu):
     assert len(gemm_on_cpu) == 2
 
 
+def test_split_products_reach_the_add_and_norm_as_partial_sums_and_equal_their_sum(gemm_on_cpu):
+    """With fuse_partial_sums, the products that go straight to the add + norm on the GEMM (the SwiGLU's down, the
+    GDN's gated-norm out-projection, `dot(to_norm=True)`) come as `PartialSums` where the GEMM splits K (here its
+    reference in two ranges), and the add + norm, composed (80 rows: past the plain kernel's) or in the kernel
+    writing FP8 rows, gives the summed product's bits; a product elsewhere and the switch off give the sum."""
+    t, hv = 80, 2
+    kc = ops.KernelConfig("pallas", interpret=True, fuse_add_norm=True, fuse_partial_sums=True, fp8_activations=True)
+    off = dataclasses.replace(kc, fuse_partial_sums=False)
+    rng = np.random.default_rng(21)
+    x = jnp.asarray(rng.standard_normal((t, 256)), jnp.bfloat16)
+    mlp = qwen3_5.MLPParams(gate_up=_weight(256, 1024, 22), down=_weight(512, 256, 23))
+    core, z, norm_w = _norm_inputs(t, hv, seed=24)
+    out_w, w = _weight(hv * 128, 256, 25), _weight(256, 256, 26)
+    res_w = jnp.asarray(rng.standard_normal(256) * 0.1, jnp.bfloat16)
+    for product in (lambda c: qwen3_5.mlp(mlp, x, c), lambda c: ops.gated_norm_dot(c, core, z, norm_w, EPS, out_w),
+                    lambda c: qwen3_5.dot(c, x, w, to_norm=True)):
+        split, whole = product(kc), product(off)
+        assert isinstance(split, ops.PartialSums) and split.parts.shape == (2, t, 256)
+        assert isinstance(whole, jax.Array)
+        np.testing.assert_array_equal(np.asarray(split.summed(), np.float32), np.asarray(whole, np.float32))
+        for fp8 in (None, "only"):
+            got = qwen3_5.add_norm(kc, x, split, res_w, EPS, fp8)
+            want = qwen3_5.add_norm(kc, x, whole, res_w, EPS, fp8)
+            for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    assert isinstance(qwen3_5.dot(kc, x, w), jax.Array)
+
+
 def test_a_norm_writes_the_fp8_rows_its_projection_takes(gemm_on_cpu, monkeypatch):
     """With fuse_add_norm and fp8_activations the add + norm kernel writes the FP8 rows of the product the norm goes
     to first where that product takes them: a decode round's 2-32 rows (the swap-AB kernel) and a prefill chunk's

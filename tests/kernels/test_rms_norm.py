@@ -8,7 +8,7 @@ import pytest
 
 from ninfer_jax.model import ops, qwen3_5
 from kernel_support import INTERPRET, lower_for_h200
-from pallas_kernels import rms_norm
+from pallas_kernels import fp8_matmul, rms_norm
 
 EPS = 1e-6
 
@@ -84,6 +84,25 @@ def test_rows_of_h_past_xs_are_ignored():
     np.testing.assert_array_equal(np.asarray(comp_x, np.float32), np.asarray(x + h, np.float32))
     with pytest.raises(ValueError, match="R' >= R"):
         rms_norm.add_rms_norm(jnp.concatenate([x, x]), h, w, eps=EPS, interpret=True)
+
+
+def test_partial_sums_are_added_in_the_kernel_as_the_split_product_adds_them():
+    """h as a split product's float32 partial sums [S, R', H]: every form of the kernel adds them in
+    `sum_partials`' order and rounding, so its outputs equal those of the summed product to the bit."""
+    x, _, w = _inputs(3, 384, jnp.bfloat16, seed=11)
+    parts = jnp.asarray(np.random.default_rng(12).standard_normal((4, 5, 384)) * 3, jnp.float32)
+    h = fp8_matmul.sum_partials(parts, jnp.bfloat16)
+    router = jnp.asarray(np.random.default_rng(13).standard_normal((8, 384)) * 0.1, jnp.bfloat16)
+    for kernel, extra in ((rms_norm.add_rms_norm, ()), (rms_norm.add_rms_norm_fp8, ()),
+                          (rms_norm.add_rms_norm_router, (router,))):
+        got = kernel(x, parts, w, *extra, eps=EPS, interpret=INTERPRET)
+        want = kernel(x, h, w, *extra, eps=EPS, interpret=INTERPRET)
+        for g, e in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    for g, e in zip(rms_norm.reference(x, parts, w, EPS), rms_norm.reference(x, h, w, EPS)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    with pytest.raises(ValueError, match="R' >= R"):  # bf16 partial sums are not a split product's
+        rms_norm.add_rms_norm(x, parts.astype(jnp.bfloat16), w, eps=EPS, interpret=True)
 
 
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "no-add"])
