@@ -1,5 +1,5 @@
 """Block-FP8 weight-only matmul for decode as Pallas kernels: x [M, K] @ W for a few rows, W float8_e4m3fn stored
-[N, K] (the checkpoints' [out, in]) with one float32 scale per 128 x 128 block:
+[N, K] (the checkpoints' [out, in]) or `blocked` [K / 128, N, 128], with one float32 scale per 128 x 128 block:
     (x @ W)[m, n] = sum_k x[m, k] * values[n, k] * scales[n // 128, k // 128].
 
 A decode round reads every weight once for a few rows, so the kernels are bound by reading W: FP8 halves the bytes
@@ -48,6 +48,28 @@ class BlockFp8(NamedTuple):
 
     values: jax.Array
     scales: jax.Array
+
+
+def blocked(values: jax.Array) -> jax.Array:
+    """A weight's values [N, K] (K a multiple of 128) in the blocked layout [K / 128, N, 128]: each 128-deep block
+    of K stored whole for every row, so a kernel step's tile of rows (one block deep) is one contiguous run of bytes
+    rather than 128 bytes from each of its rows (the [N, K] tile's: 1.05-1.15x slower to stream on an H100,
+    docs/kernels_notes.md). The dense kernels here and in fp8_gemm.py take either layout, to the same bits."""
+    n, k = values.shape
+    return values.reshape(n, k // BLOCK, BLOCK).transpose(1, 0, 2)
+
+
+def unblocked(values: jax.Array) -> jax.Array:
+    """`blocked`'s inverse: [K / 128, N, 128] -> [N, K]; a 2-D array as it is."""
+    if values.ndim == 2:
+        return values
+    kb, n, _ = values.shape
+    return values.transpose(1, 0, 2).reshape(n, kb * BLOCK)
+
+
+def weight_dims(values: jax.Array) -> tuple[int, int]:
+    """(N, K) of a dense weight's values, [N, K] or blocked [K / 128, N, 128]."""
+    return (values.shape[1], values.shape[0] * BLOCK) if values.ndim == 3 else values.shape
 
 
 def dequantize_rows(w: BlockFp8, dtype=jnp.float32) -> jax.Array:
@@ -143,16 +165,18 @@ def supported(k: int, n: int) -> bool:
 
 
 def _weight_fits(k: int, values, scales) -> bool:
-    """Whether values [N, K] and scales [N / 128, K / 128] are a whole-block FP8 weight for rows of K values."""
-    n = values.shape[0]
-    return supported(k, n) and values.shape[1] == k and scales.shape == (n // BLOCK, k // BLOCK)
+    """Whether values ([N, K] or `blocked`) and scales [N / 128, K / 128] are a whole-block FP8 weight for rows of
+    K values."""
+    n, vk = weight_dims(values)
+    layout_ok = values.ndim == 2 or values.shape[2] == BLOCK
+    return supported(k, n) and vk == k and layout_ok and scales.shape == (n // BLOCK, k // BLOCK)
 
 
 def fp8_matmul(x, values, scales, *, config: Fp8Config | None = None, quantize_activations: bool = False,
                interpret: bool = False):
-    """x [M, K] @ the block-FP8 weight (values [N, K] float8_e4m3fn, scales [N / 128, K / 128] float32) for
-    M <= config.rows_limit(quantize_activations), in x's dtype with float32 accumulation; quantize_activations: x in
-    FP8 too (see above)."""
+    """x [M, K] @ the block-FP8 weight (values [N, K], or `blocked`, float8_e4m3fn, scales [N / 128, K / 128]
+    float32) for M <= config.rows_limit(quantize_activations), in x's dtype with float32 accumulation;
+    quantize_activations: x in FP8 too (see above)."""
     cfg = config or DEFAULT_CONFIG
     m, k = x.shape
     if not _weight_fits(k, values, scales):
@@ -182,11 +206,13 @@ def _grid(k: int, n: int, block_n: int, block_k: int, splits: int, min_programs:
 
 
 def _w_tile(w_ref, n, block_n: int, kb):
+    if len(w_ref.shape) == 3:  # `blocked`
+        return w_ref[kb, pl.ds(n * block_n, block_n), :]
     return w_ref[pl.ds(n * block_n, block_n), pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)]
 
 
 def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, block_n: int):
-    # x_ref [M, K]   w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
+    # x_ref [M, K]   w_ref [N, K] fp8 (or `blocked`)   s_ref [N / 128, K / 128] f32
     # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. summed over split s of K)
     #   or [M, N] in x's dtype (one split)
     # Each thread keeps its share of a [block_n, 128] float32 product tile per row of x and reduces it once at the
@@ -216,7 +242,7 @@ def _cuda_core_kernel(x_ref, w_ref, s_ref, out_ref, *, steps: int, sub: int, blo
 
 
 def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
-    (m, k), n = x.shape, values.shape[0]
+    (m, k), (n, _) = x.shape, weight_dims(values)
     bn = cfg.cuda_core_block_n
     sub, splits, steps = _grid(k, n, bn, cfg.cuda_core_block_k, cfg.cuda_core_splits, cfg.cuda_core_min_programs)
     out = pl.pallas_call(
@@ -234,7 +260,7 @@ def _cuda_core(x, values, scales, cfg: Fp8Config, interpret: bool):
 def _tensor_core_kernel(x_ref, *refs, steps: int, sub: int, block_n: int, mode: str, tile_rows: int):
     # x_ref [M, K]: FP8 in mode "fp8", then side[0] [K / 128, M] f32 its group scales; float16 in mode "f16", each
     #   row over a power of two in side[0] [M] f32; rows M..tile_rows-1 of the product load as zeros
-    # w_ref [N, K] fp8   s_ref [N / 128, K / 128] f32
+    # w_ref [N, K] fp8 (or `blocked`)   s_ref [N / 128, K / 128] f32
     # out_ref [S, M, N] f32 (several splits: program (n, s) writes W rows n*block_n.. for split s of K)
     #   or [M, N] in the output's dtype (one split)
     *side, w_ref, s_ref, out_ref = refs
@@ -302,7 +328,7 @@ def _tensor_core(x, values, scales, cfg: Fp8Config, interpret: bool):
 
 def _swap_ab(inputs, m: int, out_dtype, values, scales, cfg: Fp8Config, interpret: bool, mode: str):
     """The swap-AB kernel over x's rows as `mode` takes them (`_tensor_core_kernel`), the result in out_dtype."""
-    k, n = values.shape[1], values.shape[0]
+    n, k = weight_dims(values)
     fp8_rows = mode == "fp8"
     bn, warps = cfg.tile(m, fp8_rows)
     min_programs = cfg.dynamic_min_programs if fp8_rows else cfg.min_programs

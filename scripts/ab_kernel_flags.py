@@ -17,10 +17,13 @@ A `moe.FIELD=value` item replaces that `MoeConfig` field in every config `pallas
 `GdnDecodeLayerConfig` field of `pallas_kernels.gdn_decode_layer` (they are read while tracing, so jax's caches are
 cleared and the steps traced again). A `pallas_kernels.MODULE=PATH` item runs another version of that module (a
 copy of the file at PATH, e.g. `git show REV:pallas_kernels/fp8_gemm.py > /tmp/fp8_gemm_old.py`): the module's
-functions are replaced by the copy's, whose calls stay within the copy, for a change that no switch selects:
+functions are replaced by the copy's, whose calls stay within the copy, for a change that no switch selects. A
+`layout=blocked` (or `rows`) item runs the dense FP8 weights blocked (`ops.kernel_layout`) or [N, K], converted in
+place (the engine's own layout: `startup.BLOCK_FP8_WEIGHTS`):
 
     python scripts/ab_kernel_flags.py --model 35b-a3b --weights fp8-dynamic --lanes 64,256 \
         --variants 'pallas_kernels.fp8_gemm=/tmp/fp8_gemm_old.py;base'
+    python scripts/ab_kernel_flags.py --model 27b --weights fp8-dynamic --lanes 1,64 --variants 'base;layout=blocked'
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the 35B-A3B's
 
 def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict, dict]:
     """'base' or comma-separated items, KernelConfig field=value, PREFIX.field=value of a kernel module's config
-    (module_configs: prefix -> that config; 0 / 1 for switches, integers as such) or pallas_kernels.MODULE=PATH ->
-    (the KernelConfig fields to replace, {prefix: that config's fields to replace, "copies": {module: path}})."""
-    kc, mods = {}, {prefix: {} for prefix in module_configs} | {"copies": {}}
+    (module_configs: prefix -> that config; 0 / 1 for switches, integers as such), pallas_kernels.MODULE=PATH or
+    layout=rows|blocked -> (the KernelConfig fields to replace, {prefix: that config's fields to replace, "copies":
+    {module: path}, "layout": the FP8 weights' layout or None})."""
+    kc, mods = {}, {prefix: {} for prefix in module_configs} | {"copies": {}, "layout": None}
     if text.strip() == "base":
         return kc, mods
     for item in text.split(","):
@@ -50,6 +54,9 @@ def parse_variant(text: str, kernel_config, module_configs: dict) -> tuple[dict,
             if not os.path.isfile(value):
                 raise SystemExit(f"--variants: {item!r}: no file {value!r} to run as {name}")
             mods["copies"][name] = value
+            continue
+        if name == "layout" and value in ("rows", "blocked"):
+            mods["layout"] = value
             continue
         prefix, dot, field = name.partition(".")
         if dot and prefix in module_configs:
@@ -125,6 +132,8 @@ def main() -> int:
     import jax
 
     from ninfer_jax.benchmarks.profiling import alternate_rounds, round_engine
+    from ninfer_jax.model import ops
+    from ninfer_jax.runtime import startup
 
     lanes = [int(x) for x in args.lanes.split(",")]
     start = time.perf_counter()
@@ -139,9 +148,14 @@ def main() -> int:
     function_base = {name: own_functions(importlib.import_module(name))
                      for name in {name for _, _, mc in variants for name in mc["copies"]}}
 
+    layouts = any(mc["layout"] for _, _, mc in variants)
+
     def apply(kc, mc):
         # KernelConfig is a static argument of the steps: a new one traces and compiles them again
         engine.runner.kernels = dataclasses.replace(base, **kc)
+        if layouts:  # the weights converted in place (donated): one copy on the device; a new layout compiles again
+            layout = mc["layout"] or ("blocked" if startup.BLOCK_FP8_WEIGHTS else "rows")  # the engine's own
+            engine.runner.params = ops.kernel_layout(engine.runner.params, layout == "blocked")
         if retrace:
             put_configs(mc, config_base)
             put_functions(mc["copies"], function_base)

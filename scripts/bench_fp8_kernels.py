@@ -5,7 +5,8 @@ At decode row counts also `--fp8-activations dynamic`'s FP8 x FP8 kernel. Then o
 top 8, the shared expert) on bf16 against block-FP8 experts. `--only gemm`: the prefill block-FP8 GEMM
 (pallas_kernels/fp8_gemm.py, Mosaic GPU wgmma) at the 27B's projections, its configs first at two tuning points,
 then every shape with the fastest, beside bf16, dequantize + bf16 and torch in the same process; `--only gemm-wide`
-the same kernel at a wide decode round's 64-256 rows, its auto_config beside other tiles and K ranges. `--only rows`:
+the same kernel at a wide decode round's 64-256 rows, its auto_config beside other tiles and K ranges; `--only
+layout` each dense kernel on the weight [N, K] beside it `blocked` (`startup.BLOCK_FP8_WEIGHTS`). `--only rows`:
 the producers writing FP8 rows (pallas_kernels/fp8_rows.py: the GDN gated norm, the MLP's SwiGLU) beside XLA's
 composition, and the projections they feed. `--only sweep`
 (never run by default): the decode kernels' config variants (SWEEP_VARIANTS) checked against float64 at a small
@@ -19,6 +20,7 @@ of the script, not a measurement.
     python scripts/bench_fp8_kernels.py --only gemm --out docs/benchmarks/fp8    # fp8_gemm.{json,md}
     python scripts/bench_fp8_kernels.py --only rows --out docs/benchmarks/fp8    # fp8_rows.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm-wide --out docs/benchmarks/fp8   # fp8_gemm_wide.{json,md}
+    python scripts/bench_fp8_kernels.py --only layout --out docs/benchmarks/fp8      # fp8_layout.{json,md}
     python scripts/bench_fp8_kernels.py --only gemm-wide --gemm-wide-rows 64 --gemm-wide-shapes '27b mlp down,6144x5120'
     git show 22da5b9:pallas_kernels/fp8_matmul.py > /tmp/fp8_matmul_old.py
     python scripts/bench_fp8_kernels.py --only sweep --sweep-old /tmp/fp8_matmul_old.py --out docs/benchmarks/fp8
@@ -617,6 +619,35 @@ def bench_gemm_wide(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -
     return out
 
 
+def bench_layout(rows: tuple[int, ...], shapes: dict[str, tuple[int, int]]) -> list[dict]:
+    """The dense FP8 kernels a round's rows take (`quantized_dot`'s choice: one row weight-only, 2-32 FP8 x FP8
+    swap AB, more the wgmma GEMM at auto_config) on the weight [N, K] beside it `blocked`, us per call and whether
+    the two give the same bits; shapes: {name: (K, N)}."""
+    out = []
+    for name, (k, n) in shapes.items():
+        fp8 = fp8_normal(jax.random.key(0), (n, k), k**-0.5)
+        layouts = {"rows": fp8.values, "blocked": fp8_matmul.blocked(fp8.values)}
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            xq, xs = fp8_matmul.quantize_rows(x)
+            if m == 1:
+                fn, args = fp8_matmul.fp8_matmul, (x,)
+            elif m <= fp8_matmul.DEFAULT_CONFIG.rows_limit(True):
+                fn, args = functools.partial(fp8_matmul.fp8_matmul_rows, out_dtype=jnp.bfloat16), (xq, xs)
+            else:
+                fn, args = functools.partial(fp8_gemm.fp8_gemm_rows, out_dtype=jnp.bfloat16), (xq, xs)
+            got = {lb: _guard(lb, lambda v=v: fn(*args, v, fp8.scales)) for lb, v in layouts.items()}
+            us = {lb: _guard(lb, lambda v=v: time_pure(fn, (*args, v, fp8.scales), chain_arg=len(args) - 1,
+                                                       unroll=10) * 1e6) for lb, v in layouts.items()}
+            row = {"shape": name, "M": m, "rows_us": us["rows"], "blocked_us": us["blocked"],
+                   "blocked_gbps": k * n / us["blocked"] / 1e3 if us["blocked"] else None,
+                   "blocked_vs_rows": us["rows"] / us["blocked"] if us["rows"] and us["blocked"] else None,
+                   "same_bits": None if None in got.values() else bool(jnp.array_equal(*got.values()))}
+            print(" ".join(f"{key}={report.fmt(v)}" for key, v in row.items()), flush=True)
+            out.append(row)
+    return out
+
+
 def _write_table(out: str, name: str, title: str, note: str, cols: list[str], rows: list[dict]) -> None:
     """One section's report: its rows as a table under the run's header, and as json."""
     meta = report.run_meta(report.command_line())
@@ -632,10 +663,11 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,8,512,8192")
     p.add_argument("--moe-configs", default="", help="with --only moe: FP8 x FP8 expert tile configs timed beside, "
                    "comma-separated, e.g. 'default,m32 k128 w4 s4' (see _moe_config)")
-    p.add_argument("--only", choices=["dense", "moe", "gemm", "gemm-wide", "sweep", "rows"],
+    p.add_argument("--only", choices=["dense", "moe", "gemm", "gemm-wide", "sweep", "rows", "layout"],
                    help="one section (sweep runs only when named)")
     p.add_argument("--gemm-rows", default="2048,8192")
     p.add_argument("--gemm-wide-rows", default="64,128,256")
+    p.add_argument("--layout-rows", default="1,8,64,128,256,2048", help="with --only layout")
     p.add_argument("--gemm-wide-shapes", default=",".join(WIDE_SHAPES),
                    help="with --only gemm-wide: names from WIDE_SHAPES or KxN, comma-separated")
     p.add_argument("--rows-tokens", default="8192,32768")
@@ -687,6 +719,16 @@ def main() -> None:
                      "the FP8 rows; scale_rel_diff, values_differing: the kernel's scales and FP8 values against the "
                      "composition run op by op (every bf16 rounding kept); *_xla: against XLA's fusion of it, which "
                      "skips those roundings (excess precision)", cols, rows)
+        return
+    if args.only == "layout":
+        cols = ["shape", "M", "rows_us", "blocked_us", "blocked_gbps", "blocked_vs_rows", "same_bits"]
+        _write_table(args.out, "fp8_layout", "Dense FP8 weights [N, K] against blocked [K / 128, N, 128]", "the "
+                     "kernel quantized_dot takes at each row count (1: fp8_matmul weight-only; 2-32: FP8 x FP8 swap "
+                     "AB; more: fp8_gemm at auto_config) on the weight as the checkpoint stores it and "
+                     "fp8_matmul.blocked (the layout startup.BLOCK_FP8_WEIGHTS gives an engine); us per call (10 "
+                     "calls inside one jit, median of 5 batches); blocked_gbps: FP8 weight bytes a second", cols,
+                     bench_layout(tuple(int(m) for m in args.layout_rows.split(",")),
+                                  _shapes(args.gemm_wide_shapes, WIDE_SHAPES, "--gemm-wide-shapes")))
         return
     if args.only == "gemm-wide":
         cols = ["shape", "M", "config", "tile_n", "k_splits", "wg_split", "tail_splits", "us", "gbps", "vs_auto",

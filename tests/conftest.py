@@ -92,6 +92,7 @@ def gemm_on_cpu(monkeypatch):
                                                    eps))
     monkeypatch.setattr(fp8_rows, "swiglu_fp8", lambda gu: calls.append(("swiglu",)) or fp8_rows.swiglu_reference(gu))
     def gemm(q, s, v, sc, out_dtype, partial_sums=False):  # K in two ranges where it has an even count of blocks
+        v = fp8_matmul.unblocked(v)
         if q.shape[1] % 256:
             return fp8_gemm.reference_rows(q, s, v, sc).astype(out_dtype)
         half, blocks = q.shape[1] // 2, q.shape[1] // 256

@@ -58,6 +58,7 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
 
     from ninfer_jax import Engine
     from ninfer_jax.model.random_init import random_params
+    from ninfer_jax.runtime import startup
     from ninfer_jax.runtime.options import EngineOptions
 
     cfg = pack_config(model_config(name), weights)
@@ -68,6 +69,7 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
     interpret = kernels == "pallas" and jax.default_backend() == "cpu"
     opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret,
                             **weight_options(weights), **options})
+    params = startup.kernel_params(params, opts)
     return Engine(cfg, params, opts, tokenizer=tokenizer, model_name=name, warmup=warmup), init_s
 
 

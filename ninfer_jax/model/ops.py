@@ -494,8 +494,24 @@ def dequantize(w):
 
 
 def block_fp8(w: QuantizedWeight) -> fp8_matmul.BlockFp8:
-    """The kernels' view of a QuantizedWeight (the same arrays)."""
-    return fp8_matmul.BlockFp8(w.values, w.scales)
+    """A QuantizedWeight as [..., N, K] values and their scales (a blocked weight's values laid back)."""
+    return fp8_matmul.BlockFp8(fp8_matmul.unblocked(w.values) if w.blocked else w.values, w.scales)
+
+
+def kernel_layout(params, blocked: bool = True):
+    """params with each dense block-FP8 weight of whole blocks `blocked` (`fp8_matmul.blocked`: the Pallas kernels
+    stream it 1.05-1.15x faster, docs/kernels_notes.md), or with blocked False laid back [N, K]; each converted in
+    place of the old one (donated). MoE layers stay as they are: their kernels read experts and the shared expert
+    [N, K]."""
+    layout = jax.jit(fp8_matmul.blocked if blocked else fp8_matmul.unblocked, donate_argnums=0)
+
+    def convert(node):
+        if (isinstance(node, QuantizedWeight) and node.blocked != blocked and (node.blocked or node.values.ndim == 2)
+                and fp8_matmul.supported(*node.shape)):
+            return node.replace(values=layout(node.values), blocked=blocked)
+        return node
+
+    return jax.tree.map(convert, params, is_leaf=lambda n: isinstance(n, (QuantizedWeight, MoEParams)))
 
 
 def quantized_dot(kc: KernelConfig, x, w, to_norm: bool = False):
@@ -522,7 +538,7 @@ def quantized_dot(kc: KernelConfig, x, w, to_norm: bool = False):
         return jnp.dot(x, w, preferred_element_type=x.dtype)
     if kc.backend != "pallas":
         return jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32).astype(x.dtype)
-    n, k = w.values.shape
+    k, n = w.shape
     if x.shape[0] <= fp8_matmul.DEFAULT_CONFIG.rows_limit(kc.fp8_activations) and fp8_matmul.supported(k, n):
         return fp8_matmul.fp8_matmul(x, w.values, w.scales, interpret=kc.interpret)  # weight-only
     return dequantized_dot(x, w)
@@ -533,7 +549,7 @@ def takes_fp8_rows(kc: KernelConfig, rows: int, w) -> bool:
     swap-AB kernels' 2-32 decode rows, or the wgmma GEMM's."""
     if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations:
         return False
-    n, k = w.values.shape
+    k, n = w.shape
     cfg = fp8_matmul.DEFAULT_CONFIG
     if rows <= cfg.rows_limit(True) and fp8_matmul.supported(k, n):
         return rows > cfg.cuda_core_max_rows
@@ -545,7 +561,7 @@ def _takes_gemm(kc: KernelConfig, rows: int, w) -> bool:
     fp8_activations, a Hopper GPU."""
     if not isinstance(w, QuantizedWeight) or kc.backend != "pallas" or not kc.fp8_activations:
         return False
-    n, k = w.values.shape
+    k, n = w.shape
     return (rows > fp8_matmul.DEFAULT_CONFIG.rows_limit(True) or not fp8_matmul.supported(k, n)) and (
         fp8_gemm.supported(k, n) and fp8_gemm.available())
 

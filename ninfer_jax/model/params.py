@@ -26,16 +26,23 @@ FP8_BLOCK = fp8_matmul.BLOCK
 @struct.dataclass
 class QuantizedWeight:
     """A block-FP8 weight, kept in the checkpoint's own [out, in] layout: the product x @ w reads
-    w[..., k, n] = values[..., n, k] * scales[..., n // 128, k // 128]. Each 128-block of a row is contiguous, as
-    the FP8 kernels stream it (pallas_kernels/fp8_matmul.py). A dimension that is not a multiple of 128 ends in a
-    partial block. Stacked MoE experts lead with [E]."""
+    w[..., k, n] = values[..., n, k] * scales[..., n // 128, k // 128]. Each 128-block of a row is contiguous. A
+    dimension that is not a multiple of 128 ends in a partial block. Stacked MoE experts lead with [E]. On the Pallas
+    kernels the dense weights of whole blocks may be held `blocked` instead ([K / 128, N, 128]: each block of K whole
+    for every row, which the kernels stream faster; `startup.BLOCK_FP8_WEIGHTS`, pallas_kernels/fp8_matmul.py)."""
 
-    values: jax.Array  # float8_e4m3fn [..., N, K]
+    values: jax.Array  # float8_e4m3fn [..., N, K]; blocked: [K / 128, N, 128]
     scales: jax.Array  # float32 [..., ceil(N / 128), ceil(K / 128)]
+    # values in `fp8_matmul.blocked`'s layout (a dense weight of whole blocks, for the Pallas kernels:
+    # `ops.kernel_layout`)
+    blocked: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical x @ w shape [..., K, N], as a plain weight's."""
+        if self.blocked:
+            kb, n, block = self.values.shape
+            return (kb * block, n)
         *lead, n, k = self.values.shape
         return (*lead, k, n)
 

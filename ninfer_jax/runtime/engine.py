@@ -163,7 +163,7 @@ class Engine:
         except TypeError as e:
             raise ValueError(f"unknown engine option: {e}") from None
         # refuse bad options before reading any weights
-        options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
+        resolved = options.resolve(10**9, jax.default_backend(), devices=jax.device_count())
         template = None if options.chat_template is None else ChatTemplate.from_option(options.chat_template)
         directory, name = (default_checkpoint(), default_checkpoint().name) if path is None \
             else resolve_checkpoint(path)
@@ -186,6 +186,7 @@ class Engine:
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
         template = template or load_chat_template(directory)
+        params = startup.kernel_params(params, resolved)
         engine = cls(config, params, options, tokenizer=tokenizer, chat_template=template,
                      model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision,
                      sampling_defaults=defaults)

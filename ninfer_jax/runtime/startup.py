@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_jax.config import ModelConfig
+from ninfer_jax.model import ops
 from ninfer_jax.model.ops import KernelConfig
-from ninfer_jax.model.params import Params
+from ninfer_jax.model.params import Params, QuantizedWeight
 from ninfer_jax.model.state import PAGE, page_bytes, prefill_activation_bytes, slot_bytes
 from ninfer_jax.prefix_cache import CacheGeometry, PrefixIndex
 from ninfer_jax.runtime.device.cache_file import FORMAT, LoadReport, PrefixCacheFile, source_identity
@@ -199,6 +200,28 @@ def parallel_init(options: EngineOptions):
     """`load_dummy`'s init: random weights made shard by shard on a tensor-parallel engine's mesh; else None."""
     layout = parallel_layout(options)
     return None if layout is None else layout.init_params
+
+
+# The dense FP8 weights blocked for the Pallas kernels (`ops.kernel_layout`): alone the kernels stream them
+# 1.05-1.15x faster at 1-128 rows (an H100, docs/kernels_notes.md), but these kernels' compiled results and the
+# engine's rounds on that layout are not yet checked on a GPU: off until they are (scripts/ab_kernel_flags.py
+# --variants 'base;layout=blocked', scripts/bench_fp8_kernels.py --only layout).
+BLOCK_FP8_WEIGHTS = False
+
+
+def kernel_params(params: Params, options: EngineOptions) -> Params:
+    """params as the engine's kernels stream them fastest: with BLOCK_FP8_WEIGHTS, on the Pallas kernels and one
+    device, the dense block-FP8 weights blocked (`ops.kernel_layout`; the arrays given are consumed). An engine
+    takes either layout."""
+    if not BLOCK_FP8_WEIGHTS or options.kernels != "pallas" or options.tensor_parallel_size > 1:
+        return params
+    start = time.perf_counter()
+    params = ops.kernel_layout(params)
+    count = sum(isinstance(w, QuantizedWeight) and w.blocked
+                for w in jax.tree.leaves(params, is_leaf=lambda n: isinstance(n, QuantizedWeight)))
+    if count:
+        log.info("fp8 weights | %d blocked for the kernels | %.1f s", count, time.perf_counter() - start)
+    return params
 
 
 def kernel_config(options: EngineOptions) -> KernelConfig:

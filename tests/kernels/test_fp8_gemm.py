@@ -111,13 +111,15 @@ def test_wide_round_config_follows_the_row_and_tile_counts():
 def test_lowers_for_h200_at_the_27b_mlp(cfg):
     """Mosaic GPU's lowering checks the wgmma operand types, layouts and pipeline without a GPU (not the SMEM
     budget: 256x64 with an N cluster lowers, then needs 233,536 bytes of SMEM against 232,448 compiled on an H100;
-    the bench's 256x64 runs without a cluster)."""
+    the bench's 256x64 runs without a cluster). Each config also on a `blocked` weight."""
     assert "mosaic_gpu" in fp8_gemm.lower(2048, 5120, 34816, cfg).as_text()
+    assert "mosaic_gpu" in fp8_gemm.lower(64, 5120, 34816, cfg, blocked=True).as_text()
 
 
 def _launch_as_reference(xq, xs, values, scales, cfg, out_dtype, num_sms, interpret=False, groups=None, cols=None):
     """`fp8_gemm._gemm`'s contract in jnp: W's columns cols = (first, count), float32 partial sums of each K range
     stacked on rows; a launch from column 0 narrower than N leaves the rest of its output NaN."""
+    values = fp8_matmul.unblocked(values)
     k, n = xq.shape[1], values.shape[0]
     col0, count = cols or (0, n)
     assert count % cfg.cta_n == 0 and col0 % cfg.cta_n == 0
@@ -173,6 +175,22 @@ def test_grouped_gemm_lowers_for_h200_at_the_35b_a3b_experts(k, n):
     """256 experts, 64 row tiles; the grouped kernel loads each tile's group from memory and skips tiles marked
     -1."""
     assert "mosaic_gpu" in fp8_gemm.lower_grouped(8192, k, n, 256).as_text()
+
+
+@pytest.mark.parametrize("m,n", [(64, 2304), (64, 256), (512, 256)], ids=["tail", "k-ranges", "one-range"])
+def test_blocked_weights_give_the_rows_products(monkeypatch, m, n):
+    """The wrapper takes a `blocked` weight as its [N, K] rows (a tail launch's columns, K ranges, one range alike),
+    to the bit; the kernel itself reads it on the H200 in scripts/ab_kernel_flags.py's layout variants."""
+    monkeypatch.setattr(fp8_gemm, "_num_sms", lambda: 8)
+    monkeypatch.setattr(fp8_gemm, "_gemm", _launch_as_reference)
+    x, values, scales, _ = _case(seed=9, m=m, k=1024, n=n)
+    xq, xs = fp8_matmul.quantize_rows(x)
+    got, want = (fp8_gemm.fp8_gemm_rows.__wrapped__(xq, xs, v, scales, out_dtype=jnp.bfloat16)
+                 for v in (fp8_matmul.blocked(values), values))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="values"):
+        fp8_gemm.fp8_gemm_rows.__wrapped__(xq, xs, fp8_matmul.blocked(values)[:, :, :64], scales,
+                                           out_dtype=jnp.bfloat16)
 
 
 def test_a_split_product_leaves_its_partial_sums_unadded_when_asked(monkeypatch):

@@ -111,6 +111,24 @@ def test_pallas_quantized_dot_matches_the_reference(rows):
                                atol=F32_TOL * float(jnp.abs(want).max()))
 
 
+def test_blocked_weights_multiply_to_the_same_bits_as_their_rows():
+    """A weight `blocked` ([K / 128, N, 128]) is read tile for tile as its [N, K] rows: one row, weight-only rows
+    on the tensor cores and FP8 x FP8 rows give the same bits; `unblocked` lays it back; a blocked array of other
+    widths is refused."""
+    values, scales, _ = _weight(seed=4)
+    blocked = fp8_matmul.blocked(values)
+    assert blocked.shape == (K // 128, N, 128) and fp8_matmul.weight_dims(blocked) == (N, K)
+    np.testing.assert_array_equal(np.asarray(fp8_matmul.unblocked(blocked), np.float32), np.asarray(values, np.float32))
+    rng = np.random.default_rng(5)
+    for rows, dynamic in ((1, False), (8, False), (8, True)):
+        x = jnp.asarray(rng.standard_normal((rows, K)), jnp.bfloat16)
+        got, want = (fp8_matmul.fp8_matmul(x, v, scales, quantize_activations=dynamic, interpret=INTERPRET)
+                     for v in (blocked, values))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="multiples of"):
+        fp8_matmul.fp8_matmul(x, blocked.reshape(K // 128, N * 2, 64), scales, interpret=True)
+
+
 @pytest.mark.parametrize("rows,dynamic,k,n", [
     (1, False, 5120, 34816), (8, False, 5120, 34816), (64, True, 5120, 34816), (1, False, 17408, 5120)],
     ids=["gate_up-1row", "gate_up-8rows", "gate_up-64rows-dynamic", "down-1row"])
@@ -118,9 +136,10 @@ def test_lowers_to_triton_at_the_27b_mlp_shapes(rows, dynamic, k, n):
     lower_for_h200()
     spec = jax.ShapeDtypeStruct
     fn = jax.jit(lambda x, v, s: fp8_matmul.fp8_matmul(x, v, s, config=WIDE, quantize_activations=dynamic))
-    text = fn.trace(spec((rows, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn),
-                    spec((n // 128, k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("fp8_gemv" if rows == 1 else "fp8_fp8_swap_ab" if dynamic else "fp8_swap_ab") in text
+    for values in ((n, k), (k // 128, n, 128)):  # [N, K] and blocked
+        text = fn.trace(spec((rows, k), jnp.bfloat16), spec(values, jnp.float8_e4m3fn),
+                        spec((n // 128, k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("fp8_gemv" if rows == 1 else "fp8_fp8_swap_ab" if dynamic else "fp8_swap_ab") in text
 
 
 @pytest.mark.parametrize("rows,dynamic,kernel", [

@@ -321,3 +321,52 @@ def test_an_fp8_round_hands_the_attention_merges_fp8_rows_to_the_out_projection(
     assert fp8_out == [True, False]
     for a, b in zip(fed, plain):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_a_pallas_engine_blocks_its_dense_fp8_weights_and_their_products_keep_their_bits(gemm_on_cpu, monkeypatch):
+    """`startup.kernel_params` (with BLOCK_FP8_WEIGHTS, off by default and then a no-op): on the Pallas kernels and
+    one device the dense block-FP8 weights of whole blocks go
+    `blocked` (fused parts too), MoE layers and weights with a partial block stay [N, K]; every product path of
+    `quantized_dot` (the jnp reference, one row, weight-only and FP8 x FP8 decode rows, the GEMM's rows, many
+    weight-only rows dequantized) gives the [N, K] weight's bits; laid back, the weight is the one it was."""
+    from ninfer_jax.model import ops
+    from ninfer_jax.model.params import MLPParams, MoEParams
+    from ninfer_jax.model.tiny import quantize_fp8_blocks
+    from ninfer_jax.runtime import startup
+
+    def weight(n, k, seed):
+        values, scales = quantize_fp8_blocks(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32))
+        return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales))
+
+    experts = weight(256, 256, 3)
+    experts = QuantizedWeight(experts.values[None], experts.scales[None])
+    tree = {"mlp": MLPParams(gate_up=weight(512, 256, 1), down=weight(256, 256, 2)),
+            "moe": MoEParams(router=None, gate_up=experts, down=experts, shared=MLPParams(weight(512, 256, 4), None),
+                             shared_gate=None),
+            "fused": ConcatWeight((weight(256, 256, 5), jnp.ones((256, 16), jnp.bfloat16))),
+            "partial": weight(200, 256, 6)}
+    rows_copy = jax.tree.map(jnp.copy, tree)
+    assert startup.kernel_params(tree, EngineOptions(kernels="pallas")) is tree
+    monkeypatch.setattr(startup, "BLOCK_FP8_WEIGHTS", True)
+    assert startup.kernel_params(tree, EngineOptions(kernels="reference")) is tree
+    assert startup.kernel_params(tree, EngineOptions(kernels="pallas", tensor_parallel_size=2)) is tree
+    blocked = startup.kernel_params(tree, EngineOptions(kernels="pallas"))
+    assert blocked["mlp"].down.blocked and blocked["mlp"].down.values.shape == (2, 256, 128)
+    assert blocked["mlp"].gate_up.shape == rows_copy["mlp"].gate_up.shape == (256, 512)
+    assert blocked["fused"].parts[0].blocked and not blocked["partial"].blocked
+    assert not (blocked["moe"].gate_up.blocked or blocked["moe"].shared.gate_up.blocked)
+    rng = np.random.default_rng(7)
+    reference, pallas = ops.KernelConfig(), ops.KernelConfig("pallas", interpret=True)
+    dynamic = ops.KernelConfig("pallas", interpret=True, fp8_activations=True)
+    for kc, rows in ((reference, 8), (pallas, 1), (pallas, 8), (dynamic, 8), (dynamic, 48), (pallas, 200)):
+        x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+        for name in ("mlp", "fused"):
+            w, want_w = (blocked[name], rows_copy[name])
+            w, want_w = (w.down, want_w.down) if name == "mlp" else (w, want_w)
+            np.testing.assert_array_equal(np.asarray(ops.quantized_dot(kc, x, w), np.float32),
+                                          np.asarray(ops.quantized_dot(kc, x, want_w), np.float32))
+    assert gemm_on_cpu == [] and ops._takes_gemm(dynamic, 48, blocked["mlp"].down)
+    back = ops.kernel_layout(blocked, blocked=False)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(rows_copy), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not back["mlp"].down.blocked
