@@ -53,7 +53,8 @@ class GemmConfig:
     launch with K in this many ranges (1: in a last wave of their own, most of its SMs idle while a few stream
     whole tiles, as the 27B's gate_up's 136 tiles on 132 SMs); step_blocks: 128-blocks of K a pipeline step loads
     (2: 256 contiguous bytes of each weight row a copy, each block still its own product and promotion; SMEM then
-    holds about half the stages; untimed, so no auto_config takes it)."""
+    holds about half the stages; 1.00-1.04x at 64-256 rows on an H100, where a blocked weight gained more, so no
+    auto_config takes it: docs/kernels_notes.md)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -216,7 +217,7 @@ def _kernel(*refs, cfg: GemmConfig, iters: tuple[int, int, int], grouped: bool, 
                     # loaded before the wgmma: its latency hides there
                     w_scale = ws[w_block, split * k_iters + (idx[0] * sb + j if sb > 1 else idx[0])]
 
-                    def product(tmp, block=block):
+                    def product(tmp, block=block, j=j):
                         x_blk = x_tile.at[:, block] if sb > 1 else x_tile
                         if blocked:
                             w_blk = w_tile.at[j].at[wg_cols] if by_cols else w_tile.at[j]
