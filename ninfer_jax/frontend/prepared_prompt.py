@@ -206,6 +206,14 @@ def keep_last_tokens(prompt: PreparedPrompt, keep: int) -> PreparedPrompt:
     return _hashed(np.array(prompt.token_ids[cut:]), hints, None, prompt.salt)
 
 
+def continue_prompt(prompt: PreparedPrompt, tokens: Sequence[int] | np.ndarray) -> PreparedPrompt:
+    """The prompt followed by `tokens` of text (a preempted request's output): its hints, media and salt kept, the
+    block hashes chained on as the cache chains a generated block's."""
+    ids = np.concatenate([prompt.token_ids, np.asarray(tokens, np.int32)])
+    media = prompt.media.continued(len(ids)) if prompt.media is not None else None
+    return _hashed(ids, prompt.tap_hints, media, prompt.salt)
+
+
 def _prepared(tokens: np.ndarray, hints: tuple[TapHint, ...], media: PromptMedia | None = None,
               cache_salt: str | None = None) -> PreparedPrompt:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

@@ -110,6 +110,15 @@ class PromptMedia:
         """Block `block`'s media key (0 past the prompt)."""
         return int(self.block_extras[block]) if block < len(self.block_extras) else 0
 
+    def continued(self, tokens: int) -> PromptMedia:
+        """The media of the prompt continued by text to `tokens` tokens: each added token's position is its index
+        plus the rope delta on every axis, as a generated token's."""
+        n = self.rope_positions.shape[1]
+        added = np.broadcast_to(np.arange(n, tokens, dtype=np.int32) + self.rope_delta, (3, tokens - n))
+        positions = np.concatenate([self.rope_positions, added], axis=1)
+        positions.setflags(write=False)
+        return dataclasses.replace(self, rope_positions=positions)
+
 
 def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
     """Every image content part in order, as (its location `messages[i].content[j]`, its bytes or RGB array).

@@ -145,7 +145,8 @@ class RequestOutput:
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request's mutable state; only the scheduler's thread touches it after submission. The Scheduler
-    writes lane, pages, computed, cached_tokens and the timestamps; the OutputProcessor the output fields."""
+    writes lane, pages, computed, cached_tokens, reused, resume, preemptions and the timestamps; the OutputProcessor
+    the output fields."""
 
     id: str
     prompt: Any  # PreparedPrompt
@@ -159,7 +160,12 @@ class Request:
     lane: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)  # page of block b at index b
     computed: int = 0  # tokens whose KV and state are in the lane's pages and slot
-    cached_tokens: int = 0  # reused from the prefix cache (fixed at admission)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (fixed at its first admission)
+    reused: int = 0  # tokens the lane's admission reused (a preempted request's next admission: its own output too)
+    # After a preemption: the prompt and the output so far, which its next admission maps onto the cache and
+    # prefills (`prefix`); None before.
+    resume: PreparedPrompt | None = None
+    preemptions: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] | None = None
     # With prompt logprobs: each prefill pass's first position and its scores on the device (the runner's
@@ -218,8 +224,24 @@ class Request:
         return len(self.prompt.token_ids)
 
     @property
+    def prefix(self) -> PreparedPrompt:
+        """What an admission maps onto the cache and prefills: the prompt, or after a preemption the prompt and
+        the output so far (whose last token's logits give its next token)."""
+        return self.resume if self.resume is not None else self.prompt
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < self.num_prompt
+        return self.computed < self.prefix.num_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Its prefix is computed and its admission's first token read: each round feeds its last token."""
+        return self.num_prompt + len(self.output) > self.computed >= self.prefix.num_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill scores the prompt (prompt logprobs, sent once: never again after a preemption)."""
+        return self.sampling.prompt_logprobs is not None and not self.output
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt, len(self.output), self.cached_tokens)

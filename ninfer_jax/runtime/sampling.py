@@ -403,12 +403,13 @@ def lane_row(sp: SamplingParams, prompt_ids, stop_ids, vocab: int) -> np.ndarray
                            bias.view(np.int32), params.view(np.int32)])
 
 
-def set_lane_row(state: SamplerState, lane, row) -> SamplerState:
-    """Inside a program: the lane's row from `lane_row`, its output counts zeroed."""
+def set_lane_row(state: SamplerState, lane, row, counts) -> SamplerState:
+    """Inside a program: the lane's row from `lane_row` and its output counts ([V] int32: zeros, or a preempted
+    request's output so far)."""
     w = state.prompt.shape[1]
     b = MAX_LOGIT_BIAS
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    return SamplerState(state.counts.at[lane].set(0), state.prompt.at[lane].set(row[:w]),
+    return SamplerState(state.counts.at[lane].set(counts), state.prompt.at[lane].set(row[:w]),
                         state.stops.at[lane].set(row[w:2 * w]), state.bias_ids.at[lane].set(row[2 * w:2 * w + b]),
                         state.bias.at[lane].set(as_f32(row[2 * w + b:2 * w + 2 * b])),
                         state.params.at[lane].set(as_f32(row[2 * w + 2 * b:])))

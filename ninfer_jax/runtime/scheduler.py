@@ -13,8 +13,11 @@ with a grammar (response_format) skips the round after each of its own: its allo
 in flight, which its grammar must accept on the host first.
 
 Page entitlement (§9.5): a lane is admitted with pages for its prompt plus a bounded output window; decode extends
-it one page at a time, and when the pool cannot, the request ends with finish_reason "length" (bounded
-completion). Nothing active is ever taken away.
+it one page at a time. A lane the pool cannot extend sits out a round; then the most junior running requests (by
+priority with that policy, then arrival) are preempted for it (vLLM's recompute preemption): each goes back to the
+queue before every request junior to it, the cache keeping what it computed, its endpoint included, and its next
+admission resumes from there with its output so far as part of its prefix. The most senior lane therefore always
+grows; one that no other lane holds pages beside ends with finish_reason "length" (bounded completion).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 
 import numpy as np
 
+from ninfer_jax.frontend.prepared_prompt import continue_prompt
 from ninfer_jax.model.state import PAGE
 from ninfer_jax.prefix_cache import Readiness
 from ninfer_jax.runtime.device.runner import ModelRunner
@@ -52,7 +56,6 @@ class _Round:
 
     reqs: list[Request]
     out: tuple  # (tokens [C], chosen logprob [C] or None, top or None); a verify round's: the runner's VerifyOut
-    starved: set[int]  # lanes of this round that got no page for their next position: they end at its read
     verify: bool = False
     chained: frozenset[int] = frozenset()  # lanes continuing the previous verify round's frontier on the device
 
@@ -109,17 +112,26 @@ class Scheduler:
         # on the host turn it off.
         self.chain_rounds = True
         self._pass_in_flight = None  # the last prefill pass's token output, until the next pass is dispatched
+        self.short: set[int] = set()  # lanes a round left without a page for their next position (`_make_room`)
         self._first_pending = None  # a mixed step's first token (`_prefill_pass`'s), read at the next step
 
     # --- queue -----------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queues `req` last, or with the priority policy after every waiting request of its priority or a lower
-        value: the head (`waiting[0]`) is the one admission serves next and nothing behind it overtakes it."""
+        value: the head (`waiting[0]`) is the one admission serves next and nothing behind it overtakes it. A
+        preempted request goes back before every waiting one junior to it (`_seniority`)."""
         at = len(self.waiting)
-        if self.options.scheduling_policy == "priority":
-            at = next((i for i, r in enumerate(self.waiting) if r.sampling.priority > req.sampling.priority), at)
+        if req.preemptions:
+            at = next((i for i, r in enumerate(self.waiting) if self._seniority(r) > self._seniority(req)), at)
+        else:
+            self.counters["requests_submitted"] += 1
+            if self.options.scheduling_policy == "priority":
+                at = next((i for i, r in enumerate(self.waiting) if r.sampling.priority > req.sampling.priority), at)
         self.waiting.insert(at, req)
-        self.counters["requests_submitted"] += 1
+
+    def _seniority(self, req: Request) -> tuple:
+        """Admission order, and the reverse of preemption order: arrival, after the priority with that policy."""
+        return (req.sampling.priority if self.options.scheduling_policy == "priority" else 0, req.arrival)
 
     def cancel(self, request_id: str) -> bool:
         for req in self.waiting:
@@ -156,6 +168,7 @@ class Scheduler:
         (admission includes restore dispatch; the two reads include waiting for the device)."""
         clock = _PhaseClock(self.counters)
         self.cache_manager.poll()  # Host writes that landed join the index; one that failed fails the engine
+        self._make_room()  # before admission: running lanes' growth comes first (§9.5)
         self._admit()
         clock.lap("admit")
         prefilling = [r for r in self.lanes if r is not None and r.prefilling]
@@ -163,8 +176,7 @@ class Scheduler:
         # While lanes decode, the head's pass rides in the round's step (runner.mixed) when the engine mixes, unless
         # it scores its prompt (only a pass of its own returns every row)
         mixed = head is not None and self.mix and bool(self.runner.ready.mixed) and any(
-            r is not None and not r.prefilling and r.output for r in self.lanes) and \
-            head.sampling.prompt_logprobs is None
+            r is not None and r.decoding for r in self.lanes) and not head.scores_prompt
         prefilled = self._prefill_pass(head)[0] if head is not None and not mixed else None
         clock.lap("prefill_dispatch")
         previous, self.pending = self.pending, None
@@ -194,8 +206,8 @@ class Scheduler:
         return bool(prefilling) or previous is not None or self.pending is not None or self._first_pending is not None
 
     def _entitlement(self, req: Request) -> int:
-        n = req.num_prompt
-        window = min(req.sampling.max_tokens, self.options.output_window)
+        n = req.prefix.num_tokens
+        window = min(req.sampling.max_tokens - len(req.output), self.options.output_window)
         want = pages_for(min(n + window, self.options.max_model_len))
         return max(pages_for(n + 1), min(want, self.pages.capacity))
 
@@ -216,24 +228,29 @@ class Scheduler:
                 return  # the head waits for pages; nothing behind it overtakes it (spec §6.3)
             self.waiting.popleft()
             if admission.readiness is Readiness.PERMANENTLY_INFEASIBLE:
-                self._finish(head, "error", "the request can never fit the KV pool")
+                if head.output:  # a preempted request that no longer fits ends where it was (bounded completion)
+                    self._finish(head, "length")
+                else:
+                    self._finish(head, "error", "the request can never fit the KV pool")
                 continue
-            head.lane, head.admitted_at = lane, started
+            head.lane = lane
             head.pages = list(admission.pages)
-            head.computed = head.cached_tokens = admission.reused_tokens
+            head.computed = head.reused = admission.reused_tokens
             head.drafts = head.drafts[:0]
             self.page_tables[lane] = 0
             self.page_tables[lane, :len(head.pages)] = head.pages
             self.rope_shift[lane] = head.prompt.media.rope_delta if head.prompt.media is not None else 0
             self.sampler.set_lane(lane, head.sampling, head.seed, 0)
-            # its SamplerState row: penalty statistics, bias and min_tokens (a thinking budget's processed rounds
-            # read it too, neutral)
+            # its SamplerState row: penalty statistics (a preempted request's output counted again), bias and
+            # min_tokens (a thinking budget's processed rounds read it too, neutral)
             if head.sampling.processed or head.thinking is not None:
                 self.runner.set_sampler_lane(lane, lane_row(head.sampling, head.prompt_ids, self.outputs.stop_ids,
-                                                            self.runner.cfg.vocab_size))
+                                                            self.runner.cfg.vocab_size), head.output)
             self.lanes[lane] = head
-            self.counters["requests_admitted"] += 1
-            self.outputs.admitted(head)
+            if head.admitted_at is None:  # its first admission (a preempted request's next one sends nothing)
+                head.admitted_at, head.cached_tokens = started, admission.reused_tokens
+                self.counters["requests_admitted"] += 1
+                self.outputs.admitted(head)
 
     # --- prefill ---------------------------------------------------------------------------------
     def _prefill_pass(self, req: Request, decode_round: dict | None = None):
@@ -243,7 +260,7 @@ class Scheduler:
         round's outputs or None)."""
         base = req.computed
         end = self._pass_end(req, mixed=decode_round is not None)
-        last = end == req.num_prompt
+        last = end == req.prefix.num_tokens
         self.sampler.step[req.lane] = len(req.output)
         tap_positions, tap_slots = self.cache_manager.taps_for_chunk(req, end)
         processing = self._processing([req]) if last else {}
@@ -251,19 +268,19 @@ class Scheduler:
             req.scheduled_at = time.perf_counter()
         rope_positions = media_rows = None
         if req.prompt.media is not None:
-            rope_positions, media_rows = self.images.pass_inputs(req.prompt, base, end)
+            rope_positions, media_rows = self.images.pass_inputs(req.prefix, base, end)
         chunk = dict(
-            tokens=req.prompt_ids[base:end], base=base, page_table=self.page_tables[req.lane],
+            tokens=req.prefix.token_ids[base:end], base=base, page_table=self.page_tables[req.lane],
             slot=self.cache_manager.lane_slot(req.lane), sampler=self._lane_sampler(req.lane),
             tap_positions=tap_positions, tap_slots=tap_slots, full=last and not req.sampling.greedy,
             logprobs=last and req.sampling.logprobs is not None, lane=req.lane,
-            allowed=processing["allowed"][req.lane] if processing else None, resumed=0 < base == req.cached_tokens,
+            allowed=processing["allowed"][req.lane] if processing else None, resumed=0 < base == req.reused,
             rope_positions=rope_positions, media_rows=media_rows,
         )
         round_out = None
         if decode_round is None:
             # with prompt logprobs each row is scored on the prompt token after it (the last row's is the output's)
-            targets = req.prompt_ids[base + 1:end + 1] if req.sampling.prompt_logprobs is not None else None
+            targets = req.prompt_ids[base + 1:end + 1] if req.scores_prompt else None
             tokens_out, chosen, top, scores = self.runner.prefill(**chunk, score_targets=targets)
             if scores is not None:
                 req.prompt_scores.append((base, scores))
@@ -286,7 +303,7 @@ class Scheduler:
         """Where the lane's next pass ends: mixed_tokens on in a mixed step; prefill_chunk tokens on; or, while no
         lane decodes (no round waits on the pass), the longest idle size that fits the prompt. An idle size ends
         the prompt only for a greedy request: those sizes are compiled for the greedy sampler alone."""
-        base, n = req.computed, req.num_prompt
+        base, n = req.computed, req.prefix.num_tokens
         if mixed:
             return min(n, base + self.runner.mixed_tokens)
         ready = self.runner.ready
@@ -322,7 +339,7 @@ class Scheduler:
         pass's outputs as `_prefill_pass` gives them, None without `chunk_of`)."""
         c = len(self.lanes)
         if previous is not None and previous.verify:  # chained: every running lane verifies
-            live = np.array([r is not None and not r.prefilling and bool(r.output) and r.finish_reason is None
+            live = np.array([r is not None and r.decoding and r.finish_reason is None
                              for r in self.lanes])
             return (self._dispatch_verify(live, previous) if live.any() else None), None
         ahead = np.zeros(c, bool)  # the lane's previous token is still on the device
@@ -331,9 +348,8 @@ class Scheduler:
         active = np.zeros(c, bool)
         tokens = np.zeros(c, np.int32)
         positions = np.zeros(c, np.int32)
-        starved: set[int] = set()
         for lane, req in enumerate(self.lanes):
-            if req is None or req.prefilling or not req.output:
+            if req is None or not req.decoding:
                 continue  # prefilling, or its first token unread
             if req.finish_reason is not None:
                 if lane in self.closing and not ahead[lane]:  # ended in a verify round: this round feeds its last token
@@ -345,17 +361,12 @@ class Scheduler:
             if len(req.output) + k >= req.sampling.max_tokens or req.computed + k + 1 >= self.options.max_model_len:
                 continue  # the token in flight is its last: no round past it
             if not self._ensure_page(req, req.computed + k):
-                if k:
-                    starved.add(lane)  # it ends when its token in flight is read
-                else:
-                    self._finish(req, "length")  # bounded completion: the pool cannot extend this lane
+                self.short.add(lane)  # it waits for a page (`_make_room`), its token in flight read meanwhile
                 continue
             active[lane] = True
             tokens[lane] = 0 if k else req.output[-1]
             positions[lane] = req.computed + k
             self.sampler.step[lane] = len(req.output) + k
-        if previous is not None:
-            previous.starved |= starved
         if not active.any():
             return None, self._prefill_pass(chunk_of)[0] if chunk_of is not None else None
         if self.speculating:
@@ -381,7 +392,7 @@ class Scheduler:
             prefilled, out = self._prefill_pass(chunk_of, decode_round)
         self.cache_manager.flush()  # the last round's finishes: their gathers queue behind this round
         self.counters["decode_rounds"] += 1
-        return _Round(live, out, set()), prefilled
+        return _Round(live, out), prefilled
 
     def _may_speculate(self) -> bool:
         """Whether the next round may verify drafts: speculation is on and not paused, and every decoding lane can
@@ -390,7 +401,7 @@ class Scheduler:
         token)."""
         if not self.speculating or self.pause.paused:
             return False
-        live = [r for r in self.lanes if r is not None and not r.prefilling and r.output]
+        live = [r for r in self.lanes if r is not None and r.decoding]
         ahead = 2 * self.runner.verify_rows  # the tokens of a verify round in flight and of the next
         return 0 < len(live) <= self.runner.ready.verify[-1] and not any(
             r.processes_logits(ahead) or r.grammar is not None for r in live) and (
@@ -433,6 +444,8 @@ class Scheduler:
                 tokens[lane, 0], counts[lane], positions[lane], drafted[lane] = req.output[-1], 1, req.computed, 0
                 phase[lane] = CLOSING
                 continue
+            if not self._ensure_page(req, req.computed):
+                self.short.add(lane)  # fed nothing (`limits`) until `_make_room` finds it a page
             self.sampler.step[lane] = len(req.output)
             limit = min(left[lane], self.options.max_model_len - 1 - req.computed) - 1
             drafts = req.drafts[:max(0, limit)] if self.mtp else self.proposer.propose(req.sequence(), limit)
@@ -457,7 +470,7 @@ class Scheduler:
         self.counters["decode_rounds"] += 1
         self.counters["chained_rounds"] += previous is not None
         self.speculative.rounds += 1
-        return _Round(live, out, set(), verify=True, chained=frozenset(chained.nonzero()[0].tolist()))
+        return _Round(live, out, verify=True, chained=frozenset(chained.nonzero()[0].tolist()))
 
     def _chainable(self, previous: _Round | None) -> bool:
         """Whether the next round can continue `previous`, an MTP verify round in flight, without reading it: its
@@ -561,8 +574,6 @@ class Scheduler:
             self.cache_manager.computed(req)
             if req.finish_reason is None:  # else it ended at the last read; this round fed its last token
                 self.outputs.accept(req, int(tokens_out[req.lane]), chosen, top, req.lane)
-                if req.finish_reason is None and req.lane in done.starved:
-                    req.finish_reason = "length"  # bounded completion: no page for the next position
                 if req.finish_reason is not None and req.lane in following:
                     continue
             if req.finish_reason is None:
@@ -591,6 +602,38 @@ class Scheduler:
         if self.pending is not None:
             done, self.pending = self.pending, None
             self._retire(done)
+
+    def _make_room(self) -> None:
+        """Finds each lane a round left short a page for its next position, the most senior first: the most junior
+        running requests are preempted for it, the lane itself when it is the most junior. A lane that no other
+        holds pages beside ends with "length" (bounded completion, §9.5)."""
+        if not self.short:
+            return
+        self._read_pending()  # no token in flight: every lane's state matches its count, as an endpoint needs
+        short = sorted((r for r in self.lanes if r is not None and r.lane in self.short), key=self._seniority)
+        self.short.clear()
+        for req in short:
+            while req.lane is not None and req.finish_reason is None and not self._ensure_page(req, req.computed):
+                running = [r for r in self.lanes if r is not None and r.finish_reason is None]
+                if running == [req]:
+                    self._finish(req, "length")
+                else:
+                    self._preempt(max(running, key=self._seniority))
+
+    def _preempt(self, req: Request) -> None:
+        """Puts a running request back in the queue. The cache keeps what it computed (§7.7: its blocks, and its
+        endpoint when it decodes), and its next admission resumes from there with its output so far as part of its
+        prefix, so the lane's last token is fed again and the next one sampled as if the lane had gone on."""
+        lane, pages = req.lane, len(req.pages)
+        self.cache_manager.release(req, "preempted")
+        self.lanes[lane] = None
+        req.lane, req.pages, req.computed, req.prompt_scores = None, [], 0, []
+        req.resume = continue_prompt(req.prompt, req.output) if req.output else None
+        req.preemptions += 1
+        self.add(req)
+        self.counters["requests_preempted"] += 1
+        log.info("preempted %s | lane %d | %d pages | %d tokens to resume | %d waiting", req.id, lane, pages,
+                 req.prefix.num_tokens, len(self.waiting))
 
     def _ensure_page(self, req: Request, position: int) -> bool:
         """The lane has a page for `position`, extending by one page if needed."""

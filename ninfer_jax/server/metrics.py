@@ -102,6 +102,9 @@ class _EngineCollector:
                      requests["running"])
         yield _gauge("ninfer_num_requests_waiting", "Requests waiting for a lane or for KV pages.",
                      requests["waiting"])
+        yield _counter("ninfer_num_preemptions", "Running requests put back in the queue for a lane the KV pool "
+                       "could not extend; each resumes from what the prefix cache kept.",
+                       requests.get("requests_preempted", 0))
         busy = pages["active"] + pages["filling"]
         yield _gauge("ninfer_kv_cache_usage_perc", "Share of the KV pages held by running requests (0 to 1).",
                      busy / pages["capacity"] if pages["capacity"] else 0.0)

@@ -11,7 +11,9 @@ from frontend_support import qwen35_dir, tokenizer  # noqa: F401  (fixtures)
 from ninfer_jax.frontend import Breakpoint, ChatTemplate, VisionFrontend, prepare_chat
 from ninfer_jax.frontend.image_processing import ImageError, ImageProcessorConfig
 from ninfer_jax.frontend.mrope import mrope_positions
+from ninfer_jax.frontend.prepared_prompt import continue_prompt
 from ninfer_jax.prefix_cache import BLOCK_TOKENS
+from ninfer_jax.prefix_cache.hashing import block_lookup_hash, encode_tokens
 
 # Qwen3.5's processor: 16-pixel patches merged 2 x 2; a small minimum area keeps the spans short
 PROCESSOR = ImageProcessorConfig(min_pixels=32 * 32, max_pixels=256 * 256, patch_size=16, merge_size=2,
@@ -98,3 +100,26 @@ def test_an_unusable_image_part_is_refused_naming_it(tokenizer, vision):  # noqa
     spoofed[1]["content"][0]["text"] = "<|image_pad|>"  # text may not hold the placeholder
     with pytest.raises(ImageError, match="3 <\\|image_pad\\|> tokens for 2 images"):
         prepare_chat(tokenizer, spoofed, vision=vision)
+
+
+def test_a_prompt_with_images_continued_by_text_has_the_positions_and_hashes_of_the_longer_sequence(
+        tokenizer, vision):  # noqa: F811
+    """A preempted request's prefix: the prompt and its output so far. Its MRoPE positions are the whole sequence's
+    (text after the images: index plus the rope delta), and its block hashes the ones the cache chains for generated
+    blocks (each block's media key, salted in block 0)."""
+    p = prepare_chat(tokenizer, chat(encoded(pixels(1, 100, 140)), encoded(pixels(2, 64, 300))), vision=vision,
+                     cache_salt="tenant")
+    output = np.random.default_rng(3).integers(0, 1000, 2 * BLOCK_TOKENS + 7)
+    c = continue_prompt(p, output)
+    n = c.num_tokens
+    assert n == p.num_tokens + len(output) and (c.token_ids[p.num_tokens:] == output).all()
+    positions, delta = mrope_positions(n, [(im.begin, im.grid) for im in p.media.images], 2)
+    np.testing.assert_array_equal(c.media.rope_positions, positions)
+    assert c.media.rope_delta == delta == p.media.rope_delta and c.media.images == p.media.images
+    chain, previous = [], 0
+    for b in range(n // BLOCK_TOKENS):
+        previous = block_lookup_hash(previous, encode_tokens(c.token_ids[b * BLOCK_TOKENS:(b + 1) * BLOCK_TOKENS]),
+                                     p.block_extra(b))
+        chain.append(previous)
+    assert c.block_hashes.tolist() == chain and (c.block_hashes[:len(p.block_hashes)] == p.block_hashes).all()
+    assert c.salt == p.salt and c.tap_hints == p.tap_hints

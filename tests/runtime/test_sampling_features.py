@@ -73,8 +73,7 @@ def test_processed_logits_equal_a_float64_reference_of_vllms_formula(step):
     allowed = np.union1d(allowed, [5, 9, 17, 299])
     logits = rng.standard_normal((lanes, v)).astype(np.float32) * 4
     state = SamplerState.empty(lanes, v)
-    state = set_lane_row(state, 1, lane_row(sp, prompt, [7], v))
-    state = state.__class__(**{**state.__dict__, "counts": state.counts.at[1].set(np.bincount(output, minlength=v))})
+    state = set_lane_row(state, 1, lane_row(sp, prompt, [7], v), np.bincount(output, minlength=v).astype(np.int32))
     lane_of_row = np.array([3, 1, 3], np.int32)  # rows 0 and 2 are padding (lane C)
     masks = np.stack([np.full(mask_words(v), -1, np.int32), pack_token_bits(allowed, v),
                       np.full(mask_words(v), -1, np.int32)])

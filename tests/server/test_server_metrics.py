@@ -63,7 +63,7 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
     metrics.observe_response("/v1/messages", 200)
     metrics.observe_finish("length", 10, 3, 0, Metrics(ttft_s=0.2, latency_s=0.5, queue_s=0.01))
     metrics.observe_tokens(2, 0.03)
-    stats = {"requests": {"running": 3, "waiting": 5}, "tokens": {"prompt": 300},
+    stats = {"requests": {"running": 3, "waiting": 5, "requests_preempted": 2}, "tokens": {"prompt": 300},
              "pages": {"free": 2, "active": 5, "cached": 2, "filling": 1, "capacity": 10},
              "prefix_cache": {"reuse_tokens": 100, "snapshot_slots": {"free": 1, "active": 0, "cached": 4,
                                                                        "filling": 0, "capacity": 5},
@@ -93,6 +93,7 @@ def test_every_family_is_declared_once_with_help_and_type_and_the_rates_follow_t
     assert samples['ninfer_snapshot_slots{state="cached"}'] == 4
     assert samples['ninfer_host_cache_slabs{state="node"}'] == 1
     assert samples["ninfer_num_requests_waiting"] == 5 and samples["ninfer_server_requests_in_flight"] == 8
+    assert samples["ninfer_num_preemptions_total"] == 2
     assert samples["ninfer_spec_decode_num_drafts_total"] == 10
     assert samples["ninfer_spec_decode_num_draft_tokens_total"] == 30
     assert samples["ninfer_spec_decode_num_accepted_tokens_total"] == 21

@@ -54,19 +54,20 @@ class Admitter:
               running: Sequence[tuple[Request, LaneRecord]] = ()) -> Admission:
         """Admits `req` into `lane` with `entitlement` pages. `running` are the lanes' requests and records: a head
         that shares more with a prefilling one than the cache serves waits for it (when coalescing is on)."""
-        record = LaneRecord(self.enabled and req.sampling.uses_prefix_cache, [int(h) for h in req.prompt.block_hashes])
+        prompt = req.prefix  # the prompt, and a preempted request's output so far
+        record = LaneRecord(self.enabled and req.sampling.uses_prefix_cache, [int(h) for h in prompt.block_hashes])
         if not record.enabled:  # pages only: nothing is read, inserted, tapped or published (§7.7)
             record.source_kind = "disabled" if self.enabled else "root"
             grant = self.index.allocate_pages(entitlement)
             if grant is None:
                 return Admission(Readiness.TEMPORARILY_BLOCKED)
             return Admission(Readiness.READY, tuple(grant.pages), 0, record)
-        quote = self.index.quote(req.prompt_ids, record.hashes, entitlement_pages=entitlement,
-                                 extras=req.prompt.block_extras, vision_spans=req.prompt.vision_spans)
+        quote = self.index.quote(prompt.token_ids, record.hashes, entitlement_pages=entitlement,
+                                 extras=prompt.block_extras, vision_spans=prompt.vision_spans)
         if quote.readiness is not Readiness.READY:
             return Admission(quote.readiness)
         # Prompts with images are not coalesced (§12.2): a sibling's Boundary tap could fall inside an image span
-        if ((self.coalesce or req.group is not None) and req.prompt.media is None
+        if ((self.coalesce or req.group is not None) and prompt.media is None
                 and self._await_sibling(req, quote.source.frontier, running)):
             return Admission(Readiness.TEMPORARILY_BLOCKED)  # holding no pins: nothing was staged
         staging = self.index.stage(quote)
@@ -83,7 +84,7 @@ class Admitter:
         record.source, record.deepest = s, reused
         record.source_kind = "root" if s is None else s.kind.value
         record.cached_prefix_tokens = quote.match.cached_prefix_tokens
-        self.taps.plan(record, req.prompt, reused, [c.frontier for c in quote.match.candidates])
+        self.taps.plan(record, prompt, reused, [c.frontier for c in quote.match.candidates])
         pages = tuple(n.device_page for n in record.path) + tuple(staging.lane_pages)
         return Admission(Readiness.READY, pages, reused, record)
 
@@ -116,9 +117,10 @@ class Admitter:
         last = self._last_prefetch
         if last is not None and last[0] == req.id and last[1] == 0 and room <= last[2]:
             return 0
-        quote = self.index.quote(req.prompt_ids, [int(h) for h in req.prompt.block_hashes],
-                                 entitlement_pages=entitlement, extras=req.prompt.block_extras,
-                                 vision_spans=req.prompt.vision_spans)
+        prompt = req.prefix
+        quote = self.index.quote(prompt.token_ids, [int(h) for h in prompt.block_hashes],
+                                 entitlement_pages=entitlement, extras=prompt.block_extras,
+                                 vision_spans=prompt.vision_spans)
         batch = self.index.prefetch(quote, self.PREFETCH_BLOCKS)
         copied = 0
         if batch is not None:
@@ -141,16 +143,16 @@ class Admitter:
         The head waits only while the sibling has not passed the target and the wait saves at least a block; a
         skipped tap, a finished or cancelled sibling ends the wait, and each sibling chunk re-arms admission.
         """
-        n = req.num_prompt
+        n = req.prefix.num_tokens
         for other, record in running:
             if (not other.prefilling or not record.enabled or not (self.coalesce or other.group == req.group)
                     or other.prompt.salt != req.prompt.salt):  # another salt's blocks are not this prompt's
                 continue
-            a, b = req.prompt_ids, other.prompt_ids
+            a, b = req.prefix.token_ids, other.prefix.token_ids
             m = min(len(a), len(b))
             differ = np.flatnonzero(a[:m] != b[:m])
             d = int(differ[0]) if differ.size else m
-            target = min(d, n - 1, other.num_prompt - 1)
+            target = min(d, n - 1, len(b) - 1)
             target -= target % BLOCK_TOKENS
             if target <= other.computed or target - served < BLOCK_TOKENS:
                 continue

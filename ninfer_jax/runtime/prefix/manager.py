@@ -119,13 +119,13 @@ class PrefixCacheManager:
         return None if grant is None else grant.pages[0]
 
     def release(self, req: Request, reason: str) -> None:
-        """Terminal settlement of the request holding a lane: endpoint snapshot, path released, private pages
-        freed. The lane's pages are no longer the request's after this call."""
+        """Settlement of the request holding a lane, at its end or its preemption: endpoint snapshot, path released,
+        private pages freed. The lane's pages are no longer the request's after this call."""
         lane = req.lane
         record, self._lanes[lane] = self._lanes[lane], None
         write, endpoint = None, None
         if record.enabled:
-            kept = reason in ("stop", "length", "cancelled") and not self.write_back.failed
+            kept = reason in ("stop", "length", "cancelled", "preempted") and not self.write_back.failed
             if kept:
                 # At the end the backend's pages count up to its own frontier (§7.7): the last blocks commit, and
                 # the taps waiting for them publish.
