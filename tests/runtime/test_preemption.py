@@ -98,3 +98,23 @@ def test_the_lowest_priority_lane_is_preempted_first_though_it_came_first(checkp
         counts = np.asarray(engine.runner.sampler_state.counts)
         assert any((row == np.bincount(outs[0], minlength=row.shape[0])).all() for row in counts)
         engine.check_ledger()
+
+
+def test_mtp_lanes_chained_on_the_device_are_preempted_between_rounds_and_end_as_alone():
+    """MTP verify rounds continue the round in flight without reading it; a preemption reads it first. Two lanes of
+    40 and 60 prompt tokens and 100 more (3 pages each), admitted with 2 pages each into 4."""
+    from ninfer_jax.model.tiny import trained_checkpoint
+
+    prompts, sp = [list(range(100, 140)), list(range(300, 360))], SamplingParams(max_tokens=100, temperature=0.0,
+                                                                                 ignore_eos=True)
+    with Engine.from_pretrained(trained_checkpoint(), max_concurrency=1, prefill_chunk=64, max_model_len=256,
+                                kv_capacity=4 * 64, no_prefix_reuse=True) as engine:
+        alone = [engine.generate(p, sp).token_ids for p in prompts]
+    with Engine.from_pretrained(trained_checkpoint(), max_concurrency=2, prefill_chunk=64, max_model_len=256,
+                                kv_capacity=4 * 64, output_window=64, speculative="mtp",
+                                num_speculative_tokens=3) as engine:
+        assert [o.token_ids for o in engine.generate_many(prompts, [sp] * 2)] == alone
+        stats = engine.stats()
+        assert stats["requests"]["requests_preempted"] >= 1 and stats["scheduler"]["chained_rounds"] > 0
+        assert stats["compiles_since_warmup"] == 0
+        engine.check_ledger()
