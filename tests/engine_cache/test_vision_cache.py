@@ -137,3 +137,22 @@ def test_an_endpoint_whose_tail_holds_an_image_resumes_a_prompt_ending_in_that_b
         settle_host(engine, warmed=False)
     finally:
         engine.stop()
+
+
+def test_a_preempted_request_with_an_image_recomputes_what_the_cache_lost_and_ends_as_alone(checkpoint, root):
+    """Two lanes in 6 pages: the junior, whose prompt holds an image, is preempted, and the senior's growth evicts
+    what it computed; it prefills its prompt (the image again) and output so far, its positions past the prompt from
+    `PromptMedia.continued` (pinned against mrope_positions in test_vision_prompt.py), and both end with the tokens
+    they have alone."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (250, 120)]
+    engine = Engine.from_pretrained(checkpoint, **{**COMMON, "kv_capacity": 6 * 64, "host_cache_mib": 0,
+                                                   "warmup": False})
+    try:
+        prompts = [tokens(70, 40), prompt(engine, tokens(20, 41), png(13, 256, 256), tokens(5, 42))]
+        outs = engine.generate_many(prompts, params)
+        assert [o.token_ids for o in outs] == [root.generate(p, sp).token_ids for p, sp in zip(prompts, params)]
+        assert engine.stats()["requests"]["requests_preempted"] == 1
+        assert engine.cache_record(outs[1].request_id)["source"] == "root"
+        engine.check_ledger()
+    finally:
+        engine.stop()
