@@ -118,3 +118,23 @@ def test_mtp_lanes_chained_on_the_device_are_preempted_between_rounds_and_end_as
         assert stats["requests"]["requests_preempted"] >= 1 and stats["scheduler"]["chained_rounds"] > 0
         assert stats["compiles_since_warmup"] == 0
         engine.check_ledger()
+
+
+def test_a_prefilling_request_preempted_scores_its_prompt_once_and_ends_as_alone(checkpoint):
+    """With a one-token output window the senior (191 tokens, 3 pages) needs its fourth page at its second token,
+    while the junior (400 tokens with prompt logprobs, 7 pages) still prefills in 64-token passes: the junior is
+    preempted mid-prompt, and its prompt logprobs come once, equal to its run alone."""
+    rng = np.random.default_rng(4)
+    senior, junior = (rng.integers(0, ORACLE_VOCAB, n).tolist() for n in (191, 400))
+    params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=2)]
+    with Engine.from_pretrained(checkpoint, max_concurrency=1, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=16 * 64, no_prefix_reuse=True) as engine:
+        alone = [engine.generate(p, sp) for p, sp in zip((senior, junior), params)]
+    with Engine.from_pretrained(checkpoint, max_concurrency=2, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=10 * 64, output_window=1) as engine:
+        outs = engine.generate_many([senior, junior], params)
+        assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+        assert outs[1].prompt_logprobs == alone[1].prompt_logprobs and len(outs[1].prompt_logprobs) == 400
+        assert engine.stats()["requests"]["requests_preempted"] == 1
+        engine.check_ledger()
