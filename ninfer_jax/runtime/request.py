@@ -165,7 +165,7 @@ class Request:
     # After a preemption: the prompt and the output so far, which its next admission maps onto the cache and
     # prefills (`prefix`); None before.
     resume: PreparedPrompt | None = None
-    preemptions: int = 0
+    preemptions: int = 0  # times it went back to the queue for another lane's pages
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] | None = None
     # With prompt logprobs: each prefill pass's first position and its scores on the device (the runner's
