@@ -138,3 +138,39 @@ def test_a_prefilling_request_preempted_scores_its_prompt_once_and_ends_as_alone
         assert outs[1].prompt_logprobs == alone[1].prompt_logprobs and len(outs[1].prompt_logprobs) == 400
         assert engine.stats()["requests"]["requests_preempted"] == 1
         engine.check_ledger()
+
+
+def test_sixteen_lanes_in_a_crowded_pool_preempt_each_other_and_each_ends_as_alone(checkpoint, alone):
+    """16 lanes, greedy and seeded sampling, two cancelled mid-stream, in 16 pages with a 16-token output window
+    (about ten preemptions on a 2-core CPU, a request sometimes twice): every request that runs to its end has the
+    tokens it has alone, a cancelled one a prefix of them, and nothing is left held."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, ORACLE_VOCAB, int(n)).tolist() for n in rng.integers(20, 100, 16)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, **(dict(temperature=0.8, seed=i) if i % 3 else
+                                                                    dict(temperature=0.0)))
+              for i, m in enumerate(rng.integers(100, 250, 16))]
+    with Engine.from_pretrained(checkpoint, max_concurrency=16, prefill_chunk=64, max_model_len=512,
+                                kv_capacity=16 * 64, output_window=16) as engine:
+        boxes = [queue.SimpleQueue() for _ in prompts]
+        ids = [engine.submit(p, sp, sink=box.put) for p, sp, box in zip(prompts, params, boxes)]
+        streams = {}
+        for i in (5, 11):  # cancelled once they have streamed 20 tokens
+            events = [boxes[i].get(timeout=300)]
+            while sum(len(e.token_ids) for e in events) < 20 and events[-1].finish_reason is None:
+                events.append(boxes[i].get(timeout=300))
+            engine.cancel(ids[i])
+            streams[i] = events
+        for i, box in enumerate(boxes):
+            events = streams.get(i, [])
+            while not events or events[-1].finish_reason is None:
+                events.append(box.get(timeout=300))
+            out, want = sum((e.token_ids for e in events), ()), alone(prompts[i], params[i])
+            if i in (5, 11):
+                assert events[-1].finish_reason == "cancelled" and out == want[:len(out)]
+            else:
+                assert events[-1].finish_reason == "length" and out == want, i
+        stats = engine.stats()
+        assert stats["requests"]["requests_preempted"] >= 4, stats["requests"]
+        assert stats["pages"]["active"] == 0 and stats["requests"]["running"] == 0
+        assert stats["compiles_since_warmup"] == 0
+        engine.check_ledger()
