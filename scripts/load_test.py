@@ -316,7 +316,7 @@ def _serving_benchmark(args: argparse.Namespace) -> int:
                 print(f"{name} | {clients:>3} clients | {level['requests']} requests | {level['errors']} errors | "
                       f"{level['output_tok_s']} output tok/s | {level['total_tok_s']} total tok/s | TTFT p50 "
                       f"{level['ttft_p50_ms']} p99 {level['ttft_p99_ms']} ms | TPOT p50 {level['tpot_p50_ms']} p99 "
-                      f"{level['tpot_p99_ms']} ms", flush=True)
+                      f"{level['tpot_p99_ms']} ms | {level['preemptions']} preemptions", flush=True)
                 levels.setdefault(name, []).append(level)
     report = {**reports.run_meta(), "server_args": args.server_args, "url": args.url, "model": model,
               "seed": args.seed, "startup": startup, "workloads": levels}

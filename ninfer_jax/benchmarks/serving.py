@@ -1,6 +1,7 @@
 """The serving benchmark of issue 31: `ninfer-serve` under C concurrent clients (1, 16, 64, 256), each sending
 streamed /v1/completions of token-id prompts with a fixed output length (ignore_eos), the pattern of vLLM's and
-SGLang's serving benchmarks. Reports output and total tok/s, TTFT and TPOT p50/p99 per concurrency.
+SGLang's serving benchmarks. Reports output and total tok/s, TTFT and TPOT p50/p99 per concurrency, and the
+requests the server preempted meanwhile (its KV pool out of pages).
 
 Workloads, both from a fixed seed so every run sends the same requests:
 - "sharegpt": input and output lengths drawn from log-normal distributions whose means are the ShareGPT statistics
@@ -17,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 
 import httpx
@@ -115,10 +117,19 @@ async def run_level(url: str, model: str, requests: list[BenchRequest], concurre
             while queue:
                 results.append(await send(client, url, model, queue.pop()))
 
+        before = await preemptions(client, url)
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return summarize(results, wall, concurrency)
+        after = await preemptions(client, url)
+    return {**summarize(results, wall, concurrency),
+            "preemptions": None if before is None or after is None else int(after - before)}
+
+
+async def preemptions(client: httpx.AsyncClient, url: str) -> float | None:
+    """The server's ninfer_num_preemptions_total from /metrics; None where it has no such series."""
+    found = re.search(r"^ninfer_num_preemptions_total (\S+)$", (await client.get(f"{url}/metrics")).text, re.M)
+    return float(found.group(1)) if found else None
 
 
 def summarize(results: list[Result], wall_s: float, concurrency: int) -> dict:
@@ -148,10 +159,11 @@ def _ms(values: list[float], q: float) -> float | None:
 def markdown(report: dict) -> list[str]:
     """The report's table rows, one per workload and concurrency."""
     lines = [("| workload | concurrency | requests | errors | output tok/s | total tok/s | TTFT p50 ms | TTFT p99 ms "
-              "| TPOT p50 ms | TPOT p99 ms |"), "|---|---|---|---|---|---|---|---|---|---|"]
+              "| TPOT p50 ms | TPOT p99 ms | preemptions |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, levels in report["workloads"].items():
         for lv in levels:
+            preempted = lv.get("preemptions")
             lines.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['output_tok_s']} "
                          f"| {lv['total_tok_s']} | {lv['ttft_p50_ms']} | {lv['ttft_p99_ms']} | {lv['tpot_p50_ms']} "
-                         f"| {lv['tpot_p99_ms']} |")
+                         f"| {lv['tpot_p99_ms']} | {'-' if preempted is None else preempted} |")
     return lines

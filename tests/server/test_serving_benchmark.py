@@ -25,14 +25,23 @@ def test_the_workloads_repeat_for_a_seed_and_keep_sharegpts_means_within_the_bou
         serving.workload("alpaca", 1)
 
 
+class _Preempting(ScriptedEngine):
+    """Counts a preemption for each request, as the engine's stats would."""
+
+    def _prepare(self, prompt):
+        self.counters["requests_preempted"] += 1
+        return super()._prepare(prompt)
+
+
 def test_a_level_counts_every_token_and_measures_ttft_before_tpot():
-    engine = ScriptedEngine(token_delay=0.01)
+    engine = _Preempting(token_delay=0.01)
+    engine.counters["requests_preempted"] = 4  # before the level: not its own
     engine.default_text = "one two three four five six seven eight nine ten " * 4
     requests = [serving.BenchRequest(list(range(1000, 1000 + n)), 6) for n in (5, 9, 17, 30, 41)]
     with LiveServer(engine) as live:
         level = asyncio.run(serving.run_level(live.url, engine.model_name, requests, concurrency=2))
     assert level["requests"] == 5 and level["errors"] == 0 and level["output_tokens"] == 30
-    assert level["input_tokens"] == 5 + 9 + 17 + 30 + 41
+    assert level["input_tokens"] == 5 + 9 + 17 + 30 + 41 and level["preemptions"] == 5
     assert level["output_tok_s"] * level["wall_s"] == pytest.approx(30, rel=0.01)
     assert 10 <= level["tpot_p50_ms"] <= level["tpot_p99_ms"] < 200  # about the engine's 10 ms between tokens
     # every prompt went as its token ids (two at a time: in whichever order they arrived)
