@@ -69,7 +69,7 @@ def random_engine(name: str, *, kernels: str = "pallas", warmup: bool = False, t
     interpret = kernels == "pallas" and jax.default_backend() == "cpu"
     opts = EngineOptions(**{"dtype": "bfloat16", "kernels": kernels, "interpret": interpret,
                             **weight_options(weights), **options})
-    params = startup.kernel_params(params, opts)
+    params = startup.kernel_params(params, opts, cfg)
     return Engine(cfg, params, opts, tokenizer=tokenizer, model_name=name, warmup=warmup), init_s
 
 

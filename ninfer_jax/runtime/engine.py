@@ -186,7 +186,7 @@ class Engine:
         frontend = VisionFrontend.from_checkpoint(directory, tokenizer, config_file=config_file) if tower else None
         vision = (*tower, frontend) if frontend is not None else None  # a VLM whose image placeholder is known
         template = template or load_chat_template(directory)
-        params = startup.kernel_params(params, resolved)
+        params = startup.kernel_params(params, resolved, config)
         engine = cls(config, params, options, tokenizer=tokenizer, chat_template=template,
                      model_name=name, warmup=warmup, weights_identity=identity, progress=progress, vision=vision,
                      sampling_defaults=defaults)

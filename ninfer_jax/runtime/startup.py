@@ -202,18 +202,19 @@ def parallel_init(options: EngineOptions):
     return None if layout is None else layout.init_params
 
 
-# The dense FP8 weights blocked for the Pallas kernels (`ops.kernel_layout`): alone the kernels stream them
-# 1.05-1.15x faster at 1-128 rows (an H100, docs/kernels_notes.md), but these kernels' compiled results and the
-# engine's rounds on that layout are not yet checked on a GPU: off until they are (scripts/ab_kernel_flags.py
-# --variants 'base;layout=blocked', scripts/bench_fp8_kernels.py --only layout).
-BLOCK_FP8_WEIGHTS = False
+# The dense FP8 weights blocked for the Pallas kernels (`ops.kernel_layout`), in a model without routed experts: on
+# an H100 (2026-12-07) the 27B's FP8 rounds take 0.93x the time at one lane and 0.97x at 64, every kernel's bits
+# unchanged; the 35B-A3B's one-lane round took 1.54x (its GDN in-projection's kernel 0.73x at 8 rows), so MoE models
+# keep [N, K] (`scripts/ab_kernel_flags.py --variants 'base;layout=blocked'`, docs/kernels_notes.md).
+BLOCK_FP8_WEIGHTS = True
 
 
-def kernel_params(params: Params, options: EngineOptions) -> Params:
-    """params as the engine's kernels stream them fastest: with BLOCK_FP8_WEIGHTS, on the Pallas kernels and one
-    device, the dense block-FP8 weights blocked (`ops.kernel_layout`; the arrays given are consumed). An engine
-    takes either layout."""
-    if not BLOCK_FP8_WEIGHTS or options.kernels != "pallas" or options.tensor_parallel_size > 1:
+def kernel_params(params: Params, options: EngineOptions, cfg: ModelConfig) -> Params:
+    """params as the engine's kernels stream them fastest: with BLOCK_FP8_WEIGHTS, on the Pallas kernels, one device
+    and a model without routed experts, the dense block-FP8 weights blocked (`ops.kernel_layout`; the arrays given
+    are consumed). An engine takes either layout."""
+    if (not BLOCK_FP8_WEIGHTS or options.kernels != "pallas" or options.tensor_parallel_size > 1
+            or cfg.is_moe):
         return params
     start = time.perf_counter()
     params = ops.kernel_layout(params)

@@ -5,6 +5,7 @@ FP8 activations, within their rounding)."""
 import json
 import shutil
 import sysconfig
+import types
 from pathlib import Path
 
 import chex
@@ -346,11 +347,14 @@ def test_a_pallas_engine_blocks_its_dense_fp8_weights_and_their_products_keep_th
             "fused": ConcatWeight((weight(256, 256, 5), jnp.ones((256, 16), jnp.bfloat16))),
             "partial": weight(200, 256, 6)}
     rows_copy = jax.tree.map(jnp.copy, tree)
-    assert startup.kernel_params(tree, EngineOptions(kernels="pallas")) is tree
+    dense, moe = types.SimpleNamespace(is_moe=False), types.SimpleNamespace(is_moe=True)
+    assert startup.kernel_params(tree, EngineOptions(kernels="pallas"), moe) is tree  # measured slower: rows
+    assert startup.kernel_params(tree, EngineOptions(kernels="reference"), dense) is tree
+    assert startup.kernel_params(tree, EngineOptions(kernels="pallas", tensor_parallel_size=2), dense) is tree
+    monkeypatch.setattr(startup, "BLOCK_FP8_WEIGHTS", False)
+    assert startup.kernel_params(tree, EngineOptions(kernels="pallas"), dense) is tree
     monkeypatch.setattr(startup, "BLOCK_FP8_WEIGHTS", True)
-    assert startup.kernel_params(tree, EngineOptions(kernels="reference")) is tree
-    assert startup.kernel_params(tree, EngineOptions(kernels="pallas", tensor_parallel_size=2)) is tree
-    blocked = startup.kernel_params(tree, EngineOptions(kernels="pallas"))
+    blocked = startup.kernel_params(tree, EngineOptions(kernels="pallas"), dense)
     assert blocked["mlp"].down.blocked and blocked["mlp"].down.values.shape == (2, 256, 128)
     assert blocked["mlp"].gate_up.shape == rows_copy["mlp"].gate_up.shape == (256, 512)
     assert blocked["fused"].parts[0].blocked and not blocked["partial"].blocked
