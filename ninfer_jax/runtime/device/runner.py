@@ -144,12 +144,13 @@ class ModelRunner:
         self.mask_words = mask_words(cfg.vocab_size)
         self._no_prev = jnp.zeros(max_lanes, jnp.int32)
         self._no_frontier = jnp.zeros((max_lanes, self.verify_rows + FRONTIER_COLUMNS), jnp.int32)
+        self._no_counts = jnp.zeros(cfg.vocab_size, jnp.int32)  # the output counts of a lane's first admission
         if layout is not None:  # on the mesh from the start, as the steps return them: one program per step
-            self.sampler_state, self._no_prev, self._no_frontier, self._stop_mask, self.mtp_carry = layout.replicate(
-                (self.sampler_state, self._no_prev, self._no_frontier, self._stop_mask, self.mtp_carry))
+            (self.sampler_state, self._no_prev, self._no_frontier, self._no_counts, self._stop_mask,
+             self.mtp_carry) = layout.replicate((self.sampler_state, self._no_prev, self._no_frontier,
+                                                 self._no_counts, self._stop_mask, self.mtp_carry))
         # Jitted per runner, so compile counts belong to this engine. jit sits exactly on the steps.
         self._prefill_rows = np.zeros(1, np.int32)  # a prefill's one row of logits is entry 0 of its tokens
-        self._no_counts = None  # [V] zeros on the device, the output counts of a lane's first admission
         self._steps = {
             "prefill": jax.jit(steps.own_copy(steps.prefill_step), static_argnames=("cfg", "kc", "full", "layout"),
                                donate_argnames=("state", "carry")),
@@ -498,13 +499,9 @@ class ModelRunner:
     def set_sampler_lane(self, lane: int, row: np.ndarray, output=()) -> None:
         """Writes a lane's SamplerState row (`sampling.lane_row`) and its output counts (of `output`: a preempted
         request's tokens so far): at admission of a request that processes its logits."""
-        v = self.cfg.vocab_size
+        counts = self._no_counts  # kept on the device: no [V] copy at each admission
         if len(output):
-            counts = np.bincount(np.asarray(output, np.int64), minlength=v).astype(np.int32)
-        else:  # kept on the device: no [V] copy at each admission
-            if self._no_counts is None:
-                self._no_counts = jnp.zeros(v, jnp.int32)
-            counts = self._no_counts
+            counts = np.bincount(np.asarray(output, np.int64), minlength=self.cfg.vocab_size).astype(np.int32)
         self._swap_sampler(self._steps["sampler_lane"](self.sampler_state, np.int32(lane), row, counts))
 
     def _swap_kv(self, kv) -> None:
