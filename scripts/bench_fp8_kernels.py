@@ -725,8 +725,9 @@ def main() -> None:
         _write_table(args.out, "fp8_layout", "Dense FP8 weights [N, K] against blocked [K / 128, N, 128]", "the "
                      "kernel quantized_dot takes at each row count (1: fp8_matmul weight-only; 2-32: FP8 x FP8 swap "
                      "AB; more: fp8_gemm at auto_config) on the weight as the checkpoint stores it and "
-                     "fp8_matmul.blocked (the layout startup.BLOCK_FP8_WEIGHTS gives an engine); us per call (10 "
-                     "calls inside one jit, median of 5 batches); blocked_gbps: FP8 weight bytes a second", cols,
+                     "fp8_matmul.blocked (the layout startup.BLOCK_FP8_WEIGHTS gives a dense model's engine); us "
+                     "per call (10 calls inside one jit, median of 5 batches); blocked_gbps: FP8 weight bytes a "
+                     "second", cols,
                      bench_layout(tuple(int(m) for m in args.layout_rows.split(",")),
                                   _shapes(args.gemm_wide_shapes, WIDE_SHAPES, "--gemm-wide-shapes")))
         return
