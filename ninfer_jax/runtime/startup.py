@@ -204,8 +204,9 @@ def parallel_init(options: EngineOptions):
 
 # The dense FP8 weights blocked for the Pallas kernels (`ops.kernel_layout`), in a model without routed experts: on
 # an H100 (2026-12-07) the 27B's FP8 rounds take 0.93x the time at one lane and 0.97x at 64, every kernel's bits
-# unchanged; the 35B-A3B's one-lane round took 1.54x (its GDN in-projection's kernel 0.73x at 8 rows), so MoE models
-# keep [N, K] (`scripts/ab_kernel_flags.py --variants 'base;layout=blocked'`, docs/kernels_notes.md).
+# unchanged; the 35B-A3B's rounds gained nothing at 1 or 64 lanes and its GDN in-projection's kernel runs 0.73x at 8
+# rows, so MoE models keep [N, K] (`scripts/ab_kernel_flags.py --variants 'base;layout=blocked'`,
+# docs/kernels_notes.md).
 BLOCK_FP8_WEIGHTS = True
 
 
