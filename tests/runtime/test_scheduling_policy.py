@@ -1,5 +1,6 @@
 """The scheduling policy: with "priority" (vLLM's), waiting requests get a lane lower priority values first, arrival
-breaking ties; with "fcfs" (the default) a request's priority must be 0."""
+breaking ties; with "fcfs" (the default) a request's priority must be 0. Between running lanes, prefill passes go
+oldest first and every decoding lane gains a token each round."""
 
 import threading
 
@@ -59,3 +60,39 @@ def test_a_priority_is_refused_under_first_come_first_served_and_must_be_an_inte
         engine.stop()
     with pytest.raises(ValueError, match="priority must be an integer"):
         SamplingParams(priority=1.5)
+
+
+def test_prompts_prefill_in_arrival_order_and_every_decoding_lane_gains_a_token_each_round(checkpoint):
+    """Fairness between lanes: the oldest prefilling lane's pass goes first (a long prompt ahead holds later ones
+    back, FIFO as admission), and every lane that decodes gains one token in every round, however many run."""
+    lengths = [200, 30, 130, 30, 90, 60, 30, 150]  # several passes of 64 for some, one for others
+    prompts = [np.random.default_rng(10 + i).integers(0, ORACLE_VOCAB, n).tolist() for i, n in enumerate(lengths)]
+    sent, done = [], threading.Event()  # (request, its tokens so far), in the order the scheduler sends them
+    counts = [0] * len(prompts)
+
+    def sink(i):
+        def put(event):
+            counts[i] += len(event.token_ids)
+            sent.append((i, tuple(counts)))
+            if event.finish_reason is not None and sum(c == 20 for c in counts) == len(prompts):
+                done.set()
+        return put
+
+    with Engine.from_pretrained(checkpoint, **{**COMMON, "max_concurrency": len(prompts)}) as engine:
+        for i, prompt in enumerate(prompts):
+            engine.submit(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), sink=sink(i))
+        assert done.wait(300)
+        engine.check_ledger()
+
+    def nth(i, n):  # where request i's n-th token was sent
+        return next(k for k, (_, c) in enumerate(sent) if c[i] >= n)
+
+    firsts = [nth(i, 1) for i in range(len(prompts))]
+    assert firsts == sorted(firsts)  # first tokens in arrival order
+    for a in range(len(prompts)):
+        for b in range(a + 1, len(prompts)):
+            # once b's rounds begin (its first token, from its prompt's last pass, is read after the next round is
+            # dispatched) until a ends, a stays the same number of tokens ahead, give or take the one a step's round
+            # sends a before b
+            window = [c[a] - c[b] for _, c in sent[nth(b, 2):] if c[a] < 20]
+            assert window and max(window) - min(window) <= 1, (a, b, window)
