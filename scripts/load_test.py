@@ -346,8 +346,8 @@ def _ms(values: list[float], q: float) -> float:
 
 def _ledger(metrics: str) -> dict:
     def value(name: str) -> float:
-        found = re.search(rf"^{re.escape(name)} (\S+)$", metrics, flags=re.M)
-        return float(found.group(1)) if found else 0.0
+        found = serving.metric_value(metrics, name)
+        return 0.0 if found is None else found
 
     # The readiness polls while the server started answer 503 by design.
     statuses = re.findall(r'^ninfer_requests_total\{endpoint="(?!/health/ready")[^"]*",status="(\d+)"\} (\S+)$',

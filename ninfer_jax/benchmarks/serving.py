@@ -128,7 +128,12 @@ async def run_level(url: str, model: str, requests: list[BenchRequest], concurre
 
 async def preemptions(client: httpx.AsyncClient, url: str) -> float | None:
     """The server's ninfer_num_preemptions_total from /metrics; None where it has no such series."""
-    found = re.search(r"^ninfer_num_preemptions_total (\S+)$", (await client.get(f"{url}/metrics")).text, re.M)
+    return metric_value((await client.get(f"{url}/metrics")).text, "ninfer_num_preemptions_total")
+
+
+def metric_value(metrics: str, series: str) -> float | None:
+    """One series' value in /metrics' text (`series` with its labels, as the text writes them); None where absent."""
+    found = re.search(rf"^{re.escape(series)} (\S+)$", metrics, flags=re.M)
     return float(found.group(1)) if found else None
 
 
