@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from ninfer_jax.model.tiny import preset_config
 
 # Small vocabulary for the oracle tests: the logits matmul would otherwise dominate every CPU run.
@@ -14,8 +16,9 @@ def oracle_config(preset: str, layout: str = "text", **overrides) -> dict:
     return preset_config(preset, layout=layout, **overrides)
 
 
-def hf_model(directory, layout="text"):
-    """The HF transformers model for a checkpoint directory, float32, eval mode (test-only oracle)."""
+def hf_model(directory, layout="text", eager_experts: bool = False):
+    """The HF transformers model for a checkpoint directory, float32, eval mode (test-only oracle); eager_experts:
+    the MoE experts as a loop of `linear` calls rather than a grouped matmul (for `fp8_activations`)."""
     import torch
     import transformers
 
@@ -27,7 +30,8 @@ def hf_model(directory, layout="text"):
 
         arch = json.loads((directory / "config.json").read_text())["architectures"][0]
         cls = getattr(transformers, arch)
-    return cls.from_pretrained(directory, dtype=torch.float32).eval()
+    extra = {"experts_implementation": "eager"} if eager_experts else {}
+    return cls.from_pretrained(directory, dtype=torch.float32, **extra).eval()
 
 
 def forward_greedy(directory):
@@ -71,3 +75,40 @@ def dequantized_copy(fp8_dir, target):
     del raw["quantization_config"]
     (target / "config.json").write_text(json.dumps(raw))
     return target
+
+
+# The linears an FP8 pack quantizes (`tiny.FP8_LINEARS`) as transformers names their weights; the experts are 3-D.
+_FP8_WEIGHTS = (".in_proj_qkv.weight", ".in_proj_z.weight", ".linear_attn.out_proj.weight", ".q_proj.weight",
+                ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight", ".up_proj.weight",
+                ".down_proj.weight", ".experts.gate_up_proj", ".experts.down_proj")
+
+
+@contextlib.contextmanager
+def fp8_activations(model):
+    """Within it, every input to one of `model`'s FP8-pack linears is quantized as the packs' `activation_scheme:
+    dynamic` says and vLLM and SGLang do: per token and 128-group, scale amax / 448, values rounded to e4m3 and
+    multiplied back (torch's own cast). The router, gates, in_proj_a/b and lm_head keep their inputs. MoE experts
+    must be eager (`hf_model(..., eager_experts=True)`): a grouped matmul calls no `linear`."""
+    import torch
+
+    if any(type(m).__name__.endswith("Experts") and m.config._experts_implementation != "eager"
+           for m in model.modules()):
+        raise ValueError("fp8_activations: the model's experts are not eager (hf_model(..., eager_experts=True))")
+
+    # by address range: an expert's weight is a view into its layer's 3-D parameter
+    quantized = [(p.data_ptr(), p.data_ptr() + p.nbytes) for name, p in model.named_parameters()
+                 if name.endswith(_FP8_WEIGHTS) and not name.startswith("model.visual.")]
+    linear = torch.nn.functional.linear
+
+    def fp8_linear(x, weight, bias=None):
+        if any(lo <= weight.data_ptr() < hi for lo, hi in quantized):
+            groups = x.reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+            scale = groups.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+            x = ((groups / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale).reshape(x.shape)
+        return linear(x, weight, bias)
+
+    torch.nn.functional.linear = fp8_linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear

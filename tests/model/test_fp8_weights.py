@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from oracle import ORACLE_VOCAB, dequantized_copy, hf_model, oracle_config
+from oracle import ORACLE_VOCAB, dequantized_copy, fp8_activations, hf_model, oracle_config
 from safetensors.torch import load_file
 
 from ninfer_jax import Engine, SamplingParams
@@ -259,33 +259,48 @@ def _trained_at_whole_blocks(directory):
 
 @pytest.mark.parametrize("pack,layout", [("trained-dense", "text"), ("tiny-moe", "vlm")],
                          ids=["trained-dense-text", "random-moe-vlm"])
-def test_dynamic_fp8_activations_stay_within_their_rounding_of_transformers(tmp_path, gemm_on_cpu, pack, layout):
+def test_dynamic_fp8_logits_stay_within_their_rounding_and_greedy_tokens_agree_with_the_scheme(tmp_path, gemm_on_cpu,
+                                                                                               pack, layout):
     """fp8_activations 'dynamic' through the Pallas kernels on a tiny pack of whole 128-blocks, all 256 positions
-    against transformers on the numpy-dequantized pack: every projection on the FP8 x FP8 GEMM (its jnp reference on
-    CPU), the MoE's experts on the FP8 x FP8 tiles, the shared expert's rows among them. Dense: the trained model on
-    Python source (its activations as training shaped them); MoE: random weights, I = 128, on random tokens.
+    against transformers on the numpy-dequantized pack (float64): every projection on the FP8 x FP8 GEMM (its jnp
+    reference on CPU), the MoE's experts on the FP8 x FP8 tiles, the shared expert's rows among them. Dense: the
+    trained model on Python source (its activations as training shaped them); MoE: random weights, I = 128, on random
+    tokens.
 
-    The bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by the
-    model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round and
-    more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
-    with 2 for second-order terms and rounding that is not independent."""
+    Logits: the bound is first-order: rounding activations to e4m3 (a half step of 2^-4 relative) moves the logits by
+    the model's gain times that rounding, as rounding them to bf16 (2^-8) does at every site the FP8 products round
+    and more. The bf16 run calibrates the gain, so the FP8 run's RMS logit error is at most 16 times the bf16 run's,
+    with 2 for second-order terms and rounding that is not independent.
+
+    Greedy tokens: at least 98% of positions agree with transformers running the same scheme (`oracle.fp8_activations`,
+    the activations quantized as the packs say). Against the unquantized model the scheme itself moves 5-6% of these
+    tiny models' greedy tokens (their top-2 margins are narrow; the oracle's own FP8 run agrees with it on 94.1% /
+    95.3%), so no implementation of it reaches 98% there; a value one float32 ulp off a rounding midpoint rounds the
+    other way, so transformers in float32 and float64 agree on 99.6% of positions with each other."""
     if pack == "trained-dense":
         fp8_dir, tokens = _trained_at_whole_blocks(tmp_path / "fp8")
     else:
         fp8_dir = write_random_checkpoint(tmp_path / "fp8", oracle_config(
             pack, layout, moe_intermediate_size=128, shared_expert_intermediate_size=128), seed=21, fp8=True)
         tokens = np.random.default_rng(5).integers(0, ORACLE_VOCAB, 256)
-    deq_dir = dequantized_copy(fp8_dir, tmp_path / "dequantized")
+    model = hf_model(dequantized_copy(fp8_dir, tmp_path / "dequantized"), layout, eager_experts=True).double()
     with torch.no_grad():
-        theirs = hf_model(deq_dir, layout)(input_ids=torch.tensor(tokens)[None]).logits[0].numpy().astype(np.float64)
+        theirs = model(input_ids=torch.tensor(tokens)[None], use_cache=False).logits[0].numpy()
+        with fp8_activations(model):
+            scheme = model(input_ids=torch.tensor(tokens)[None], use_cache=False).logits[0].numpy()
 
-    def rel_error(dtype, **kc):
+    def logits(dtype, **kc):
         cfg, params = load_checkpoint(fp8_dir, dtype)
-        ours = np.asarray(forward(params, cfg, tokens, KernelConfig("pallas", interpret=True, **kc)), np.float64)
+        return np.asarray(forward(params, cfg, tokens, KernelConfig("pallas", interpret=True, **kc)), np.float64)
+
+    def rel_error(ours):
         return np.sqrt(np.mean(np.square(ours - theirs)) / np.mean(np.square(theirs)))
 
-    fp8, bf16 = rel_error("float32", fp8_activations=True), rel_error("bfloat16")
-    assert 1e-3 < fp8 < 2 * 16 * bf16, (fp8, bf16)  # above 1e-3: quantized (f32 weight-only rows are 3e-7 off)
+    fp8 = logits("float32", fp8_activations=True)
+    bf16 = rel_error(logits("bfloat16"))
+    assert 1e-3 < rel_error(fp8) < 2 * 16 * bf16, (rel_error(fp8), bf16)  # above 1e-3: quantized (f32 weight-only
+    # rows are 3e-7 off)
+    assert np.mean(fp8.argmax(-1) == scheme.argmax(-1)) >= 0.98, np.mean(fp8.argmax(-1) == scheme.argmax(-1))
 
 
 def test_an_fp8_round_hands_the_attention_merges_fp8_rows_to_the_out_projection(monkeypatch):
