@@ -1,7 +1,8 @@
-"""Generated requests against the app in-process (the scripted engine): OpenAI chat completions and completions,
-Anthropic messages and count_tokens. Bodies are mostly well-formed with fields of any JSON value, lone
-surrogates, huge and non-finite numbers, deep nesting and the wrong content type mixed in. No request may get a
-5xx or an error inside its stream, and a normal request is served after each run."""
+"""Generated requests against the app in-process (the scripted engine): OpenAI chat completions, completions and
+responses (vLLM's request fields on the first two), Anthropic messages and count_tokens. Bodies are mostly
+well-formed with fields of any JSON value, lone surrogates, huge and non-finite numbers, deep nesting and the wrong
+content type mixed in. No request may get a 5xx or an error inside its stream, and a normal request is served after
+each run."""
 
 from __future__ import annotations
 
@@ -63,9 +64,26 @@ SAMPLING = {
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)), "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 1000), max_size=3), "user": TEXT,
 }
+# vLLM's request fields, on both OpenAI endpoints (n at most 1: the scripted engine runs no sample groups)
+VLLM = {
+    "n": st.integers(-1, 1), "min_p": UNIT, "repetition_penalty": st.floats(-1, 3), "min_tokens": st.integers(-1, 8),
+    "allowed_token_ids": st.lists(st.integers(-5, 300_000), max_size=4),
+    "bad_words": st.lists(TEXT, max_size=3), "truncate_prompt_tokens": st.integers(-2, 4096),
+    "prompt_logprobs": st.integers(-1, 3), "priority": st.integers(-2**40, 2**40), "cache_salt": TEXT,
+    "thinking_token_budget": st.integers(-1, 64), "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(), "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({"regex": st.sampled_from(["[ab]+", "(", "a{2,1}"])}),
+                                    st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=3)}),
+                                    st.fixed_dictionaries({"json": st.one_of(SCHEMA, TEXT)}),
+                                    st.fixed_dictionaries({"grammar": st.sampled_from(['start: "a"+', "start: ("])})),
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+                                 st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                        st.fixed_dictionaries({"name": NAME, "schema": SCHEMA})})),
+}
 CHAT = st.fixed_dictionaries(
     {"model": st.just(MODEL), "messages": OPENAI_MESSAGES},
-    optional={**SAMPLING, "max_completion_tokens": SMALL, "logprobs": st.booleans(),
+    optional={**SAMPLING, **VLLM, "max_completion_tokens": SMALL, "logprobs": st.booleans(),
               "top_logprobs": st.integers(0, 5), "tools": st.lists(OPENAI_TOOL, max_size=3),
               "tool_choice": st.sampled_from(["none", "auto", "required"]),
               "reasoning_effort": st.sampled_from(["none", "low", "high"]),
@@ -74,7 +92,7 @@ COMPLETION = st.fixed_dictionaries(
     {"model": st.just(MODEL),
      "prompt": st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=3), st.lists(st.integers(0, 150_000), max_size=5),
                          st.lists(st.lists(st.integers(-5, 300_000), max_size=4), max_size=3))},
-    optional={**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(0, 2)})
+    optional={**SAMPLING, **VLLM, "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(0, 2)})
 ANTHROPIC_BLOCK = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "text", "image", "tool_use", "tool_result", "thinking"])},
     optional={"text": TEXT, "id": TEXT, "name": TEXT, "input": ANY, "tool_use_id": TEXT,
@@ -94,7 +112,32 @@ MESSAGES = st.fixed_dictionaries(
               "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]),
                                                  "budget_tokens": st.integers(0, 2048)}),
               "metadata": ANY, "cache_control": CACHE_CONTROL})
-FIELDS = sorted({"model", "messages", "prompt", "max_tokens", "system", "tools", *SAMPLING})
+RESPONSE_ITEM = weighted(
+    (3, st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+                               "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries(
+                                   {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                    "text": TEXT}), max_size=2))},
+                              optional={"type": st.just("message")})),
+    (1, st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": TEXT,
+                               "arguments": st.one_of(TEXT, st.just('{"a": 1}'))})),
+    (1, st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": ANY})),
+    (1, st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"])},
+                              optional={"summary": st.lists(st.fixed_dictionaries({"text": ANY}), max_size=2),
+                                        "content": ANY})))
+RESPONSES = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "input": st.one_of(TEXT, st.lists(RESPONSE_ITEM, min_size=1, max_size=4))},
+    optional={"instructions": TEXT, "max_output_tokens": SMALL, "temperature": st.floats(0, 2), "top_p": UNIT,
+              "stream": st.booleans(), "tools": st.lists(OPENAI_TOOL.map(lambda t: {"type": "function",
+                                                                                    **t["function"]}), max_size=2),
+              "tool_choice": st.sampled_from(["none", "auto", "required"]), "parallel_tool_calls": st.booleans(),
+              "max_tool_calls": st.integers(0, 3), "reasoning": st.fixed_dictionaries(
+                  {"effort": st.sampled_from(["none", "minimal", "low", "high", "max"])}),
+              "text": st.fixed_dictionaries({"format": st.one_of(
+                  st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+                  st.fixed_dictionaries({"type": st.just("json_schema"), "name": NAME, "schema": SCHEMA}))}),
+              "background": st.booleans(), "store": st.booleans(), "metadata": ANY, "cache_salt": TEXT,
+              "priority": st.integers(-3, 3)})
+FIELDS = sorted({"model", "messages", "prompt", "input", "max_tokens", "system", "tools", *SAMPLING, *VLLM})
 
 
 def mutated(bodies):
@@ -152,6 +195,7 @@ def _served(client: TestClient, path: str, content_type: str, raw: bytes) -> Non
     pytest.param("/v1/chat/completions", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
                  id="openai-chat"),
     pytest.param("/v1/completions", COMPLETION, {"model": MODEL, "prompt": "Hi"}, id="openai-completions"),
+    pytest.param("/v1/responses", RESPONSES, {"model": MODEL, "input": "Hi"}, id="openai-responses"),
     pytest.param("/v1/messages", MESSAGES, {"model": MODEL, "max_tokens": 8,
                                             "messages": [{"role": "user", "content": "Hi"}]}, id="anthropic-messages"),
     pytest.param("/v1/messages/count_tokens", MESSAGES, {"model": MODEL, "messages": [
@@ -166,4 +210,5 @@ def test_generated_requests_get_no_5xx_and_a_normal_request_is_served_after(clie
     one()
     response = client.post(path, json=normal)
     assert response.status_code == 200, response.text
-    assert response.json().get("choices") or response.json().get("content") or response.json()["input_tokens"] > 0
+    body = response.json()
+    assert body.get("choices") or body.get("content") or body.get("output") or body["input_tokens"] > 0
