@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from ninfer_jax import Engine, SamplingParams
+from ninfer_jax.runtime.device.cache_file import EMPTY
 from ninfer_jax.runtime.options import OptionsError
 from cache_support import assert_same_output, settle_host as settle, tokens
 
@@ -101,6 +102,19 @@ def test_a_damaged_file_loads_nothing_and_the_next_save_replaces_it(checkpoint, 
     engine.stop()
     assert loaded(restarted := start(checkpoint, path))["outcome"] == "restored"  # the stop saved a good file
     restarted.stop()
+
+
+def test_a_file_saved_with_no_snapshot_on_the_host_says_so_without_a_warning(checkpoint, tmp_path, caplog):
+    path = tmp_path / "prefix.cache"
+    start(checkpoint, path).stop()  # served nothing: the Host tier holds no snapshot
+    assert path.exists()
+    with caplog.at_level(logging.INFO, logger="ninfer_jax.cache_file"):
+        engine = start(checkpoint, path)
+    report = loaded(engine)
+    assert report["outcome"] == "not restored" and report["reason"] == EMPTY
+    assert f"prefix cache not restored | {EMPTY}" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    engine.stop()
 
 
 @pytest.mark.parametrize("change", ["weights", "prefill_chunk", "idle_prefill_chunk"])

@@ -66,6 +66,10 @@ def checkpoint_identity(directory: str | Path) -> dict:
             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
+# A load's reason when the file holds no snapshot: a Host tier that held none when it was saved (a resume needs one)
+EMPTY = "the file holds no snapshot: the Host tier held none when it was saved"
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What a load did: `outcome` is "restored", "partly restored" or "not restored" (with `reason`)."""
@@ -168,6 +172,8 @@ class PrefixCacheFile:
             log.warning("prefix cache partly restored | kept %d of %d snapshots, %d of %d blocks | the file needs "
                         "a Host tier of %d MiB", report.snapshots, report.saved_snapshots, report.blocks,
                         report.saved_blocks, report.needed_mib)
+        elif report.reason == EMPTY:  # nothing went wrong: there was nothing to keep
+            log.info("prefix cache not restored | %s", report.reason)
         else:
             log.warning("prefix cache not restored | %s | the save at shutdown replaces the file", report.reason)
         return report
@@ -206,6 +212,8 @@ class PrefixCacheFile:
             if size != data_start + saved.slab_count * buffer.slab_bytes:
                 raise CacheFileError(f"damaged: {size} bytes where its tables describe "
                                      f"{data_start + saved.slab_count * buffer.slab_bytes}")
+            if not saved.snapshots:
+                return LoadReport("not restored", EMPTY, saved_blocks=len(saved.blocks))
             plan = index.plan_load(saved)
             needed_mib = -(-saved.slab_count * buffer.slab_bytes // 2**20)
             if not plan.snapshots:
