@@ -67,14 +67,14 @@ def test_prompts_prefill_in_arrival_order_and_every_decoding_lane_gains_a_token_
     back, FIFO as admission), and every lane that decodes gains one token in every round, however many run."""
     lengths = [200, 30, 130, 30, 90, 60, 30, 150]  # several passes of 64 for some, one for others
     prompts = [np.random.default_rng(10 + i).integers(0, ORACLE_VOCAB, n).tolist() for i, n in enumerate(lengths)]
-    sent, done = [], threading.Event()  # (request, its tokens so far), in the order the scheduler sends them
+    sent, done = [], threading.Event()  # every request's tokens so far, at each event in the order they are sent
     counts = [0] * len(prompts)
 
     def sink(i):
         def put(event):
             counts[i] += len(event.token_ids)
-            sent.append((i, tuple(counts)))
-            if event.finish_reason is not None and sum(c == 20 for c in counts) == len(prompts):
+            sent.append(tuple(counts))
+            if event.finish_reason is not None and all(c == 20 for c in counts):
                 done.set()
         return put
 
@@ -85,7 +85,7 @@ def test_prompts_prefill_in_arrival_order_and_every_decoding_lane_gains_a_token_
         engine.check_ledger()
 
     def nth(i, n):  # where request i's n-th token was sent
-        return next(k for k, (_, c) in enumerate(sent) if c[i] >= n)
+        return next(k for k, c in enumerate(sent) if c[i] >= n)
 
     firsts = [nth(i, 1) for i in range(len(prompts))]
     assert firsts == sorted(firsts)  # first tokens in arrival order
@@ -94,5 +94,5 @@ def test_prompts_prefill_in_arrival_order_and_every_decoding_lane_gains_a_token_
             # once b's rounds begin (its first token, from its prompt's last pass, is read after the next round is
             # dispatched) until a ends, a stays the same number of tokens ahead, give or take the one a step's round
             # sends a before b
-            window = [c[a] - c[b] for _, c in sent[nth(b, 2):] if c[a] < 20]
+            window = [c[a] - c[b] for c in sent[nth(b, 2):] if c[a] < 20]
             assert window and max(window) - min(window) <= 1, (a, b, window)
